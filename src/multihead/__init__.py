@@ -1,0 +1,47 @@
+"""multihead: multi-head attention that is correct, fast and visible.
+
+Core (always imported): :mod:`multihead.functional` (``attention()``, the math once) and
+:class:`MultiHeadAttention`. Everything else loads on first use, so ``import multihead`` costs
+torch and nothing more; parts that need an extra say which one to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from multihead import functional
+from multihead.attention import MultiHeadAttention
+
+__version__ = "0.1.0"
+
+# public name -> the module that defines it (imported lazily, on first access)
+_LAZY: dict[str, str] = {
+    "FeedForward": "multihead.layers",
+    "TransformerEncoderLayer": "multihead.layers",
+    "TransformerEncoder": "multihead.layers",
+    "TransformerDecoderLayer": "multihead.layers",
+    "SinusoidalPositionalEncoding": "multihead.layers",
+    "LearnedPositionalEmbedding": "multihead.layers",
+    "KVCache": "multihead.cache",
+    "capture": "multihead.inspect",
+    "head_statistics": "multihead.inspect",
+    "explain": "multihead.explain",
+}
+_SUBMODULES = ("models", "pretrained", "distributed", "inspect", "viz", "training", "cli")
+
+__all__ = ["MultiHeadAttention", "functional", "__version__", *_LAZY, *_SUBMODULES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"multihead.{name}")
+    raise AttributeError(f"module 'multihead' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
