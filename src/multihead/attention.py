@@ -271,8 +271,7 @@ class MultiHeadAttention(nn.Module):
                 )
             if query.dim() == 3 and t.shape[0] != query.shape[0]:
                 raise ValueError(
-                    f"batch sizes disagree: query {_shape_str(query)} and {name} "
-                    f"{_shape_str(t)}"
+                    f"batch sizes disagree: query {_shape_str(query)} and {name} {_shape_str(t)}"
                 )
         if value is not None and key is None:
             raise ValueError("value was given without key: pass key too (or neither)")
@@ -379,8 +378,7 @@ class MultiHeadAttention(nn.Module):
                 mask = mask.unsqueeze(1)  # (B, T, S) -> (B, 1, T, S)
             if mask.dim() not in (2, 4):
                 raise ValueError(
-                    f"mask must be (T, S), (B, T, S) or (B, H, T, S), got shape "
-                    f"{tuple(mask.shape)}"
+                    f"mask must be (T, S), (B, T, S) or (B, H, T, S), got shape {tuple(mask.shape)}"
                 )
             target = (b, self.num_heads, t, s)
             try:

@@ -55,9 +55,7 @@ def causal_mask(
         tensor([[1, 1, 0],
                 [1, 1, 1]], dtype=torch.int32)
     """
-    return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(
-        key_len - query_len
-    )
+    return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(key_len - query_len)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -96,9 +94,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"got q with {hq} heads and k with {hk}"
         )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
-        )
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
 
 
 def _prepare_mask(
@@ -201,7 +197,8 @@ def _math(
             scores = scores + mask.to(compute)
     weights = torch.softmax(scores, dim=-1)  # (..., H, T, S)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    out = torch.matmul(dropped, v.to(compute))  # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
+    # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
+    out = torch.matmul(dropped, v.to(compute))
     return out.to(q.dtype), weights.to(q.dtype)
 
 

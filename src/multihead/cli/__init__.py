@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Multi-head attention that is correct, fast and visible.",
     )
     parser.add_argument("--version", action="version", version=f"multihead {__version__}")
-    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="command", title="commands", metavar="COMMAND", parser_class=_Parser
+    )
     for name in COMMANDS:
         importlib.import_module(f"multihead.cli.{name}").register(sub)
     return parser
