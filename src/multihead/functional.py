@@ -232,6 +232,21 @@ def attention(
 ) -> tuple[Tensor, Tensor]: ...
 
 
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: bool = ...,
+    backend: str = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
 def attention(
     q: Tensor,
     k: Tensor,
