@@ -1,0 +1,294 @@
+"""MultiHeadAttention against torch.nn.MultiheadAttention and the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from reference import reference_attention
+from torch import nn
+
+from multihead import MultiHeadAttention
+
+# Pairwise-distinct sizes, so a swapped dimension fails loudly.
+B, T, S, E, H = 2, 5, 7, 24, 3
+
+
+def _torch_pair(**kwargs) -> tuple[nn.MultiheadAttention, MultiHeadAttention]:
+    ref = nn.MultiheadAttention(E, H, batch_first=True, **kwargs).eval()
+    with torch.no_grad():  # torch zeroes biases at init: give them values worth comparing
+        for name, p in ref.named_parameters():
+            if "bias" in name:
+                p.normal_()
+    return ref, MultiHeadAttention.from_torch(ref).eval()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kv_dims", [None, (11, 13)])
+def test_matches_torch_multihead_attention(bias: bool, kv_dims: tuple[int, int] | None) -> None:
+    kdim, vdim = kv_dims or (None, None)
+    ref, ours = _torch_pair(bias=bias, kdim=kdim, vdim=vdim)
+    assert ours.packed == (kv_dims is None)
+    x = torch.randn(B, T, E)
+    key = torch.randn(B, S, kdim or E)
+    value = torch.randn(B, S, vdim or E)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, 4:] = True
+    attn_mask = torch.rand(T, S) > 0.8  # torch: True = NOT allowed
+    attn_mask[:, 0] = False
+    expected, expected_w = ref(
+        x, key, value, key_padding_mask=pad, attn_mask=attn_mask, average_attn_weights=False
+    )
+    out, w = ours(x, key, value, key_mask=~pad, mask=~attn_mask, need_weights=True)
+    assert out.shape == (B, T, E) and w.shape == (B, H, T, S)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, expected_w, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours(x, key, value, key_mask=~pad, mask=~attn_mask), out)
+
+
+def test_self_attention_and_explicit_key_agree() -> None:
+    ref, ours = _torch_pair()
+    x = torch.randn(B, T, E)
+    expected, _ = ref(
+        x, x, x, is_causal=True, attn_mask=nn.Transformer.generate_square_subsequent_mask(T)
+    )
+    torch.testing.assert_close(ours(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours(x, x, is_causal=True), ours(x, is_causal=True))
+    torch.testing.assert_close(ours(x, x, x), ours(x))
+
+
+def test_from_torch_sequence_first_and_to_torch_round_trip() -> None:
+    ref = nn.MultiheadAttention(E, H, kdim=11, vdim=13).eval()  # (T, B, E) layout
+    ours = MultiHeadAttention.from_torch(ref).eval()
+    x, key, value = torch.randn(T, B, E), torch.randn(S, B, 11), torch.randn(S, B, 13)
+    expected, _ = ref(x, key, value)
+    out = ours(x.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
+    torch.testing.assert_close(out.transpose(0, 1), expected, atol=1e-5, rtol=1e-5)
+    back = ours.to_torch(batch_first=False).eval()
+    torch.testing.assert_close(back(x, key, value)[0], expected, atol=0, rtol=0)
+    for p, r in zip(back.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, r)
+
+
+def test_to_torch_refuses_what_torch_cannot_represent() -> None:
+    with pytest.raises(ValueError, match=r"num_kv_heads \(1\) != num_heads \(4\)"):
+        MultiHeadAttention(32, 4, num_kv_heads=1).to_torch()
+    with pytest.raises(ValueError, match=r"out_dim \(8\) != embed_dim \(32\)"):
+        MultiHeadAttention(32, 4, out_dim=8).to_torch()
+    with pytest.raises(ValueError, match="add_bias_kv=True or add_zero_attn=True"):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    with pytest.raises(TypeError, match="must be a torch.nn.MultiheadAttention, got Linear"):
+        MultiHeadAttention.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def _manual(m: MultiHeadAttention, x: torch.Tensor, y: torch.Tensor, **kw) -> torch.Tensor:
+    """The module's output recomputed from its weights with the float64 reference."""
+    (wq, bq), (wk, bk), (wv, bv) = m._qkv_blocks()
+    d = m.head_dim
+
+    def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.view(t.shape[0], t.shape[1], n, d).transpose(1, 2)
+
+    q = heads(nn.functional.linear(x, wq, bq), m.num_heads)
+    k = heads(nn.functional.linear(y, wk, bk), m.num_kv_heads)
+    v = heads(nn.functional.linear(y, wv, bv), m.num_kv_heads)
+    out, _ = reference_attention(q, k, v, **kw)
+    out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1).float()
+    return m.out_proj(out)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_kv_heads": 1},  # multi-query
+        {"num_heads": 6, "num_kv_heads": 2},  # grouped-query
+        {"head_dim": E},  # seed 004's wide heads
+        {"head_dim": 5, "out_dim": 9},
+    ],
+)
+def test_head_layouts_match_reference(kwargs: dict) -> None:
+    kwargs = {"num_heads": H, **kwargs}
+    m = MultiHeadAttention(E, kwargs.pop("num_heads"), **kwargs)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.normal_()
+    x = torch.randn(B, T, E)
+    key_mask = torch.ones(B, T, dtype=torch.bool)
+    key_mask[0, 3:] = False
+    out, w = m(x, key_mask=key_mask, is_causal=True, need_weights=True)
+    assert w.shape == (B, m.num_heads, T, T)
+    expected = _manual(m, x, x, mask=key_mask[:, None, None, :], is_causal=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unbatched_input_matches_batched() -> None:
+    m = MultiHeadAttention(E, H).eval()
+    x, mem = torch.randn(T, E), torch.randn(S, E)
+    key_mask = torch.tensor([True] * 5 + [False] * 2)
+    head_mask = torch.rand(H, T, S) > 0.2
+    out, w = m(x, mem, key_mask=key_mask, mask=head_mask, need_weights=True)
+    assert out.shape == (T, E) and w.shape == (H, T, S)
+    out_b, w_b = m(
+        x[None], mem[None], key_mask=key_mask[None], mask=head_mask[None], need_weights=True
+    )
+    torch.testing.assert_close(out, out_b[0])
+    torch.testing.assert_close(w, w_b[0])
+
+
+def test_mask_shapes_are_equivalent() -> None:
+    m = MultiHeadAttention(E, H).eval()
+    x = torch.randn(B, T, E)
+    mask = torch.rand(T, T) > 0.3
+    mask.fill_diagonal_(True)
+    out = m(x, mask=mask)
+    torch.testing.assert_close(m(x, mask=mask.expand(B, T, T)), out)
+    torch.testing.assert_close(m(x, mask=mask.expand(B, H, T, T)), out)
+    float_mask = torch.zeros(T, T).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(m(x, mask=float_mask), out)
+
+
+def test_padding_rows_are_zero_not_nan_with_weights() -> None:
+    # torch.nn.MultiheadAttention gives NaN here with need_weights=True; we give zeros.
+    m = MultiHeadAttention(E, H).eval()
+    x = torch.randn(B, T, E, requires_grad=True)
+    mask = torch.ones(T, T, dtype=torch.bool)
+    mask[2] = False
+    out, w = m(x, mask=mask, need_weights=True)
+    assert not out.isnan().any() and not w.isnan().any()
+    assert torch.equal(w[:, :, 2], torch.zeros_like(w[:, :, 2]))
+    out.sum().backward()
+    assert x.grad is not None and x.grad.isfinite().all()
+
+
+def test_dropout_only_in_training() -> None:
+    m = MultiHeadAttention(E, H, dropout=0.5)
+    x = torch.randn(B, T, E)
+    m.eval()
+    torch.testing.assert_close(m(x), m(x))
+    m.train()
+    assert not torch.allclose(m(x), m(x))
+
+
+def test_device_dtype_and_reset_parameters() -> None:
+    m = MultiHeadAttention(E, H, dtype=torch.float64, device="cpu")
+    assert all(p.dtype == torch.float64 for p in m.parameters())
+    assert m(torch.randn(B, T, E, dtype=torch.float64)).dtype == torch.float64
+    for w, b in m._qkv_blocks():
+        bound = math.sqrt(6.0 / (w.shape[0] + w.shape[1]))  # Xavier-uniform, per block
+        assert w.abs().max() <= bound and w.abs().max() > 0.5 * bound
+        assert b is not None and torch.equal(b, torch.zeros_like(b))
+    assert m.out_proj.bias is not None and not m.out_proj.bias.any()
+
+
+def test_parameter_layout_is_packed_q_k_v() -> None:
+    m = MultiHeadAttention(E, 6, num_kv_heads=2)
+    assert m.qkv_proj is not None and m.qkv_proj.weight.shape == ((6 + 2 * 2) * 4, E)
+    assert {n for n, _ in m.named_parameters()} == {
+        "qkv_proj.weight",
+        "qkv_proj.bias",
+        "out_proj.weight",
+        "out_proj.bias",
+    }
+    cross = MultiHeadAttention(E, H, kdim=11)
+    assert {n.split(".")[0] for n, _ in cross.named_parameters()} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "out_proj",
+    }
+
+
+def test_gradcheck_module_float64() -> None:
+    m = MultiHeadAttention(6, 2, num_kv_heads=1, dtype=torch.float64)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    key_mask = torch.tensor([[True, True, True], [False, False, False]])  # a fully masked row
+    assert torch.autograd.gradcheck(lambda x: m(x, key_mask=key_mask, is_causal=True), (x,))
+    assert torch.autograd.gradcheck(lambda x: m(x, key_mask=key_mask, need_weights=True)[1], (x,))
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"embed_dim": 10, "num_heads": 3},
+            r"embed_dim \(10\) must be divisible by num_heads \(3\)",
+        ),
+        (
+            {"embed_dim": 12, "num_heads": 4, "num_kv_heads": 3},
+            r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)",
+        ),
+        (
+            {"embed_dim": 12, "num_heads": 4, "dropout": 1.5},
+            r"dropout must be a float in \[0, 1\), got 1.5",
+        ),
+        ({"embed_dim": 0, "num_heads": 4}, "embed_dim must be a positive int, got 0"),
+        (
+            {"embed_dim": 12, "num_heads": 4, "head_dim": -1},
+            "head_dim must be a positive int or None, got -1",
+        ),
+    ],
+)
+def test_constructor_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(kwargs.pop("embed_dim"), kwargs.pop("num_heads"), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        (
+            (torch.randn(E),),
+            {},
+            ValueError,
+            r"query must be 2-D \(T, E\) or 3-D \(B, T, E\), got 1-D",
+        ),
+        ((torch.randn(1, B, T, E),), {}, ValueError, "got 4-D shape"),
+        (
+            (torch.randn(B, T, E + 1),),
+            {},
+            ValueError,
+            rf"query's last dimension must be embed_dim={E}, got shape \({B}, {T}, {E + 1}\)",
+        ),
+        ((torch.randn(B, T, E), torch.randn(B + 1, S, E)), {}, ValueError, "batch sizes disagree"),
+        (
+            (torch.randn(B, T, E), torch.randn(B, S, E), torch.randn(B, S + 1, E)),
+            {},
+            ValueError,
+            "key and value must have the same length",
+        ),
+        ((torch.randn(B, T, E), torch.randn(S, E)), {}, ValueError, "key must be 3-D like query"),
+        (
+            (torch.randn(B, T, E),),
+            {"key_mask": torch.ones(B, T + 1, dtype=torch.bool)},
+            ValueError,
+            rf"key_mask must have shape \(B, S\) = \({B}, {T}\) .* got \({B}, {T + 1}\)",
+        ),
+        (
+            (torch.randn(B, T, E),),
+            {"key_mask": torch.ones(B, T)},
+            TypeError,
+            "key_mask must be a bool tensor .*pass ~key_padding_mask",
+        ),
+        (
+            (torch.randn(B, T, E),),
+            {"mask": torch.ones(T + 1, T, dtype=torch.bool)},
+            ValueError,
+            rf"mask of shape \({T + 1}, {T}\) does not broadcast to \(B, H, T, S\)",
+        ),
+        (
+            (torch.randn(B, T, E),),
+            {"mask": torch.ones(T, T, dtype=torch.int32)},
+            TypeError,
+            "mask must be bool",
+        ),
+    ],
+)
+def test_forward_errors(args: tuple, kwargs: dict, error: type, match: str) -> None:
+    m = MultiHeadAttention(E, H)
+    with pytest.raises(error, match=match):
+        m(*args, **kwargs)
