@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-ruff check src tests benchmarks
-ruff format --check src tests benchmarks
+ruff check .
+ruff format --check .
 mypy
 python -m pytest -q "$@"

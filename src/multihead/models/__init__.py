@@ -1,4 +1,4 @@
-"""Models built from multihead's layers: a BERT encoder (``bert``) and a small causal LM (``lm``)."""
+"""Models built from multihead's layers: a BERT encoder (``bert``), a small causal LM (``lm``)."""
 
 from __future__ import annotations
 
