@@ -1,0 +1,155 @@
+"""Shared helpers for the benchmark scripts in this directory.
+
+Every benchmark script follows the same shape: time a grid of callables with
+:func:`median_time` (``torch.utils.benchmark.Timer``: warm-up, ``blocked_autorange``, median),
+measure the machine's GEMM peak in the same run with :func:`gemm_peak` (the roofline that
+achieved GFLOP/s are compared against), print an aligned table with :func:`format_table`, and
+write everything, together with :func:`machine_info`, to ``benchmarks/results/<name>.json`` with
+:func:`write_json` (that directory is git-ignored).
+
+Scripts import this module as ``from common import ...``: Python puts the script's own
+directory on ``sys.path`` when it runs ``python benchmarks/<script>.py``.
+
+Example::
+
+    from common import format_table, gemm_peak, machine_info, median_time, write_json
+
+    peak = gemm_peak(torch.float32)
+    seconds = median_time(lambda: model(x), min_run_time=1.0)
+    print(format_table(["impl", "ms"], [["ours", f"{seconds * 1e3:.2f}"]]))
+    write_json("my_bench", {"machine": machine_info(), "peak": peak, "rows": [...]})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.benchmark import Timer
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def median_time(fn: Callable[[], object], *, min_run_time: float = 1.0, warmup: int = 2) -> float:
+    """Median wall time of one call of ``fn``, in seconds.
+
+    Calls ``fn`` ``warmup`` times first (allocator, lazy initialisation, oneDNN primitive
+    caches), then lets ``Timer.blocked_autorange`` pick a block size and run blocks for at least
+    ``min_run_time`` seconds, and returns the median over blocks (robust to the odd slow block
+    on a shared machine).
+
+    Args:
+        fn: The zero-argument callable to time. Its result is discarded.
+        min_run_time: Seconds of measurement after warm-up (at least one block always runs).
+        warmup: Untimed calls before measuring.
+
+    Returns:
+        The median seconds per call.
+    """
+    for _ in range(warmup):
+        fn()
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+
+
+def gemm_peak(dtype: torch.dtype, *, n: int = 2048, min_run_time: float = 1.0) -> float:
+    """Achieved GFLOP/s of one square ``n × n @ n × n`` matmul: the roofline of this run.
+
+    Measured, not looked up, because the number that matters is what torch's BLAS reaches on
+    this machine with this many threads right now.
+
+    Args:
+        dtype: Element type, e.g. ``torch.float32`` or ``torch.bfloat16``.
+        n: Matrix side; 2048 is large enough to saturate a few CPU cores.
+        min_run_time: Seconds of measurement, see :func:`median_time`.
+
+    Returns:
+        GFLOP/s, counting ``2·n³`` floating-point operations per matmul.
+    """
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator).to(dtype)
+    b = torch.randn(n, n, generator=generator).to(dtype)
+    seconds = median_time(lambda: torch.mm(a, b), min_run_time=min_run_time)
+    return 2 * n**3 / seconds / 1e9
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or ``platform.processor()`` where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """What to print beside any published number: machine, software, threads and command."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "command": " ".join(["python", *sys.argv]),
+    }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """An aligned plain-text table: text columns left-aligned, numeric columns right-aligned.
+
+    Args:
+        headers: Column titles.
+        rows: One sequence of cells per row, each as long as ``headers``. Cells are formatted
+            with ``str``; format floats before passing them to choose their precision.
+
+    Returns:
+        The table as one string, header and a dashed rule first, without a trailing newline.
+    """
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def numeric(i: int) -> bool:
+        values = [row[i] for row in cells[1:] if row[i] not in ("", "-")]
+        try:
+            [float(v.rstrip("x%")) for v in values]
+        except ValueError:
+            return False
+        return bool(values)
+
+    right = [numeric(i) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def write_json(name: str, payload: dict[str, Any], *, directory: Path | None = None) -> Path:
+    """Write ``payload`` as indented JSON to ``<directory>/<name>.json``.
+
+    Args:
+        name: File stem, usually the script's name without ``bench_``.
+        payload: JSON-serialisable results (machine info, peaks, rows).
+        directory: Where to write; defaults to ``benchmarks/results`` (created if missing).
+
+    Returns:
+        The path written.
+    """
+    directory = RESULTS_DIR if directory is None else directory
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    return path
