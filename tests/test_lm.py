@@ -1,0 +1,170 @@
+"""TransformerLM: causal forward, cached generation, left-padded batches, save/load, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from multihead.models import LMConfig, TransformerLM
+
+V, E, H, L, F, MAX = 13, 24, 6, 2, 40, 20
+
+
+def _lm(**kwargs) -> TransformerLM:
+    return TransformerLM(V, E, H, L, F, MAX, **kwargs).eval()
+
+
+def test_forward_is_causal_and_returns_per_layer_weights() -> None:
+    lm = _lm()
+    ids = torch.randint(V, (2, 7))
+    logits, weights = lm(ids, need_weights=True)
+    assert logits.shape == (2, 7, V)
+    assert len(weights) == L and all(w.shape == (2, H, 7, 7) for w in weights)
+    assert all(torch.all(w.triu(1) == 0) for w in weights)
+    changed = ids.clone()
+    changed[:, 4:] = (changed[:, 4:] + 1) % V  # the future must not change the past
+    torch.testing.assert_close(lm(changed)[:, :4], logits[:, :4])
+    assert not torch.allclose(lm(changed)[:, 4:], logits[:, 4:])
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_cached_forward_equals_full_forward(num_kv_heads: int | None) -> None:
+    lm = _lm(num_kv_heads=num_kv_heads)
+    ids = torch.randint(V, (3, 9))
+    with torch.no_grad():
+        full = lm(ids)
+        cache = lm.make_cache(3)
+        steps = [lm(ids[:, :4], cache=cache)] + [
+            lm(ids[:, t : t + 1], cache=cache) for t in range(4, 9)
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 3])
+def test_generate_with_and_without_cache_agree(num_kv_heads: int | None) -> None:
+    lm = _lm(num_kv_heads=num_kv_heads)
+    ids = torch.randint(V, (2, 5))
+    with_cache = lm.generate(ids, 10)
+    assert with_cache.shape == (2, 15) and torch.equal(with_cache[:, :5], ids)
+    assert torch.equal(with_cache, lm.generate(ids, 10, use_cache=False))
+    # Greedy: each generated token is the argmax of the full forward at the position before it.
+    logits = lm(with_cache[:, :-1])
+    assert torch.equal(logits[:, 4:].argmax(-1), with_cache[:, 5:])
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_left_padded_batch_generates_as_each_row_alone(use_cache: bool) -> None:
+    lm = _lm(num_kv_heads=2)
+    prompts = [torch.randint(V, (n,)) for n in (2, 6, 4)]
+    width = 6
+    ids = torch.zeros(3, width, dtype=torch.long)
+    key_mask = torch.zeros(3, width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        key_mask[i, width - len(p) :] = True
+    batch = lm.generate(ids, 8, key_mask=key_mask, use_cache=use_cache)
+    for i, p in enumerate(prompts):
+        alone = lm.generate(p[None], 8)
+        assert torch.equal(batch[i, width:], alone[0, len(p) :])
+
+
+def test_sampling_top_k_and_reproducibility() -> None:
+    lm = _lm()
+    ids = torch.randint(V, (4, 3))
+    greedy = lm.generate(ids, 6)
+    assert torch.equal(lm.generate(ids, 6, temperature=1.5, top_k=1), greedy)
+    a = lm.generate(ids, 6, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    b = lm.generate(ids, 6, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    # With top_k=2 every sampled token is one of the two most likely at its step.
+    sampled = lm.generate(ids, 6, temperature=5.0, top_k=2)
+    top2 = lm(sampled[:, :-1])[:, 2:].topk(2, dim=-1).indices  # (B, 6, 2)
+    assert (top2 == sampled[:, 3:, None]).any(-1).all()
+
+
+def test_eos_stops_generation() -> None:
+    lm = _lm()
+    ids = torch.randint(V, (2, 3))
+    free = lm.generate(ids, 8)
+    eos = int(free[0, 4])  # the second token row 0 generates
+    out = lm.generate(ids, 8, eos_id=eos)
+    for row in out:
+        hits = (row[3:] == eos).nonzero()
+        if len(hits):  # everything after a row's first eos is eos
+            assert torch.all(row[3 + int(hits[0]) :] == eos)
+    assert out.shape[1] <= 11
+    assert torch.equal(out[0, :5], free[0, :5])
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    lm = _lm(num_kv_heads=3)
+    lm.save(tmp_path, extra={"task": {"name": "sort"}})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model"] == LMConfig(V, E, H, L, F, MAX, num_kv_heads=3).to_dict()
+    assert config["task"] == {"name": "sort"}
+    loaded = TransformerLM.load(tmp_path)
+    assert loaded.config == lm.config
+    for (name, a), (_, b) in zip(lm.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    ids = torch.randint(V, (2, 5))
+    assert torch.equal(loaded.generate(ids, 4), lm.generate(ids, 4))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TransformerLM.load(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json' is missing"):
+        TransformerLM.load(tmp_path)
+    _lm().save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model"]["embed_dim"] = 30  # a config that doesn't match the weights
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"don't match its config: .*has shape \(13, 24\)"):
+        TransformerLM.load(tmp_path)
+    config["model"]["embed_dim"] = E
+    config["model"]["num_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"don't match its config: missing \['layers.layers.2"):
+        TransformerLM.load(tmp_path)
+    config["model"]["colour"] = "blue"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"unknown LMConfig keys \['colour'\]"):
+        TransformerLM.load(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        TransformerLM.load(tmp_path)
+    _lm().save(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match="is not a valid safetensors file"):
+        TransformerLM.load(tmp_path)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors' is missing"):
+        TransformerLM.load(tmp_path)
+
+
+def test_input_errors() -> None:
+    lm = _lm()
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, vocab_size=13\), got values in"):
+        lm(torch.tensor([[1, 13]]))
+    with pytest.raises(ValueError, match="sequence is 21 positions long, more than the model's"):
+        lm(torch.zeros(1, MAX + 1, dtype=torch.long))
+    with pytest.raises(
+        ValueError, match=r"prompt \(21 tokens\) plus max_new_tokens \(0\) is longer"
+    ):
+        lm.generate(torch.zeros(1, MAX + 1, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match=r"prompt \(15 tokens\) plus max_new_tokens \(6\)"):
+        lm.generate(torch.zeros(1, 15, dtype=torch.long), 6)
+    right_padded = torch.tensor([[True, True, False]])
+    with pytest.raises(ValueError, match="key_mask must describe left padding"):
+        lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, key_mask=right_padded)
+    with pytest.raises(TypeError, match="ids must be an integer tensor"):
+        lm(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="top_k must be a positive int or None, got 0"):
+        lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match=r"embed_dim \(24\) must be divisible by num_heads \(5\)"):
+        TransformerLM(V, E, 5, L, F, MAX)
