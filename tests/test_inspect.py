@@ -1,0 +1,312 @@
+"""capture() and head statistics: exactness against need_weights=True, selection, known heads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from multihead import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer, functional
+from multihead.inspect import HeadStatistics, attention_modules, capture, head_statistics
+
+# Pairwise-distinct sizes so that a swapped dimension fails loudly.
+B, T, E, H = 2, 7, 24, 6
+
+
+def _encoder(num_kv_heads: int | None = None, layers: int = 3) -> TransformerEncoder:
+    return TransformerEncoder(
+        [TransformerEncoderLayer(E, H, 40, num_kv_heads=num_kv_heads) for _ in range(layers)]
+    ).eval()
+
+
+def _key_mask() -> torch.Tensor:
+    km = torch.ones(B, T, dtype=torch.bool)
+    km[1, 4:] = False  # the second sequence has 3 padding tokens
+    return km
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 3, 1])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_capture_equals_need_weights(num_kv_heads: int | None, is_causal: bool) -> None:
+    enc = _encoder(num_kv_heads)
+    x, km = torch.randn(B, T, E), _key_mask()
+    with torch.no_grad():
+        ref_out, ref = enc(x, key_mask=km, is_causal=is_causal, need_weights=True)
+        with capture(enc) as rec:
+            out = enc(x, key_mask=km, is_causal=is_causal)
+    torch.testing.assert_close(out, ref_out)  # capturing doesn't change the forward
+    assert rec.layers == [0, 1, 2]
+    assert [r.name for r in rec.records] == [f"layers.{i}.self_attn" for i in range(3)]
+    for got, want in zip(rec.weights, ref, strict=True):
+        assert got.shape == (B, H, T, T)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_capture_selects_layers_heads_rows(num_kv_heads: int | None) -> None:
+    enc = _encoder(num_kv_heads)
+    x, km = torch.randn(B, T, E), _key_mask()
+    heads, rows = [5, 0, 3], [6, 1, -1]
+    with torch.no_grad():
+        _, ref = enc(x, key_mask=km, is_causal=True, need_weights=True)
+        with capture(enc, layers=[-1, 0], heads=heads, rows=rows) as rec:
+            enc(x, key_mask=km, is_causal=True)
+    # records come in call (= layer) order whatever order the layers were asked in
+    assert rec.layers == [0, 2]
+    for record in rec.records:
+        assert record.heads == (5, 0, 3) and record.rows == (6, 1, 6)
+        assert record.weights.shape == (B, 3, 3, T)
+        want = ref[record.layer][:, heads][:, :, [6, 1, 6]]
+        torch.testing.assert_close(record.weights, want, rtol=1e-5, atol=1e-6)
+
+
+def test_capture_float_mask_and_cross_attention_bottom_right() -> None:
+    # S > T (cached or cross keys): the causal mask is bottom-right aligned over the full
+    # problem, so a row subset must not be re-aligned as its own (R, S) problem.
+    mha = MultiHeadAttention(E, H, num_kv_heads=2, kdim=10, vdim=12).eval()
+    s = 11
+    q, k, v = torch.randn(B, T, E), torch.randn(B, s, 10), torch.randn(B, s, 12)
+    float_mask = torch.randn(T, s)
+    km = torch.ones(B, s, dtype=torch.bool)
+    km[0, :3] = False
+    with torch.no_grad():
+        _, ref = mha(q, k, v, mask=float_mask, key_mask=km, is_causal=True, need_weights=True)
+        with capture(mha, heads=[1, 4], rows=[0, 3]) as rec:
+            mha(q, k, v, mask=float_mask, key_mask=km, is_causal=True)
+    (w,) = rec.weights
+    torch.testing.assert_close(w, ref[:, [1, 4]][:, :, [0, 3]], rtol=1e-5, atol=1e-6)
+    # row 0 sees keys 0..4 (bottom-right: 0 + 11 - 7); beyond that nothing
+    assert w[:, :, 0, 5:].abs().max() == 0
+
+
+def test_capture_fully_masked_row_gives_zeros() -> None:
+    mha = MultiHeadAttention(E, H).eval()
+    mask = torch.ones(T, T, dtype=torch.bool)
+    mask[2] = False
+    with capture(mha, rows=[2, 3]) as rec:
+        mha(torch.randn(B, T, E), mask=mask)
+    w = rec.weights[0]
+    assert torch.isfinite(w).all()
+    assert w[:, :, 0].abs().max() == 0
+    torch.testing.assert_close(w[:, :, 1].sum(-1), torch.ones(B, H))
+
+
+def test_one_row_of_a_long_input_stays_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    mha = MultiHeadAttention(32, 4).eval()
+    computed: list[tuple[int, ...]] = []
+    real = functional.attention
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = real(*args, **kwargs)
+        if kwargs.get("need_weights"):
+            computed.append(tuple(result[1].shape))
+        return result
+
+    monkeypatch.setattr(functional, "attention", spy)
+    with torch.no_grad(), capture(mha, rows=[1000]) as rec:
+        mha(torch.randn(1, 4096, 32))
+    assert rec.weights[0].shape == (1, 4, 1, 4096)
+    assert computed == [(1, 4, 1, 4096)]  # no (4096, 4096) matrix anywhere
+    torch.testing.assert_close(rec.weights[0].sum(-1), torch.ones(1, 4, 1))
+
+    # the same row on a smaller input equals the full weights' row
+    monkeypatch.setattr(functional, "attention", real)
+    x = torch.randn(1, 300, 32)
+    with torch.no_grad():
+        _, full = mha(x, is_causal=True, need_weights=True)
+        with capture(mha, rows=[123]) as rec:
+            mha(x, is_causal=True)
+    torch.testing.assert_close(rec.weights[0], full[:, :, 123:124], rtol=1e-5, atol=1e-6)
+
+
+def test_capture_chunked_rows_device_and_detached() -> None:
+    mha = MultiHeadAttention(E, H)
+    x = torch.randn(B, T, E, requires_grad=True)
+    _, ref = mha(x, need_weights=True)
+    with capture(mha, rows=slice(1, None), chunk_size=2, device="cpu") as rec:
+        mha(x).sum().backward()  # the forward still trains
+    (record,) = rec.records
+    assert record.rows == tuple(range(1, T))
+    assert not record.weights.requires_grad
+    assert record.weights.device == torch.device("cpu")
+    torch.testing.assert_close(record.weights, ref[:, :, 1:].detach(), rtol=1e-5, atol=1e-6)
+    assert x.grad is not None
+
+
+def test_capture_records_every_call_and_stacks() -> None:
+    enc = _encoder(layers=2)
+    with torch.no_grad(), capture(enc, heads=0, rows=0) as rec:
+        enc(torch.randn(B, T, E))
+        enc(torch.randn(B, T, E))
+    assert rec.layers == [0, 1, 0, 1]
+    assert rec.stack().shape == (4, B, 1, 1, T)
+    rec.clear()
+    with pytest.raises(ValueError, match="nothing was recorded"):
+        rec.stack()
+
+
+def test_observer_removed_after_exit_and_after_error() -> None:
+    enc = _encoder(layers=2)
+    modules = [m for _, m in attention_modules(enc)]
+    with capture(enc):
+        assert all(m.observer is not None for m in modules)
+    assert all(m.observer is None for m in modules)
+
+    with pytest.raises(RuntimeError, match="boom"), capture(enc):
+        raise RuntimeError("boom")
+    assert all(m.observer is None for m in modules)
+
+    # an error raised inside the observer (a row past the end) also leaves nothing behind
+    with pytest.raises(ValueError, match=r"rows: row 50 is out of range for a query length of 7"):
+        with capture(enc, rows=[50]):
+            enc(torch.randn(B, T, E))
+    assert all(m.observer is None for m in modules)
+
+
+def test_nested_captures_both_record_and_restore() -> None:
+    mha = MultiHeadAttention(E, H)
+    with capture(mha, heads=[0]) as outer:
+        with capture(mha, heads=[1]) as inner:
+            mha(torch.randn(B, T, E))
+        assert mha.observer is not None  # the outer one is back
+        mha(torch.randn(B, T, E))
+    assert mha.observer is None
+    assert len(inner.records) == 1 and len(outer.records) == 2
+
+
+def test_capture_errors() -> None:
+    enc = _encoder(layers=2)
+    with pytest.raises(ValueError, match="contains no multihead.MultiHeadAttention"):
+        with capture(nn.Linear(3, 3)):
+            pass
+    with pytest.raises(ValueError, match=r"layers index 2 is out of range: there are 2"):
+        with capture(enc, layers=[2]):
+            pass
+    with pytest.raises(ValueError, match=r"heads index -7 is out of range: there are 6"):
+        with capture(enc, heads=[-7]):
+            pass
+    with pytest.raises(TypeError, match="heads must be ints, got 1.5"):
+        with capture(enc, heads=[1.5]):  # type: ignore[list-item]
+            pass
+    with pytest.raises(TypeError, match="rows must be None, an int"):
+        with capture(enc, rows="0"):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or None, got 0"):
+        with capture(enc, chunk_size=0):
+            pass
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        with capture("model"):  # type: ignore[arg-type]
+            pass
+
+
+# -- statistics on heads whose answer is known ----------------------------------------------------
+
+
+def _positional_head(kind: str, t: int = 8) -> tuple[MultiHeadAttention, torch.Tensor]:
+    """A one-head MHA on one-hot inputs whose keys are shifted so that query i reads key
+    i (identity), i - 1 (previous) or i + 1 (next), with softmax weight ~1."""
+    mha = MultiHeadAttention(t, 1, bias=False).eval()
+    eye = torch.eye(t)
+    shift = {"identity": 0, "previous": 1, "next": -1}[kind]
+    # key j is the one-hot of j + shift: query i matches it when i = j + shift
+    wk = torch.roll(eye, shifts=shift, dims=0)
+    if shift == 1:
+        wk[0] = 0  # no wrap-around
+    elif shift == -1:
+        wk[-1] = 0
+    assert mha.qkv_proj is not None
+    with torch.no_grad():
+        mha.qkv_proj.weight.copy_(torch.cat([eye, wk, eye]))
+    return mha, 10.0 * eye[None]  # (1, T, E): scores 100/sqrt(T) on the match
+
+
+@pytest.mark.parametrize(
+    ("kind", "metric"),
+    [("identity", "identity"), ("previous", "previous_token"), ("next", "next_token")],
+)
+def test_statistics_of_known_heads(kind: str, metric: str) -> None:
+    mha, x = _positional_head(kind)
+    stats = head_statistics(mha, x, chunk_size=3)
+    assert stats.layers == [0] and stats.heads == [0]
+    others = {"identity", "previous_token", "next_token"} - {metric}
+    assert getattr(stats, metric)[0, 0] == pytest.approx(1.0, abs=1e-6)
+    for other in others:
+        assert getattr(stats, other)[0, 0] < 0.2
+    assert stats.top(metric, k=1) == [(0, 0, pytest.approx(1.0, abs=1e-6))]
+    if kind == "identity":
+        assert stats.entropy[0, 0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_statistics_hand_made_weights() -> None:
+    t = 5
+    uniform = torch.full((1, 1, t, t), 1.0 / t)
+    identity = torch.eye(t).expand(1, 1, t, t)
+    column = torch.zeros(1, 1, t, t)
+    column[..., 3] = 1.0  # everyone reads token 3
+    weights = torch.cat([uniform, identity, column], dim=1)  # (B=1, H=3, T, T)
+    special = torch.tensor([[True, False, False, False, True]])
+    stats = HeadStatistics.from_weights(
+        [weights, weights.flip(1)],
+        special_mask=special,
+        tokens=[["[CLS]", "a", "b", "c", "[SEP]"]],
+        chunk_size=2,
+    )
+    assert stats.entropy.shape == (2, 3)
+    torch.testing.assert_close(stats.entropy[0], torch.tensor([math.log(t), 0.0, 0.0]))
+    torch.testing.assert_close(stats.identity[0], torch.tensor([1 / t, 1.0, 1 / t]))
+    torch.testing.assert_close(stats.special[0], torch.tensor([2 / t, 2 / t, 0.0]))
+    # previous-token: queries 1..4 only; for the column head only query 4 reads token 3
+    torch.testing.assert_close(stats.previous_token[0], torch.tensor([1 / t, 0.0, 1 / 4]))
+    assert stats.most_attended[0, 0, 2] == 3 and stats.most_attended_weight[0, 0, 2] == 1.0
+    assert stats.most_attended[0, 1, 0] == 3  # layer 1 has the heads reversed
+    assert stats.num_queries == t
+    assert "c (1.00)" in str(stats)  # the table names the most-attended token
+    assert stats.to_dict()["identity"][0] == [0.2, 1.0, 0.2]
+
+
+def test_statistics_exclude_padding() -> None:
+    t = 6
+    # real queries (0..3) read the previous token; padding queries (4, 5) read themselves
+    w = torch.zeros(1, 1, t, t)
+    for i in range(1, 4):
+        w[0, 0, i, i - 1] = 1.0
+    w[0, 0, 0, 0] = 1.0
+    w[0, 0, 4, 4] = w[0, 0, 5, 5] = 1.0
+    valid = torch.tensor([[True] * 4 + [False] * 2])
+    stats = HeadStatistics.from_weights([w], valid_mask=valid)
+    assert stats.num_queries == 4
+    assert stats.identity[0, 0] == pytest.approx(0.25)  # only query 0's self-attention counts
+    assert stats.previous_token[0, 0] == pytest.approx(1.0)  # queries 1..3
+    assert stats.next_token[0, 0] == pytest.approx(0.0)  # query 3's next is padding: excluded
+    assert stats.most_attended[0, 0, 0] < 4
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_head_statistics_chunked_equals_full(num_kv_heads: int | None) -> None:
+    enc = _encoder(num_kv_heads)
+    x, km = torch.randn(B, T, E), _key_mask()
+    with torch.no_grad():
+        _, ref = enc(x, key_mask=km, is_causal=True, need_weights=True)
+    want = HeadStatistics.from_weights(ref, valid_mask=km)
+    got = head_statistics(enc, x, key_mask=km, is_causal=True, chunk_size=2)
+    for name in ("entropy", "identity", "previous_token", "next_token", "special"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))
+    assert torch.equal(got.most_attended, want.most_attended)
+    part = head_statistics(enc, x, key_mask=km, is_causal=True, layers=[1], heads=[4, 2])
+    assert part.layers == [1] and part.heads == [4, 2]
+    torch.testing.assert_close(part.identity[0], want.identity[1, [4, 2]])
+
+
+def test_head_statistics_errors() -> None:
+    enc = _encoder(layers=1)
+    x = torch.randn(B, T, E)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
+        head_statistics(enc, x, chunk_size=0)
+    with pytest.raises(TypeError, match="inputs must be a tensor or a tokenized batch"):
+        head_statistics(enc, [1, 2, 3])
+    with pytest.raises(ValueError, match=r"valid_mask must have shape \(B, T\) = \(2, 7\)"):
+        head_statistics(enc, x, valid_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="metric must be one of entropy"):
+        head_statistics(enc, x).top("loudness")
