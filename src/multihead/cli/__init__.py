@@ -18,7 +18,7 @@ from multihead.cli.common import CLIError
 __all__ = ["main", "CLIError", "COMMANDS"]
 
 # Module names under multihead.cli, in the order `multihead --help` lists them.
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("explain",)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,243 @@
+"""Heatmaps of attention weights with matplotlib: a layers × heads grid and a single-head view.
+
+Figures are built with :class:`matplotlib.figure.Figure` directly (the Agg canvas; no pyplot,
+no display, no global state), so they are safe in scripts, servers and tests. Row = query, column
+= key, as in the weights' (T, S) layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["grid_figure", "head_figure", "save_figure", "FORMATS"]
+
+FORMATS: tuple[str, ...] = ("png", "svg")
+# Above this many tokens the grid's small cells drop their token labels (unreadable anyway).
+_GRID_LABEL_LIMIT = 40
+_CMAP = "Blues"
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(
+            "multihead.viz needs matplotlib to draw figures: pip install 'multihead[viz]'"
+        ) from e
+    return matplotlib
+
+
+def _label(token: str) -> str:
+    # "$" would start mathtext; a token may well be one.
+    return token.replace("$", r"\$")
+
+
+def _check_weights(weights: Tensor, dims: int, what: str) -> Tensor:
+    if not isinstance(weights, Tensor):
+        raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
+    if weights.dim() != dims:
+        raise ValueError(f"weights must be {what}, got shape {tuple(weights.shape)}")
+    return weights.detach().to("cpu", torch.float32)
+
+
+def _check_tokens(tokens: Sequence[str], t: int, s: int) -> None:
+    # Queries are the last T of the S positions (bottom-right, as causal masks align them).
+    if len(tokens) != s or t > s:
+        raise ValueError(
+            f"tokens must name the {s} key positions, got {len(tokens)} tokens for weights of "
+            f"{t} queries × {s} keys"
+        )
+
+
+def grid_figure(
+    weights: Tensor,
+    tokens: Sequence[str],
+    *,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    focus: int | None = None,
+    title: str | None = None,
+    cell_inches: float = 1.7,
+) -> Figure:
+    """A grid of heatmaps, one per (layer, head): rows are layers, columns heads.
+
+    Args:
+        weights: (L, H, T, S) attention weights of one sequence.
+        tokens: the S token strings (labels the left column and the bottom row when T ≤ 40).
+        layers: the layer numbers of the L rows (titles only); default 0..L-1.
+        heads: the head numbers of the H columns; default 0..H-1.
+        focus: a query position whose row is outlined in every cell.
+        title: the figure's title.
+        cell_inches: the size of one heatmap.
+
+    Returns:
+        A matplotlib Figure; save it with :func:`save_figure`.
+    """
+    w = _check_weights(weights, 4, "(L, H, T, S)")
+    n_layers, n_heads, t, s = w.shape
+    _check_tokens(tokens, t, s)
+    layers = list(range(n_layers)) if layers is None else list(layers)
+    heads = list(range(n_heads)) if heads is None else list(heads)
+    if len(layers) != n_layers or len(heads) != n_heads:
+        raise ValueError(
+            f"layers and heads must label the weights' {n_layers} layers and {n_heads} heads, "
+            f"got {len(layers)} and {len(heads)}"
+        )
+    _matplotlib()
+    from matplotlib.figure import Figure
+
+    # One image of all the cells, separated by blank (NaN) gutters: a single Axes draws and
+    # saves many times faster than L × H of them.
+    gap = max(1, round(0.12 * max(t, s)))
+    tile = torch.full((n_layers * (t + gap) - gap, n_heads * (s + gap) - gap), float("nan"))
+    for i in range(n_layers):
+        for j in range(n_heads):
+            tile[i * (t + gap) : i * (t + gap) + t, j * (s + gap) : j * (s + gap) + s] = w[i, j]
+    labelled = t <= _GRID_LABEL_LIMIT
+    # Fixed margins (inches) instead of a layout engine, and labels as plain texts instead of
+    # ticks: ticks and constrained layout cost seconds with hundreds of labels.
+    left, bottom = (1.0, 1.0) if labelled else (0.3, 0.3)
+    top, right = 0.6, 1.3
+    width, height = n_heads * cell_inches, n_layers * cell_inches
+    fig = Figure(figsize=(left + width + right, bottom + height + top))
+    fw, fh = left + width + right, bottom + height + top
+    ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
+    cmap = _matplotlib().colormaps[_CMAP].with_extremes(bad="white")
+    image = ax.imshow(
+        tile.numpy(), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest"
+    )
+    ax.set_axis_off()
+    font = max(3.0, min(7.0, 110.0 / max(t, 1)))
+    if labelled:
+        # Tokens label each layer's rows on the left and each head's columns at the bottom.
+        bottom_row = n_layers * (t + gap) - gap - 0.5
+        for i in range(n_layers):
+            for r, token in enumerate(tokens[-t:]):
+                ax.text(
+                    -0.8,
+                    i * (t + gap) + r,
+                    _label(token),
+                    ha="right",
+                    va="center",
+                    fontsize=font,
+                    clip_on=False,
+                )
+        for j in range(n_heads):
+            for c, token in enumerate(tokens):
+                ax.text(
+                    j * (s + gap) + c,
+                    bottom_row + 0.6,
+                    _label(token),
+                    ha="center",
+                    va="top",
+                    rotation=90,
+                    fontsize=font,
+                    clip_on=False,
+                )
+    for j, head in enumerate(heads):
+        ax.text(
+            j * (s + gap) + (s - 1) / 2, -0.8, f"head {head}", ha="center", va="bottom", fontsize=8
+        )
+    for i, layer in enumerate(layers):
+        ax.text(
+            n_heads * (s + gap) - gap,
+            i * (t + gap) + (t - 1) / 2,
+            f" layer {layer}",
+            ha="left",
+            va="center",
+            fontsize=8,
+            rotation=90,
+        )
+    if focus is not None:
+        for i in range(n_layers):
+            _outline_row(ax, i * (t + gap) + focus - (s - t), n_heads * (s + gap) - gap)
+    bar = fig.add_axes(
+        ((left + width + 0.45) / fw, (bottom + 0.2 * height) / fh, 0.12 / fw, 0.6 * height / fh)
+    )
+    fig.colorbar(image, cax=bar, label="attention weight")
+    fig.suptitle(title or "Attention weights (rows: queries, columns: keys)", fontsize=10)
+    return fig
+
+
+def _outline_row(ax: Axes, row: int, width: int) -> None:
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(
+        Rectangle((-0.5, row - 0.5), width, 1, fill=False, edgecolor="#e6550d", linewidth=0.8)
+    )
+
+
+def head_figure(
+    weights: Tensor,
+    tokens: Sequence[str],
+    *,
+    layer: int | None = None,
+    head: int | None = None,
+    focus: int | None = None,
+    title: str | None = None,
+) -> Figure:
+    """A large view of one head's (T, S) weights, every token labelled, with a colour bar.
+
+    Args:
+        weights: (T, S) attention weights of one head for one sequence.
+        tokens: the S token strings.
+        layer, head: numbers for the title.
+        focus: a query position whose row is outlined.
+        title: overrides the default title.
+    """
+    w = _check_weights(weights, 2, "(T, S)")
+    t, s = w.shape
+    _check_tokens(tokens, t, s)
+    _matplotlib()
+    from matplotlib.figure import Figure
+
+    side = min(40.0, max(6.0, 0.22 * max(t, s) + 2.0))
+    fig = Figure(figsize=(side + 1.2, side), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(w.numpy(), cmap=_CMAP, vmin=0.0, vmax=float(w.max().clamp(min=1e-6)))
+    font = max(4.0, min(10.0, 400.0 / max(t, 1)))
+    ax.set_xticks(range(s), [_label(x) for x in tokens[-s:]], rotation=90, fontsize=font)
+    ax.set_yticks(range(t), [_label(x) for x in tokens[-t:]], fontsize=font)
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query (attending)")
+    if focus is not None:
+        _outline_row(ax, focus, s)
+    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
+    where = " ".join(
+        x
+        for x in (
+            f"layer {layer}" if layer is not None else "",
+            f"head {head}" if head is not None else "",
+        )
+        if x
+    )
+    ax.set_title(title or f"Attention, {where}".rstrip(", "))
+    return fig
+
+
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
+    """Save a figure as PNG or SVG, chosen by the path's suffix; returns the path.
+
+    Raises:
+        ValueError: a suffix other than .png or .svg.
+    """
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
+    # The SVG's text stays text (smaller, searchable) and its ids stay stable across runs.
+    import matplotlib
+
+    metadata = {"Date": None} if fmt == "svg" else None
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "multihead"}):
+        fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
+    return path
