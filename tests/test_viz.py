@@ -1,0 +1,161 @@
+"""Pictures and the interactive page: files written and valid, page self-contained and small."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+import torch
+
+from multihead.inspect import HeadStatistics
+from multihead.viz import encode_weights, grid_figure, head_figure, render_page, save_figure
+
+TOKENS = ["[CLS]", "the", "animal", "didn", "'", "t", "cross", "$5", "it", "[SEP]"]
+L, H, T = 2, 3, len(TOKENS)
+
+
+def _weights(layers: int = L, heads: int = H, t: int = T, sharp: float = 3.0) -> torch.Tensor:
+    return torch.softmax(torch.randn(layers, heads, t, t) * sharp, dim=-1)
+
+
+def _stats(w: torch.Tensor) -> HeadStatistics:
+    special = torch.tensor([[tok in ("[CLS]", "[SEP]") for tok in TOKENS]])
+    return HeadStatistics.from_weights(list(w.unsqueeze(1)), special_mask=special, tokens=[TOKENS])
+
+
+def test_grid_png_and_svg(tmp_path: Path) -> None:
+    fig = grid_figure(_weights(), TOKENS, layers=[4, 5], heads=[0, 7, 9], focus=8)
+    png = save_figure(fig, tmp_path / "grid.png")
+    svg = save_figure(fig, tmp_path / "grid.svg")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    root = ElementTree.parse(svg).getroot()  # well-formed XML
+    assert root.tag.endswith("svg")
+    text = svg.read_text()
+    # labels stay text: every token, the head and layer numbers we passed
+    for label in ("animal", "didn", "head 7", "head 9", "layer 5", "$5"):
+        assert label in text
+    assert "Date" not in text  # reproducible output
+
+
+def test_head_figure(tmp_path: Path) -> None:
+    fig = head_figure(_weights()[1, 2], TOKENS, layer=1, head=2, focus=3)
+    path = save_figure(fig, tmp_path / "head.svg")
+    text = path.read_text()
+    assert "layer 1 head 2" in text and "cross" in text
+    assert save_figure(fig, tmp_path / "head.png").stat().st_size > 1000
+
+
+def test_long_inputs_drop_grid_labels(tmp_path: Path) -> None:
+    tokens = [f"tok_{i}" for i in range(64)]  # "_" never occurs in the SVG's base64 image
+    fig = grid_figure(_weights(1, 2, 64), tokens)
+    text = save_figure(fig, tmp_path / "grid.svg").read_text()
+    assert "tok_" not in text and "head 1" in text
+
+
+def test_figure_errors(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"weights must be \(L, H, T, S\), got shape \(3, 10, 10\)"
+    ):
+        grid_figure(_weights()[0], TOKENS)
+    with pytest.raises(ValueError, match="tokens must name the 10 key positions, got 3 tokens"):
+        grid_figure(_weights(), TOKENS[:3])
+    with pytest.raises(ValueError, match="must label the weights' 2 layers and 3 heads, got 1"):
+        grid_figure(_weights(), TOKENS, layers=[0])
+    with pytest.raises(TypeError, match="weights must be a torch.Tensor, got list"):
+        head_figure([[1.0]], ["a"])  # type: ignore[arg-type]
+    fig = head_figure(_weights()[0, 0], TOKENS)
+    with pytest.raises(ValueError, match=r"path must end in .png or .svg, got '.*grid.pdf'"):
+        save_figure(fig, tmp_path / "grid.pdf")
+
+
+def test_encode_weights_round_trip() -> None:
+    w = _weights()
+    q, scales = encode_weights(w)
+    assert len(q) == L * H * T * T and len(scales) == 4 * L * H * T
+    codes = torch.frombuffer(bytearray(q), dtype=torch.uint8).view(L, H, T, T).float()
+    maxima = torch.frombuffer(bytearray(scales), dtype=torch.float32).view(L, H, T, 1)
+    back = codes / 255 * maxima
+    # 8 bits per row, relative to the row's peak
+    assert (back - w).abs().max() <= (maxima / 510 + 1e-7).max()
+    assert codes.amax(-1).eq(255).all()
+
+
+class _Refs(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+
+def _data(page: str) -> dict:
+    blob = page.split('<script type="application/json" id="mh-data">')[1].split("</script>")[0]
+    return json.loads(blob)
+
+
+def test_page_is_self_contained_and_round_trips() -> None:
+    w = _weights()
+    tokens = [*TOKENS[:-2], "</script><script>alert(1)</script>", "[SEP]"]
+    page = render_page(
+        w,
+        tokens,
+        special=[t in ("[CLS]", "[SEP]") for t in tokens],
+        statistics=_stats(w),
+        focus=8,
+        title="A <b>title</b>",
+    )
+    parser = _Refs()
+    parser.feed(page)
+    scripts = [attrs for tag, attrs in parser.tags if tag == "script"]
+    assert len(scripts) == 2 and all("src" not in a for a in scripts)  # data + code, inline
+    assert not [tag for tag, _ in parser.tags if tag in ("link", "img", "iframe", "object")]
+    for _, attrs in parser.tags:
+        for key in ("src", "href"):
+            assert not re.match(r"\s*(https?:)?//", attrs.get(key) or "")
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page)
+    assert "@import" not in page and "url(" not in page
+    assert "<title>A &lt;b&gt;title&lt;/b&gt;</title>" in page
+    data = _data(page)
+    assert data["tokens"] == tokens  # the hostile token survived as data
+    assert data["focus"] == 8 and data["stats"]["layers"] == [0, 1]
+    raw = zlib.decompress(base64.b64decode(data["weights"]))
+    assert raw == encode_weights(w)[0]
+
+
+def test_page_size_for_512_tokens() -> None:
+    # 6 layers × 12 heads × 512² weights are 18.9 million numbers. Uncompressed they must cost
+    # one byte each (base64: 4/3), never JSON floats; a realistic pattern (a [CLS] sink plus a
+    # local window) deflates to a small fraction of that.
+    layers, heads, t = 6, 12, 512
+    tokens = [f"w{i}" for i in range(t)]
+    n = layers * heads * t * t
+    raw = render_page(torch.rand(layers, heads, t, t), tokens, compress=False)
+    row_maxima = 4 * layers * heads * t  # float32 each
+    assert len(raw.encode()) < 4 / 3 * (n + row_maxima) + 50_000
+    pos = torch.arange(t)
+    scores = (
+        -(pos[:, None] - pos[None, :]).abs().float() * torch.linspace(0.3, 3, heads)[:, None, None]
+    )
+    scores[..., 0] += 2.0
+    realistic = torch.softmax(scores, -1).expand(layers, heads, t, t)
+    page = render_page(realistic, tokens)
+    assert len(page.encode()) < 0.1 * n
+
+
+def test_page_errors() -> None:
+    w = _weights()
+    with pytest.raises(ValueError, match=r"weights must be a \(L, H, T, T\) self-attention tensor"):
+        render_page(w[..., :4], TOKENS)
+    with pytest.raises(ValueError, match="tokens must hold T=10 tokens, got 9"):
+        render_page(w, TOKENS[:-1])
+    with pytest.raises(ValueError, match=r"focus must be a token position in 0..9, got 10"):
+        render_page(w, TOKENS, focus=10)
+    with pytest.raises(ValueError, match=r"initial must be \(layer, head\) positions within"):
+        render_page(w, TOKENS, initial=(2, 0))
