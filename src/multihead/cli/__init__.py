@@ -18,7 +18,7 @@ from multihead.cli.common import CLIError
 __all__ = ["main", "CLIError", "COMMANDS"]
 
 # Module names under multihead.cli, in the order `multihead --help` lists them.
-COMMANDS: tuple[str, ...] = ("explain",)
+COMMANDS: tuple[str, ...] = ("explain", "train")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,237 @@
+"""Synthetic sequence tasks, framed as continuation so one causal model trains and generates.
+
+Every example is ``prompt answer <eos>`` with a fixed length per task:
+
+    copy     3 1 2 =        → 3 1 2 <eos>
+    reverse  3 1 2 =        → 2 1 3 <eos>
+    sort     3 1 2 =        → 1 2 3 <eos>
+    add      4 7 + 0 5 =    → 0 5 2 <eos>        (47 + 05 = 052: the sum has L + 1 digits)
+
+The loss is taken on the answer tokens only (the prompt is random and can't be predicted).
+
+Data is a pure function of ``(seed, stream, step, row)``: each row of each batch is drawn from its
+own counter-based random numbers (a SplitMix64 hash of those four numbers), so
+
+- a run resumed at step s sees exactly the batches an uninterrupted run sees (nothing to save);
+- in data-parallel training rank r draws rows [r·b, (r+1)·b) of the global batch itself, keyed by
+  those row numbers, and the union of the ranks' shards is the single process's global batch.
+
+A fixed tenth of all inputs (chosen by a hash of the input digits) is held out: training never
+draws them, evaluation draws only them, so exact-match accuracy is measured on unseen inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["VOCAB", "PAD", "EOS", "EQUALS", "PLUS", "TASKS", "Task", "get_task"]
+
+# One vocabulary for every task: the ten digits, the two operators, padding and end-of-sequence.
+VOCAB: tuple[str, ...] = (
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "5",
+    "6",
+    "7",
+    "8",
+    "9",
+    "+",
+    "=",
+    "<pad>",
+    "<eos>",
+)
+PLUS, EQUALS, PAD, EOS = 10, 11, 12, 13
+TASKS: tuple[str, ...] = ("copy", "reverse", "sort", "add")
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+_HELD_OUT_EVERY = 10  # one input in ten is held out
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (arithmetic wraps modulo 2**64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _key(*parts: int) -> np.uint64:
+    """One well-mixed uint64 from a few non-negative ints."""
+    h = np.zeros(1, dtype=np.uint64)
+    for p in parts:
+        h = _mix(h ^ np.array([p], dtype=np.uint64) + _GOLDEN)
+    return h[0]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One synthetic task at one input length.
+
+    Args:
+        name: ``"copy"``, ``"reverse"``, ``"sort"`` or ``"add"``.
+        seq_len: L, the number of input digits (for ``add``: digits of each operand).
+
+    Attributes:
+        prompt_len: tokens in a prompt, ``=`` included.
+        answer_len: tokens in an answer, ``<eos>`` included.
+        total_len: prompt_len + answer_len, the length of one example.
+    """
+
+    name: str
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.name!r}")
+        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {self.seq_len!r}")
+
+    @property
+    def input_digits(self) -> int:
+        return 2 * self.seq_len if self.name == "add" else self.seq_len
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_digits + (2 if self.name == "add" else 1)
+
+    @property
+    def answer_len(self) -> int:
+        return self.seq_len + (2 if self.name == "add" else 1)
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.answer_len
+
+    @property
+    def prompt_tokens(self) -> tuple[str, ...]:
+        """The tokens a prompt of this task may contain."""
+        return (*VOCAB[:10], "+", "=") if self.name == "add" else (*VOCAB[:10], "=")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "seq_len": self.seq_len, "vocab": list(VOCAB)}
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def _digits(
+        self, seed: int, stream: int, step: int, rows: np.ndarray, attempt: np.ndarray
+    ) -> np.ndarray:
+        """Input digits (n, input_digits) for the given global row numbers."""
+        base = _key(seed, stream, step)
+        row_key = _mix(base ^ _mix(rows.astype(np.uint64) * _GOLDEN + attempt.astype(np.uint64)))
+        cols = np.arange(self.input_digits, dtype=np.uint64)
+        u = _mix(row_key[:, None] + (cols[None, :] + np.uint64(1)) * _GOLDEN)  # (n, digits)
+        return ((u >> np.uint64(32)) % np.uint64(10)).astype(np.int64)
+
+    def _held_out(self, digits: np.ndarray) -> np.ndarray:
+        """Whether each input (n, input_digits) belongs to the held-out tenth."""
+        h = np.zeros(digits.shape[0], dtype=np.uint64)
+        salt = np.arange(digits.shape[1], dtype=np.uint64) * _GOLDEN  # array ops wrap silently
+        for j in range(digits.shape[1]):
+            h = _mix(h ^ (digits[:, j].astype(np.uint64) + salt[j]))
+        return (h % np.uint64(_HELD_OUT_EVERY)) == 0
+
+    def _inputs(
+        self, seed: int, stream: int, step: int, rows: np.ndarray, held_out: bool
+    ) -> np.ndarray:
+        """Draw inputs, redrawing (with the next attempt number) rows on the wrong side."""
+        attempt = np.zeros(len(rows), dtype=np.int64)
+        digits = self._digits(seed, stream, step, rows, attempt)
+        wrong = self._held_out(digits) != held_out
+        while wrong.any():
+            attempt[wrong] += 1
+            digits[wrong] = self._digits(seed, stream, step, rows[wrong], attempt[wrong])
+            wrong = self._held_out(digits) != held_out
+        return digits
+
+    def answers(self, digits: np.ndarray) -> np.ndarray:
+        """The answer digits (n, answer_len - 1) for inputs (n, input_digits)."""
+        if self.name == "copy":
+            return digits.copy()
+        if self.name == "reverse":
+            return digits[:, ::-1].copy()
+        if self.name == "sort":
+            return np.sort(digits, axis=1)
+        # add: two L-digit operands, most significant digit first, sum on L + 1 digits
+        weights = 10 ** np.arange(self.seq_len - 1, -1, -1, dtype=np.int64)
+        if self.seq_len > 17:
+            raise ValueError(f"add supports seq_len <= 17 (int64 sums), got {self.seq_len}")
+        a = digits[:, : self.seq_len] @ weights
+        b = digits[:, self.seq_len :] @ weights
+        total = a + b
+        out = np.empty((len(digits), self.seq_len + 1), dtype=np.int64)
+        for j in range(self.seq_len, -1, -1):
+            out[:, j] = total % 10
+            total //= 10
+        return out
+
+    def examples(self, digits: np.ndarray) -> Tensor:
+        """Whole examples (n, total_len) as token ids: prompt, answer, <eos>."""
+        n = len(digits)
+        answer = self.answers(digits)
+        eq = np.full((n, 1), EQUALS)
+        eos = np.full((n, 1), EOS)
+        if self.name == "add":
+            plus = np.full((n, 1), PLUS)
+            prompt = np.concatenate(
+                [digits[:, : self.seq_len], plus, digits[:, self.seq_len :], eq], 1
+            )
+        else:
+            prompt = np.concatenate([digits, eq], axis=1)
+        return torch.from_numpy(np.concatenate([prompt, answer, eos], axis=1))
+
+    def batch(self, seed: int, step: int, rows: range | Sequence[int]) -> Tensor:
+        """Training examples (len(rows), total_len) for the given rows of step ``step``'s batch.
+
+        A pure function of its arguments: any process computes the same rows.
+        """
+        r = np.asarray(rows, dtype=np.int64)
+        return self.examples(self._inputs(seed, TRAIN_STREAM, step, r, held_out=False))
+
+    def held_out(self, seed: int, n: int) -> Tensor:
+        """``n`` held-out examples (n, total_len): inputs training never draws."""
+        return self.examples(self._inputs(seed, EVAL_STREAM, 0, np.arange(n), held_out=True))
+
+    # -- text -----------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a space-separated prompt such as ``"5 2 9 1 ="``.
+
+        Raises:
+            ValueError: a token outside this task's prompt vocabulary, or an empty prompt.
+        """
+        tokens = text.split()
+        if not tokens:
+            raise ValueError("the prompt is empty: give space-separated tokens such as '3 1 2 ='")
+        allowed = self.prompt_tokens
+        bad = [t for t in tokens if t not in allowed]
+        if bad:
+            raise ValueError(
+                f"prompt token {bad[0]!r} is not in the {self.name} task's vocabulary "
+                f"({' '.join(allowed)}); separate tokens with spaces"
+            )
+        return [VOCAB.index(t) for t in tokens]
+
+    @staticmethod
+    def decode(ids: Sequence[int] | Tensor, *, stop_at_eos: bool = True) -> str:
+        """Space-separated tokens, ending before ``<eos>`` when ``stop_at_eos``."""
+        out = []
+        for i in ids.tolist() if isinstance(ids, Tensor) else ids:
+            if stop_at_eos and i == EOS:
+                break
+            out.append(VOCAB[int(i)])
+        return " ".join(out)
+
+
+def get_task(name: str, seq_len: int) -> Task:
+    """The task ``name`` at input length ``seq_len`` (validates both)."""
+    return Task(name, seq_len)

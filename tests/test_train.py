@@ -1,0 +1,331 @@
+"""multihead train / generate: tasks, the loop, resume bit-identity, Ctrl-C, atomic checkpoints,
+and the CLI's errors. Runs are short and the models tiny; the real benchmark is in the notes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from multihead.cli import main
+from multihead.models import TransformerLM
+from multihead.training import (
+    Task,
+    TrainConfig,
+    latest_checkpoint,
+    load_checkpoint,
+    lr_at,
+    train,
+)
+from multihead.training import checkpoint as checkpoint_module
+from multihead.training.tasks import EOS, EQUALS, PLUS
+
+TINY = {"embed_dim": 32, "num_heads": 2, "num_layers": 2, "ff_dim": 48, "threads": 1}
+TINY_FLAGS = ["--embed-dim", "32", "--num-heads", "2", "--ff-dim", "48", "--threads", "1"]
+
+
+def _config(tmp_path: Path, **kwargs) -> TrainConfig:
+    base = {
+        "task": "reverse",
+        "seq_len": 4,
+        "steps": 8,
+        "batch_size": 16,
+        "out": str(tmp_path / "run"),
+        "save_every": 0,
+        "eval_size": 0,
+        "plots": False,
+        **TINY,
+    }
+    base.update(kwargs)
+    return TrainConfig(**base)
+
+
+# -- tasks ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["copy", "reverse", "sort", "add"])
+def test_task_examples_are_right(name: str) -> None:
+    task = Task(name, 3)
+    batch = task.batch(seed=5, step=2, rows=range(64))
+    assert batch.shape == (64, task.total_len)
+    for row in batch.tolist():
+        prompt, answer = row[: task.prompt_len], row[task.prompt_len :]
+        assert prompt[-1] == EQUALS and answer[-1] == EOS
+        digits, answer = prompt[:-1], answer[:-1]
+        if name == "copy":
+            assert answer == digits
+        elif name == "reverse":
+            assert answer == digits[::-1]
+        elif name == "sort":
+            assert answer == sorted(digits)
+        else:
+            assert digits[3] == PLUS
+            a, b = (int("".join(map(str, d))) for d in (digits[:3], digits[4:]))
+            assert int("".join(map(str, answer))) == a + b and len(answer) == 4
+
+
+def test_data_is_a_function_of_seed_step_and_row() -> None:
+    task = Task("sort", 8)
+    whole = task.batch(0, 7, range(12))
+    assert torch.equal(whole, task.batch(0, 7, range(12)))
+    # Shards drawn separately (as data-parallel ranks draw them) are the global batch.
+    assert torch.equal(
+        whole, torch.cat([task.batch(0, 7, range(6)), task.batch(0, 7, range(6, 12))])
+    )
+    assert not torch.equal(whole, task.batch(0, 8, range(12)))
+    assert not torch.equal(whole, task.batch(1, 7, range(12)))
+
+
+def test_held_out_inputs_are_never_trained_on() -> None:
+    task = Task("copy", 2)  # only 100 inputs: collisions would show
+    train_inputs = {tuple(r) for r in task.batch(0, 0, range(3000))[:, :2].tolist()}
+    held = {tuple(r) for r in task.held_out(0, 500)[:, :2].tolist()}
+    assert held and train_inputs and not held & train_inputs
+    assert 5 <= len(held) <= 20 and len(train_inputs) >= 80  # about a tenth held out
+
+
+def test_encode_decode() -> None:
+    task = Task("add", 2)
+    ids = task.encode("1 2 + 3 4 =")
+    assert task.decode(ids) == "1 2 + 3 4 ="
+    assert Task.decode([1, 2, EOS, 3]) == "1 2"
+    with pytest.raises(ValueError, match=r"prompt token '\+' is not in the sort task's vocabulary"):
+        Task("sort", 2).encode("1 + 2 =")
+    with pytest.raises(ValueError, match="prompt token '12' is not in"):
+        task.encode("12 + 3 =")
+    with pytest.raises(ValueError, match="task must be one of copy, reverse, sort, add, got 'mul'"):
+        Task("mul", 2)
+
+
+def test_learning_rate_schedule() -> None:
+    config = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(config, s) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+def test_short_run_writes_everything_and_learns(tmp_path: Path) -> None:
+    config = _config(tmp_path, task="copy", seq_len=3, steps=40, lr=3e-3, plots=True, eval_size=50)
+    seen = []
+    result = train(config, on_step=seen.append)
+    out = tmp_path / "run"
+    for name in ("config.json", "model.safetensors", "loss.png", "attention.png"):
+        assert (out / name).is_file(), name
+    assert [s.step for s in seen] == list(range(1, 41))
+    assert seen[-1].loss < seen[0].loss / 2
+    assert result.accuracy is not None and 0.0 <= result.accuracy <= 1.0
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    model = TransformerLM.load(out)
+    assert torch.equal(model.head.weight, result.model.head.weight)
+    assert json.loads((out / "config.json").read_text())["task"]["name"] == "copy"
+
+
+def test_resume_after_interrupt_is_bit_identical(tmp_path: Path) -> None:
+    # dropout > 0 so that the random generator's state matters too
+    straight = train(_config(tmp_path / "a", dropout=0.1, save_every=3))
+
+    def interrupt_at_5(info) -> None:
+        if info.step == 5:
+            raise KeyboardInterrupt
+
+    first = train(_config(tmp_path / "b", dropout=0.1, save_every=3), on_step=interrupt_at_5)
+    assert first.interrupted and first.step == 5
+    assert latest_checkpoint(tmp_path / "b" / "run").name == "step-00000005"
+    resumed = train(_config(tmp_path / "b", dropout=0.1, save_every=3, resume=True))
+    assert not resumed.interrupted and resumed.step == 8
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert resumed.history == straight.history  # losses of all 8 steps, exactly
+    on_disk = TransformerLM.load(tmp_path / "b" / "run").state_dict()
+    assert all(torch.equal(on_disk[k], a[k]) for k in a)
+
+
+def test_resume_refuses_a_different_configuration(tmp_path: Path) -> None:
+    train(_config(tmp_path, steps=2))
+    with pytest.raises(ValueError, match="was trained with batch_size=16, got 32"):
+        train(_config(tmp_path, steps=4, batch_size=32, resume=True))
+    with pytest.raises(ValueError, match="already holds a training run: pass --resume"):
+        train(_config(tmp_path, steps=4))
+    assert train(_config(tmp_path, steps=3, overwrite=True)).step == 3
+
+
+# -- atomic checkpoints -----------------------------------------------------------------------
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path: Path, monkeypatch) -> None:
+    train(_config(tmp_path, steps=2))
+    run = tmp_path / "run"
+    before = load_checkpoint(latest_checkpoint(run))
+    real_write = checkpoint_module._write
+
+    def crash_on_optimizer(path: Path, data: bytes) -> None:
+        real_write(path, data[: len(data) // 2])  # half a file, then the "crash"
+        if path.name == "optimizer.safetensors":
+            raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module, "_write", crash_on_optimizer)
+    with pytest.raises(OSError, match="disk full"):
+        train(_config(tmp_path, steps=4, resume=True))
+    monkeypatch.undo()
+    checkpoints = run / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step-00000002"]  # no partial step-4
+    after = load_checkpoint(latest_checkpoint(run))
+    assert after["state"] == before["state"]
+    # A crash's leftover (a hidden .tmp directory) is ignored, then cleaned by the next save.
+    leftover = checkpoints / ".step-00000003.abc.tmp"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    assert latest_checkpoint(run).name == "step-00000002"
+    train(_config(tmp_path, steps=4, resume=True))
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004"]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "multihead", *args]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared: {proc.communicate()}")
+        time.sleep(0.05)
+
+
+def _subprocess_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_sigint_saves_and_stops_cleanly(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["train", "--task", "sort", "--seq-len", "3", "--steps", "100000", "--out", str(out)]
+    proc = subprocess.Popen(
+        _cli(*args, "--save-every", "5", "--quiet", *TINY_FLAGS),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_subprocess_env(),
+    )
+    _wait_for(out / "checkpoints", proc)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "interrupted at step" in stdout and "--resume" in stdout
+    ckpt = latest_checkpoint(out)
+    state = load_checkpoint(ckpt)["state"]
+    assert 5 <= state["step"] < 100000
+    assert state["step"] == len(state["history"])
+    assert TransformerLM.load(out).num_parameters() > 0
+
+
+def test_sigkill_never_leaves_a_half_written_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["train", "--task", "copy", "--seq-len", "3", "--steps", "100000", "--out", str(out)]
+    proc = subprocess.Popen(
+        _cli(*args, "--save-every", "1", "--quiet", *TINY_FLAGS),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_subprocess_env(),
+    )
+    _wait_for(out / "checkpoints", proc)
+    time.sleep(1.0)  # saving every step: the kill lands in or near a save
+    proc.kill()
+    proc.wait(timeout=30)
+    visible = [p for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")]
+    assert visible
+    for path in visible:  # every visible checkpoint is complete and loadable
+        ckpt = load_checkpoint(path)
+        assert f"step-{ckpt['state']['step']:08d}" == path.name
+    TransformerLM.load(out)  # the run directory's model files are whole too
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_train_then_generate(tmp_path: Path, capsys) -> None:
+    out = str(tmp_path / "run")
+    flags = ["--steps", "30", "--batch-size", "16", "--seq-len", "4", "--out", out, "--quiet"]
+    assert main(["train", "--task", "reverse", *flags, "--eval-size", "20", *TINY_FLAGS]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out exact match:" in printed and "of 20 sequences" in printed
+    assert main(["generate", "--checkpoint", out, "1 2 3 4 =", "5 6 ="]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert all(set(line.split()) <= set("0123456789") for line in lines)
+    assert len(lines[0].split()) <= 5
+    # --resume picks the flags up from the checkpoint and continues to the new --steps
+    assert main(["train", "--out", out, "--resume", "--steps", "35", "--quiet", "--no-plots"]) == 0
+    assert load_checkpoint(latest_checkpoint(out))["state"]["step"] == 35
+
+
+def _error(capsys, argv: list[str]) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors (bad flag values) exit directly
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+def test_cli_errors(tmp_path: Path, capsys) -> None:
+    missing = str(tmp_path / "missing")
+    assert "does not exist" in _error(capsys, ["generate", "--checkpoint", missing, "1 ="])
+    assert "must be a positive integer, got 0" in _error(capsys, ["train", "--steps", "0"])
+    assert "must be a positive integer, got -3" in _error(capsys, ["train", "--steps", "-3"])
+    assert "no complete checkpoint" in _error(capsys, ["train", "--out", missing, "--resume"])
+
+    out = tmp_path / "run"
+    train(_config(tmp_path, task="sort", seq_len=3, steps=2))
+    assert "already holds a training run" in _error(
+        capsys, ["train", "--task", "sort", "--out", str(out), "--steps", "2"]
+    )
+    err = _error(capsys, ["generate", "--checkpoint", str(out), "1 + 2 ="])
+    assert "prompt token '+' is not in the sort task's vocabulary" in err
+    err = _error(capsys, ["generate", "--checkpoint", str(out), "1 2 3 4 5 6 7 ="])
+    assert "a prompt of 8 tokens is too long: the model's max_len is 8" in err
+
+    config = json.loads((out / "config.json").read_text())
+    config["model"]["num_layers"] = 3
+    (out / "config.json").write_text(json.dumps(config))
+    assert "don't match its config" in _error(capsys, ["generate", "--checkpoint", str(out), "1 ="])
+    config["model"]["num_layers"] = 2
+    (out / "config.json").write_text(json.dumps(config))
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    err = _error(capsys, ["generate", "--checkpoint", str(out), "1 ="])
+    assert "is not a valid safetensors file" in err
+    (out / "config.json").write_text("{")
+    assert "is not valid JSON" in _error(capsys, ["generate", "--checkpoint", str(out), "1 ="])
+
+
+def test_batch_size_must_split_across_ranks(tmp_path: Path, monkeypatch) -> None:
+    from multihead.training import loop
+
+    monkeypatch.setattr(loop, "_setup_world", lambda device: loop._World(rank=0, size=3))
+    with pytest.raises(ValueError, match="batch_size 16 .* must be divisible by the world size 3"):
+        train(_config(tmp_path))
+
+
+def test_numpy_hash_does_not_warn() -> None:
+    with np.errstate(all="raise"):
+        Task("add", 5).batch(2**40, 10**6, range(4))
