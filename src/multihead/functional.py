@@ -16,11 +16,20 @@ Backends share one signature:
   sequence length, weights are never materialised.
 - ``"math"``: the explicit formula the tutorials teach, written to be read. The only backend that
   returns the attention weights.
-- ``"auto"``: ``"math"`` when weights are asked for, else ``"sdpa"``.
+- ``"blocked"``: blocks over queries and keys with an online softmax (FlashAttention's forward),
+  compiled by torch.compile; see :mod:`multihead.blocked`. CPU, forward only (no autograd, no
+  dropout, no weights). Its first call per dtype compiles for about 10–20 s; later calls with
+  any sequence length reuse that compile.
+- ``"auto"``: ``"math"`` when weights are asked for; ``"blocked"`` for bfloat16/float16 inference
+  on CPU (no gradient, no dropout) once T·S reaches :data:`BLOCKED_MIN_WORK`, where it measured
+  faster than torch's kernel; else ``"sdpa"``. ``"auto"`` never fails because ``"blocked"`` can't
+  run (no C++ compiler, a failed compile, inside a torch.compile trace): it takes ``"sdpa"`` and
+  logs why at debug level on the ``multihead.functional`` logger.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Literal, overload
 
@@ -28,10 +37,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["attention", "causal_mask", "BACKENDS"]
+from multihead import blocked as _blocked
 
-Backend = Literal["auto", "sdpa", "math"]
-BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math")
+__all__ = ["attention", "causal_mask", "BACKENDS", "BLOCKED_MIN_WORK"]
+
+_LOG = logging.getLogger(__name__)
+
+Backend = Literal["auto", "sdpa", "math", "blocked"]
+BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "blocked")
+
+BLOCKED_MIN_WORK = 512 * 512
+"""T·S from which ``"auto"`` prefers ``"blocked"`` for half-precision CPU inference (measured)."""
+
+# Set when the blocked backend failed at run time (e.g. its compile): "auto" stops trying it.
+_blocked_failure: str | None = None
 
 
 def causal_mask(
@@ -97,6 +116,29 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
 
 
+def _check_mask(mask: Tensor | None, q: Tensor, k: Tensor) -> None:
+    """Raise unless ``mask`` is None or a bool/float tensor broadcastable to (..., H, T, S)."""
+    if mask is None:
+        return
+    target = (*q.shape[:-1], k.shape[-2])
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = may attend) or floating point (added to the "
+            f"scores), got dtype {mask.dtype}"
+        )
+    try:
+        shape = torch.broadcast_shapes(mask.shape, target)
+    except RuntimeError:
+        shape = None
+    if shape != torch.Size(target):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
+            f"{tuple(target)} (..., H, T, S)"
+        )
+
+
 def _prepare_mask(
     mask: Tensor | None, is_causal: bool, q: Tensor, k: Tensor
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -109,26 +151,9 @@ def _prepare_mask(
     is None when no row can be empty.
     """
     tq, tk = q.shape[-2], k.shape[-2]
-    target = (*q.shape[:-1], tk)
-    if mask is not None:
-        if not isinstance(mask, Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(
-                f"mask must be bool (True = may attend) or floating point (added to the "
-                f"scores), got dtype {mask.dtype}"
-            )
-        try:
-            shape = torch.broadcast_shapes(mask.shape, target)
-        except RuntimeError:
-            shape = None
-        if shape != torch.Size(target):
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
-                f"{tuple(target)} (..., H, T, S)"
-            )
-        if mask.is_floating_point() and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)
+    _check_mask(mask, q, k)
+    if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
     if is_causal:
         causal = causal_mask(tq, tk, device=q.device)
         if mask is None:
@@ -202,6 +227,56 @@ def _math(
     return out.to(q.dtype), weights.to(q.dtype)
 
 
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _check_blocked_request(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, need_weights: bool
+) -> None:
+    """Raise with the reason when ``backend="blocked"`` cannot serve this request."""
+    if need_weights:
+        raise ValueError(
+            "backend='blocked' cannot return attention weights (it never materialises them): "
+            "use backend='math' or 'auto' with need_weights=True"
+        )
+    if dropout_p > 0:
+        raise ValueError(
+            f"backend='blocked' has no dropout, got dropout_p={dropout_p}: use backend='sdpa' "
+            f"or 'auto' for training"
+        )
+    if _needs_grad(q, k, v):
+        raise ValueError(
+            "backend='blocked' is forward-only (no autograd), got inputs that require grad with "
+            "grad mode on: use backend='sdpa' or 'auto' for training, or call it under "
+            "torch.no_grad() / torch.inference_mode()"
+        )
+    reason = _blocked.unavailable_reason(q)
+    if reason is not None:
+        raise RuntimeError(f"backend='blocked' is unavailable: {reason}")
+
+
+def _remember_blocked_failure(exc: Exception) -> None:
+    global _blocked_failure
+    _blocked_failure = f"{type(exc).__name__}: {exc}"
+    _LOG.warning("the blocked backend failed; backend='auto' uses 'sdpa' from now on: %s", exc)
+
+
+def _auto_picks_blocked(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """Whether ``"auto"`` takes the blocked backend (weights were not asked for)."""
+    if torch.compiler.is_compiling():
+        return False  # inside someone's torch.compile trace: a Python loop of blocks won't do
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if dropout_p > 0 or _needs_grad(q, k, v) or q.shape[-2] * k.shape[-2] < BLOCKED_MIN_WORK:
+        return False
+    reason = _blocked_failure or _blocked.unavailable_reason(q)
+    if reason is not None:
+        _LOG.debug("backend='auto' uses 'sdpa', not 'blocked': %s", reason)
+        return False
+    return True
+
+
 @overload
 def attention(
     q: Tensor,
@@ -273,9 +348,12 @@ def attention(
         scale: the factor on the scores; default 1 / sqrt(D).
         dropout_p: dropout on the attention weights. Applied whenever it is > 0: pass 0 in eval.
         need_weights: also return the attention weights (softmax probabilities, before dropout).
-        backend: ``"auto"``, ``"sdpa"`` (torch's fused kernel, no weights) or ``"math"`` (the
-            explicit formula). ``"auto"`` takes ``"math"`` when weights are asked for, else
-            ``"sdpa"``.
+        backend: ``"auto"``, ``"sdpa"`` (torch's fused kernel, no weights), ``"math"`` (the
+            explicit formula) or ``"blocked"`` (blocked online softmax compiled by torch.compile:
+            CPU inference only, no weights, no dropout, no autograd; the first call per dtype
+            compiles for about 10–20 s). ``"auto"`` takes ``"math"`` when weights are asked
+            for; ``"blocked"`` for bfloat16/float16 CPU tensors when no gradient is needed, no
+            dropout is asked for and T·S >= :data:`BLOCKED_MIN_WORK`; else ``"sdpa"``.
 
     Returns:
         ``out`` (..., H, T, Dv), or ``(out, weights)`` with weights (..., H, T, S) when
@@ -284,7 +362,10 @@ def attention(
     Raises:
         TypeError: a tensor argument of the wrong type or dtype.
         ValueError: shapes that disagree, a mask that doesn't broadcast, dropout_p outside
-            [0, 1), an unknown backend, or need_weights with ``backend="sdpa"``.
+            [0, 1), an unknown backend, need_weights with ``backend="sdpa"`` or
+            ``"blocked"``, or dropout or inputs that require grad with ``backend="blocked"``.
+        RuntimeError: ``backend="blocked"`` where it cannot run: not on CPU, or no
+            torch.compile or C++ compiler (``"auto"`` falls back to ``"sdpa"`` instead).
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 5, 8)  # (B, H, T, D)
@@ -301,9 +382,23 @@ def attention(
             "backend='sdpa' cannot return attention weights (torch's fused kernel never "
             "materialises them): use backend='math' or 'auto' with need_weights=True"
         )
+    if backend == "blocked":
+        _check_blocked_request(q, k, v, dropout_p, need_weights)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     use_math = backend == "math" or (backend == "auto" and need_weights)
+
+    if backend == "blocked" or (
+        backend == "auto" and not need_weights and _auto_picks_blocked(q, k, v, dropout_p)
+    ):
+        _check_mask(mask, q, k)
+        try:
+            return _blocked.blocked_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+        except Exception as exc:
+            if backend == "blocked":
+                raise
+            # "auto" never fails because of "blocked": remember, say why, and take torch's kernel.
+            _remember_blocked_failure(exc)
 
     plain_causal = is_causal and mask is None and q.shape[-2] == k.shape[-2]
     if plain_causal and not use_math:
