@@ -319,10 +319,11 @@ def capture(
 ) -> Iterator[Recorder]:
     """Record attention weights of a model built from :class:`~multihead.MultiHeadAttention`.
 
-    Inside the block, each chosen attention module reports the softmax weights of the chosen
-    heads and query rows, recomputed from the projected heads and the exact mask the core used.
-    The model's forward and its outputs are unchanged (the fused kernel still runs). Memory is
-    O(B · H' · R · S) per layer: one row of a 4,096-token input is (B, H, 1, 4096), not T².
+    Inside the block, each chosen attention module reports the softmax weights (before any
+    dropout) of the chosen heads and query rows, recomputed from the projected heads and the
+    exact mask the core used. The model's forward and its outputs are unchanged (the fused
+    kernel still runs). Memory is O(B · H' · R · S) per layer: one row of a 4,096-token input
+    is (B, H, 1, 4096), not T².
 
     Args:
         model: any module; every MultiHeadAttention inside it, in module order, is a "layer".

@@ -198,7 +198,8 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     head_note = f"mean over {len(heads)} heads" if len(heads) > 1 else f"head {heads[0]}"
     focus = f"focus {ex.focus_token!r} (token {ex.focus_index})"
     print(f"{ex.model_name}: {len(ex.tokens)} tokens; {focus}")
-    print(f"  {ex.text}")
+    shown = ex.text if len(ex.text) <= 200 else ex.text[:200] + "…"
+    print(f"  {shown}")
     print()
     print(
         f"Words {ex.focus_token!r} attends to most, per layer ({head_note}; the head attending "
