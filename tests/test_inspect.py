@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -55,6 +56,7 @@ def test_capture_selects_layers_heads_rows(num_kv_heads: int | None) -> None:
             enc(x, key_mask=km, is_causal=True)
     # records come in call (= layer) order whatever order the layers were asked in
     assert rec.layers == [0, 2]
+    assert rec.heads == [(5, 0, 3)] * 2 and rec.rows == [(6, 1, 6)] * 2
     for record in rec.records:
         assert record.heads == (5, 0, 3) and record.rows == (6, 1, 6)
         assert record.weights.shape == (B, 3, 3, T)
@@ -297,6 +299,13 @@ def test_head_statistics_chunked_equals_full(num_kv_heads: int | None) -> None:
     part = head_statistics(enc, x, key_mask=km, is_causal=True, layers=[1], heads=[4, 2])
     assert part.layers == [1] and part.heads == [4, 2]
     torch.testing.assert_close(part.identity[0], want.identity[1, [4, 2]])
+
+
+def test_statistics_table_without_rich_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    stats = HeadStatistics.from_weights([torch.full((1, 1, 3, 3), 1 / 3)])
+    monkeypatch.setitem(sys.modules, "rich.table", None)
+    with pytest.raises(ImportError, match=r"needs rich: pip install 'multihead\[viz\]'"):
+        stats.table()
 
 
 def test_head_statistics_errors() -> None:

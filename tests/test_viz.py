@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import subprocess
+import sys
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
@@ -13,6 +16,7 @@ from xml.etree import ElementTree
 import pytest
 import torch
 
+import multihead
 from multihead.inspect import HeadStatistics
 from multihead.viz import encode_weights, grid_figure, head_figure, render_page, save_figure
 
@@ -72,6 +76,31 @@ def test_figure_errors(tmp_path: Path) -> None:
     fig = head_figure(_weights()[0, 0], TOKENS)
     with pytest.raises(ValueError, match=r"path must end in .png or .svg, got '.*grid.pdf'"):
         save_figure(fig, tmp_path / "grid.pdf")
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"needs matplotlib .*: pip install 'multihead\[viz\]'"):
+        grid_figure(_weights(), TOKENS)
+
+
+def test_imports_stay_lazy() -> None:
+    # The CLI's start-up time depends on it: nothing heavy until a picture is drawn.
+    src = str(Path(multihead.__file__).resolve().parents[1])
+    code = (
+        "import sys, multihead, multihead.viz, multihead.inspect, multihead.explain, "
+        "multihead.cli.explain, multihead.viz.page; "
+        "heavy = [m for m in ('matplotlib', 'rich', 'tokenizers', 'PIL') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": src},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_encode_weights_round_trip() -> None:

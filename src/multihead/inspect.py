@@ -293,6 +293,16 @@ class Recorder:
         """The layer index of each record."""
         return [r.layer for r in self.records]
 
+    @property
+    def heads(self) -> list[tuple[int, ...]]:
+        """The query heads kept in each record."""
+        return [r.heads for r in self.records]
+
+    @property
+    def rows(self) -> list[tuple[int, ...]]:
+        """The query rows kept in each record."""
+        return [r.rows for r in self.records]
+
     def stack(self) -> Tensor:
         """All records as one tensor (N, B, H', R, S); they must share their shapes."""
         if not self.records:
@@ -498,7 +508,7 @@ class HeadStatistics:
         """
         try:
             from rich.table import Table
-        except ImportError as e:  # pragma: no cover - depends on the environment
+        except ImportError as e:
             raise ImportError(
                 "HeadStatistics.table needs rich: pip install 'multihead[viz]'"
             ) from e
