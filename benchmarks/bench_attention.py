@@ -19,8 +19,11 @@ four projections (2·B·T·E² each) and attention (4·B·H·T²·D), beside a f
 measured in the same run. Ratios are ``multihead ÷ other`` times: lower is better.
 
 Peak memory: one eval forward at T=16384 (B=1), each implementation in a fresh process
-(``--memory-child NAME``), peak RSS from ``getrusage``. A child whose predicted footprint
-exceeds the memory available is skipped, not run (so it cannot take the machine down).
+(``--memory-child NAME``), measured first while the parent is small. The figure is the process's
+peak RSS: VmHWM from /proc/self/status where there is one (``getrusage``'s ``ru_maxrss``, also
+recorded, is inherited across exec from the parent on Linux), else ``ru_maxrss``. A child whose
+predicted footprint exceeds the memory available is skipped, not run (so it cannot take the
+machine down).
 
 Usage::
 
@@ -264,10 +267,24 @@ def timing_tables(rows: list[dict[str, Any]]) -> str:
 # -- memory --------------------------------------------------------------------------------------
 
 
-def _maxrss_bytes() -> int:
+def _peak_rss_bytes() -> tuple[int, int | None]:
+    """This process's peak RSS: ``(ru_maxrss, VmHWM)`` in bytes (VmHWM None where unknown).
+
+    Linux carries ``ru_maxrss`` over ``execve``, so a child started by a large parent begins
+    with the parent's resident size as its "peak". VmHWM (/proc/self/status) is the peak of the
+    process's own address space only, so it is the figure reported when there is one.
+    """
     # Linux reports kilobytes, macOS bytes.
     scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return maxrss, int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return maxrss, None
 
 
 def memory_child(name: str, length: int) -> None:
@@ -276,12 +293,20 @@ def memory_child(name: str, length: int) -> None:
     reference = nn.MultiheadAttention(E, H, batch_first=True)
     model = build(name, reference).eval()
     x = torch.randn(1, length, E)
-    before = _maxrss_bytes()
+    maxrss_before, hwm_before = _peak_rss_bytes()
     with torch.no_grad():
         out = call(name, model, x, False)
-    after = _maxrss_bytes()
-    print(json.dumps({"impl": name, "T": length, "rss_before": before, "peak_rss": after}))
+    maxrss, hwm = _peak_rss_bytes()
     assert out.shape == x.shape
+    row = {
+        "impl": name,
+        "T": length,
+        "peak_rss": hwm if hwm is not None else maxrss,
+        "rss_before": hwm_before if hwm_before is not None else maxrss_before,
+        "ru_maxrss": maxrss,
+        "vm_hwm": hwm,
+    }
+    print(json.dumps(row))
 
 
 def predicted_bytes(name: str, length: int) -> int:
@@ -433,10 +458,20 @@ def main(argv: list[str] | None = None) -> int:
         print("quick smoke run: the numbers below are not meaningful\n")
     print(
         f"{info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
-        f"torch {info['torch']}\ncommand: {info['command']}\n"
+        f"torch {info['torch']}, load average {info['load_average'][0]:.1f}\n"
+        f"command: {info['command']}\n"
     )
 
     payload: dict[str, Any] = {"machine": info, "config": {"E": E, "H": H, "B": B}}
+    # Memory first, while this process is small: see _peak_rss_bytes.
+    memory: list[dict[str, Any]] = []
+    if not args.no_memory:
+        length = QUICK_MEMORY_T if args.quick else MEMORY_T
+        memory = run_memory(length, parallel=args.quick)
+        payload["memory"] = memory
+        print(f"peak memory, one eval forward, B=1, T={length}, each in its own process")
+        print(memory_table(memory) + "\n")
+
     rows: list[dict[str, Any]] = []
     if not args.memory_only:
         gemm_n = 512 if args.quick else 2048
@@ -462,14 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         print(timing_tables(rows))
         print(f"float32 GEMM peak at the end of the run: {peaks['float32_at_end']:.1f} GFLOP/s\n")
 
-    memory: list[dict[str, Any]] = []
-    if not args.no_memory:
-        length = QUICK_MEMORY_T if args.quick else MEMORY_T
-        memory = run_memory(length, parallel=args.quick)
-        payload["memory"] = memory
-        print(f"peak memory, one eval forward, B=1, T={length}, each in its own process")
-        print(memory_table(memory) + "\n")
-
+    payload["load_average_at_end"] = list(os.getloadavg())
     targets = check_targets(rows, memory, lengths)
     payload["targets"] = targets
     if targets:

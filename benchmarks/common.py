@@ -101,6 +101,8 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "command": " ".join(["python", *sys.argv]),
+        # Other work on the machine skews timings: record how busy it was.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 

@@ -1,0 +1,42 @@
+"""The benchmark scripts run end to end (``--quick``) and write valid JSON. No timing asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.mark.slow
+def test_bench_attention_quick(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_attention.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "attention_quick.json").read_text(encoding="utf-8"))
+    assert payload["machine"]["torch"]
+    assert set(payload["gemm_peak_gflops"]) >= {"float32", "bfloat16"}
+    sections = {row["section"] for row in payload["rows"]}
+    assert sections == {
+        "forward",
+        "forward+backward",
+        "forward, need_weights",
+        "forward+backward, need_weights",
+    }
+    impls = {row["impl"] for row in payload["rows"]}
+    assert impls == {"multihead", "torch", "floor", "naive"}
+    assert all(row["seconds"] > 0 for row in payload["rows"])
+    assert payload["max_abs_difference"] < 1e-4
+    assert {row["impl"] for row in payload["memory"] if "peak_rss" in row} == impls
+    assert payload["targets"], "no target was evaluated"
+    assert "multihead ÷ impl" in done.stdout
