@@ -37,6 +37,8 @@ def test_bench_attention_quick(tmp_path: Path) -> None:
     assert impls == {"multihead", "torch", "floor", "naive"}
     assert all(row["seconds"] > 0 for row in payload["rows"])
     assert payload["max_abs_difference"] < 1e-4
-    assert {row["impl"] for row in payload["memory"] if "peak_rss" in row} == impls
+    memory = {row["impl"]: row for row in payload["memory"]}
+    assert set(memory) == {"multihead", "torch"}
+    assert all(row["peak_rss"] >= row["rss_before"] > 0 for row in memory.values())
     assert payload["targets"], "no target was evaluated"
     assert "multihead ÷ impl" in done.stdout
