@@ -602,7 +602,8 @@ class _StatsAccumulator:
                 f"were given, got weights for B={b}, T={t}, S={s}; choose self-attention layers "
                 f"with layers="
             )
-        w = w.to(torch.float64)
+        # float32 per chunk (float64 would double the chunk's memory); sums accumulate in float64
+        w = w.to(torch.promote_types(w.dtype, torch.float32))
         vq = self.valid[:, rows].to(w.dtype)  # (B, R)
         valid_k = self.valid.to(w.dtype)  # (B, S)
         per_query = {

@@ -200,18 +200,55 @@ def head_figure(
     _matplotlib()
     from matplotlib.figure import Figure
 
-    side = min(40.0, max(6.0, 0.22 * max(t, s) + 2.0))
-    fig = Figure(figsize=(side + 1.2, side), layout="constrained")
-    ax = fig.subplots()
-    image = ax.imshow(w.numpy(), cmap=_CMAP, vmin=0.0, vmax=float(w.max().clamp(min=1e-6)))
-    font = max(4.0, min(10.0, 400.0 / max(t, 1)))
-    ax.set_xticks(range(s), [_label(x) for x in tokens[-s:]], rotation=90, fontsize=font)
-    ax.set_yticks(range(t), [_label(x) for x in tokens[-t:]], fontsize=font)
-    ax.set_xlabel("key (attended to)")
-    ax.set_ylabel("query (attending)")
+    # Fixed margins and plain texts for the labels, as in grid_figure: ticks cost seconds at
+    # a few hundred tokens. A cell is at least one label line high.
+    n = max(t, s)
+    font = max(4.0, min(10.0, 400.0 / n))
+    cell = max(font * 1.3 / 72, min(0.4, 6.0 / n))
+    label = (max(len(x) for x in tokens) * 0.62 * font + 8) / 72
+    left, bottom, top, right = label + 0.45, label + 0.45, 0.5, 1.3
+    width, height = s * cell, t * cell
+    fw, fh = left + width + right, bottom + height + top
+    fig = Figure(figsize=(fw, fh))
+    ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
+    image = ax.imshow(
+        w.numpy(),
+        cmap=_CMAP,
+        vmin=0.0,
+        vmax=float(w.max().clamp(min=1e-6)),
+        aspect="auto",
+        interpolation="nearest",
+    )
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for j, token in enumerate(tokens):
+        ax.text(
+            j,
+            t - 0.5 + 0.3,
+            _label(token),
+            rotation=90,
+            ha="center",
+            va="top",
+            fontsize=font,
+            clip_on=False,
+        )
+    for i, token in enumerate(tokens[-t:]):
+        ax.text(-0.8, i, _label(token), ha="right", va="center", fontsize=font, clip_on=False)
+    fig.text((left + width / 2) / fw, 0.12 / fh, "key (attended to)", ha="center", va="bottom")
+    fig.text(
+        0.12 / fw,
+        (bottom + height / 2) / fh,
+        "query (attending)",
+        rotation=90,
+        ha="left",
+        va="center",
+    )
     if focus is not None:
-        _outline_row(ax, focus, s)
-    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
+        _outline_row(ax, focus - (s - t), s)
+    bar = fig.add_axes(
+        ((left + width + 0.3) / fw, (bottom + 0.1 * height) / fh, 0.15 / fw, 0.8 * height / fh)
+    )
+    fig.colorbar(image, cax=bar, label="attention weight")
     where = " ".join(
         x
         for x in (
