@@ -51,6 +51,16 @@ def _check_dropout(dropout: float) -> float:
     return float(dropout)
 
 
+def _check_x(name: str, x: Tensor, embed_dim: int) -> None:
+    """x must be (B, T, E) or unbatched (T, E); checked before a LayerNorm sees it."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (2, 3) or x.shape[-1] != embed_dim:
+        raise ValueError(
+            f"{name} must be (B, T, E) or (T, E) with E={embed_dim}, got shape {tuple(x.shape)}"
+        )
+
+
 def _split(result: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
     """(out, weights) from an attention call that may or may not have returned weights."""
     return result if isinstance(result, tuple) else (result, None)
@@ -176,6 +186,7 @@ class TransformerEncoderLayer(nn.Module):
         Returns:
             x (B, T, E), or ``(x, weights)`` with weights (B, H, T, S) when ``need_weights``.
         """
+        _check_x("x", x, self.self_attn.embed_dim)
         weights: Tensor | None = None
 
         def attend(h: Tensor) -> Tensor:
@@ -440,6 +451,11 @@ class TransformerDecoderLayer(nn.Module):
         cache: self-attention key/value cache for incremental decoding.
         """
 
+        _check_x("x", x, self.self_attn.embed_dim)
+        if not isinstance(memory, Tensor) or memory.dim() != x.dim():
+            got = tuple(memory.shape) if isinstance(memory, Tensor) else type(memory).__name__
+            raise ValueError(f"memory must be (B, S, memory_dim) like x is (B, T, E), got {got}")
+
         def attend(h: Tensor) -> tuple[Tensor, Tensor | None]:
             return _split(
                 self.self_attn(
@@ -474,20 +490,35 @@ class TransformerDecoderLayer(nn.Module):
         return x
 
 
-def _positions(x: Tensor, positions: Tensor | None, max_len: int) -> Tensor:
+def _positions(x: Tensor, positions: Tensor | None, max_len: int, embed_dim: int) -> Tensor:
     """Validate positions for x (B, T, E): default 0..T-1; returns (T,) or (B, T) int64."""
+    if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-1] != embed_dim:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"x must be (..., T, E) with E={embed_dim}, got {shape}")
     t = x.shape[-2]
     if positions is None:
         if t > max_len:
             raise ValueError(f"sequence length {t} exceeds max_len={max_len}")
         return torch.arange(t, device=x.device)
-    if positions.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"positions must be an integer tensor, got dtype {positions.dtype}")
-    if positions.shape[-1] != t:
+    if not isinstance(positions, Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        got = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
+        raise TypeError(f"positions must be an int32/int64 tensor, got {got}")
+    if positions.dim() == 0 or positions.shape[-1] != t:
         raise ValueError(
             f"positions must end in the sequence length T={t}, got shape {tuple(positions.shape)}"
         )
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_len):
+        raise ValueError(
+            f"positions must be in [0, max_len={max_len}), got values in "
+            f"[{int(positions.min())}, {int(positions.max())}]"
+        )
     return positions
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -516,20 +547,26 @@ class SinusoidalPositionalEncoding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        _check_sizes(embed_dim=embed_dim, max_len=max_len)
+        if not base > 0:
+            raise ValueError(f"base must be positive, got {base!r}")
         self.embed_dim, self.max_len = embed_dim, max_len
-        position = torch.arange(max_len, dtype=torch.float32, device=device)[:, None]  # (L, 1)
+        # Angles in float64: p · freq reaches thousands of radians, where float32 would lose
+        # about 1e-4 of them.
+        position = torch.arange(max_len, dtype=torch.float64, device=device)[:, None]  # (L, 1)
         freq = torch.exp(
-            torch.arange(0, embed_dim, 2, dtype=torch.float32, device=device)
+            torch.arange(0, embed_dim, 2, dtype=torch.float64, device=device)
             * (-math.log(base) / embed_dim)
         )  # (ceil(E/2),)
-        pe = torch.zeros(max_len, embed_dim, device=device)
+        pe = torch.zeros(max_len, embed_dim, dtype=torch.float64, device=device)
         pe[:, 0::2] = torch.sin(position * freq)
         pe[:, 1::2] = torch.cos(position * freq[: embed_dim // 2])
+        pe = pe.float()  # (L, E)
         # Not persistent: it is a function of the arguments, not a learned weight.
         self.register_buffer("pe", pe, persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        pos = _positions(x, positions, self.max_len)
+        pos = _positions(x, positions, self.max_len, self.embed_dim)
         return x + self.pe[pos].to(x.dtype)
 
 
@@ -549,9 +586,10 @@ class LearnedPositionalEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        _check_sizes(max_len=max_len, embed_dim=embed_dim)
         self.max_len = max_len
         self.embedding = nn.Embedding(max_len, embed_dim, device=device, dtype=dtype)
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        pos = _positions(x, positions, self.max_len)
+        pos = _positions(x, positions, self.max_len, self.embedding.embedding_dim)
         return x + self.embedding(pos)

