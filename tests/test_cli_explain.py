@@ -194,7 +194,9 @@ def fast_model(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "attention"
+    threads = torch.get_num_threads()
     assert main(["explain", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the caller's setting is restored
     captured = capsys.readouterr()
     text = captured.out
     assert "focus 'it' (token 10)" in text

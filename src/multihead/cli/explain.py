@@ -157,6 +157,25 @@ def run(args: argparse.Namespace) -> int:
         console = None
 
     with _status(console, "Loading the model…"):
+        import torch
+
+        threads = torch.get_num_threads()
+        if "OMP_NUM_THREADS" not in os.environ:
+            # One text through a small model is a few dozen small matmuls: a second thread buys
+            # nothing, and its spin-waits cost seconds when the CPU is shared.
+            torch.set_num_threads(1)
+    try:
+        ex, paths = _explain(args, formats, out, console)
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside a longer-lived process
+    _print_report(ex, paths)
+    return 0
+
+
+def _explain(
+    args: argparse.Namespace, formats: list[str], out: Path, console: Any
+) -> tuple[Explanation, list[Path]]:
+    with _status(console, "Loading the model…"):
         model, name = _load_model(args.model)
     n_layers = model.config.num_hidden_layers
     n_heads = model.config.num_attention_heads
@@ -189,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
     with _status(console, "Drawing the pictures…"):
         paths = ex.save(out, formats)
-    _print_report(ex, paths)
-    return 0
+    return ex, paths
 
 
 def _print_report(ex: Explanation, paths: list[Path]) -> None:
