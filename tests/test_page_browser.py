@@ -30,7 +30,8 @@ if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         f"missing): apt-get install chromium chromium-driver",
         allow_module_level=True,
     )
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the test extra")
+
+from selenium import webdriver  # noqa: E402  (the test extra has it; only the browser may be absent)
 
 TOKENS = "[CLS] the animal didn ' t cross the street because it was too tired . [SEP]".split()
 
