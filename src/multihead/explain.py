@@ -247,7 +247,7 @@ class Explanation:
         )
 
     def summary(self) -> str:
-        """A few lines of plain text: per layer the top words, then notable heads."""
+        """Plain text: the focus token, then per covered layer its top words and [CLS]/[SEP]."""
         lines = [f"focus: {self.focus_token!r} (token {self.focus_index})"]
         for lf in self.top_words:
             words = ", ".join(f"{w.word} {w.weight:.2f} (head {w.head})" for w in lf.words)
@@ -286,7 +286,9 @@ def _indices(value: int | Sequence[int] | None, count: int, what: str) -> list[i
     return [_index(v, count, what) for v in items]
 
 
-def _word_spans(text: str, offsets: list[tuple[int, int]], word_ids: list[int | None]) -> list:
+def _word_spans(
+    text: str, offsets: list[tuple[int, int]], word_ids: list[int | None]
+) -> list[tuple[int, int]]:
     """Candidate words as (start, end) character spans, in text order: the tokenizer's words
     and the whitespace-separated words with surrounding punctuation stripped ("didn't")."""
     spans: dict[int, tuple[int, int]] = {}
@@ -306,7 +308,11 @@ def _word_spans(text: str, offsets: list[tuple[int, int]], word_ids: list[int | 
 
 
 def _find_focus(
-    text: str, focus: str, tokens: list[str], offsets: list[tuple[int, int]], word_ids: list
+    text: str,
+    focus: str,
+    tokens: list[str],
+    offsets: list[tuple[int, int]],
+    word_ids: list[int | None],
 ) -> int:
     """The first token of the first word matching ``focus`` case-insensitively."""
     target = focus.strip().casefold()
