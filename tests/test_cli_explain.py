@@ -155,6 +155,12 @@ def test_multihead_explain_is_callable_after_importing_the_module() -> None:
     import multihead.explain as module
 
     assert callable(multihead.explain) and callable(module)
+    # the default model (MiniLM) is loaded once per process
+    first = multihead.explain("A short text.", focus="TEXT")
+    second = module("Another short text.", focus_index=1)
+    assert first.focus_token == "text" and second.focus_token == "another"
+    assert first.model_name == "all-MiniLM-L6-v2"
+    assert module._default_model.cache_info().hits >= 1
 
 
 def test_head_statistics_on_a_padded_bert_batch(model: Any) -> None:

@@ -14,6 +14,7 @@ In a notebook, the returned :class:`Explanation` shows the interactive page inli
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 import string
@@ -381,6 +382,14 @@ def _layer_focus(
     return LayerFocus(layer=layer, words=scored[:_TOP], special=specials)
 
 
+@functools.lru_cache(maxsize=1)
+def _default_model() -> BertModel:
+    # Loaded once per process: a notebook calling explain() in a loop shouldn't reload it.
+    from multihead.pretrained import minilm
+
+    return minilm()
+
+
 def _model_name(model: Any) -> str:
     name = getattr(model, "name", None) or getattr(model, "name_or_path", None)
     return str(name) if name else type(model).__name__
@@ -430,9 +439,7 @@ def explain(
         )
     model_name = None
     if model is None:
-        from multihead.pretrained import minilm
-
-        model, model_name = minilm(), "all-MiniLM-L6-v2"
+        model, model_name = _default_model(), "all-MiniLM-L6-v2"
     config = model.config
     n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
     layer_list = _indices(layers, n_layers, "layer")
