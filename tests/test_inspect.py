@@ -144,6 +144,9 @@ def test_capture_records_every_call_and_stacks() -> None:
         enc(torch.randn(B, T, E))
     assert rec.layers == [0, 1, 0, 1]
     assert rec.stack().shape == (4, B, 1, 1, T)
+    with torch.no_grad(), capture(enc, layers=[1, 1, -1]) as twice:
+        enc(torch.randn(B, T, E))
+    assert twice.layers == [1]  # a layer named twice is recorded once
     rec.clear()
     with pytest.raises(ValueError, match="nothing was recorded"):
         rec.stack()

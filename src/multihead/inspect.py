@@ -205,7 +205,8 @@ def _observe(
             f"capture records only attention built from multihead's modules"
         )
     layer_ids = _as_index_list(layers, len(found), "layers")
-    chosen = list(range(len(found))) if layer_ids is None else layer_ids
+    # a layer named twice is observed once
+    chosen = list(range(len(found))) if layer_ids is None else list(dict.fromkeys(layer_ids))
     slots: list[tuple[int, str, list[int] | None]] = []
     for layer in chosen:
         name, mha = found[layer]
@@ -727,7 +728,7 @@ def head_statistics(
 
     found = attention_modules(model)
     layer_ids = _as_index_list(layers, len(found), "layers") if found else None
-    chosen = layer_ids if layer_ids is not None else list(range(len(found)))
+    chosen = list(dict.fromkeys(layer_ids)) if layer_ids is not None else list(range(len(found)))
     num_heads = {found[i][1].num_heads for i in chosen}
     head_ids = _as_index_list(heads, min(num_heads), "heads") if num_heads else None
     if head_ids is None and len(num_heads) > 1:
