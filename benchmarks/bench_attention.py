@@ -43,6 +43,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,11 @@ SECTIONS = (
 
 
 def run_timing(
-    lengths: tuple[int, ...], min_run_time: float, rounds: int, peak_fp32: float
+    lengths: tuple[int, ...],
+    min_run_time: float,
+    rounds: int,
+    peak_fp32: float,
+    timer: Callable[[], float] | None = None,
 ) -> list[dict[str, Any]]:
     """Time every (section, T, implementation). Rounds alternate implementations, so slow drift
     of a shared machine hits all of them alike; each figure is the median of the round medians.
@@ -215,7 +220,8 @@ def run_timing(
             samples: dict[str, list[float]] = {name: [] for name in impls}
             for _ in range(rounds):
                 for name in impls:
-                    samples[name].append(median_time(fns[name], min_run_time=min_run_time))
+                    seconds = median_time(fns[name], min_run_time=min_run_time, timer=timer)
+                    samples[name].append(seconds)
             for name in impls:
                 seconds = statistics.median(samples[name])
                 row: dict[str, Any] = {
@@ -442,6 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true", help="only the peak-memory part")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 3)")
     parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with this process's CPU time instead of wall time: steadier on a busy "
+        "machine; use with --threads 1",
+    )
+    parser.add_argument(
         "--results-dir", default=None, help="where to write the JSON (default benchmarks/results)"
     )
     parser.add_argument("--memory-child", choices=IMPLS, help=argparse.SUPPRESS)
@@ -452,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         memory_child(args.memory_child, args.memory_length)
         return 0
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    timer = time.process_time if args.cpu_time else None
     lengths = QUICK_T if args.quick else FULL_T
     min_run_time = 0.05 if args.quick else 1.0
     rounds = args.rounds or (1 if args.quick else 3)
@@ -462,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
         f"torch {info['torch']}, load average {info['load_average'][0]:.1f}\n"
         f"command: {info['command']}\n"
+        f"clock: {'process CPU time' if args.cpu_time else 'wall time'}, "
+        f"{torch.get_num_threads()} torch threads\n"
     )
 
     payload: dict[str, Any] = {"machine": info, "config": {"E": E, "H": H, "B": B}}
@@ -480,22 +500,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.memory_only:
         gemm_n = 512 if args.quick else 2048
         peaks = {
-            "float32": gemm_peak(torch.float32, n=gemm_n, min_run_time=min_run_time),
-            "bfloat16": gemm_peak(torch.bfloat16, n=gemm_n, min_run_time=min_run_time),
+            "float32": gemm_peak(torch.float32, n=gemm_n, min_run_time=min_run_time, timer=timer),
+            "bfloat16": gemm_peak(torch.bfloat16, n=gemm_n, min_run_time=min_run_time, timer=timer),
         }
         print(
             f"GEMM peak ({gemm_n}² matmul): float32 {peaks['float32']:.1f} GFLOP/s, "
             f"bfloat16 {peaks['bfloat16']:.1f} GFLOP/s\n"
         )
         payload["max_abs_difference"] = check_agreement(lengths)
-        rows = run_timing(lengths, min_run_time, rounds, peaks["float32"])
+        rows = run_timing(lengths, min_run_time, rounds, peaks["float32"], timer)
         # Measured again at the end: if it moved much, the machine was busy during the run.
-        peaks["float32_at_end"] = gemm_peak(torch.float32, n=gemm_n, min_run_time=min_run_time)
+        peaks["float32_at_end"] = gemm_peak(
+            torch.float32, n=gemm_n, min_run_time=min_run_time, timer=timer
+        )
         payload.update(
             gemm_peak_gflops=peaks,
             gemm_n=gemm_n,
             lengths=list(lengths),
             rounds=rounds,
+            clock="process CPU time" if args.cpu_time else "wall time",
             rows=rows,
         )
         print(timing_tables(rows))
@@ -513,9 +536,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     directory = None if args.results_dir is None else Path(args.results_dir)
-    path = write_json(
-        "attention_quick" if args.quick else "attention", payload, directory=directory
-    )
+    name = "attention_quick" if args.quick else "attention"
+    if args.cpu_time or args.threads is not None:
+        name += f"_{'cpu' if args.cpu_time else 'wall'}_t{torch.get_num_threads()}"
+    path = write_json(name, payload, directory=directory)
     print(f"\nwrote {os.path.relpath(path)}")
     return 0
 

@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import timeit
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,14 @@ from torch.utils.benchmark import Timer
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def median_time(fn: Callable[[], object], *, min_run_time: float = 1.0, warmup: int = 2) -> float:
-    """Median wall time of one call of ``fn``, in seconds.
+def median_time(
+    fn: Callable[[], object],
+    *,
+    min_run_time: float = 1.0,
+    warmup: int = 2,
+    timer: Callable[[], float] | None = None,
+) -> float:
+    """Median time of one call of ``fn``, in seconds.
 
     Calls ``fn`` ``warmup`` times first (allocator, lazy initialisation, oneDNN primitive
     caches), then lets ``Timer.blocked_autorange`` pick a block size and run blocks for at least
@@ -48,17 +55,31 @@ def median_time(fn: Callable[[], object], *, min_run_time: float = 1.0, warmup: 
         fn: The zero-argument callable to time. Its result is discarded.
         min_run_time: Seconds of measurement after warm-up (at least one block always runs).
         warmup: Untimed calls before measuring.
+        timer: The clock; default wall time (``timeit.default_timer``). ``time.process_time``
+            counts this process's CPU time instead, which other work on a shared machine
+            disturbs much less (with one thread; several threads add their spin-waits).
 
     Returns:
         The median seconds per call.
     """
     for _ in range(warmup):
         fn()
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+    measure = Timer(
+        stmt="fn()",
+        globals={"fn": fn},
+        num_threads=torch.get_num_threads(),
+        timer=timeit.default_timer if timer is None else timer,
+    )
+    return float(measure.blocked_autorange(min_run_time=min_run_time).median)
 
 
-def gemm_peak(dtype: torch.dtype, *, n: int = 2048, min_run_time: float = 1.0) -> float:
+def gemm_peak(
+    dtype: torch.dtype,
+    *,
+    n: int = 2048,
+    min_run_time: float = 1.0,
+    timer: Callable[[], float] | None = None,
+) -> float:
     """Achieved GFLOP/s of one square ``n × n @ n × n`` matmul: the roofline of this run.
 
     Measured, not looked up, because the number that matters is what torch's BLAS reaches on
@@ -68,6 +89,7 @@ def gemm_peak(dtype: torch.dtype, *, n: int = 2048, min_run_time: float = 1.0) -
         dtype: Element type, e.g. ``torch.float32`` or ``torch.bfloat16``.
         n: Matrix side; 2048 is large enough to saturate a few CPU cores.
         min_run_time: Seconds of measurement, see :func:`median_time`.
+        timer: The clock, see :func:`median_time`.
 
     Returns:
         GFLOP/s, counting ``2·n³`` floating-point operations per matmul.
@@ -75,7 +97,7 @@ def gemm_peak(dtype: torch.dtype, *, n: int = 2048, min_run_time: float = 1.0) -
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(dtype)
     b = torch.randn(n, n, generator=generator).to(dtype)
-    seconds = median_time(lambda: torch.mm(a, b), min_run_time=min_run_time)
+    seconds = median_time(lambda: torch.mm(a, b), min_run_time=min_run_time, timer=timer)
     return 2 * n**3 / seconds / 1e9
 
 
