@@ -246,9 +246,18 @@ def _shape_config() -> contextlib.AbstractContextManager[object]:
     return fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
 
 
-def _fresh(t: Tensor) -> Tensor:
-    """A contiguous copy of ``t`` that is no view of anything."""
-    return t.clone(memory_format=torch.contiguous_format)
+def _padded(t: Tensor, dim: int, value: float) -> Tensor:
+    """A contiguous copy of ``t``, no view of anything, with size >= 2 along ``dim``.
+
+    The rows added (at most one) hold ``value``.
+    """
+    if t.shape[dim] >= 2:
+        return t.clone(memory_format=torch.contiguous_format)
+    shape = list(t.shape)
+    shape[dim] = 2
+    out = torch.full(shape, value, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
 
 
 def _fill_bias(bias: Tensor, mask: Tensor) -> None:
@@ -257,13 +266,6 @@ def _fill_bias(bias: Tensor, mask: Tensor) -> None:
         bias.zero_().masked_fill_(~mask, float("-inf"))
     else:
         bias.copy_(mask)
-
-
-def _to_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """``mask`` as a fresh contiguous additive bias of ``dtype``: bool as 0 / -inf."""
-    bias = torch.empty(mask.shape, dtype=dtype, device=mask.device)
-    _fill_bias(bias, mask)
-    return bias
 
 
 def blocked_attention(
@@ -321,22 +323,27 @@ def blocked_attention(
     v3 = _as_batched(v, lead, (hk, s, dv)).reshape(n, s, dv).to(mm_dtype)  # (N, S, Dv)
 
     # Key blocks are fixed, aligned chunks, copied once into standalone tensors: the compiled
-    # step then never sees a view (dynamo guards on a view's base and storage offset).
+    # step then never sees a view (dynamo guards on a view's base and storage offset). A block
+    # of one key gets a second, masked-out key: dynamo specialises sizes of 1, and one padded
+    # key costs less than one more compile.
     starts = range(0, s, block_k)
-    k_blocks = [_fresh(k3[:, ks : ks + block_k]) for ks in starts]
-    v_blocks = [_fresh(v3[:, ks : ks + block_k]) for ks in starts]
+    widths = [min(block_k, s - ks) for ks in starts]
+    k_blocks = [_padded(k3[:, ks : ks + w], 1, 0.0) for ks, w in zip(starts, widths, strict=True)]
+    v_blocks = [_padded(v3[:, ks : ks + w], 1, 0.0) for ks, w in zip(starts, widths, strict=True)]
 
     kind: MaskKind = "key"
     key_bias: list[Tensor] = []
     full_mask: Tensor | None = None
-    if mask is None:
-        key_bias = [
-            torch.zeros(n, 1, kb.shape[1], dtype=acc_dtype, device=device) for kb in k_blocks
-        ]
-    elif _is_key_mask(mask):
-        row = mask.reshape(*mask.shape[:-3], 1, mask.shape[-1]) if mask.dim() >= 3 else mask
-        row = _as_batched(row, lead, (1, s)).expand(b, hk, s).reshape(n, 1, s)  # (N, 1, S)
-        key_bias = [_to_bias(row[..., ks : ks + block_k], acc_dtype) for ks in starts]
+    if mask is None or _is_key_mask(mask):
+        if mask is None:
+            row = torch.zeros(n, 1, s, dtype=acc_dtype, device=device)
+        else:
+            row = mask.reshape(*mask.shape[:-3], 1, mask.shape[-1]) if mask.dim() >= 3 else mask
+            row = _as_batched(row, lead, (1, s)).expand(b, hk, s).reshape(n, 1, s)  # (N, 1, S)
+        for ks, w in zip(starts, widths, strict=True):
+            bias = torch.full((n, 1, max(w, 2)), float("-inf"), dtype=acc_dtype, device=device)
+            _fill_bias(bias[..., :w], row[..., ks : ks + w])
+            key_bias.append(bias)  # (N, 1, Sb)
     else:
         kind = "full"
         full_mask = _as_batched(mask, lead, (h, t, s)).view(b, hk, g, t, s)
@@ -350,30 +357,34 @@ def blocked_attention(
         for qs in range(0, t, block_q):
             qe = min(qs + block_q, t)
             tb = qe - qs
+            r = g * tb
+            r_pad = max(r, 2)  # one query row (T = 1, G = 1) gets a throw-away twin, as above
             # Causal: the block's last row sees keys < qe + offset; later key blocks are skipped.
             k_end = min(s, qe + offset) if is_causal else s
             if k_end <= 0:
                 continue  # no row of this block sees any key: zeros
             # (B, Hk, G, Tb, D) -> (N, R, D), R = G·Tb: the group's heads stacked as one operand
-            q_blk = _fresh(q5[:, :, :, qs:qe].reshape(n, g * tb, d).to(mm_dtype))
-            rows = torch.arange(tb, device=device).repeat(g).view(g * tb, 1)  # (R, 1)
-            m = torch.full((n, g * tb, 1), float("-inf"), dtype=acc_dtype, device=device)
-            l_run = torch.zeros(n, g * tb, 1, dtype=acc_dtype, device=device)
-            acc = torch.zeros(n, g * tb, dv, dtype=acc_dtype, device=device)
+            q_blk = _padded(q5[:, :, :, qs:qe].reshape(n, r, d).to(mm_dtype), 1, 0.0)
+            rows = torch.arange(tb, device=device).repeat(g)  # (R,)
+            rows = _padded(rows.view(1, r), 1, 0).view(r_pad, 1)  # (R, 1)
+            m = torch.full((n, r_pad, 1), float("-inf"), dtype=acc_dtype, device=device)
+            l_run = torch.zeros(n, r_pad, 1, dtype=acc_dtype, device=device)
+            acc = torch.zeros(n, r_pad, dv, dtype=acc_dtype, device=device)
             for i, ks in enumerate(range(0, k_end, block_k)):
                 kb, vb = k_blocks[i], v_blocks[i]
-                ke = ks + kb.shape[1]
+                ke = ks + widths[i]
                 # Only blocks the diagonal crosses need the index comparison.
                 crossed = is_causal and ke - 1 > qs + offset
                 diag = torch.tensor(qs - ks + offset, device=device) if crossed else visible
                 if full_mask is not None:
                     tile = full_mask[..., qs:qe, ks:ke]  # (B, Hk, G, Tb, Sb)
-                    bias = torch.empty(n, g * tb, ke - ks, dtype=acc_dtype, device=device)
-                    _fill_bias(bias.view(b, hk, g, tb, ke - ks), tile)
+                    bias = torch.zeros(n, r_pad, kb.shape[1], dtype=acc_dtype, device=device)
+                    bias[:, :, widths[i] :] = float("-inf")  # the padded key
+                    _fill_bias(bias[:, :r, : widths[i]].view(b, hk, g, tb, widths[i]), tile)
                 else:
                     bias = key_bias[i]
                 m, l_run, acc = step(q_blk, kb, vb, bias, rows, diag, scale_t, m, l_run, acc)
-            seen = l_run > 0
-            o = torch.where(seen, acc / torch.where(seen, l_run, 1.0), 0.0)  # (N, R, Dv)
-            out[:, :, :, qs:qe] = o.view(b, hk, g, tb, dv)
+            seen = l_run[:, :r] > 0
+            o = torch.where(seen, acc[:, :r] / torch.where(seen, l_run[:, :r], 1.0), 0.0)
+            out[:, :, :, qs:qe] = o.view(b, hk, g, tb, dv)  # (N, R, Dv) -> (B, Hk, G, Tb, Dv)
     return out.reshape(*lead, h, t, dv)
