@@ -211,7 +211,7 @@ def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None
     km = torch.tensor(
         [
             [True, True, True, False, False, False],
-            [True, True, True, False, False, False],  # same length: one segment of two
+            [True, True, True, False, False, False],
             [False, True, True, True, True, True],  # left padding
             [True, False, True, False, True, True],  # holes
             [False] * 6,  # nothing real at all
@@ -219,8 +219,10 @@ def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None
     )
     packing = PackedBatch(km)
     assert packing.num_tokens == 15
-    assert packing.segments == [(0, 2, 3), (6, 1, 5), (11, 1, 4)]
+    assert packing.batch_index.tolist() == [0] * 3 + [1] * 3 + [2] * 5 + [3] * 4
+    assert packing.position_index[6:15].tolist() == [1, 2, 3, 4, 5, 0, 2, 4, 5]
     x = torch.randn(5, 6, E)
+    torch.testing.assert_close(packing.unpack(packing.pack(x)), x * km[..., None], atol=0, rtol=0)
     padded = enc(x, key_mask=km)
     packed = enc.forward_packed(packing.pack(x), packing)
     assert packed.shape == (15, E)

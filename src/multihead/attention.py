@@ -42,9 +42,9 @@ class PackedBatch:
 
     A batch padded to (B, T) holds N <= B·T real tokens. Linear layers, LayerNorm and the
     feed-forward network act on each token alone, so they can run on the packed (N, E) tokens and
-    skip the padding. Attention runs per sequence on its own real tokens, which is what a key
-    mask means; sequences of one length run as one batch. Build this once per forward and share
-    it across layers: indices, lengths and segments are computed here, not per layer.
+    skip the padding; only attention needs the (B, T) layout back, which :meth:`unpack` restores.
+    Build this once per forward and share it across layers: the indices and the attention mask are
+    computed here, not per layer.
 
     Args:
         key_mask: bool (B, T), True = a real token. Tokens are packed in row-major order (batch
@@ -54,11 +54,7 @@ class PackedBatch:
         key_mask: (B, T) bool, as given.
         batch_index: (N,) int64, the batch row of each packed token.
         position_index: (N,) int64, the position (column) of each packed token.
-        lengths: (B,) int64, the real tokens of each sequence.
-        segments: ``(start, count, length)`` triples covering the packed rows in order: ``count``
-            consecutive sequences of ``length`` real tokens each, from packed row ``start``
-            (empty sequences are left out).
-        attn_mask: (B, 1, 1, T) bool view of ``key_mask``, as the padded computation uses it.
+        attn_mask: (B, 1, 1, T) bool view of ``key_mask``, the mask attention takes.
         num_tokens: N.
 
     Example:
@@ -68,8 +64,6 @@ class PackedBatch:
         [0.0, 1.0, 3.0]
         >>> packing.unpack(packing.pack(x)).flatten().tolist()
         [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
-        >>> packing.segments
-        [(0, 1, 2), (2, 1, 1)]
     """
 
     def __init__(self, key_mask: Tensor) -> None:
@@ -84,18 +78,6 @@ class PackedBatch:
         self.batch_index, self.position_index = key_mask.nonzero(as_tuple=True)  # (N,), (N,)
         self.attn_mask = key_mask[:, None, None, :]  # (B, 1, 1, T)
         self.num_tokens = int(self.batch_index.shape[0])
-        self.lengths = key_mask.sum(1)  # (B,)
-        self.segments: list[tuple[int, int, int]] = []
-        start = 0
-        for length in self.lengths.tolist():  # one host sync per forward, not per layer
-            if length == 0:
-                continue
-            if self.segments and self.segments[-1][2] == length:
-                first, count, _ = self.segments[-1]
-                self.segments[-1] = (first, count + 1, length)
-            else:
-                self.segments.append((start, 1, length))
-            start += length
 
     @property
     def batch_size(self) -> int:
@@ -441,11 +423,13 @@ class MultiHeadAttention(nn.Module):
         """Self-attention over the real tokens of a padded batch, handed over packed.
 
         The same result as ``forward(packing.unpack(x), key_mask=packing.key_mask)`` on the real
-        tokens, for less work: the q/k/v and output projections run on the N real tokens only,
-        and each sequence attends over its own real tokens (no mask, no padded scores), the
-        sequences of one length together (``packing.segments``). The observer, if any, is
-        called as in :meth:`forward`, with padded heads (B, H, T, D), zeros at the padding,
-        and the key mask (B, 1, 1, T).
+        tokens, for less work: the q/k/v and output projections run on the N real tokens only.
+        Attention itself runs once on the (B, T) layout under the key mask, with zero queries,
+        keys and values at the padding (masked keys, and query rows dropped again afterwards).
+        One fused call per layer rather than one per sequence: on a CPU shared with other work,
+        many small parallel kernels cost far more than the padded part of the scores.
+        The observer, if any, is called as in :meth:`forward`, with heads (B, H, T, D) and the
+        mask (B, 1, 1, T).
 
         Args:
             x: (N, E), the real tokens, packed as ``packing`` describes.
@@ -472,23 +456,22 @@ class MultiHeadAttention(nn.Module):
                 f"got {got}"
             )
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        widths = [h * d, hk * d, hk * d]
+        qkv = packing.unpack(self.qkv_proj(x))  # (N, (H + 2·Hk)·D) -> (B, T, (H + 2·Hk)·D)
+        q, k, v = qkv.split([h * d, hk * d, hk * d], -1)
+        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
         scale = 1.0 / math.sqrt(d)
-        dropout_p = self.dropout if self.training else 0.0
-        qkv = self.qkv_proj(x)  # (N, (H + 2·Hk)·D)
         if self.observer is not None:
-            q, k, v = packing.unpack(qkv).split(widths, -1)  # (B, T, ·) each, zeros at padding
-            q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
             self.observer(self, q, k, v, packing.attn_mask, False, scale)
-        out = qkv.new_empty(packing.num_tokens, h * d)  # (N, H·D)
-        for start, count, length in packing.segments:
-            stop = start + count * length
-            rows = qkv[start:stop].view(count, length, -1)  # (n, L, (H + 2·Hk)·D)
-            q, k, v = rows.split(widths, -1)
-            q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
-            o = functional.attention(q, k, v, scale=scale, dropout_p=dropout_p)  # (n, H, L, D)
-            out[start:stop].view(count, length, h, d).copy_(o.transpose(1, 2))  # (n, L, H, D)
-        return self.out_proj(out)
+        out = functional.attention(
+            q,
+            k,
+            v,
+            mask=packing.attn_mask,
+            scale=scale,
+            dropout_p=self.dropout if self.training else 0.0,
+        )  # (B, H, T, D)
+        out = packing.pack(out.transpose(1, 2))  # (B, T, H, D) -> (N, H, D), one gather
+        return self.out_proj(out.reshape(packing.num_tokens, h * d))
 
     def _attn_mask(
         self, mask: Tensor | None, key_mask: Tensor | None, q: Tensor, k: Tensor

@@ -10,9 +10,10 @@ is int or bool (B, T) with 1/True at real tokens; inside it becomes the key mask
 
 When a batch has padding and no attention weights are asked for, the forward runs *unpadded*:
 the embeddings, projections, LayerNorms and feed-forward networks see only the N real tokens
-(:class:`multihead.attention.PackedBatch`), and each sequence attends over its own real tokens.
-Hugging Face's BertModel computes all B·T positions. The result on real tokens is the padded
-computation's; the padding positions of ``last_hidden_state`` hold zeros on every path.
+(:class:`multihead.attention.PackedBatch`); only attention sees the (B, T) layout, under the
+key mask. Hugging Face's BertModel computes all B·T positions everywhere. The result on real
+tokens is the padded computation's; the padding positions of ``last_hidden_state`` hold zeros on
+every path.
 """
 
 from __future__ import annotations
