@@ -82,9 +82,9 @@ class TrainConfig:
 
     task: str = "sort"
     seq_len: int = 8
-    steps: int = 1000
+    steps: int = 250
     batch_size: int = 128
-    lr: float = 2e-3
+    lr: float = 3e-3
     seed: int = 0
     out: str = "runs/sort"
     resume: bool = False
@@ -99,7 +99,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    save_every: int = 500
+    save_every: int = 100
     eval_size: int = 1000
     threads: int | None = None
     device: str = "auto"
@@ -183,6 +183,7 @@ class TrainResult:
     step: int
     interrupted: bool
     out: Path
+    start_step: int = 0  # > 0 when this invocation resumed a run
     accuracy: float | None = None  # exact match on held-out sequences
     train_seconds: float = 0.0
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, acc)
@@ -510,6 +511,7 @@ def _train(
         step=step,
         interrupted=interrupted,
         out=out,
+        start_step=start_step,
         train_seconds=train_seconds,
         history=history,
         checkpoint=checkpoint,
