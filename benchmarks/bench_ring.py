@@ -184,6 +184,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "time_s": statistics.median(times),
         # CPU seconds of the busiest rank: the work balance, whatever else runs on the machine
         "cpu_s": max(statistics.median(ranks[r]["cpu_times_s"]) for r in ranks),
+        # CPU seconds of all ranks together: the total work, communication included
+        "cpu_total_s": sum(statistics.median(ranks[r]["cpu_times_s"]) for r in ranks),
     }
 
 
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['time_s'] / ref_1['time_s']:.2f}x" if ref_1 else "-",
                 f"{r['time_s'] / ref_2['time_s']:.2f}x" if ref_2 else "-",
                 f"{r['cpu_s']:.3g}",
+                f"{r['cpu_total_s']:.3g}",
             ]
         )
     headers = [
@@ -290,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "vs 1 proc 1 thr",
         "vs 1 proc 2 thr",
         "CPU s busiest",
+        "CPU s total",
     ]
     info = machine_info()
     print()
