@@ -15,7 +15,8 @@ A checkpoint is written into a fresh hidden directory ``checkpoints/.step-….tm
 and the directory are fsynced, and only then is it renamed to ``checkpoints/step-…`` (a rename
 is atomic on POSIX file systems). A crash or a kill leaves at worst a hidden ``.tmp`` directory,
 which readers ignore and the next save deletes. Older checkpoints are deleted after the new one
-is in place, so some complete checkpoint exists at every instant. Nothing is pickled: tensors go
+is in place (renamed to a hidden name first, then deleted), so some complete checkpoint exists
+at every instant and no visible one ever lacks a file. Nothing is pickled: tensors go
 to safetensors, everything else to JSON.
 """
 
@@ -165,7 +166,14 @@ def save_checkpoint(
     # Only now, with the new checkpoint in place, remove older ones and leftovers of crashes.
     steps = sorted(_complete_steps(root))
     for old in steps[: max(0, len(steps) - max(1, keep))]:
-        shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
+        # Hide it first (one atomic rename), then delete: a kill during the deletion leaves a
+        # hidden leftover, never a visible checkpoint with files missing.
+        hidden = root / f".step-{old:08d}.old.tmp"
+        try:
+            os.rename(root / f"step-{old:08d}", hidden)
+        except OSError:
+            continue
+        shutil.rmtree(hidden, ignore_errors=True)
     for leftover in root.glob(".step-*.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)
     return final
