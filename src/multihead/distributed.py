@@ -662,8 +662,7 @@ def ring_attention(
         k: this rank's keys (B, Hk, T/world, D); H must be a multiple of Hk (grouped-query
             attention: query head h reads key/value head h // (H // Hk)).
         v: this rank's values (B, Hk, T/world, Dv).
-        group: the process group of the ring (default: the world group). Call it on every rank of
-            the group, in the same order as any other collective.
+        group: the process group of the ring (default: the world group).
         is_causal: global query position i sees keys j <= i, positions counted over the whole
             sequence as ``layout`` lays it out. Key chunks wholly in a query chunk's future are
             skipped (no compute).
@@ -676,6 +675,10 @@ def ring_attention(
     Masks other than ``is_causal`` (padding, arbitrary bool/float masks) and dropout are not part
     of this API: pad the sequence to a multiple of world (2·world for zigzag) and mask the padded
     positions' outputs afterwards, or use :func:`multihead.functional.attention` on one process.
+
+    Every rank of the group must call this, and run backward through the result when any rank
+    does (the gradient sums travel around the ring), in the same order as the group's other
+    collectives.
 
     One process: when ``group`` is None and no default process group is initialised, or the group
     has one rank, this is plain :func:`multihead.functional.attention` on the local tensors (which
