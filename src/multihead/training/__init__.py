@@ -10,11 +10,13 @@
 
 from multihead.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from multihead.training.loop import StepInfo, TrainConfig, TrainResult, evaluate, lr_at, train
-from multihead.training.tasks import TASKS, VOCAB, Task, get_task
+from multihead.training.tasks import EOS, PAD, TASKS, VOCAB, Task, get_task
 
 __all__ = [
     "TASKS",
     "VOCAB",
+    "EOS",
+    "PAD",
     "Task",
     "get_task",
     "TrainConfig",
