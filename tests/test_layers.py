@@ -312,6 +312,8 @@ def test_decoder_layer_memory_width() -> None:
     assert layer(torch.randn(B, T, E), torch.randn(B, 4, S)).shape == (B, T, E)
     with pytest.raises(ValueError, match=r"key's last dimension must be kdim=7"):
         layer(torch.randn(B, T, E), torch.randn(B, 4, E))
+    with pytest.raises(ValueError, match=r"memory must be \(B, S, memory_dim\) like x"):
+        layer(torch.randn(B, T, E), torch.randn(4, S))
 
 
 # -- positional encodings ---------------------------------------------------------------------

@@ -104,11 +104,15 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(_check_dropout(dropout))
 
     def forward(self, x: Tensor) -> Tensor:
+        """(..., E) -> (..., F) -> (..., E)."""
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
 
 class TransformerEncoderLayer(nn.Module):
     """Self-attention and a feed-forward network, each with a skip connection and LayerNorm.
+
+    - pre-LN (``norm_first=True``):  x = x + attn(norm1(x));  x = x + ff(norm2(x))
+    - post-LN (``norm_first=False``):  x = norm1(x + attn(x));  x = norm2(x + ff(x))
 
     Args:
         embed_dim: E.
@@ -124,6 +128,12 @@ class TransformerEncoderLayer(nn.Module):
 
     Submodules: ``self_attn`` (:class:`MultiHeadAttention`), ``ff`` (:class:`FeedForward`),
     ``norm1`` (before/after attention), ``norm2`` (before/after the feed-forward).
+
+    Example:
+        >>> layer = TransformerEncoderLayer(64, 4, 256, norm_first=False)
+        >>> x, weights = layer(torch.randn(2, 10, 64), need_weights=True)
+        >>> x.shape, weights.shape
+        (torch.Size([2, 10, 64]), torch.Size([2, 4, 10, 10]))
     """
 
     def __init__(
@@ -441,16 +451,20 @@ class TransformerDecoderLayer(nn.Module):
         need_weights: bool = False,
         cache: AttentionCache | None = None,
     ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
-        """Args:
-        x: (B, T, E), the target sequence.
-        memory: (B, S, memory_dim), e.g. the encoder's output.
-        mask, key_mask, is_causal: for self-attention (causal by default).
-        memory_key_mask: bool (B, S), True = a real memory token.
-        need_weights: also return (self-attention weights (B, H, T, T'),
-            cross-attention weights (B, H, T, S)).
-        cache: self-attention key/value cache for incremental decoding.
-        """
+        """Apply the layer.
 
+        Args:
+            x: (B, T, E), the target sequence.
+            memory: (B, S, memory_dim), e.g. the encoder's output.
+            mask, key_mask, is_causal: for self-attention (causal by default).
+            memory_key_mask: bool (B, S), True = a real memory token.
+            need_weights: also return the attention weights.
+            cache: self-attention key/value cache for incremental decoding.
+
+        Returns:
+            x (B, T, E), or ``(x, (self_weights, cross_weights))`` when ``need_weights``, with
+            self_weights (B, H, T, T') (T' = cached + T) and cross_weights (B, H, T, S).
+        """
         _check_x("x", x, self.self_attn.embed_dim)
         if not isinstance(memory, Tensor) or memory.dim() != x.dim():
             got = tuple(memory.shape) if isinstance(memory, Tensor) else type(memory).__name__
