@@ -190,9 +190,29 @@ class _Spy:
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
 
 
+MIN_WORK = 256 * 256
+
+
+@pytest.fixture(autouse=True)
+def _auto_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default (None) never picks "blocked"; these tests exercise the choice itself.
+    monkeypatch.setattr(functional, "BLOCKED_MIN_WORK", MIN_WORK)
+
+
 def _long(dtype: torch.dtype = torch.bfloat16, **kw: bool) -> tuple[torch.Tensor, ...]:
-    t = int(functional.BLOCKED_MIN_WORK**0.5)
+    t = int(MIN_WORK**0.5)
     return tuple(torch.randn(1, 2, t, 8, dtype=dtype, **kw) for _ in range(3))
+
+
+def test_auto_never_picks_blocked_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()
+    assert functional.BLOCKED_MIN_WORK is None
+    spy = _Spy()
+    monkeypatch.setattr(blocked, "blocked_attention", spy)
+    q, k, v = (torch.randn(1, 2, 1024, 8, dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert spy.calls == 0
 
 
 def test_auto_picks_blocked_only_for_half_precision_inference(

@@ -148,9 +148,7 @@ def _block_step(
     k: Tensor,
     v: Tensor,
     bias: Tensor,
-    rows: Tensor,
-    diag: Tensor,
-    scale: Tensor,
+    tile: Tensor,
     m: Tensor,
     l_run: Tensor,
     acc: Tensor,
@@ -161,26 +159,23 @@ def _block_step(
     Every shape is a plain (N, R, ·) so that dynamo sees few distinct layouts.
 
     Args:
-        q: (N, R, D) queries in the matmul dtype, N = B·Hk.
+        q: (N, R, D) queries, already multiplied by the scale, in the matmul dtype; N = B·Hk.
         k: (N, Sb, D) keys in the matmul dtype.
         v: (N, Sb, Dv) values in the matmul dtype.
         bias: (N, 1, Sb) or (N, R, Sb) in the accumulation dtype, added to the scores (0 / -inf
             for bool masks).
-        rows: (R, 1) int64, each row's query position within the block.
-        diag: 0-dim int64; key column c of the block is visible from row r iff c - rows[r] <= diag
-            (a causal diagonal; a large value when the whole block is visible).
-        scale: 0-dim, the factor on q kᵀ.
+        tile: (R, Sb), added too: the causal diagonal (0 / -inf) where it crosses the block,
+            zeros elsewhere. An additive tile shared by all N costs less than comparing indices
+            in the kernel (measured: about a third of the step's time).
         m: (N, R, 1) running row maximum (-inf before the first key).
         l_run: (N, R, 1) running softmax denominator (the papers' l).
         acc: (N, R, Dv) running unnormalised output.
 
     Returns:
-        The updated ``(m, l, acc)``.
+        The updated ``(m, l_run, acc)``.
     """
     # (N, R, D) x (N, D, Sb) -> (N, R, Sb)
-    scores = torch.bmm(q, k.transpose(1, 2)).to(acc.dtype) * scale + bias
-    cols = torch.arange(k.shape[1], device=q.device).view(1, -1)  # (1, Sb)
-    scores = scores.masked_fill(cols - rows > diag, float("-inf"))
+    scores = torch.bmm(q, k.transpose(1, 2)).to(acc.dtype) + bias + tile
     m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
     # A row that has seen only -inf keeps m = -inf; shift by 0 there so no exp(-inf + inf).
     m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
@@ -349,8 +344,6 @@ def blocked_attention(
         full_mask = _as_batched(mask, lead, (h, t, s)).view(b, hk, g, t, s)
 
     step = _compiled_step(mm_dtype, acc_dtype, kind)
-    scale_t = torch.tensor(scale, dtype=acc_dtype, device=device)
-    visible = torch.tensor(block_k, device=device)  # diag of a block seen whole
     offset = s - t  # bottom-right alignment
     # Duck sizing would add guards like Sb == G·Tb whenever two sizes happen to be equal.
     with _shape_config():
@@ -364,26 +357,33 @@ def blocked_attention(
             if k_end <= 0:
                 continue  # no row of this block sees any key: zeros
             # (B, Hk, G, Tb, D) -> (N, R, D), R = G·Tb: the group's heads stacked as one operand
-            q_blk = _padded(q5[:, :, :, qs:qe].reshape(n, r, d).to(mm_dtype), 1, 0.0)
-            rows = torch.arange(tb, device=device).repeat(g)  # (R,)
-            rows = _padded(rows.view(1, r), 1, 0).view(r_pad, 1)  # (R, 1)
+            q_blk = q5[:, :, :, qs:qe].reshape(n, r, d).to(acc_dtype) * scale
+            q_blk = _padded(q_blk.to(mm_dtype), 1, 0.0)
+            rows = _padded((torch.arange(tb, device=device) + qs).repeat(g).view(1, r), 1, qs)
+            no_tile: Tensor | None = None
             m = torch.full((n, r_pad, 1), float("-inf"), dtype=acc_dtype, device=device)
             l_run = torch.zeros(n, r_pad, 1, dtype=acc_dtype, device=device)
             acc = torch.zeros(n, r_pad, dv, dtype=acc_dtype, device=device)
             for i, ks in enumerate(range(0, k_end, block_k)):
                 kb, vb = k_blocks[i], v_blocks[i]
-                ke = ks + widths[i]
-                # Only blocks the diagonal crosses need the index comparison.
-                crossed = is_causal and ke - 1 > qs + offset
-                diag = torch.tensor(qs - ks + offset, device=device) if crossed else visible
+                width = kb.shape[1]
+                if is_causal and ks + width - 1 > qs + offset:
+                    # The diagonal crosses this block: query i sees key j iff j <= i + offset.
+                    cols = torch.arange(ks, ks + width, device=device).view(1, width)
+                    tile = torch.zeros(r_pad, width, dtype=acc_dtype, device=device)
+                    tile.masked_fill_(cols > rows.view(r_pad, 1) + offset, float("-inf"))
+                else:
+                    if no_tile is None or no_tile.shape[1] != width:
+                        no_tile = torch.zeros(r_pad, width, dtype=acc_dtype, device=device)
+                    tile = no_tile
                 if full_mask is not None:
-                    tile = full_mask[..., qs:qe, ks:ke]  # (B, Hk, G, Tb, Sb)
-                    bias = torch.zeros(n, r_pad, kb.shape[1], dtype=acc_dtype, device=device)
+                    tile_mask = full_mask[..., qs:qe, ks : ks + widths[i]]  # (B, Hk, G, Tb, Sb)
+                    bias = torch.zeros(n, r_pad, width, dtype=acc_dtype, device=device)
                     bias[:, :, widths[i] :] = float("-inf")  # the padded key
-                    _fill_bias(bias[:, :r, : widths[i]].view(b, hk, g, tb, widths[i]), tile)
+                    _fill_bias(bias[:, :r, : widths[i]].view(b, hk, g, tb, widths[i]), tile_mask)
                 else:
                     bias = key_bias[i]
-                m, l_run, acc = step(q_blk, kb, vb, bias, rows, diag, scale_t, m, l_run, acc)
+                m, l_run, acc = step(q_blk, kb, vb, bias, tile, m, l_run, acc)
             seen = l_run[:, :r] > 0
             o = torch.where(seen, acc[:, :r] / torch.where(seen, l_run[:, :r], 1.0), 0.0)
             out[:, :, :, qs:qe] = o.view(b, hk, g, tb, dv)  # (N, R, Dv) -> (B, Hk, G, Tb, Dv)

@@ -21,10 +21,14 @@ Backends share one signature:
   dropout, no weights). Its first call per dtype compiles for about 10–20 s; later calls with
   any sequence length reuse that compile.
 - ``"auto"``: ``"math"`` when weights are asked for; ``"blocked"`` for bfloat16/float16 inference
-  on CPU (no gradient, no dropout) once T·S reaches :data:`BLOCKED_MIN_WORK`, where it measured
-  faster than torch's kernel; else ``"sdpa"``. ``"auto"`` never fails because ``"blocked"`` can't
-  run (no C++ compiler, a failed compile, inside a torch.compile trace): it takes ``"sdpa"`` and
-  logs why at debug level on the ``multihead.functional`` logger.
+  on CPU (no gradient, no dropout) once T·S reaches :data:`BLOCKED_MIN_WORK`; else ``"sdpa"``.
+  :data:`BLOCKED_MIN_WORK` is None (never) by default, because on the machine measured for
+  BENCHMARKS.md (Intel Xeon with avx512_bf16, where a bfloat16 GEMM runs at half the float32
+  speed) torch's kernel was faster at every length; set it to e.g. ``512 * 512`` on a CPU where
+  ``benchmarks/bench_bf16.py`` shows the blocked backend ahead. ``"auto"`` never fails because
+  ``"blocked"`` can't run (no C++ compiler, a failed compile, inside a torch.compile trace): it
+  takes ``"sdpa"`` and logs why (debug level; a failed compile at warning level) on the
+  ``multihead.functional`` logger.
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ _LOG = logging.getLogger(__name__)
 Backend = Literal["auto", "sdpa", "math", "blocked"]
 BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "blocked")
 
-BLOCKED_MIN_WORK = 512 * 512
-"""T·S from which ``"auto"`` prefers ``"blocked"`` for half-precision CPU inference (measured)."""
+BLOCKED_MIN_WORK: int | None = None
+"""T·S from which ``"auto"`` prefers ``"blocked"`` for half-precision CPU inference; None: never.
+
+None by default: measured slower than torch's kernel on the reference machine (BENCHMARKS.md).
+"""
 
 # Set when the blocked backend failed at run time (e.g. its compile): "auto" stops trying it.
 _blocked_failure: str | None = None
@@ -268,7 +275,10 @@ def _auto_picks_blocked(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bo
         return False  # inside someone's torch.compile trace: a Python loop of blocks won't do
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if dropout_p > 0 or _needs_grad(q, k, v) or q.shape[-2] * k.shape[-2] < BLOCKED_MIN_WORK:
+    min_work = BLOCKED_MIN_WORK
+    if min_work is None or q.shape[-2] * k.shape[-2] < min_work:
+        return False
+    if dropout_p > 0 or _needs_grad(q, k, v):
         return False
     reason = _blocked_failure or _blocked.unavailable_reason(q)
     if reason is not None:
@@ -353,7 +363,8 @@ def attention(
             CPU inference only, no weights, no dropout, no autograd; the first call per dtype
             compiles for about 10–20 s). ``"auto"`` takes ``"math"`` when weights are asked
             for; ``"blocked"`` for bfloat16/float16 CPU tensors when no gradient is needed, no
-            dropout is asked for and T·S >= :data:`BLOCKED_MIN_WORK`; else ``"sdpa"``.
+            dropout is asked for and T·S >= :data:`BLOCKED_MIN_WORK` (None, never, by
+            default); else ``"sdpa"``.
 
     Returns:
         ``out`` (..., H, T, Dv), or ``(out, weights)`` with weights (..., H, T, S) when
