@@ -221,6 +221,15 @@ def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None
     assert packing.num_tokens == 15
     assert packing.batch_index.tolist() == [0] * 3 + [1] * 3 + [2] * 5 + [3] * 4
     assert packing.position_index[6:15].tolist() == [1, 2, 3, 4, 5, 0, 2, 4, 5]
+    # Sorted by effective length 6, 6, 3, 3, 0 (stable); 4 buckets over 5 rows, the empty one
+    # dropped, the two full-length rows (one has holes) masked.
+    assert packing.order.tolist() == [2, 3, 0, 1, 4]
+    assert [(a, b, n, m is None) for a, b, n, m in packing.buckets] == [
+        (0, 1, 6, False),
+        (1, 2, 6, False),
+        (2, 3, 3, True),
+        (3, 5, 3, False),
+    ]
     x = torch.randn(5, 6, E)
     torch.testing.assert_close(packing.unpack(packing.pack(x)), x * km[..., None], atol=0, rtol=0)
     padded = enc(x, key_mask=km)

@@ -43,7 +43,11 @@ class PackedBatch:
     A batch padded to (B, T) holds N <= B·T real tokens. Linear layers, LayerNorm and the
     feed-forward network act on each token alone, so they can run on the packed (N, E) tokens and
     skip the padding; only attention needs the (B, T) layout back, which :meth:`unpack` restores.
-    Build this once per forward and share it across layers: the indices and the attention mask are
+    For attention the batch is sorted by effective length (last real position + 1) and cut into
+    at most ``num_buckets`` buckets of consecutive sequences, each attended at its own longest
+    length: little of the padded score matrix is computed, in a handful of kernel calls (one call
+    per sequence would compute none, but many small parallel kernels are slow on a busy CPU).
+    Build this once per forward and share it across layers: indices, order, buckets and masks are
     computed here, not per layer.
 
     Args:
@@ -54,8 +58,14 @@ class PackedBatch:
         key_mask: (B, T) bool, as given.
         batch_index: (N,) int64, the batch row of each packed token.
         position_index: (N,) int64, the position (column) of each packed token.
-        attn_mask: (B, 1, 1, T) bool view of ``key_mask``, the mask attention takes.
+        attn_mask: (B, 1, 1, T) bool view of ``key_mask``, as the padded computation uses it.
         num_tokens: N.
+        order: (B,) int64, the batch rows sorted by effective length, longest first.
+        sorted_batch_index: (N,) int64, each packed token's row in the sorted batch.
+        buckets: ``(start, stop, length, mask)`` per bucket: sorted rows ``start:stop`` attend
+            over their first ``length`` positions under ``mask`` (n, 1, 1, length), or no mask
+            when all of those keys are real.
+        num_buckets: the most buckets (class attribute, 4).
 
     Example:
         >>> packing = PackedBatch(torch.tensor([[True, True, False], [True, False, False]]))
@@ -65,6 +75,8 @@ class PackedBatch:
         >>> packing.unpack(packing.pack(x)).flatten().tolist()
         [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
     """
+
+    num_buckets = 4
 
     def __init__(self, key_mask: Tensor) -> None:
         if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or key_mask.dim() != 2:
@@ -78,6 +90,30 @@ class PackedBatch:
         self.batch_index, self.position_index = key_mask.nonzero(as_tuple=True)  # (N,), (N,)
         self.attn_mask = key_mask[:, None, None, :]  # (B, 1, 1, T)
         self.num_tokens = int(self.batch_index.shape[0])
+        # Attention runs on the batch sorted by effective length (last real position + 1),
+        # in a few buckets of consecutive sequences, each cut to its own longest: most of the
+        # padded scores are never computed, yet there are only a handful of kernel calls.
+        t = key_mask.shape[1]
+        positions = torch.arange(1, t + 1, device=key_mask.device)
+        effective = torch.where(key_mask, positions, 0).amax(1)  # (B,)
+        effective, self.order = effective.sort(descending=True, stable=True)  # (B,), (B,)
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(self.order.shape[0], device=key_mask.device)
+        self.sorted_batch_index = rank[self.batch_index]  # (N,): row in the sorted batch
+        sorted_mask = key_mask[self.order]  # (B, T)
+        lengths = effective.tolist()  # one host sync per forward, not per layer
+        b = len(lengths)
+        # (first row, end row, length, mask (n, 1, 1, L) or None when every key is real)
+        self.buckets: list[tuple[int, int, int, Tensor | None]] = []
+        groups = min(self.num_buckets, b)
+        for g in range(groups):
+            start, stop = g * b // groups, (g + 1) * b // groups
+            if start == stop or lengths[start] == 0:
+                continue
+            length = lengths[start]
+            block = sorted_mask[start:stop, :length]
+            mask = None if bool(block.all()) else block[:, None, None, :]
+            self.buckets.append((start, stop, length, mask))
 
     @property
     def batch_size(self) -> int:
@@ -91,10 +127,14 @@ class PackedBatch:
         """Gather the real tokens: (B, T, ...) -> (N, ...), straight from strided views."""
         return x[self.batch_index, self.position_index]
 
-    def unpack(self, x: Tensor) -> Tensor:
-        """Scatter packed tokens back: (N, ...) -> (B, T, ...), zeros at the padding."""
+    def unpack(self, x: Tensor, *, sorted: bool = False) -> Tensor:
+        """Scatter packed tokens back: (N, ...) -> (B, T, ...), zeros at the padding.
+
+        With ``sorted``, the batch rows come in ``order`` (longest first), as attention uses them.
+        """
         out = x.new_zeros(self.batch_size, self.length, *x.shape[1:])
-        out[self.batch_index, self.position_index] = x
+        rows = self.sorted_batch_index if sorted else self.batch_index
+        out[rows, self.position_index] = x
         return out
 
 
@@ -423,13 +463,11 @@ class MultiHeadAttention(nn.Module):
         """Self-attention over the real tokens of a padded batch, handed over packed.
 
         The same result as ``forward(packing.unpack(x), key_mask=packing.key_mask)`` on the real
-        tokens, for less work: the q/k/v and output projections run on the N real tokens only.
-        Attention itself runs once on the (B, T) layout under the key mask, with zero queries,
-        keys and values at the padding (masked keys, and query rows dropped again afterwards).
-        One fused call per layer rather than one per sequence: on a CPU shared with other work,
-        many small parallel kernels cost far more than the padded part of the scores.
-        The observer, if any, is called as in :meth:`forward`, with heads (B, H, T, D) and the
-        mask (B, 1, 1, T).
+        tokens, for less work: the q/k/v and output projections run on the N real tokens only,
+        and attention runs per bucket of similar-length sequences (``packing.buckets``) under the
+        key mask, with zero queries, keys and values at the padding (masked keys, and query rows
+        dropped again afterwards). The observer, if any, is called as in :meth:`forward`, with
+        heads (B, H, T, D) in batch order and the mask (B, 1, 1, T).
 
         Args:
             x: (N, E), the real tokens, packed as ``packing`` describes.
@@ -456,21 +494,30 @@ class MultiHeadAttention(nn.Module):
                 f"got {got}"
             )
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = packing.unpack(self.qkv_proj(x))  # (N, (H + 2·Hk)·D) -> (B, T, (H + 2·Hk)·D)
-        q, k, v = qkv.split([h * d, hk * d, hk * d], -1)
-        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
+        widths = [h * d, hk * d, hk * d]
         scale = 1.0 / math.sqrt(d)
+        dropout_p = self.dropout if self.training else 0.0
+        qkv = self.qkv_proj(x)  # (N, (H + 2·Hk)·D)
         if self.observer is not None:
+            q, k, v = packing.unpack(qkv).split(widths, -1)  # (B, T, ·) each, in batch order
+            q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
             self.observer(self, q, k, v, packing.attn_mask, False, scale)
-        out = functional.attention(
-            q,
-            k,
-            v,
-            mask=packing.attn_mask,
-            scale=scale,
-            dropout_p=self.dropout if self.training else 0.0,
-        )  # (B, H, T, D)
-        out = packing.pack(out.transpose(1, 2))  # (B, T, H, D) -> (N, H, D), one gather
+        # (B, T, (H + 2·Hk)·D), rows sorted longest first, zeros at the padding
+        q, k, v = packing.unpack(qkv, sorted=True).split(widths, -1)
+        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
+        # Positions past a bucket's length are never written and never read back.
+        out = qkv.new_empty(packing.batch_size, packing.length, h, d)  # (B, T, H, D), sorted
+        for start, stop, length, mask in packing.buckets:
+            o = functional.attention(
+                q[start:stop, :, :length],  # (n, H, L, D) views
+                k[start:stop, :, :length],
+                v[start:stop, :, :length],
+                mask=mask,
+                scale=scale,
+                dropout_p=dropout_p,
+            )  # (n, H, L, D)
+            out[start:stop, :length] = o.transpose(1, 2)
+        out = out[packing.sorted_batch_index, packing.position_index]  # (N, H, D), one gather
         return self.out_proj(out.reshape(packing.num_tokens, h * d))
 
     def _attn_mask(
