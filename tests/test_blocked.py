@@ -173,7 +173,22 @@ def test_varying_lengths_do_not_recompile() -> None:
     before = counters["stats"]["unique_graphs"]
     for t, s in ((23, 23), (100, 131), (37, 300), (64, 64)):
         run(t, s)
+    with torch.no_grad():  # nor does the caller's grad mode
+        run(40, 41)
+    with torch.inference_mode():
+        run(41, 40)
     assert counters["stats"]["unique_graphs"] == before
+
+
+def test_output_is_a_normal_tensor_autograd_can_use() -> None:
+    q = torch.randn(1, 2, 20, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        out = attention(q, q, q, backend="blocked")
+    assert not out.is_inference() and not out.requires_grad
+    w = torch.ones(8, requires_grad=True)
+    (out.float() * w).sum().backward()  # a frozen encoder's output feeding a trained head
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, out.float().sum((0, 1, 2)))
 
 
 # -- the backend choice and its errors -------------------------------------------------------------

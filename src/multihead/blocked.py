@@ -312,41 +312,48 @@ def blocked_attention(
     if t == 0 or s == 0 or n == 0:
         return out.reshape(*lead, h, t, dv)
 
-    # Query head h reads key/value head h // G: split H into (Hk, G).
-    q5 = _as_batched(q, lead, (h, t, d)).view(b, hk, g, t, d)
-    k3 = _as_batched(k, lead, (hk, s, d)).reshape(n, s, d).to(mm_dtype)  # (N, S, D)
-    v3 = _as_batched(v, lead, (hk, s, dv)).reshape(n, s, dv).to(mm_dtype)  # (N, S, Dv)
-
-    # Key blocks are fixed, aligned chunks, copied once into standalone tensors: the compiled
-    # step then never sees a view (dynamo guards on a view's base and storage offset). A block
-    # of one key gets a second, masked-out key: dynamo specialises sizes of 1, and one padded
-    # key costs less than one more compile.
-    starts = range(0, s, block_k)
-    widths = [min(block_k, s - ks) for ks in starts]
-    k_blocks = [_padded(k3[:, ks : ks + w], 1, 0.0) for ks, w in zip(starts, widths, strict=True)]
-    v_blocks = [_padded(v3[:, ks : ks + w], 1, 0.0) for ks, w in zip(starts, widths, strict=True)]
-
-    kind: MaskKind = "key"
-    key_bias: list[Tensor] = []
-    full_mask: Tensor | None = None
-    if mask is None or _is_key_mask(mask):
-        if mask is None:
-            row = torch.zeros(n, 1, s, dtype=acc_dtype, device=device)
-        else:
-            row = mask.reshape(*mask.shape[:-3], 1, mask.shape[-1]) if mask.dim() >= 3 else mask
-            row = _as_batched(row, lead, (1, s)).expand(b, hk, s).reshape(n, 1, s)  # (N, 1, S)
-        for ks, w in zip(starts, widths, strict=True):
-            bias = torch.full((n, 1, max(w, 2)), float("-inf"), dtype=acc_dtype, device=device)
-            _fill_bias(bias[..., :w], row[..., ks : ks + w])
-            key_bias.append(bias)  # (N, 1, Sb)
-    else:
-        kind = "full"
-        full_mask = _as_batched(mask, lead, (h, t, s)).view(b, hk, g, t, s)
-
-    step = _compiled_step(mm_dtype, acc_dtype, kind)
-    offset = s - t  # bottom-right alignment
+    # Everything from here runs without autograd and on tensors of our own making, so dynamo
+    # sees one grad mode and one kind of tensor (an inference tensor) whatever the caller uses:
+    # no recompile between no_grad, inference_mode and plain calls. ``out`` stays a normal tensor.
     # Duck sizing would add guards like Sb == G·Tb whenever two sizes happen to be equal.
-    with _shape_config():
+    with torch.inference_mode(), _shape_config():
+        # Query head h reads key/value head h // G: split H into (Hk, G).
+        q5 = _as_batched(q, lead, (h, t, d)).view(b, hk, g, t, d)
+        k3 = _as_batched(k, lead, (hk, s, d)).reshape(n, s, d).to(mm_dtype)  # (N, S, D)
+        v3 = _as_batched(v, lead, (hk, s, dv)).reshape(n, s, dv).to(mm_dtype)  # (N, S, Dv)
+
+        # Key blocks are fixed, aligned chunks, copied once into standalone tensors: the compiled
+        # step then never sees a view (dynamo guards on a view's base and storage offset). A block
+        # of one key gets a second, masked-out key: dynamo specialises sizes of 1, and one padded
+        # key costs less than one more compile.
+        starts = range(0, s, block_k)
+        widths = [min(block_k, s - ks) for ks in starts]
+        k_blocks = [
+            _padded(k3[:, ks : ks + w], 1, 0.0) for ks, w in zip(starts, widths, strict=True)
+        ]
+        v_blocks = [
+            _padded(v3[:, ks : ks + w], 1, 0.0) for ks, w in zip(starts, widths, strict=True)
+        ]
+
+        kind: MaskKind = "key"
+        key_bias: list[Tensor] = []
+        full_mask: Tensor | None = None
+        if mask is None or _is_key_mask(mask):
+            if mask is None:
+                row = torch.zeros(n, 1, s, dtype=acc_dtype, device=device)
+            else:
+                row = mask.reshape(*mask.shape[:-3], 1, mask.shape[-1]) if mask.dim() >= 3 else mask
+                row = _as_batched(row, lead, (1, s)).expand(b, hk, s).reshape(n, 1, s)  # (N, 1, S)
+            for ks, w in zip(starts, widths, strict=True):
+                bias = torch.full((n, 1, max(w, 2)), float("-inf"), dtype=acc_dtype, device=device)
+                _fill_bias(bias[..., :w], row[..., ks : ks + w])
+                key_bias.append(bias)  # (N, 1, Sb)
+        else:
+            kind = "full"
+            full_mask = _as_batched(mask, lead, (h, t, s)).view(b, hk, g, t, s)
+
+        step = _compiled_step(mm_dtype, acc_dtype, kind)
+        offset = s - t  # bottom-right alignment
         for qs in range(0, t, block_q):
             qe = min(qs + block_q, t)
             tb = qe - qs
