@@ -322,5 +322,5 @@ def test_explicit_blocked_refuses_what_it_cannot_serve(
 
 def test_block_sizes_must_be_positive() -> None:
     q = torch.randn(1, 1, 4, 8)
-    with pytest.raises(ValueError, match="block_q and block_k must be >= 1, got 0 and 512"):
+    with pytest.raises(ValueError, match="block_q and block_k must be >= 1, got 0 and 256"):
         blocked_attention(q, q, q, block_q=0)

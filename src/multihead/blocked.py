@@ -37,17 +37,33 @@ Details that keep it exact:
 
 Precision: scores, softmax statistics and the output accumulate in float32 (float64 for float64
 inputs). The two matmuls per pair run in ``matmul_dtype``: by default float32 (bfloat16 and float16
-convert to it exactly), because on the CPUs measured here a float32 GEMM ran about twice as fast
-as a bfloat16 one (see BENCHMARKS.md); pass ``matmul_dtype=torch.bfloat16`` to run the bfloat16
-units instead, at the cost of rounding each score tile to bfloat16.
+convert to it exactly, and the scale is folded into q in float32), because on the CPU measured
+(Intel Xeon with avx512_bf16 but no AMX) a float32 GEMM ran about twice as fast as a bfloat16
+one: 2048² matmuls on one thread, 145–154 against 82 GFLOP/s. Pass ``matmul_dtype=torch.bfloat16``
+to run the bfloat16 units instead (on CPUs where they are fast), at the cost of rounding each
+score tile and q·scale to bfloat16.
 
 Compilation: the block step is compiled with ``dynamic=True`` the first time it is needed (never
-on import) and cached per (compute dtype, mask kind), each in its own code object so one kind's
-recompiles never count against another's recompile limit. Sequence lengths, batch size and head
-counts are symbolic, so changing them does not recompile; sizes of exactly 1 (T = 1, a single
-head) are specialised by dynamo and cost one more compile each. The first compile took about
-10–20 s on the 2-core machine of BENCHMARKS.md (about 3 s with inductor's on-disk cache warm);
-it is logged at debug level on the ``multihead.blocked`` logger.
+on import) and cached per (matmul dtype, accumulation dtype, mask kind: key-or-none / full),
+each in its own code object so that one kind's recompiles never count against another's recompile
+limit. Sequence lengths, batch size, head counts and head dims are symbolic, so changing them
+does not recompile; the loop pads a block of one query row or one key to two (dynamo specialises
+sizes of 1), runs under ``inference_mode`` whatever the caller's grad mode, and turns duck sizing
+off, so the only remaining second compile is for B·Hk = 1. Measured cost of one compile on the
+2-core machine: 10–20 s wall cold (up to about 90 s while other jobs shared the cores), 1–7 s
+with inductor's on-disk cache warm; it is logged at debug level on the ``multihead.blocked``
+logger.
+
+Speed (benchmarks/bench_bf16.py, B=4, H=8, D=64, bfloat16, against torch's fused kernel in
+bfloat16): measured as CPU time on one thread, the blocked backend does the same work in 0.85–1.05×
+the time of torch's kernel (about 62–72 GFLOP/s non-causal), not the 1.8× speed-up issue 7 aimed
+for. The premise did not hold on this CPU: torch's bf16 kernel already reaches about 85% of the
+bf16 GEMM peak, and the float32 units the blocked backend uses lose their 2× edge in the
+softmax passes and per-block overheads that a hand-written kernel would fuse. With two threads
+on a machine shared with other jobs, each block's several parallel regions wait at barriers for
+descheduled threads and the blocked backend falls far behind (0.1–0.4×); torch's single fused
+parallel region does not. Hence ``functional.BLOCKED_MIN_WORK`` is None: ``"auto"`` does not pick
+this backend unless told to.
 """
 
 from __future__ import annotations
@@ -77,7 +93,7 @@ _LOG = logging.getLogger(__name__)
 
 BLOCK_Q = 128
 """Default number of query rows per block (per head)."""
-BLOCK_K = 512
+BLOCK_K = 256
 """Default number of keys per block."""
 
 MaskKind = Literal["key", "full"]
