@@ -221,13 +221,28 @@ def _math(
         v = v.repeat_interleave(group, dim=-3)  # (..., H, S, Dv)
     # Scores and softmax in float32 at least, so half-precision inputs don't lose the softmax.
     compute = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale  # (..., H, T, S)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.to(compute)
-    weights = torch.softmax(scores, dim=-1)  # (..., H, T, S)
+    # The scale goes on q, a (T, D) pass, rather than on the (T, S) scores.
+    scores = torch.matmul(q.to(compute) * scale, k.to(compute).transpose(-2, -1))  # (..., H, T, S)
+    if torch.is_grad_enabled() and (
+        scores.requires_grad or (mask is not None and mask.requires_grad)
+    ):
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            else:
+                scores = scores + mask.to(compute)
+        weights = torch.softmax(scores, dim=-1)  # (..., H, T, S)
+    else:
+        # No graph is recorded: the same formula, in place in the one (T, S) buffer. At T=2048
+        # each fresh T×S buffer costs more (allocation and page faults) than its arithmetic.
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                scores.masked_fill_(~mask, float("-inf"))
+            else:
+                scores.add_(mask.to(compute))
+        # aten's softmax with out= is torch.softmax's own kernel writing in place (one fused pass;
+        # torch has no public in-place softmax).
+        weights = torch._softmax(scores, -1, False, out=scores)  # (..., H, T, S)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
     out = torch.matmul(dropped, v.to(compute))
