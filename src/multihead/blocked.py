@@ -27,7 +27,8 @@ Details that keep it exact:
   one (G·T_b, D) operand, so each key/value block is read once per group and never repeated.
 - Causal (bottom-right, query i sees keys j <= i + S - T): key blocks wholly above the diagonal
   are never visited, blocks wholly below it take no mask, and the blocks the diagonal crosses
-  mask by index comparison inside the compiled kernel (no (T, S) mask is built).
+  add a small (G·T_b, S_b) 0 / -inf tile built for that block (no (T, S) mask is built; an
+  index comparison inside the kernel measured a third slower per step).
 - Masks: a key mask (broadcast over heads and queries, e.g. (B, 1, 1, S)) becomes an additive
   float32 bias of size (B·Hk, S) once; any other mask is sliced per pair of blocks. Bool masks
   become 0 / -inf biases.
@@ -55,15 +56,15 @@ with inductor's on-disk cache warm; it is logged at debug level on the ``multihe
 logger.
 
 Speed (benchmarks/bench_bf16.py, B=4, H=8, D=64, bfloat16, against torch's fused kernel in
-bfloat16): measured as CPU time on one thread, the blocked backend does the same work in 0.85–1.05×
-the time of torch's kernel (about 62–72 GFLOP/s non-causal), not the 1.8× speed-up issue 7 aimed
-for. The premise did not hold on this CPU: torch's bf16 kernel already reaches about 85% of the
-bf16 GEMM peak, and the float32 units the blocked backend uses lose their 2× edge in the
-softmax passes and per-block overheads that a hand-written kernel would fuse. With two threads
-on a machine shared with other jobs, each block's several parallel regions wait at barriers for
+bfloat16): measured as CPU time on one thread, the blocked backend runs at 0.85–1.04× the speed
+of torch's kernel (about 62–72 GFLOP/s non-causal), not the 1.8× speed-up issue 7 aimed for.
+The premise did not hold on this CPU: torch's bf16 kernel already reaches about 85% of the bf16
+GEMM peak, and the float32 units the blocked backend uses lose their 2× edge in the softmax
+passes and per-block overheads that a hand-written kernel would fuse. With two threads on a
+machine shared with other jobs, each block's several parallel regions wait at barriers for
 descheduled threads and the blocked backend falls far behind (0.1–0.4×); torch's single fused
-parallel region does not. Hence ``functional.BLOCKED_MIN_WORK`` is None: ``"auto"`` does not pick
-this backend unless told to.
+parallel region does not. Hence ``functional.BLOCKED_MIN_WORK`` is None: ``"auto"`` does not
+pick this backend unless told to.
 """
 
 from __future__ import annotations
