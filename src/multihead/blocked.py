@@ -56,15 +56,17 @@ with inductor's on-disk cache warm; it is logged at debug level on the ``multihe
 logger.
 
 Speed (benchmarks/bench_bf16.py, B=4, H=8, D=64, bfloat16, against torch's fused kernel in
-bfloat16): measured as CPU time on one thread, the blocked backend runs at 0.85–1.04× the speed
-of torch's kernel (about 62–72 GFLOP/s non-causal), not the 1.8× speed-up issue 7 aimed for.
-The premise did not hold on this CPU: torch's bf16 kernel already reaches about 85% of the bf16
-GEMM peak, and the float32 units the blocked backend uses lose their 2× edge in the softmax
-passes and per-block overheads that a hand-written kernel would fuse. With two threads on a
-machine shared with other jobs, each block's several parallel regions wait at barriers for
-descheduled threads and the blocked backend falls far behind (0.1–0.4×); torch's single fused
-parallel region does not. Hence ``functional.BLOCKED_MIN_WORK`` is None: ``"auto"`` does not
-pick this backend unless told to.
+bfloat16): measured as CPU time on one thread, the blocked backend runs at 0.88–1.12× the speed
+of torch's kernel without a mask and 1.11–1.16× causal (T = 512 … 8192; 70–79 GFLOP/s at
+T >= 2048, 85–95% of the one-thread bf16 GEMM peak), not the 1.8× issue 7 aimed for. The premise
+did not hold on this CPU: torch's bf16 kernel already reaches about 85% of the bf16 GEMM peak,
+and the float32 units the blocked backend uses lose most of their 2× edge in the softmax passes
+and per-block overheads that a hand-written kernel would fuse (torch's own kernel on float32
+inputs does better still: 99–118 GFLOP/s). With two threads on a machine shared with other jobs,
+each block's several parallel regions wait at barriers for a descheduled thread, and wall-clock
+times swing between 0.06× and 2.7× torch's from run to run; torch's single parallel region per
+call is far steadier. Hence ``functional.BLOCKED_MIN_WORK`` is None: ``"auto"`` does not pick this
+backend unless told to.
 """
 
 from __future__ import annotations

@@ -24,11 +24,12 @@ Backends share one signature:
   on CPU (no gradient, no dropout) once T·S reaches :data:`BLOCKED_MIN_WORK`; else ``"sdpa"``.
   :data:`BLOCKED_MIN_WORK` is None (never) by default, because on the machine measured for
   BENCHMARKS.md (Intel Xeon with avx512_bf16, where a bfloat16 GEMM runs at half the float32
-  speed) torch's kernel was faster at every length; set it to e.g. ``512 * 512`` on a CPU where
-  ``benchmarks/bench_bf16.py`` shows the blocked backend ahead. ``"auto"`` never fails because
-  ``"blocked"`` can't run (no C++ compiler, a failed compile, inside a torch.compile trace): it
-  takes ``"sdpa"`` and logs why (debug level; a failed compile at warning level) on the
-  ``multihead.functional`` logger.
+  speed) the blocked backend was at best 1.16× torch's kernel in CPU time and far less steady
+  in wall-clock time on shared cores; set it to e.g. ``512 * 512`` on a CPU where
+  ``benchmarks/bench_bf16.py`` shows the blocked backend clearly ahead. ``"auto"`` never fails
+  because ``"blocked"`` can't run (no C++ compiler, a failed compile, inside a torch.compile
+  trace): it takes ``"sdpa"`` and logs why (debug level; a failed compile at warning level) on
+  the ``multihead.functional`` logger.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "blocked")
 BLOCKED_MIN_WORK: int | None = None
 """T·S from which ``"auto"`` prefers ``"blocked"`` for half-precision CPU inference; None: never.
 
-None by default: measured slower than torch's kernel on the reference machine (BENCHMARKS.md).
+None by default: not reliably faster than torch's kernel on the reference machine
+(BENCHMARKS.md).
 """
 
 # Set when the blocked backend failed at run time (e.g. its compile): "auto" stops trying it.
