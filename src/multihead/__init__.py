@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 from multihead import functional
+from multihead._lazy import lazy_getattr
 from multihead.attention import MultiHeadAttention
 
 __version__ = "0.1.0"
@@ -33,14 +34,13 @@ _SUBMODULES = ("models", "pretrained", "distributed", "inspect", "viz", "trainin
 __all__ = ["MultiHeadAttention", "functional", "__version__", *_LAZY, *_SUBMODULES]
 
 
+_lazy_name = lazy_getattr(__name__, _LAZY)
+
+
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
     if name in _SUBMODULES:
         return importlib.import_module(f"multihead.{name}")
-    raise AttributeError(f"module 'multihead' has no attribute {name!r}")
+    return _lazy_name(name)
 
 
 def __dir__() -> list[str]:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from multihead._lazy import lazy_getattr
 
 _LAZY: dict[str, str] = {
     "BertModel": "multihead.models.bert",
@@ -15,9 +14,4 @@ _LAZY: dict[str, str] = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'multihead.models' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -7,8 +7,7 @@ imported only when a picture is drawn, so importing this package costs nothing.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from multihead._lazy import lazy_getattr
 
 _LAZY: dict[str, str] = {
     "grid_figure": "multihead.viz.plots",
@@ -22,12 +21,7 @@ _LAZY: dict[str, str] = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'multihead.viz' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:
