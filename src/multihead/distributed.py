@@ -200,6 +200,18 @@ class _Ring:
         ]
         return list(dist.batch_isend_irecv(ops)) if ops else []
 
+    def pass_kv(
+        self, cur_k: Tensor, cur_v: Tensor, buffers: list[tuple[Tensor, Tensor]], step: int
+    ) -> list[Any]:
+        """Send the current K/V chunk on and receive the next one into ``buffers[step % 2]``.
+
+        Two receive buffers, allocated on first use and reused for the rest of the pass, so a rank
+        holds at most the chunk it computes on and the one arriving.
+        """
+        if len(buffers) <= step % 2:
+            buffers.append((torch.empty_like(cur_k), torch.empty_like(cur_v)))
+        return self.exchange((cur_k, cur_v), buffers[step % 2], (_TAG_K, _TAG_V))
+
 
 def _wait(works: list[Any]) -> None:
     for work in works:
@@ -400,10 +412,7 @@ def _ring_forward(
             source = (ring.rank - step) % ring.world
             if step < ring.world - 1:
                 # Post the next transfer first, so that it runs while this chunk is computed on.
-                if len(buffers) <= step % 2:
-                    buffers.append((torch.empty_like(cur_k), torch.empty_like(cur_v)))
-                nxt_k, nxt_v = buffers[step % 2]
-                works = ring.exchange((cur_k, cur_v), (nxt_k, nxt_v), (_TAG_K, _TAG_V))
+                works = ring.pass_kv(cur_k, cur_v, buffers, step)
             theirs = _chunk_ids(source, ring.world, layout)
             for blk in _plan(mine, theirs, causal):
                 rows, cols = slice(blk.q0 * sub, blk.q1 * sub), slice(blk.k0 * sub, blk.k1 * sub)
@@ -459,10 +468,7 @@ def _ring_backward(
         for step in range(ring.world):
             source = (ring.rank - step) % ring.world
             if step < ring.world - 1:
-                if len(kv_buffers) <= step % 2:
-                    kv_buffers.append((torch.empty_like(cur_k), torch.empty_like(cur_v)))
-                nxt_k, nxt_v = kv_buffers[step % 2]
-                kv_works = ring.exchange((cur_k, cur_v), (nxt_k, nxt_v), (_TAG_K, _TAG_V))
+                kv_works = ring.pass_kv(cur_k, cur_v, kv_buffers, step)
             # This rank's share of the gradients of the chunk it holds now.
             part_k = cur_k.new_zeros(cur_k.shape, dtype=acc)
             part_v = cur_v.new_zeros(cur_v.shape, dtype=acc)
