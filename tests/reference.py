@@ -6,6 +6,7 @@ Written independently of multihead.functional so that the two can check each oth
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,3 +58,21 @@ def reference_attention(
                 weights[bi, hi, i] = p
                 out[bi, hi, i] = p @ v[bi, kv]
     return out, weights
+
+
+def bert_attentions(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
+) -> list[Tensor]:
+    """Every layer's attention weights (B, H, T, T) of a multihead BertModel, each from its
+    attention module's own ``need_weights=True`` (where weights are born), the padded
+    computation stepped through layer by layer; independent of ``multihead.capture``."""
+    key_mask = attention_mask.bool()
+    positions = torch.arange(input_ids.shape[1])
+    with torch.no_grad():
+        x = model.embeddings(input_ids, token_type_ids, positions)  # (B, T, E)
+        weights = []
+        for layer in model.encoder.layers:
+            _, w = layer.self_attn(x, key_mask=key_mask, need_weights=True)
+            weights.append(w)
+            x = layer(x, key_mask=key_mask)
+    return weights

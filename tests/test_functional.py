@@ -195,7 +195,7 @@ def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             TypeError,
             "mask must be bool .* or floating point .*, got dtype torch.int64",
         ),
-        ({"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+        ({"dropout_p": 1.0}, ValueError, r"dropout_p must be a float in \[0, 1\), got 1.0"),
         ({"backend": "flash"}, ValueError, "backend must be one of .*, got 'flash'"),
         ({"backend": "sdpa", "need_weights": True}, ValueError, "cannot return attention weights"),
     ],

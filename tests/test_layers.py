@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import multihead
 from multihead import (
     FeedForward,
     LearnedPositionalEmbedding,
@@ -21,7 +22,7 @@ from multihead import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
-from multihead.attention import PackedBatch
+from multihead.packing import PackedBatch
 
 B, T, S, E, H, FF = 2, 5, 7, 24, 3, 40
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -142,7 +143,9 @@ def test_conversion_errors() -> None:
 def test_encoder_layer_weights_and_errors() -> None:
     layer = TransformerEncoderLayer(E, H, FF, num_kv_heads=1)
     x = torch.randn(B, T, E)
-    out, weights = layer(x, key_mask=key_mask(), need_weights=True)
+    with multihead.capture(layer) as rec:
+        out = layer(x, key_mask=key_mask())
+    (weights,) = rec.weights
     assert out.shape == (B, T, E) and weights.shape == (B, H, T, T)
     torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T))
     assert weights[1, :, :, 3:].abs().max() == 0  # padding keys get no weight
@@ -172,7 +175,8 @@ def test_causality_by_gradients() -> None:
             (fn(x)[0, i] * readout).sum().backward()
             assert x.grad is not None
             grad = x.grad[0].abs().sum(-1)  # (T,)
-            assert grad[i + 1 :].max().item() == 0.0 if i + 1 < T else True, (name, i)
+            if i + 1 < T:
+                assert grad[i + 1 :].max().item() == 0.0, (name, i)  # nothing from the future
             assert grad[: i + 1].min().item() > 0.0, (name, i)  # and it does see the past
 
 
@@ -189,9 +193,10 @@ def test_encoder_stack_is_its_layers_in_order() -> None:
     for layer in layers:
         expected = layer(expected, key_mask=km)
     torch.testing.assert_close(enc(x, key_mask=km), norm(expected), atol=0, rtol=0)
-    out, weights = enc(x, key_mask=km, need_weights=True)
-    assert len(weights) == 3 and all(w.shape == (B, H, T, T) for w in weights)
-    torch.testing.assert_close(out, norm(expected), **TOL)  # the "math" kernel: not bitwise
+    with multihead.capture(enc) as rec:
+        out = enc(x, key_mask=km)
+    assert len(rec.weights) == 3 and all(w.shape == (B, H, T, T) for w in rec.weights)
+    torch.testing.assert_close(out, norm(expected), atol=0, rtol=0)  # capture changes nothing
     with pytest.raises(ValueError, match="layers must hold at least one layer"):
         TransformerEncoder([])
 
@@ -233,44 +238,56 @@ def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None
     x = torch.randn(5, 6, E)
     torch.testing.assert_close(packing.unpack(packing.pack(x)), x * km[..., None], atol=0, rtol=0)
     padded = enc(x, key_mask=km)
-    packed = enc.forward_packed(packing.pack(x), packing)
+    packed = enc(packing.pack(x), packing=packing)
     assert packed.shape == (15, E)
     torch.testing.assert_close(packed, packing.pack(padded), **TOL)
     # A single layer too, and gradients through the packed path.
     layer = enc.layers[0]
     xp = packing.pack(x).requires_grad_()
-    layer.forward_packed(xp, packing).sum().backward()
+    layer(xp, packing=packing).sum().backward()
     assert xp.grad is not None and torch.isfinite(xp.grad).all()
 
 
-def test_packed_batch_and_forward_packed_errors() -> None:
-    with pytest.raises(
-        TypeError, match=r"key_mask must be a bool tensor \(B, T\), got torch.int64"
-    ):
+def test_packed_batch_and_packing_errors() -> None:
+    with pytest.raises(TypeError, match=r"key_mask must have dtype torch.bool, got torch.int64"):
         PackedBatch(torch.ones(2, 3, dtype=torch.int64))
     packing = PackedBatch(key_mask())
     attn = MultiHeadAttention(E, H)
-    with pytest.raises(ValueError, match=r"x must be the packed tokens \(N, E\) = \(8, 24\)"):
-        attn.forward_packed(torch.randn(B, T, E), packing)
-    with pytest.raises(TypeError, match="packing must be a PackedBatch, got Tensor"):
-        attn.forward_packed(torch.randn(8, E), key_mask())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"query must be the packed tokens \(N, E\) = \(8, 24\)"):
+        attn(torch.randn(8 + 1, E), packing=packing)
+    with pytest.raises(TypeError, match="packing must be a PackedBatch or None, got Tensor"):
+        attn(torch.randn(8, E), packing=key_mask())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot be combined with key_mask, need_weights"):
+        attn(torch.randn(8, E), key_mask=key_mask(), need_weights=True, packing=packing)
     cross = MultiHeadAttention(E, H, kdim=S)
-    with pytest.raises(ValueError, match="forward_packed is self-attention only"):
-        cross.forward_packed(torch.randn(8, E), packing)
-    enc = TransformerEncoder([nn.Identity()])
-    with pytest.raises(TypeError, match="layers that have a forward_packed method, got Identity"):
-        enc.forward_packed(torch.randn(8, E), packing)
+    with pytest.raises(ValueError, match="packing= needs the packed self-attention projection"):
+        cross(torch.randn(8, E), packing=packing)
+    with pytest.raises(ValueError, match=r"x must be the packed tokens \(N, E\) with E=24"):
+        TransformerEncoderLayer(E, H, FF)(torch.randn(B, T, E), packing=packing)
 
 
-def test_forward_packed_calls_the_observer_with_padded_heads() -> None:
-    attn = MultiHeadAttention(E, H)
-    calls = []
-    attn.observer = lambda m, q, k, v, mask, causal, scale: calls.append(
-        (q.shape, k.shape, mask.shape, causal, scale)
-    )
-    packing = PackedBatch(key_mask())
-    attn.forward_packed(torch.randn(8, E), packing)
-    assert calls == [((B, H, T, 8), (B, H, T, 8), (B, 1, 1, T), False, 1 / math.sqrt(8))]
+def test_packed_path_shows_observers_heads_in_batch_order() -> None:
+    """Observers see the packed call as the padded one: (B, H, T, D) heads in batch order."""
+    attn = randomise(MultiHeadAttention(E, H)).eval()
+    km = torch.tensor([[True, True, False, False, False], [True, True, True, True, False]])
+    x = torch.randn(B, T, E)
+    seen = []
+
+    def observer(call, out):  # type: ignore[no-untyped-def]
+        seen.append((call.q.clone(), call.k.clone(), call.mask, call.query_mask, out.clone()))
+
+    attn.register_observer(observer)
+    packing = PackedBatch(km)
+    assert packing.order.tolist() == [1, 0]  # the rows are sorted: batch order must be restored
+    attn(packing.pack(x), packing=packing)
+    attn(x, key_mask=km)
+    (q_p, k_p, mask_p, qm_p, out_p), (q_d, k_d, mask_d, qm_d, out_d) = seen
+    assert q_p.shape == (B, H, T, 8) and mask_p.shape == (B, 1, 1, T)
+    assert torch.equal(mask_p, mask_d) and torch.equal(qm_p, km) and torch.equal(qm_d, km)
+    real = km[:, None, :, None]  # (B, 1, T, 1): the padding's heads are zeros on the packed path
+    torch.testing.assert_close(q_p, q_d * real, **TOL)
+    torch.testing.assert_close(k_p, k_d * real, **TOL)
+    torch.testing.assert_close(out_p * real.transpose(1, 2), out_d * real.transpose(1, 2), **TOL)
 
 
 # -- decoder layer vs torch.nn.TransformerDecoderLayer ---------------------------------------
@@ -307,7 +324,10 @@ def test_decoder_layer_matches_torch(norm_first: bool) -> None:
         x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~memory_mask
     )
     torch.testing.assert_close(ours(x, memory, memory_key_mask=memory_mask), expected, **TOL)
-    out, (self_w, cross_w) = ours(x, memory, memory_key_mask=memory_mask, need_weights=True)
+    with multihead.capture(ours) as rec:
+        out = ours(x, memory, memory_key_mask=memory_mask)
+    self_w, cross_w = rec.weights
+    assert rec.layers == [0, 1]  # self_attn, then cross_attn: module order
     torch.testing.assert_close(out, expected, **TOL)
     assert self_w.shape == (B, H, T, T) and cross_w.shape == (B, H, T, S)
     assert self_w.triu(1).abs().max() == 0  # causal

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import multihead
 from multihead.models import LMConfig, TransformerLM
 
 V, E, H, L, F, MAX = 13, 24, 6, 2, 40, 20
@@ -20,7 +21,9 @@ def _lm(**kwargs) -> TransformerLM:
 def test_forward_is_causal_and_returns_per_layer_weights() -> None:
     lm = _lm()
     ids = torch.randint(V, (2, 7))
-    logits, weights = lm(ids, need_weights=True)
+    with multihead.capture(lm) as rec:
+        logits = lm(ids)
+    weights = rec.weights
     assert logits.shape == (2, 7, V)
     assert len(weights) == L and all(w.shape == (2, H, 7, 7) for w in weights)
     assert all(torch.all(w.triu(1) == 0) for w in weights)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from multihead.inspect import HeadStatistics
+from multihead.observe import HeadStatistics
 from multihead.viz import write_page
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import multihead
-from multihead.inspect import HeadStatistics
+from multihead.observe import HeadStatistics
 from multihead.viz import encode_weights, grid_figure, head_figure, render_page, save_figure
 
 TOKENS = ["[CLS]", "the", "animal", "didn", "'", "t", "cross", "$5", "it", "[SEP]"]
@@ -88,7 +88,7 @@ def test_imports_stay_lazy() -> None:
     # The CLI's start-up time depends on it: nothing heavy until a picture is drawn.
     src = str(Path(multihead.__file__).resolve().parents[1])
     code = (
-        "import sys, multihead, multihead.viz, multihead.inspect, multihead.explain, "
+        "import sys, multihead, multihead.viz, multihead.observe, multihead.explanation, "
         "multihead.cli.explain, multihead.viz.page; "
         "heavy = [m for m in ('matplotlib', 'rich', 'tokenizers', 'PIL') if m in sys.modules]; "
         "assert not heavy, heavy"

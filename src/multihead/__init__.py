@@ -22,14 +22,15 @@ _LAZY: dict[str, str] = {
     "TransformerEncoderLayer": "multihead.layers",
     "TransformerEncoder": "multihead.layers",
     "TransformerDecoderLayer": "multihead.layers",
-    "SinusoidalPositionalEncoding": "multihead.layers",
-    "LearnedPositionalEmbedding": "multihead.layers",
+    "SinusoidalPositionalEncoding": "multihead.positions",
+    "LearnedPositionalEmbedding": "multihead.positions",
     "KVCache": "multihead.cache",
-    "capture": "multihead.inspect",
-    "head_statistics": "multihead.inspect",
-    "explain": "multihead.explain",
+    "PackedBatch": "multihead.packing",
+    "capture": "multihead.observe.capture",
+    "head_statistics": "multihead.observe.statistics",
+    "explain": "multihead.explanation",
 }
-_SUBMODULES = ("models", "pretrained", "distributed", "inspect", "viz", "training", "cli")
+_SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli")
 
 __all__ = ["MultiHeadAttention", "functional", "__version__", *_LAZY, *_SUBMODULES]
 

@@ -94,7 +94,7 @@ def check_choice(name: str, value: Any, choices: Iterable[T]) -> T:
         raise ValueError(
             f"{name} must be one of {', '.join(map(repr, options))}, got {describe(value)}"
         )
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def check_index(name: str, value: Any, count: int, what: str) -> int:
@@ -106,9 +106,7 @@ def check_index(name: str, value: Any, count: int, what: str) -> int:
         raise TypeError(f"{name} must be an int, got {describe(value)}")
     if not -count <= value < count:
         last = f"0..{count - 1}" if count else "none"
-        raise ValueError(
-            f"{name} {value} is out of range: there are {count} {what} ({last})"
-        )
+        raise ValueError(f"{name} index {value} is out of range: there are {count} {what} ({last})")
     return int(value) % count
 
 
@@ -129,6 +127,9 @@ def check_indices(
         items = list(value)
     if not items:
         raise ValueError(f"{name} must name at least one of the {what}, got an empty sequence")
+    for item in items:
+        if not is_int(item):
+            raise TypeError(f"{name} must be ints, got {describe(item)} ({type(item).__name__})")
     return [check_index(name, item, count, what) for item in items]
 
 
@@ -149,7 +150,7 @@ def check_tensor(
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if dims is not None:
-        allowed = (dims,) if is_int(dims) else tuple(dims)  # type: ignore[arg-type]
+        allowed = (dims,) if isinstance(dims, int) else tuple(dims)
         if value.dim() not in allowed:
             want = " or ".join(f"{d}-D" for d in allowed)
             raise ValueError(f"{name} must be {want}, got shape {tuple(value.shape)}")

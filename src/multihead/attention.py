@@ -1,141 +1,101 @@
-"""MultiHeadAttention: projections, head split and merge. The math itself is in ``functional``."""
+"""MultiHeadAttention: project, split heads, attend, let observers see each head, merge.
+
+The math itself is in :mod:`multihead.functional`; ragged batches without padding in
+:mod:`multihead.packing`; conversion to and from torch.nn in :mod:`multihead.interop`.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from multihead import functional
+from multihead._checks import (
+    check_optional_positive_int,
+    check_positive_int,
+    check_probability,
+    check_tensor,
+)
+from multihead.packing import PackedBatch
 
-__all__ = ["MultiHeadAttention", "AttentionCache", "AttentionObserver", "PackedBatch"]
+__all__ = ["MultiHeadAttention", "AttentionCache", "AttentionCall", "AttentionObserver"]
 
 
 class AttentionCache(Protocol):
     """What ``MultiHeadAttention(..., cache=...)`` needs of a key/value cache (one layer's).
 
-    ``update`` stores the new keys and values (B, Hk, T, D) after the ones already held and
-    returns all of them, (B, Hk, S, D) with S = cached + T.
+    ``length`` is the number of positions held; ``update`` stores the new keys and values
+    (B, Hk, T, D) after them and returns all of them, (B, Hk, S, D) with S = length + T.
     """
+
+    @property
+    def length(self) -> int: ...
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
-# Called as observer(module, q, k, v, mask, is_causal, scale) with the projected heads
-# q (B, H, T, D), k (B, Hk, S, D), v (B, Hk, S, Dv) and the mask handed to the core. It sees what
-# the attention saw, without changing the result; ``multihead.capture`` installs one.
-AttentionObserver = Callable[
-    ["MultiHeadAttention", Tensor, Tensor, Tensor, "Tensor | None", bool, float], None
-]
-
-
-def _shape_str(t: Tensor) -> str:
-    return str(tuple(t.shape))
-
-
-class PackedBatch:
-    """Where the real tokens of a padded batch sit, to compute on them alone ("unpadding").
-
-    A batch padded to (B, T) holds N <= B·T real tokens. Linear layers, LayerNorm and the
-    feed-forward network act on each token alone, so they can run on the packed (N, E) tokens and
-    skip the padding; only attention needs the (B, T) layout back, which :meth:`unpack` restores.
-    For attention the batch is sorted by effective length (last real position + 1) and cut into
-    at most ``num_buckets`` buckets of consecutive sequences, each attended at its own longest
-    length: little of the padded score matrix is computed, in a handful of kernel calls (one call
-    per sequence would compute none, but many small parallel kernels are slow on a busy CPU).
-    Build this once per forward and share it across layers: indices, order, buckets and masks are
-    computed here, not per layer.
-
-    Args:
-        key_mask: bool (B, T), True = a real token. Tokens are packed in row-major order (batch
-            by batch, position by position); a sequence's real tokens need not be contiguous.
+class AttentionCall:
+    """One call of a :class:`MultiHeadAttention`, as its observers see it.
 
     Attributes:
-        key_mask: (B, T) bool, as given.
-        batch_index: (N,) int64, the batch row of each packed token.
-        position_index: (N,) int64, the position (column) of each packed token.
-        attn_mask: (B, 1, 1, T) bool view of ``key_mask``, as the padded computation uses it.
-        num_tokens: N.
-        order: (B,) int64, the batch rows sorted by effective length, longest first.
-        sorted_batch_index: (N,) int64, each packed token's row in the sorted batch.
-        buckets: ``(start, stop, length, mask)`` per bucket: sorted rows ``start:stop`` attend
-            over their first ``length`` positions under ``mask`` (n, 1, 1, length), or no mask
-            when all of those keys are real.
-        num_buckets: the most buckets (class attribute, 4).
+        module: the attention module.
+        q: (B, H, T, D) queries, per head.
+        k: (B, Hk, S, D) keys (the cache's too, when there is one).
+        v: (B, Hk, S, Dv) values.
+        mask: None, or the bool/float mask the kernel saw, broadcastable to (B, H, T, S): the
+            ``mask`` and ``key_mask`` arguments combined. ``is_causal`` comes on top.
+        is_causal: bottom-right causal masking (see :func:`multihead.functional.causal_mask`).
+        scale: the factor on the scores.
+        query_mask: (B, T) bool, True at real (not padding) queries, when the call knows it
+            (self-attention with a key mask, or a packed batch); else None.
 
-    Example:
-        >>> packing = PackedBatch(torch.tensor([[True, True, False], [True, False, False]]))
-        >>> x = torch.arange(6.0).view(2, 3, 1)  # (B, T, E)
-        >>> packing.pack(x).flatten().tolist()
-        [0.0, 1.0, 3.0]
-        >>> packing.unpack(packing.pack(x)).flatten().tolist()
-        [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
+    On a packed batch, q, k and v are put in batch order only when an observer reads them.
     """
 
-    num_buckets = 4
+    def __init__(
+        self,
+        module: MultiHeadAttention,
+        heads: Callable[[], tuple[Tensor, Tensor, Tensor]],
+        mask: Tensor | None,
+        is_causal: bool,
+        scale: float,
+        query_mask: Tensor | None,
+    ) -> None:
+        self.module = module
+        self._heads = heads
+        self.mask = mask
+        self.is_causal = is_causal
+        self.scale = scale
+        self.query_mask = query_mask
 
-    def __init__(self, key_mask: Tensor) -> None:
-        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or key_mask.dim() != 2:
-            got = (
-                f"{key_mask.dtype} tensor of shape {_shape_str(key_mask)}"
-                if isinstance(key_mask, Tensor)
-                else type(key_mask).__name__
-            )
-            raise TypeError(f"key_mask must be a bool tensor (B, T), got {got}")
-        self.key_mask = key_mask
-        self.batch_index, self.position_index = key_mask.nonzero(as_tuple=True)  # (N,), (N,)
-        self.attn_mask = key_mask[:, None, None, :]  # (B, 1, 1, T)
-        self.num_tokens = int(self.batch_index.shape[0])
-        # Attention runs on the batch sorted by effective length (last real position + 1),
-        # in a few buckets of consecutive sequences, each cut to its own longest: most of the
-        # padded scores are never computed, yet there are only a handful of kernel calls.
-        t = key_mask.shape[1]
-        positions = torch.arange(1, t + 1, device=key_mask.device)
-        effective = torch.where(key_mask, positions, 0).amax(1)  # (B,)
-        effective, self.order = effective.sort(descending=True, stable=True)  # (B,), (B,)
-        rank = torch.empty_like(self.order)
-        rank[self.order] = torch.arange(self.order.shape[0], device=key_mask.device)
-        self.sorted_batch_index = rank[self.batch_index]  # (N,): row in the sorted batch
-        sorted_mask = key_mask[self.order]  # (B, T)
-        lengths = effective.tolist()  # one host sync per forward, not per layer
-        b = len(lengths)
-        # (first row, end row, length, mask (n, 1, 1, L) or None when every key is real)
-        self.buckets: list[tuple[int, int, int, Tensor | None]] = []
-        groups = min(self.num_buckets, b)
-        for g in range(groups):
-            start, stop = g * b // groups, (g + 1) * b // groups
-            if start == stop or lengths[start] == 0:
-                continue
-            length = lengths[start]
-            block = sorted_mask[start:stop, :length]
-            mask = None if bool(block.all()) else block[:, None, None, :]
-            self.buckets.append((start, stop, length, mask))
+    @functools.cached_property
+    def _qkv(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self._heads()
 
     @property
-    def batch_size(self) -> int:
-        return int(self.key_mask.shape[0])
+    def q(self) -> Tensor:
+        return self._qkv[0]
 
     @property
-    def length(self) -> int:
-        return int(self.key_mask.shape[1])
+    def k(self) -> Tensor:
+        return self._qkv[1]
 
-    def pack(self, x: Tensor) -> Tensor:
-        """Gather the real tokens: (B, T, ...) -> (N, ...), straight from strided views."""
-        return x[self.batch_index, self.position_index]
+    @property
+    def v(self) -> Tensor:
+        return self._qkv[2]
 
-    def unpack(self, x: Tensor, *, sorted: bool = False) -> Tensor:
-        """Scatter packed tokens back: (N, ...) -> (B, T, ...), zeros at the padding.
 
-        With ``sorted``, the batch rows come in ``order`` (longest first), as attention uses them.
-        """
-        out = x.new_zeros(self.batch_size, self.length, *x.shape[1:])
-        rows = self.sorted_batch_index if sorted else self.batch_index
-        out[rows, self.position_index] = x
-        return out
+# observer(call, out) with out the per-head output (B, T, H, Dv) before the output projection;
+# it returns None (out unchanged) or a replacement of the same shape and dtype.
+AttentionObserver = Callable[[AttentionCall, Tensor], "Tensor | None"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -181,6 +141,10 @@ class MultiHeadAttention(nn.Module):
         - query (B, T, E) or unbatched (T, E); key (B, S, kdim); value (B, S, vdim).
         - output (B, T, out_dim); weights (B, H, T, S). Unbatched inputs drop the B axis.
 
+    Observers (:meth:`register_observer`) see every call's per-head q, k, v, mask and per-head
+    output before ``out_proj``, and may replace that output: :func:`multihead.capture`, head
+    statistics and head interventions are observers.
+
     Example:
         >>> mha = MultiHeadAttention(64, num_heads=4)
         >>> x = torch.randn(2, 10, 64)
@@ -205,9 +169,8 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("num_heads", num_heads)
         for name, opt in (
             ("kdim", kdim),
             ("vdim", vdim),
@@ -215,8 +178,7 @@ class MultiHeadAttention(nn.Module):
             ("num_kv_heads", num_kv_heads),
             ("out_dim", out_dim),
         ):
-            if opt is not None and (not isinstance(opt, int) or isinstance(opt, bool) or opt <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {opt!r}")
+            check_optional_positive_int(name, opt)
         if head_dim is None:
             if embed_dim % num_heads != 0:
                 raise ValueError(
@@ -229,8 +191,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        dropout = check_probability("dropout", dropout)
 
         self.embed_dim = embed_dim
         self.kdim = embed_dim if kdim is None else kdim
@@ -241,8 +202,8 @@ class MultiHeadAttention(nn.Module):
         self.out_dim = embed_dim if out_dim is None else out_dim
         self.dropout = float(dropout)
         self.packed = self.kdim == embed_dim and self.vdim == embed_dim
-        # Not a submodule or buffer: a hook that ``multihead.capture`` sets and clears.
-        self.observer: AttentionObserver | None = None
+        # id -> observer, in registration order (see register_observer); like torch's hooks.
+        self._observers: OrderedDict[int, AttentionObserver] = OrderedDict()
 
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
@@ -299,6 +260,43 @@ class MultiHeadAttention(nn.Module):
             parts.append(f"dropout={self.dropout}")
         return ", ".join(parts)
 
+    # -- observers ------------------------------------------------------------------------------
+
+    def register_observer(self, fn: AttentionObserver) -> RemovableHandle:
+        """Call ``fn(call, out)`` on every forward, after attention and before ``out_proj``.
+
+        ``call`` is an :class:`AttentionCall` (per-head q, k, v, the mask as the kernel saw it,
+        ...); ``out`` is the per-head output (B, T, H, Dv), the one place where a head exists as
+        itself. ``fn`` returns None to leave it, or a replacement of the same shape and dtype
+        (to ablate, scale or patch heads). Observers run in registration order, each seeing the
+        previous one's output. Unbatched calls are seen with B = 1.
+
+        Args:
+            fn: the observer.
+
+        Returns:
+            A handle whose ``.remove()`` unregisters ``fn``.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = fn
+        return handle
+
+    def _observe(self, call: AttentionCall, out: Tensor) -> Tensor:
+        for fn in tuple(self._observers.values()):
+            new = fn(call, out)
+            if new is None:
+                continue
+            if not isinstance(new, Tensor) or new.shape != out.shape or new.dtype != out.dtype:
+                got = f"{new.dtype} {tuple(new.shape)}" if isinstance(new, Tensor) else new
+                raise ValueError(
+                    f"an observer must return None or a per-head output like "
+                    f"{out.dtype} {tuple(out.shape)} (B, T, H, Dv), got {got}"
+                )
+            out = new
+        return out
+
     # -- forward --------------------------------------------------------------------------------
 
     def _split_heads(self, x: Tensor, heads: int) -> Tensor:
@@ -332,9 +330,173 @@ class MultiHeadAttention(nn.Module):
 
     def merge(self, out: Tensor) -> Tensor:
         """Concatenate heads and apply the output projection: (B, H, T, D) -> (B, T, out_dim)."""
-        b, _, t, _ = out.shape
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, H·D)
-        return self.out_proj(out)
+        return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, T, H·D) -> (B, T, out_dim)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        cache: AttentionCache | None = None,
+        packing: PackedBatch | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``query`` to ``key``/``value`` (self-attention when ``key`` is None).
+
+        Args:
+            query: (B, T, E), or unbatched (T, E); with ``packing``, the packed real tokens
+                (N, E).
+            key: (B, S, kdim), or None for self-attention.
+            value: (B, S, vdim); defaults to ``key``.
+            mask: bool (True = may attend) or float (added to the scores), of shape (T, S),
+                (B, T, S) or (B or 1, H or 1, T, S); unbatched: (T, S) or (H, T, S).
+            key_mask: bool (B, S), True = a real token, False = padding; unbatched (S,). This is
+                the negation of torch.nn.MultiheadAttention's ``key_padding_mask`` (True = pad).
+            is_causal: query i sees keys j <= i + (S - T) (bottom-right aligned), ANDed with the
+                masks.
+            need_weights: also return the per-head attention weights (B, H, T, S), never
+                averaged over heads.
+            cache: a key/value cache for incremental decoding (see ``multihead.KVCache``): the new
+                keys/values are stored in it and attention runs over everything it holds.
+            packing: a :class:`~multihead.packing.PackedBatch`: ``query`` holds the real tokens
+                of a padded (B, T) batch, packed, and the call is self-attention under its key
+                mask, computed on those tokens only. Not with key, value, mask, key_mask, cache
+                or need_weights.
+
+        Returns:
+            output (B, T, out_dim) ((N, out_dim) with ``packing``), or ``(output, weights)``
+            when ``need_weights``.
+
+        Raises:
+            TypeError, ValueError: arguments of the wrong type or shape, all checked before the
+                cache or anything else changes.
+        """
+        scale = 1.0 / math.sqrt(self.head_dim)
+        dropout_p = self.dropout if self.training else 0.0
+        if packing is not None:
+            self._check_packed(query, key, value, mask, key_mask, need_weights, cache, packing)
+            return self._attend_packed(query, packing, is_causal, scale, dropout_p)
+        self._check_forward(query, key, value, key_mask)
+        unbatched = query.dim() == 2
+        if unbatched:
+            query = query.unsqueeze(0)
+            key = key.unsqueeze(0) if key is not None else None
+            value = value.unsqueeze(0) if value is not None else None
+            key_mask = key_mask.unsqueeze(0) if key_mask is not None else None
+            if mask is not None and mask.dim() == 3:
+                mask = mask.unsqueeze(0)  # (H, T, S) -> (1, H, T, S)
+        b, t = query.shape[0], query.shape[1]
+        s = (t if key is None else key.shape[1]) + (cache.length if cache is not None else 0)
+        attn_mask = self._attn_mask(mask, key_mask, b, t, s)
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+
+        q, k, v = self.project(query, key, value)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        result = functional.attention(
+            q,
+            k,
+            v,
+            mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            need_weights=need_weights,
+        )
+        out, weights = result if isinstance(result, tuple) else (result, None)
+        out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
+        if self._observers:
+            self_attention = key is None and cache is None
+            query_mask = key_mask if self_attention else None
+            call = AttentionCall(self, lambda: (q, k, v), attn_mask, is_causal, scale, query_mask)
+            out = self._observe(call, out)
+        out = self.out_proj(out.flatten(2))  # (B, T, H·Dv) -> (B, T, out_dim)
+        if unbatched:
+            out = out.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        return (out, weights) if need_weights and weights is not None else out
+
+    def _attend_packed(
+        self, x: Tensor, packing: PackedBatch, is_causal: bool, scale: float, dropout_p: float
+    ) -> Tensor:
+        """Self-attention over the N real tokens (N, E) of ``packing``'s batch -> (N, out_dim).
+
+        The projections run on the real tokens only; attention runs in the sorted (B, T) layout,
+        bucket by bucket (:meth:`PackedBatch.attend`). Observers see batch order.
+        """
+        assert self.qkv_proj is not None
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (N, (H + 2·Hk)·D)
+        # (B, T, ·) each, rows sorted longest first, zeros at the padding
+        q, k, v = packing.unpack(qkv, sorted=True).split([h * d, hk * d, hk * d], -1)
+        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
+        out = packing.attend(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+        if self._observers:
+
+            def heads() -> tuple[Tensor, Tensor, Tensor]:
+                return (
+                    packing.to_batch_order(q),
+                    packing.to_batch_order(k),
+                    packing.to_batch_order(v),
+                )
+
+            call = AttentionCall(
+                self,
+                heads,
+                packing.attn_mask,
+                is_causal,
+                scale,
+                packing.key_mask,
+            )
+            out = packing.pack(self._observe(call, packing.to_batch_order(out)))  # (N, H, Dv)
+        else:
+            out = packing.gather_sorted(out)  # (N, H, Dv)
+        return self.out_proj(out.flatten(1))  # (N, H·Dv) -> (N, out_dim)
+
+    def _check_packed(
+        self,
+        x: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        mask: Tensor | None,
+        key_mask: Tensor | None,
+        need_weights: bool,
+        cache: AttentionCache | None,
+        packing: PackedBatch,
+    ) -> None:
+        if not isinstance(packing, PackedBatch):
+            raise TypeError(f"packing must be a PackedBatch or None, got {type(packing).__name__}")
+        extra = {
+            "key": key is not None,
+            "value": value is not None,
+            "mask": mask is not None,
+            "key_mask": key_mask is not None,
+            "need_weights": bool(need_weights),
+            "cache": cache is not None,
+        }
+        given = [name for name, on in extra.items() if on]
+        if given:
+            raise ValueError(
+                f"packing= is self-attention under the packing's own key mask: it cannot be "
+                f"combined with {', '.join(given)} (for weights use multihead.capture, which "
+                f"works on packed batches)"
+            )
+        if self.qkv_proj is None:
+            raise ValueError(
+                "packing= needs the packed self-attention projection: kdim == vdim == embed_dim "
+                f"(got kdim={self.kdim}, vdim={self.vdim}, embed_dim={self.embed_dim})"
+            )
+        check_tensor("query", x, dims=2)
+        if x.shape != (packing.num_tokens, self.embed_dim):
+            raise ValueError(
+                f"with packing=, query must be the packed tokens (N, E) = "
+                f"({packing.num_tokens}, {self.embed_dim}), got {tuple(x.shape)}"
+            )
 
     def _check_forward(
         self,
@@ -343,43 +505,41 @@ class MultiHeadAttention(nn.Module):
         value: Tensor | None,
         key_mask: Tensor | None,
     ) -> None:
-        if not isinstance(query, Tensor):
-            raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+        check_tensor("query", query, floating=True)
         if query.dim() not in (2, 3):
             raise ValueError(
                 f"query must be 2-D (T, E) or 3-D (B, T, E), got {query.dim()}-D shape "
-                f"{_shape_str(query)}"
+                f"{tuple(query.shape)}"
             )
         if query.shape[-1] != self.embed_dim:
             raise ValueError(
                 f"query's last dimension must be embed_dim={self.embed_dim}, got shape "
-                f"{_shape_str(query)}"
+                f"{tuple(query.shape)}"
             )
         for name, t, width in (("key", key, self.kdim), ("value", value, self.vdim)):
             if t is None:
                 continue
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+            check_tensor(name, t, floating=True)
             if t.dim() != query.dim():
                 raise ValueError(
-                    f"{name} must be {query.dim()}-D like query {_shape_str(query)}, got shape "
-                    f"{_shape_str(t)}"
+                    f"{name} must be {query.dim()}-D like query {tuple(query.shape)}, got shape "
+                    f"{tuple(t.shape)}"
                 )
             if t.shape[-1] != width:
                 dim = "kdim" if name == "key" else "vdim"
                 raise ValueError(
-                    f"{name}'s last dimension must be {dim}={width}, got shape {_shape_str(t)}"
+                    f"{name}'s last dimension must be {dim}={width}, got shape {tuple(t.shape)}"
                 )
             if query.dim() == 3 and t.shape[0] != query.shape[0]:
                 raise ValueError(
-                    f"batch sizes disagree: query {_shape_str(query)} and {name} {_shape_str(t)}"
+                    f"batch sizes disagree: query {tuple(query.shape)} and {name} {tuple(t.shape)}"
                 )
         if value is not None and key is None:
             raise ValueError("value was given without key: pass key too (or neither)")
         if key is not None and value is not None and key.shape[-2] != value.shape[-2]:
             raise ValueError(
-                f"key and value must have the same length, got key {_shape_str(key)} and "
-                f"value {_shape_str(value)}"
+                f"key and value must have the same length, got key {tuple(key.shape)} and "
+                f"value {tuple(value.shape)}"
             )
         if key_mask is not None:
             if not isinstance(key_mask, Tensor):
@@ -393,139 +553,10 @@ class MultiHeadAttention(nn.Module):
                     f"~key_padding_mask"
                 )
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        mask: Tensor | None = None,
-        key_mask: Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        cache: AttentionCache | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend from ``query`` to ``key``/``value`` (self-attention when ``key`` is None).
-
-        Args:
-            query: (B, T, E), or unbatched (T, E).
-            key: (B, S, kdim), or None for self-attention.
-            value: (B, S, vdim); defaults to ``key``.
-            mask: bool (True = may attend) or float (added to the scores), of shape (T, S),
-                (B, T, S) or (B or 1, H or 1, T, S); unbatched: (T, S) or (H, T, S).
-            key_mask: bool (B, S), True = a real token, False = padding; unbatched (S,). This is
-                the negation of torch.nn.MultiheadAttention's ``key_padding_mask`` (True = pad).
-            is_causal: query i sees keys j <= i + (S - T) (bottom-right aligned), ANDed with the
-                masks.
-            need_weights: also return the per-head attention weights (B, H, T, S), never
-                averaged over heads.
-            cache: a key/value cache for incremental decoding (see ``multihead.KVCache``): the new
-                keys/values are stored in it and attention runs over everything it holds.
-
-        Returns:
-            output (B, T, out_dim), or ``(output, weights)`` when ``need_weights``.
-        """
-        self._check_forward(query, key, value, key_mask)
-        unbatched = query.dim() == 2
-        if unbatched:
-            query = query.unsqueeze(0)
-            key = key.unsqueeze(0) if key is not None else None
-            value = value.unsqueeze(0) if value is not None else None
-            key_mask = key_mask.unsqueeze(0) if key_mask is not None else None
-            if mask is not None and mask.dim() == 3:
-                mask = mask.unsqueeze(0)  # (H, T, S) -> (1, H, T, S)
-
-        q, k, v = self.project(query, key, value)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        attn_mask = self._attn_mask(mask, key_mask, q, k)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        if self.observer is not None:
-            self.observer(self, q, k, v, attn_mask, is_causal, scale)
-        result = functional.attention(
-            q,
-            k,
-            v,
-            mask=attn_mask,
-            is_causal=is_causal,
-            scale=scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-        )
-        out, weights = result if isinstance(result, tuple) else (result, None)
-        out = self.merge(out)
-        if unbatched:
-            out = out.squeeze(0)
-            weights = weights.squeeze(0) if weights is not None else None
-        return (out, weights) if weights is not None else out
-
-    def forward_packed(self, x: Tensor, packing: PackedBatch) -> Tensor:
-        """Self-attention over the real tokens of a padded batch, handed over packed.
-
-        The same result as ``forward(packing.unpack(x), key_mask=packing.key_mask)`` on the real
-        tokens, for less work: the q/k/v and output projections run on the N real tokens only,
-        and attention runs per bucket of similar-length sequences (``packing.buckets``) under the
-        key mask, with zero queries, keys and values at the padding (masked keys, and query rows
-        dropped again afterwards). The observer, if any, is called as in :meth:`forward`, with
-        heads (B, H, T, D) in batch order and the mask (B, 1, 1, T).
-
-        Args:
-            x: (N, E), the real tokens, packed as ``packing`` describes.
-            packing: where those tokens sit in the (B, T) batch.
-
-        Returns:
-            (N, out_dim).
-
-        Raises:
-            TypeError: ``packing`` is not a :class:`PackedBatch`.
-            ValueError: ``x`` is not (N, E), or the module is not packed self-attention.
-        """
-        if self.qkv_proj is None:
-            raise ValueError(
-                "forward_packed is self-attention only: it needs kdim == vdim == embed_dim "
-                f"(got kdim={self.kdim}, vdim={self.vdim}, embed_dim={self.embed_dim})"
-            )
-        if not isinstance(packing, PackedBatch):
-            raise TypeError(f"packing must be a PackedBatch, got {type(packing).__name__}")
-        if not isinstance(x, Tensor) or x.shape != (packing.num_tokens, self.embed_dim):
-            got = _shape_str(x) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(
-                f"x must be the packed tokens (N, E) = ({packing.num_tokens}, {self.embed_dim}), "
-                f"got {got}"
-            )
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        widths = [h * d, hk * d, hk * d]
-        scale = 1.0 / math.sqrt(d)
-        dropout_p = self.dropout if self.training else 0.0
-        qkv = self.qkv_proj(x)  # (N, (H + 2·Hk)·D)
-        if self.observer is not None:
-            q, k, v = packing.unpack(qkv).split(widths, -1)  # (B, T, ·) each, in batch order
-            q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
-            self.observer(self, q, k, v, packing.attn_mask, False, scale)
-        # (B, T, (H + 2·Hk)·D), rows sorted longest first, zeros at the padding
-        q, k, v = packing.unpack(qkv, sorted=True).split(widths, -1)
-        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
-        # Positions past a bucket's length are never written and never read back.
-        out = qkv.new_empty(packing.batch_size, packing.length, h, d)  # (B, T, H, D), sorted
-        for start, stop, length, mask in packing.buckets:
-            o = functional.attention(
-                q[start:stop, :, :length],  # (n, H, L, D) views
-                k[start:stop, :, :length],
-                v[start:stop, :, :length],
-                mask=mask,
-                scale=scale,
-                dropout_p=dropout_p,
-            )  # (n, H, L, D)
-            out[start:stop, :length] = o.transpose(1, 2)
-        out = out[packing.sorted_batch_index, packing.position_index]  # (N, H, D), one gather
-        return self.out_proj(out.reshape(packing.num_tokens, h * d))
-
     def _attn_mask(
-        self, mask: Tensor | None, key_mask: Tensor | None, q: Tensor, k: Tensor
+        self, mask: Tensor | None, key_mask: Tensor | None, b: int, t: int, s: int
     ) -> Tensor | None:
-        """Combine ``mask`` and ``key_mask`` into one mask broadcastable to (B, H, T, S)."""
-        b, _, t, _ = q.shape
-        s = k.shape[-2]
+        """Check ``mask`` and ``key_mask`` against (B, H, T, S); combine them into one mask."""
         if key_mask is not None:
             if key_mask.shape != (b, s):
                 raise ValueError(
@@ -536,6 +567,11 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             if not isinstance(mask, Tensor):
                 raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+            if mask.dtype != torch.bool and not mask.is_floating_point():
+                raise TypeError(
+                    f"mask must be bool (True = may attend) or floating point (added to the "
+                    f"scores), got dtype {mask.dtype}"
+                )
             if mask.dim() == 3:
                 mask = mask.unsqueeze(1)  # (B, T, S) -> (B, 1, T, S)
             if mask.dim() not in (2, 4):
@@ -552,98 +588,19 @@ class MultiHeadAttention(nn.Module):
                     f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, T, S) = "
                     f"{target}"
                 )
-        if key_mask is None:
-            return mask
-        if mask is None:
-            return key_mask
-        if mask.dtype == torch.bool:
-            return mask & key_mask
-        return mask.masked_fill(~key_mask, float("-inf"))
+        return functional.combine_masks(mask, key_mask)
 
-    # -- conversion -----------------------------------------------------------------------------
+    # -- conversion (see multihead.interop) -----------------------------------------------------
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
-        """Build an exact copy of a torch.nn.MultiheadAttention (same parameters, same outputs).
+        """An exact copy of a torch.nn.MultiheadAttention (see :mod:`multihead.interop`)."""
+        from multihead.interop import mha_from_torch
 
-        The result is batch-first whatever ``m.batch_first`` was: transpose inputs that were
-        (T, B, E). ``add_bias_kv`` and ``add_zero_attn`` have no equivalent and raise.
-        """
-        if not isinstance(m, nn.MultiheadAttention):
-            raise TypeError(f"m must be a torch.nn.MultiheadAttention, got {type(m).__name__}")
-        if m.bias_k is not None or m.add_zero_attn:
-            raise ValueError(
-                "cannot convert a torch.nn.MultiheadAttention built with add_bias_kv=True or "
-                "add_zero_attn=True: multihead has no equivalent"
-            )
-        ref = m.out_proj.weight
-        ours = cls(
-            m.embed_dim,
-            m.num_heads,
-            kdim=m.kdim,
-            vdim=m.vdim,
-            bias=m.in_proj_bias is not None,
-            dropout=m.dropout,
-            device=ref.device,
-            dtype=ref.dtype,
-        )
-        with torch.no_grad():
-            if m._qkv_same_embed_dim:
-                assert m.in_proj_weight is not None
-                weights: tuple[Tensor, ...] = m.in_proj_weight.chunk(3, dim=0)
-            else:
-                weights = (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)
-            biases = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
-            for (w, b), w_src, b_src in zip(ours._qkv_blocks(), weights, biases, strict=True):
-                w.copy_(w_src)
-                if b is not None and b_src is not None:
-                    b.copy_(b_src)
-            ours.out_proj.weight.copy_(m.out_proj.weight)
-            if ours.out_proj.bias is not None and m.out_proj.bias is not None:
-                ours.out_proj.bias.copy_(m.out_proj.bias)
-        return ours
+        return mha_from_torch(m)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """An exact torch.nn.MultiheadAttention copy of this module.
+        """An exact torch.nn.MultiheadAttention copy; see :func:`multihead.interop.mha_to_torch`."""
+        from multihead.interop import mha_to_torch
 
-        torch's module needs H·D == E, one key/value head per query head, and out_dim == E.
-        """
-        problems = []
-        if self.num_heads * self.head_dim != self.embed_dim:
-            problems.append(f"num_heads·head_dim ({self.num_heads}·{self.head_dim}) != embed_dim")
-        if self.num_kv_heads != self.num_heads:
-            problems.append(f"num_kv_heads ({self.num_kv_heads}) != num_heads ({self.num_heads})")
-        if self.out_dim != self.embed_dim:
-            problems.append(f"out_dim ({self.out_dim}) != embed_dim ({self.embed_dim})")
-        if problems:
-            raise ValueError(
-                "torch.nn.MultiheadAttention cannot represent this module: " + "; ".join(problems)
-            )
-        ref = self.out_proj.weight
-        m = nn.MultiheadAttention(
-            self.embed_dim,
-            self.num_heads,
-            dropout=self.dropout,
-            bias=self.out_proj.bias is not None,
-            kdim=self.kdim,
-            vdim=self.vdim,
-            batch_first=batch_first,
-            device=ref.device,
-            dtype=ref.dtype,
-        )
-        with torch.no_grad():
-            blocks = self._qkv_blocks()
-            if m._qkv_same_embed_dim:
-                assert m.in_proj_weight is not None
-                m.in_proj_weight.copy_(torch.cat([w for w, _ in blocks]))
-            else:
-                for target, (w, _) in zip(
-                    (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight), blocks, strict=True
-                ):
-                    target.copy_(w)
-            if m.in_proj_bias is not None:
-                m.in_proj_bias.copy_(torch.cat([b for _, b in blocks if b is not None]))
-            m.out_proj.weight.copy_(self.out_proj.weight)
-            if m.out_proj.bias is not None and self.out_proj.bias is not None:
-                m.out_proj.bias.copy_(self.out_proj.bias)
-        return m
+        return mha_to_torch(self, batch_first=batch_first)

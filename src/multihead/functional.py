@@ -1,40 +1,29 @@
-"""Scaled dot-product attention: the math, once.
+"""Scaled dot-product attention: one function, one signature, three backends.
 
 Shapes use one set of letters throughout the package: B batch, H query heads, Hk key/value heads,
-T (Tq) query length, S (Tk) key length, D head dim, Dv value head dim, E width.
+T query length, S key length, D head dim, Dv value head dim, E width.
 
     attention(q, k, v) = softmax(q kᵀ · scale + mask) · v,   scale = 1 / sqrt(D)
 
 Masks follow the convention of ``F.scaled_dot_product_attention``: a bool mask is True where a
-query *may* attend to a key; a float mask is added to the scores (``-inf`` removes a key).
-Causal masking is aligned bottom-right: query i sees keys j <= i + (S - T), which stays right when
-cached keys make S > T. A query row that may attend to no key at all gives zeros, never NaN.
+query *may* attend to a key; a float mask is added to the scores (``-inf`` removes a key; any
+finite value, however negative, is an ordinary addend in every dtype). Causal masking is aligned
+bottom-right: query i sees keys j <= i + (S - T), which stays right when cached keys make S > T.
+A query row that may attend to no key at all gives zeros (and zero weights), never NaN, with
+finite gradients. NaN in the inputs propagates to the rows it touches, on every backend.
 
-Backends share one signature:
+Backends:
 
 - ``"sdpa"``: torch's fused kernel (``F.scaled_dot_product_attention``). Memory is linear in the
   sequence length, weights are never materialised.
-- ``"math"``: the explicit formula the tutorials teach, written to be read. The only backend that
-  returns the attention weights.
-- ``"blocked"``: blocks over queries and keys with an online softmax (FlashAttention's forward),
-  compiled by torch.compile; see :mod:`multihead.blocked`. CPU, forward only (no autograd, no
-  dropout, no weights). Its first call per dtype compiles for about 10–20 s; later calls with
-  any sequence length reuse that compile.
-- ``"auto"``: ``"math"`` when weights are asked for; ``"blocked"`` for bfloat16/float16 inference
-  on CPU (no gradient, no dropout) once T·S reaches :data:`BLOCKED_MIN_WORK`; else ``"sdpa"``.
-  :data:`BLOCKED_MIN_WORK` is None (never) by default, because on the machine measured for
-  BENCHMARKS.md (Intel Xeon with avx512_bf16, where a bfloat16 GEMM runs at half the float32
-  speed) the blocked backend was at best 1.16× torch's kernel in CPU time and far less steady
-  in wall-clock time on shared cores; set it to e.g. ``512 * 512`` on a CPU where
-  ``benchmarks/bench_bf16.py`` shows the blocked backend clearly ahead. ``"auto"`` never fails
-  because ``"blocked"`` can't run (no C++ compiler, a failed compile, inside a torch.compile
-  trace): it takes ``"sdpa"`` and logs why (debug level; a failed compile at warning level) on
-  the ``multihead.functional`` logger.
+- ``"math"``: the explicit formula (:func:`multihead.kernels.math_attention`). The only backend
+  that returns the attention weights, and the one to use for double backward (torch's fused CPU
+  kernel has no second derivative).
+- ``"auto"``: ``"math"`` when weights are asked for, else ``"sdpa"``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Literal, overload
 
@@ -42,24 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead import blocked as _blocked
+from multihead._checks import check_choice, check_probability
+from multihead.kernels import math_attention
 
-__all__ = ["attention", "causal_mask", "BACKENDS", "BLOCKED_MIN_WORK"]
+__all__ = ["attention", "causal_mask", "combine_masks", "BACKENDS"]
 
-_LOG = logging.getLogger(__name__)
-
-Backend = Literal["auto", "sdpa", "math", "blocked"]
-BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "blocked")
-
-BLOCKED_MIN_WORK: int | None = None
-"""T·S from which ``"auto"`` prefers ``"blocked"`` for half-precision CPU inference; None: never.
-
-None by default: not reliably faster than torch's kernel on the reference machine
-(BENCHMARKS.md).
-"""
-
-# Set when the blocked backend failed at run time (e.g. its compile): "auto" stops trying it.
-_blocked_failure: str | None = None
+Backend = Literal["auto", "sdpa", "math"]
+BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math")
 
 
 def causal_mask(
@@ -86,10 +64,37 @@ def causal_mask(
     return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(key_len - query_len)
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Both masks at once: a key is allowed when both allow it.
+
+    Bool masks are ANDed; a bool mask on a float one puts -inf where the bool mask is False; two
+    float masks add. Shapes broadcast.
+
+    Args:
+        a, b: None, bool (True = may attend) or float (added to the scores) masks.
+
+    Returns:
+        The combined mask, or None when both are None.
+    """
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    if a.dtype == torch.bool:
+        a, b = b, a
+    if b.dtype == torch.bool:
+        return a.masked_fill(~b, float("-inf"))
+    return a + b
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating point dtype, got {t.dtype}")
         if t.dim() < 3:
             raise ValueError(
                 f"{name} must have at least 3 dimensions (..., heads, length, head_dim), "
@@ -115,6 +120,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"k and v must have the same heads and length, got k {tuple(k.shape)} "
             f"and v {tuple(v.shape)}"
         )
+    for name, size, what in (
+        ("q", q.shape[-1], "head dim D"),
+        ("v", v.shape[-1], "head dim Dv"),
+        ("q", q.shape[-3], "number of heads H"),
+        ("k", k.shape[-3], "number of key/value heads Hk"),
+    ):
+        if size == 0:
+            raise ValueError(f"{name}'s {what} must be positive, got shape {tuple(q.shape)}")
     hq, hk = q.shape[-3], k.shape[-3]
     if hq % hk != 0:
         raise ValueError(
@@ -123,6 +136,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
 
 def _check_mask(mask: Tensor | None, q: Tensor, k: Tensor) -> None:
@@ -153,37 +168,33 @@ def _prepare_mask(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Fold ``is_causal`` into ``mask`` and make fully masked rows harmless.
 
-    Returns ``(mask, keep)``: ``mask`` (bool or float, broadcastable to (..., H, T, S)) in which any
-    query row that could attend to nothing has been opened up again, so that no kernel ever takes a
-    softmax over an empty set (the source of NaN values and NaN gradients); and ``keep`` (bool,
-    broadcastable to (..., H, T, 1)), False on exactly those rows, which the caller zeroes. ``keep``
-    is None when no row can be empty.
+    Returns ``(mask, keep)``: ``mask`` (bool, or float in q's dtype; at least 2-D, broadcastable
+    to (..., H, T, S)) in which any query row that could attend to nothing has been opened up
+    again, so that no kernel ever takes a softmax over an empty set (the source of NaN values and
+    NaN gradients); and ``keep`` (bool, broadcastable to (..., H, T, 1)), False on exactly those
+    rows, which the caller zeroes. ``keep`` is None when no row can be empty.
     """
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(mask, q, k)
-    if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)
-    if is_causal:
-        causal = causal_mask(tq, tk, device=q.device)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
-    if mask is None:
-        return None, None
+    if mask is not None and mask.dim() < 2:
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))  # kernels want (T, S)
+    causal = causal_mask(tq, tk, device=q.device) if is_causal else None
+    if mask is None and (causal is None or tq <= tk):
+        return causal, None  # a bottom-right causal mask alone empties a row only when T > S
+    mask = combine_masks(mask, causal)
+    assert mask is not None
     allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
     keep = allowed.any(dim=-1, keepdim=True)
-    if is_causal and mask.dim() == 2 and tq <= tk:
-        # A bottom-right causal mask alone never empties a row when T <= S.
-        return mask, None
     # Reopen empty rows (uniform attention), then zero their output: finite values and gradients
     # on every kernel and device, with no data-dependent branch for torch.compile to break on.
     if mask.dtype == torch.bool:
-        mask = mask | ~keep
-    else:
-        mask = mask.masked_fill(~keep, 0.0)
+        return mask | ~keep, keep
+    mask = mask.masked_fill(~keep, 0.0)
+    if mask.dtype != q.dtype:
+        # A finite addend stays finite in q's dtype (float16 would turn -1e9 into -inf and empty
+        # the row); -inf stays -inf.
+        low = torch.finfo(q.dtype).min
+        mask = torch.where(allowed | ~keep, mask.clamp(min=low), float("-inf")).to(q.dtype)
     return mask, keep
 
 
@@ -196,112 +207,22 @@ def _sdpa(
     scale: float,
     dropout_p: float,
 ) -> Tensor:
-    grouped = q.shape[-3] != k.shape[-3]
-    if is_causal and mask is None:
-        # Bottom-right and torch's top-left alignment coincide when T == S.
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=grouped
-        )
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=grouped
+    """torch's fused kernel; ``is_causal`` only where its top-left alignment is ours (T == S)."""
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        enable_gqa=q.shape[-3] != k.shape[-3],
     )
-
-
-def _math(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    scale: float,
-    dropout_p: float,
-) -> tuple[Tensor, Tensor]:
-    """softmax(q kᵀ · scale + mask) · v, spelled out. Returns (out, weights)."""
-    group = q.shape[-3] // k.shape[-3]
-    if group > 1:
-        # Query head h reads key/value head h // group, as F.scaled_dot_product_attention does.
-        k = k.repeat_interleave(group, dim=-3)  # (..., H, S, D)
-        v = v.repeat_interleave(group, dim=-3)  # (..., H, S, Dv)
-    # Scores and softmax in float32 at least, so half-precision inputs don't lose the softmax.
-    compute = torch.promote_types(q.dtype, torch.float32)
-    # The scale goes on q, a (T, D) pass, rather than on the (T, S) scores.
-    scores = torch.matmul(q.to(compute) * scale, k.to(compute).transpose(-2, -1))  # (..., H, T, S)
-    if torch.is_grad_enabled() and (
-        scores.requires_grad or (mask is not None and mask.requires_grad)
-    ):
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            else:
-                scores = scores + mask.to(compute)
-        weights = torch.softmax(scores, dim=-1)  # (..., H, T, S)
-    else:
-        # No graph is recorded: the same formula, in place in the one (T, S) buffer. At T=2048
-        # each fresh T×S buffer costs more (allocation and page faults) than its arithmetic.
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                scores.masked_fill_(~mask, float("-inf"))
-            else:
-                scores.add_(mask.to(compute))
-        # aten's softmax with out= is torch.softmax's own kernel writing in place (one fused pass;
-        # torch has no public in-place softmax).
-        weights = torch._softmax(scores, -1, False, out=scores)  # (..., H, T, S)
-    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
-    out = torch.matmul(dropped, v.to(compute))
-    return out.to(q.dtype), weights.to(q.dtype)
-
-
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def _check_blocked_request(
-    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, need_weights: bool
-) -> None:
-    """Raise with the reason when ``backend="blocked"`` cannot serve this request."""
-    if need_weights:
-        raise ValueError(
-            "backend='blocked' cannot return attention weights (it never materialises them): "
-            "use backend='math' or 'auto' with need_weights=True"
-        )
-    if dropout_p > 0:
-        raise ValueError(
-            f"backend='blocked' has no dropout, got dropout_p={dropout_p}: use backend='sdpa' "
-            f"or 'auto' for training"
-        )
-    if _needs_grad(q, k, v):
-        raise ValueError(
-            "backend='blocked' is forward-only (no autograd), got inputs that require grad with "
-            "grad mode on: use backend='sdpa' or 'auto' for training, or call it under "
-            "torch.no_grad() / torch.inference_mode()"
-        )
-    reason = _blocked.unavailable_reason(q)
-    if reason is not None:
-        raise RuntimeError(f"backend='blocked' is unavailable: {reason}")
-
-
-def _remember_blocked_failure(exc: Exception) -> None:
-    global _blocked_failure
-    _blocked_failure = f"{type(exc).__name__}: {exc}"
-    _LOG.warning("the blocked backend failed; backend='auto' uses 'sdpa' from now on: %s", exc)
-
-
-def _auto_picks_blocked(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
-    """Whether ``"auto"`` takes the blocked backend (weights were not asked for)."""
-    if torch.compiler.is_compiling():
-        return False  # inside someone's torch.compile trace: a Python loop of blocks won't do
-    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    min_work = BLOCKED_MIN_WORK
-    if min_work is None or q.shape[-2] * k.shape[-2] < min_work:
-        return False
-    if dropout_p > 0 or _needs_grad(q, k, v):
-        return False
-    reason = _blocked_failure or _blocked.unavailable_reason(q)
-    if reason is not None:
-        _LOG.debug("backend='auto' uses 'sdpa', not 'blocked': %s", reason)
-        return False
-    return True
+    if mask is None and q.device.type == "cpu":
+        # torch's CPU flash kernel turns a NaN query row into zeros; NaN in the inputs propagates
+        # here (one cheap pass over q, nothing over the scores).
+        out = out + q.sum(-1, keepdim=True).mul(0.0).to(out.dtype)
+    return out
 
 
 @overload
@@ -364,82 +285,62 @@ def attention(
     """Scaled dot-product attention, softmax(q kᵀ · scale + mask) · v.
 
     Args:
-        q: queries (..., H, T, D).
+        q: queries (..., H, T, D), floating point.
         k: keys (..., Hk, S, D). H must be a multiple of Hk: query head h reads key/value head
             h // (H // Hk) (grouped-query attention; Hk = 1 is multi-query attention).
         v: values (..., Hk, S, Dv).
         mask: None, a bool tensor (True = this query may attend to this key) or a float tensor
-            added to the scores; broadcastable to (..., H, T, S).
+            added to the scores; any shape that broadcasts to (..., H, T, S).
         is_causal: query i sees keys j <= i + (S - T) (bottom-right aligned). Combined with
             ``mask`` by AND.
         scale: the factor on the scores; default 1 / sqrt(D).
         dropout_p: dropout on the attention weights. Applied whenever it is > 0: pass 0 in eval.
         need_weights: also return the attention weights (softmax probabilities, before dropout).
-        backend: ``"auto"``, ``"sdpa"`` (torch's fused kernel, no weights), ``"math"`` (the
-            explicit formula) or ``"blocked"`` (blocked online softmax compiled by torch.compile:
-            CPU inference only, no weights, no dropout, no autograd; the first call per dtype
-            compiles for about 10–20 s). ``"auto"`` takes ``"math"`` when weights are asked
-            for; ``"blocked"`` for bfloat16/float16 CPU tensors when no gradient is needed, no
-            dropout is asked for and T·S >= :data:`BLOCKED_MIN_WORK` (None, never, by
-            default); else ``"sdpa"``.
+        backend: ``"auto"`` (``"math"`` when weights are asked for, else ``"sdpa"``), ``"sdpa"``
+            (torch's fused kernel: linear memory, no weights) or ``"math"`` (the explicit
+            formula; also the backend for double backward).
 
     Returns:
         ``out`` (..., H, T, Dv), or ``(out, weights)`` with weights (..., H, T, S) when
         ``need_weights``. A query row with no key to attend to gives zeros (and zero weights).
 
     Raises:
-        TypeError: a tensor argument of the wrong type or dtype.
-        ValueError: shapes that disagree, a mask that doesn't broadcast, dropout_p outside
-            [0, 1), an unknown backend, need_weights with ``backend="sdpa"`` or
-            ``"blocked"``, or dropout or inputs that require grad with ``backend="blocked"``.
-        RuntimeError: ``backend="blocked"`` where it cannot run: not on CPU, or no
-            torch.compile or C++ compiler (``"auto"`` falls back to ``"sdpa"`` instead).
+        TypeError: a tensor argument of the wrong type or dtype, a non-bool ``is_causal``.
+        ValueError: shapes that disagree or are empty, a mask that doesn't broadcast,
+            ``dropout_p`` outside [0, 1), an unknown backend, need_weights with
+            ``backend="sdpa"``.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 5, 8)  # (B, H, T, D)
         >>> attention(q, k, v, is_causal=True).shape
         torch.Size([2, 4, 5, 8])
     """
-    _check_inputs(q, k, v)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    _check_inputs(q, k, v, is_causal)
+    dropout_p = check_probability("dropout_p", dropout_p)
+    check_choice("backend", backend, BACKENDS)
     if need_weights and backend == "sdpa":
         raise ValueError(
             "backend='sdpa' cannot return attention weights (torch's fused kernel never "
             "materialises them): use backend='math' or 'auto' with need_weights=True"
         )
-    if backend == "blocked":
-        _check_blocked_request(q, k, v, dropout_p, need_weights)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     use_math = backend == "math" or (backend == "auto" and need_weights)
+    tq, tk = q.shape[-2], k.shape[-2]
+    if tk == 0:  # no key at all: every row is empty
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        return (out, q.new_zeros((*q.shape[:-1], 0))) if need_weights else out
 
-    if backend == "blocked" or (
-        backend == "auto" and not need_weights and _auto_picks_blocked(q, k, v, dropout_p)
-    ):
-        _check_mask(mask, q, k)
-        try:
-            return _blocked.blocked_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
-        except Exception as exc:
-            if backend == "blocked":
-                raise
-            # "auto" never fails because of "blocked": remember, say why, and take torch's kernel.
-            _remember_blocked_failure(exc)
-
-    plain_causal = is_causal and mask is None and q.shape[-2] == k.shape[-2]
-    if plain_causal and not use_math:
-        return _sdpa(q, k, v, None, True, scale, dropout_p)
+    if not use_math and mask is None and (not is_causal or tq == tk):
+        # torch's own causal flag (top-left) is ours when T == S: no mask is built at all.
+        return _sdpa(q, k, v, None, is_causal, scale, dropout_p)
     mask, keep = _prepare_mask(mask, is_causal, q, k)
-
     if use_math:
-        out, weights = _math(q, k, v, mask, scale, dropout_p)
+        out, weights = math_attention(q, k, v, mask, scale, dropout_p)
         if keep is not None:
             out = out.masked_fill(~keep, 0.0)
             weights = weights.masked_fill(~keep, 0.0)
         return (out, weights) if need_weights else out
-
     out = _sdpa(q, k, v, mask, False, scale, dropout_p)
     if keep is not None:
         out = out.masked_fill(~keep, 0.0)

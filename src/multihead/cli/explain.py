@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from multihead.cli.common import CLIError
 
 if TYPE_CHECKING:
-    from multihead.explain import Explanation
+    from multihead.explanation import Explanation
 
 __all__ = ["register", "run"]
 
@@ -182,7 +182,7 @@ def _explain(
     _check_range("--layer", args.layer, n_layers, "layers")
     _check_range("--head", args.head, n_heads, "heads")
 
-    from multihead.explain import explain
+    from multihead.explanation import explain
 
     with _status(console, "Running the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -8,12 +8,12 @@ The module names are ours (``embeddings.word``, ``encoder.layers[i].self_attn.qk
 onto them. At this model's boundary, and only here, masks follow Hugging Face: ``attention_mask``
 is int or bool (B, T) with 1/True at real tokens; inside it becomes the key mask.
 
-When a batch has padding and no attention weights are asked for, the forward runs *unpadded*:
-the embeddings, projections, LayerNorms and feed-forward networks see only the N real tokens
-(:class:`multihead.attention.PackedBatch`); only attention sees the (B, T) layout, under the
-key mask. Hugging Face's BertModel computes all B·T positions everywhere. The result on real
-tokens is the padded computation's; the padding positions of ``last_hidden_state`` hold zeros on
-every path.
+When a batch has padding, the forward runs *unpadded*: the embeddings, projections, LayerNorms
+and feed-forward networks see only the N real tokens (a :class:`multihead.packing.PackedBatch`
+passed down the layers as ``packing=``); only attention sees the (B, T) layout, under the key
+mask. Hugging Face's BertModel computes all B·T positions everywhere. The result on real tokens
+is the padded computation's; the padding positions of ``last_hidden_state`` hold zeros on every
+path. Observers, :func:`multihead.capture` and forward hooks see both paths alike.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import PackedBatch
-from multihead.layers import LearnedPositionalEmbedding, TransformerEncoder, TransformerEncoderLayer
+from multihead.layers import TransformerEncoder, TransformerEncoderLayer
+from multihead.packing import PackedBatch
+from multihead.positions import LearnedPositionalEmbedding
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -183,13 +184,13 @@ class BertConfig:
 class BertOutput:
     """What :meth:`BertModel.forward` returns.
 
+    Attention weights come from :func:`multihead.capture` around the call.
+
     Attributes:
         last_hidden_state: (B, T, E); zeros at padding positions.
-        attentions: None, or one (B, H, T, T) tensor per layer (with ``need_weights``).
     """
 
     last_hidden_state: Tensor
-    attentions: tuple[Tensor, ...] | None = None
 
 
 @dataclass
@@ -298,8 +299,8 @@ class BertModel(nn.Module):
         config: the :class:`BertConfig`.
         max_seq_length: where the text path truncates.
         tokenizer: the ``tokenizers.Tokenizer``, or None.
-        unpad: run padded batches on their real tokens only (default True); attention weights
-            or a forward hook on a layer or its attention select the padded computation.
+        unpad: run padded batches on their real tokens only (default True); False computes
+            every padded position, e.g. to compare the two.
 
     Submodules: ``embeddings`` (:class:`BertEmbeddings`), ``encoder``
     (:class:`~multihead.TransformerEncoder`; ``encoder.layers[i].self_attn`` is a
@@ -401,15 +402,6 @@ class BertModel(nn.Module):
         )
         self._tokenizer = tok
 
-    def _has_module_hooks(self) -> bool:
-        """Whether a forward hook watches a layer or its attention (forward_packed skips them)."""
-        for layer in self.encoder.layers:
-            assert isinstance(layer, TransformerEncoderLayer)
-            for m in (layer, layer.self_attn):
-                if m._forward_hooks or m._forward_pre_hooks:
-                    return True
-        return False
-
     # -- forward --------------------------------------------------------------------------------
 
     def forward(
@@ -417,7 +409,6 @@ class BertModel(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
-        need_weights: bool = False,
     ) -> BertOutput:
         """Encode token ids.
 
@@ -426,11 +417,9 @@ class BertModel(nn.Module):
             attention_mask: (B, T) int or bool, 1/True = a real token, 0/False = padding
                 (Hugging Face's convention); default all real.
             token_type_ids: (B, T) segment ids; default all 0.
-            need_weights: also return every layer's attention weights.
 
         Returns:
-            :class:`BertOutput`: ``last_hidden_state`` (B, T, E), zeros at padding;
-            ``attentions``, one (B, H, T, T) tensor per layer when ``need_weights``, else None.
+            :class:`BertOutput`: ``last_hidden_state`` (B, T, E), zeros at padding.
 
         Raises:
             TypeError: a non-integer ``input_ids`` / ``token_type_ids``, a float
@@ -470,31 +459,21 @@ class BertModel(nn.Module):
                 )
         key_mask = self._key_mask(attention_mask, b, t)
 
-        unpadded = self.unpad and not need_weights and not self._has_module_hooks()
-        if key_mask is not None and unpadded:
-            return self._forward_unpadded(input_ids, token_type_ids, PackedBatch(key_mask))
+        if key_mask is not None and self.unpad:
+            # Everything but attention on the N real tokens only; exact on them.
+            packing = PackedBatch(key_mask)
+            ids = packing.pack(input_ids)  # (N,)
+            types = None if token_type_ids is None else packing.pack(token_type_ids)
+            x = self.embeddings(ids, types, packing.position_index)  # (N, E)
+            x = self.encoder(x, packing=packing)  # (N, E)
+            return BertOutput(packing.unpack(x))  # (B, T, E), zeros at padding
 
         positions = torch.arange(t, device=input_ids.device)  # (T,)
         x = self.embeddings(input_ids, token_type_ids, positions)  # (B, T, E)
-        result = self.encoder(x, key_mask=key_mask, need_weights=need_weights)
-        if isinstance(result, tuple):
-            x, weights = result
-            attentions: tuple[Tensor, ...] | None = tuple(weights)
-        else:
-            x, attentions = result, None
+        x = self.encoder(x, key_mask=key_mask)
         if key_mask is not None:
             x = x.masked_fill(~key_mask[..., None], 0.0)  # (B, T, E), as the unpadded path
-        return BertOutput(x, attentions)
-
-    def _forward_unpadded(
-        self, input_ids: Tensor, token_type_ids: Tensor | None, packing: PackedBatch
-    ) -> BertOutput:
-        """Everything but attention on the N real tokens only; exact on them."""
-        ids = packing.pack(input_ids)  # (N,)
-        types = None if token_type_ids is None else packing.pack(token_type_ids)
-        x = self.embeddings(ids, types, packing.position_index)  # (N, E)
-        x = self.encoder.forward_packed(x, packing)  # (N, E)
-        return BertOutput(packing.unpack(x))  # (B, T, E), zeros at padding
+        return BertOutput(x)
 
     @staticmethod
     def _key_mask(attention_mask: Tensor | None, b: int, t: int) -> Tensor | None:

@@ -21,14 +21,15 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.cache import KVCache
-from multihead.layers import LearnedPositionalEmbedding, TransformerEncoder, TransformerEncoderLayer
+from multihead.layers import TransformerEncoder, TransformerEncoderLayer
+from multihead.positions import LearnedPositionalEmbedding
 
 __all__ = ["LMConfig", "TransformerLM", "CONFIG_NAME", "WEIGHTS_NAME"]
 
@@ -257,28 +258,6 @@ class TransformerLM(nn.Module):
                 f"[{int(ids.min())}, {int(ids.max())}]"
             )
 
-    @overload
-    def forward(
-        self,
-        ids: Tensor,
-        *,
-        key_mask: Tensor | None = ...,
-        positions: Tensor | None = ...,
-        cache: KVCache | None = ...,
-        need_weights: Literal[False] = ...,
-    ) -> Tensor: ...
-
-    @overload
-    def forward(
-        self,
-        ids: Tensor,
-        *,
-        key_mask: Tensor | None = ...,
-        positions: Tensor | None = ...,
-        cache: KVCache | None = ...,
-        need_weights: Literal[True],
-    ) -> tuple[Tensor, list[Tensor]]: ...
-
     def forward(
         self,
         ids: Tensor,
@@ -286,8 +265,7 @@ class TransformerLM(nn.Module):
         key_mask: Tensor | None = None,
         positions: Tensor | None = None,
         cache: KVCache | None = None,
-        need_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+    ) -> Tensor:
         """Next-token logits at every position; position t sees ids[:, :t+1] (and the cache).
 
         Args:
@@ -297,10 +275,9 @@ class TransformerLM(nn.Module):
                 cached, cached + 1, ..., cached + T - 1.
             cache: a :class:`~multihead.cache.KVCache` (see :meth:`make_cache`) that the new
                 keys/values are written into and attention reads from.
-            need_weights: also return each layer's attention weights (B, H, T, S).
 
         Returns:
-            logits (B, T, V), or ``(logits, weights)`` with one (B, H, T, S) tensor per layer.
+            logits (B, T, V). Attention weights come from :func:`multihead.capture`.
 
         Raises:
             ValueError: ids outside the vocabulary, or more positions than ``max_len``.
@@ -321,13 +298,8 @@ class TransformerLM(nn.Module):
                 f"positions must be < max_len={self.config.max_len}, got {int(positions.max())}"
             )
         x = self.dropout(self.position_embedding(self.token_embedding(ids), positions))
-        result = self.layers(
-            x, key_mask=key_mask, is_causal=True, need_weights=need_weights, cache=cache
-        )
-        if isinstance(result, tuple):
-            h, weights = result
-            return self.head(h), weights
-        return self.head(result)  # (B, T, E) -> (B, T, V)
+        h = self.layers(x, key_mask=key_mask, is_causal=True, cache=cache)  # (B, T, E)
+        return self.head(h)  # (B, T, E) -> (B, T, V)
 
     # -- generation -----------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from multihead.models.lm import TransformerLM
+from multihead.observe.capture import capture
 from multihead.training.tasks import VOCAB, Task
 
 __all__ = ["plot_loss", "plot_attention"]
@@ -82,7 +83,9 @@ def plot_attention(
     was_training = model.training
     model.eval()
     try:
-        _, weights = model(ids, need_weights=True)  # L × (1, H, T, T)
+        with torch.no_grad(), capture(model) as rec:
+            model(ids)
+        weights = rec.weights  # L × (1, H, T, T)
     finally:
         model.train(was_training)
     labels = [VOCAB[int(i)].replace("<eos>", "eos") for i in ids[0]]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from multihead.inspect import HeadStatistics
+    from multihead.observe.statistics import HeadStatistics
 
 __all__ = ["encode_weights", "render_page", "write_page"]
 
@@ -80,8 +80,8 @@ def render_page(
         tokens: the T tokens.
         special: per token, whether it is a special token ([CLS], [SEP]); shaded grey.
         layers, heads: the layer and head numbers of the weights' L and H axes (labels).
-        statistics: a :class:`~multihead.inspect.HeadStatistics` for the table (its layers and
-            heads need not match the weights'; rows of heads not shown still list).
+        statistics: a :class:`~multihead.observe.statistics.HeadStatistics` for the table (its
+            layers and heads need not match the weights'; rows of heads not shown still list).
         focus: the token whose attention is shown first.
         initial: (layer position, head position) shown first, positions along L and H.
         title, subtitle: shown at the top.

@@ -1,49 +1,27 @@
-"""See what each head does: capture attention weights, and summarise heads with statistics.
-
-No fused kernel returns attention weights, and materialising every head's (T, S) matrix costs
-O(T²) memory per head. :func:`capture` records weights from any model built from
-:class:`~multihead.MultiHeadAttention` without touching its code, and only what is asked for: a
-choice of layers, heads and query rows, so that one token's attention in a 4,096-token input
-costs O(rows · S) per head. The model's own forward still runs the fused path; the weights are
-recomputed beside it from the projected heads, by the core's math
-(``functional.attention(..., need_weights=True, backend="math")``).
+"""Head statistics: what each head does, summarised in one forward pass.
 
 :func:`head_statistics` summarises each head (entropy, identity, previous/next-token scores,
-mass on special tokens, most-attended token) in one forward pass, computing the weights a chunk
-of query rows at a time so that no head's full (T, S) matrix is ever held.
-
-Shapes: B batch, H heads (H' the selected ones), T queries, R selected query rows, S keys, L layers
-(L' the selected ones).
+mass on special tokens, most-attended token), computing the weights a chunk of query rows at a
+time inside the forward so that no head's full (T, S) matrix is ever held.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from multihead import functional
-from multihead.attention import MultiHeadAttention
+from multihead._checks import check_indices, check_positive_int
+from multihead.observe.rows import attention_modules, observe_rows
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = [
-    "capture",
-    "head_statistics",
-    "attention_modules",
-    "Recorder",
-    "CapturedAttention",
-    "HeadStatistics",
-    "METRICS",
-]
-
-Rows = int | Sequence[int] | slice | range | None
+__all__ = ["head_statistics", "HeadStatistics", "METRICS"]
 
 # name -> what it measures; the metrics of HeadStatistics, in table order.
 METRICS: dict[str, str] = {
@@ -53,343 +31,6 @@ METRICS: dict[str, str] = {
     "next_token": "weight on the position just after the query",
     "special": "weight on special tokens ([CLS], [SEP])",
 }
-
-
-def attention_modules(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
-    """Every :class:`MultiHeadAttention` in ``model``, in module order (= layer order).
-
-    Returns:
-        ``(qualified_name, module)`` pairs; the model itself comes first if it is one.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
-
-
-def _as_index_list(value: int | Sequence[int] | None, count: int, what: str) -> list[int] | None:
-    """Normalise a layer/head choice to a list of non-negative indices < count (None = all)."""
-    if value is None:
-        return None
-    items = [value] if isinstance(value, int) else list(value)
-    out = []
-    for item in items:
-        if not isinstance(item, int) or isinstance(item, bool):
-            raise TypeError(f"{what} must be ints, got {item!r} ({type(item).__name__})")
-        if not -count <= item < count:
-            raise ValueError(
-                f"{what} index {item} is out of range: there are {count} ({what} 0..{count - 1})"
-            )
-        out.append(item % count)
-    if not out:
-        raise ValueError(f"{what} must name at least one index, got an empty sequence")
-    return out
-
-
-def _resolve_rows(rows: Rows, t: int, device: torch.device) -> Tensor:
-    """The query rows (R,) int64 chosen by ``rows`` for a query length T."""
-    if rows is None:
-        return torch.arange(t, device=device)
-    if isinstance(rows, slice):
-        return torch.arange(t, device=device)[rows]
-    items = [rows] if isinstance(rows, int) else list(rows)
-    for r in items:
-        if not isinstance(r, int) or isinstance(r, bool):
-            raise TypeError(f"rows must be ints, got {r!r} ({type(r).__name__})")
-        if not -t <= r < t:
-            raise ValueError(f"rows: row {r} is out of range for a query length of {t}")
-    return torch.tensor([r % t for r in items], dtype=torch.long, device=device)
-
-
-def _check_rows_type(rows: Rows) -> None:
-    if rows is None or isinstance(rows, (slice, range)):
-        return
-    if isinstance(rows, int) and not isinstance(rows, bool):
-        return
-    if isinstance(rows, Sequence) and not isinstance(rows, (str, bytes)):
-        return
-    raise TypeError(
-        f"rows must be None, an int, a sequence of ints or a slice, got {type(rows).__name__}"
-    )
-
-
-def _slice_mask(mask: Tensor | None, heads: Tensor | None, rows: Tensor) -> Tensor | None:
-    """The part of an attention mask (broadcastable to (B, H, T, S)) for chosen heads and rows."""
-    if mask is None:
-        return None
-    if mask.dim() == 2:
-        mask = mask[None, None]  # (T, S) -> (1, 1, T, S)
-    elif mask.dim() == 3:
-        mask = mask[None]  # (H, T, S) -> (1, H, T, S)
-    if heads is not None and mask.shape[1] != 1:
-        mask = mask.index_select(1, heads)  # (B, H', T, S)
-    if mask.shape[2] != 1:
-        mask = mask.index_select(2, rows)  # (B, H', R, S)
-    return mask
-
-
-def _row_weights(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    is_causal: bool,
-    scale: float,
-    heads: Tensor | None,
-    rows: Tensor,
-) -> Tensor:
-    """Attention weights (B, H', R, S) for the chosen heads and query rows.
-
-    Args:
-        q: (B, H, T, D); k: (B, Hk, S, D); v: (B, Hk, S, Dv), as MultiHeadAttention's observer
-            receives them.
-        mask: the mask the core received, broadcastable to (B, H, T, S), or None.
-        is_causal: the bottom-right causal flag the core received.
-        scale: the score scale the core used.
-        heads: (H',) int64 query heads, or None for all.
-        rows: (R,) int64 query rows.
-    """
-    h, hk = q.shape[1], k.shape[1]
-    t, s = q.shape[2], k.shape[2]
-    if heads is not None:
-        q = q.index_select(1, heads)  # (B, H', T, D)
-        # Query head h reads key/value head h // (H // Hk): pick each chosen head's own.
-        kv_heads = torch.div(heads, h // hk, rounding_mode="floor")
-        k = k.index_select(1, kv_heads)  # (B, H', S, D)
-        v = v.index_select(1, kv_heads)  # (B, H', S, Dv)
-    q = q.index_select(2, rows)  # (B, H', R, D)
-    m = _slice_mask(mask, heads, rows)
-    if is_causal:
-        # The causal mask of the full (T, S) problem, restricted to the chosen rows: the core's
-        # own is_causal would align a (R, S) problem bottom-right, which is a different mask.
-        causal = functional.causal_mask(t, s, device=q.device).index_select(0, rows)  # (R, S)
-        if m is None:
-            m = causal
-        elif m.dtype == torch.bool:
-            m = m & causal
-        else:
-            m = m.masked_fill(~causal, float("-inf"))
-    _, weights = functional.attention(
-        q, k, v, mask=m, scale=scale, need_weights=True, backend="math"
-    )
-    return weights  # (B, H', R, S)
-
-
-# consumer(slot, rows (R,), weights (B, H', R, S), T) for one chunk of one attention call
-_Consumer = Callable[[int, Tensor, Tensor, int], None]
-
-
-@contextlib.contextmanager
-def _observe(
-    model: nn.Module,
-    *,
-    layers: int | Sequence[int] | None,
-    heads: int | Sequence[int] | None,
-    rows: Rows,
-    chunk_size: int | None,
-    consume: _Consumer,
-) -> Iterator[list[tuple[int, str, list[int] | None]]]:
-    """Install observers on the chosen attention modules; yields (layer, name, heads) per slot.
-
-    Each call of a chosen module hands its weights to ``consume`` chunk by chunk of query rows.
-    Observers are removed (the previous ones put back) on exit, even when the body raised.
-    """
-    if chunk_size is not None and (
-        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    _check_rows_type(rows)
-    found = attention_modules(model)
-    if not found:
-        raise ValueError(
-            f"model ({type(model).__name__}) contains no multihead.MultiHeadAttention module: "
-            f"capture records only attention built from multihead's modules"
-        )
-    layer_ids = _as_index_list(layers, len(found), "layers")
-    # a layer named twice is observed once
-    chosen = list(range(len(found))) if layer_ids is None else list(dict.fromkeys(layer_ids))
-    slots: list[tuple[int, str, list[int] | None]] = []
-    for layer in chosen:
-        name, mha = found[layer]
-        slots.append((layer, name, _as_index_list(heads, mha.num_heads, "heads")))
-
-    installed: list[tuple[MultiHeadAttention, Any]] = []
-
-    def make_observer(slot: int, head_list: list[int] | None, previous: Any) -> Any:
-        def observer(
-            module: MultiHeadAttention,
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            mask: Tensor | None,
-            is_causal: bool,
-            scale: float,
-        ) -> None:
-            if previous is not None:
-                previous(module, q, k, v, mask, is_causal, scale)
-            t = q.shape[2]
-            row_ids = _resolve_rows(rows, t, q.device)
-            head_ids = (
-                None
-                if head_list is None
-                else torch.tensor(head_list, dtype=torch.long, device=q.device)
-            )
-            if len(row_ids) == 0:
-                raise ValueError(f"rows selects no query row of a query length of {t}: {rows!r}")
-            step = chunk_size or len(row_ids)
-            with torch.no_grad():
-                for start in range(0, len(row_ids), step):
-                    chunk = row_ids[start : start + step]
-                    w = _row_weights(q, k, v, mask, is_causal, scale, head_ids, chunk)
-                    consume(slot, chunk, w, t)
-
-        return observer
-
-    try:
-        for slot, (layer, _, head_list) in enumerate(slots):
-            mha = found[layer][1]
-            installed.append((mha, mha.observer))
-            mha.observer = make_observer(slot, head_list, mha.observer)
-        yield slots
-    finally:
-        for mha, previous in reversed(installed):
-            mha.observer = previous
-
-
-@dataclass(frozen=True)
-class CapturedAttention:
-    """The weights one attention call produced, for the chosen heads and rows.
-
-    Attributes:
-        layer: index of the attention module among the model's (module order, 0-based).
-        name: its qualified module name, e.g. ``"encoder.layers.3.self_attn"``.
-        heads: the query heads kept (H').
-        rows: the query rows kept (R).
-        weights: (B, H', R, S) softmax weights, detached.
-    """
-
-    layer: int
-    name: str
-    heads: tuple[int, ...]
-    rows: tuple[int, ...]
-    weights: Tensor
-
-
-@dataclass
-class Recorder:
-    """What :func:`capture` recorded: one :class:`CapturedAttention` per call of a chosen layer.
-
-    A single forward pass gives one record per chosen layer, in layer order; each further pass
-    (e.g. each step of a generation loop) appends another round.
-    """
-
-    records: list[CapturedAttention] = field(default_factory=list)
-
-    @property
-    def weights(self) -> list[Tensor]:
-        """The recorded weights, one (B, H', R, S) tensor per record."""
-        return [r.weights for r in self.records]
-
-    @property
-    def layers(self) -> list[int]:
-        """The layer index of each record."""
-        return [r.layer for r in self.records]
-
-    @property
-    def heads(self) -> list[tuple[int, ...]]:
-        """The query heads kept in each record."""
-        return [r.heads for r in self.records]
-
-    @property
-    def rows(self) -> list[tuple[int, ...]]:
-        """The query rows kept in each record."""
-        return [r.rows for r in self.records]
-
-    def stack(self) -> Tensor:
-        """All records as one tensor (N, B, H', R, S); they must share their shapes."""
-        if not self.records:
-            raise ValueError("nothing was recorded: run the model inside the capture block")
-        shapes = {tuple(r.weights.shape) for r in self.records}
-        if len(shapes) != 1:
-            raise ValueError(f"records have different shapes {sorted(shapes)}; cannot stack them")
-        return torch.stack(self.weights)
-
-    def clear(self) -> None:
-        """Forget the records (the capture stays installed)."""
-        self.records.clear()
-
-
-@contextlib.contextmanager
-def capture(
-    model: nn.Module,
-    *,
-    layers: int | Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
-    rows: Rows = None,
-    device: torch.device | str | None = None,
-    chunk_size: int | None = None,
-) -> Iterator[Recorder]:
-    """Record attention weights of a model built from :class:`~multihead.MultiHeadAttention`.
-
-    Inside the block, each chosen attention module reports the softmax weights (before any
-    dropout) of the chosen heads and query rows, recomputed from the projected heads and the
-    exact mask the core used. The model's forward and its outputs are unchanged (the fused
-    kernel still runs). Memory is O(B · H' · R · S) per layer: one row of a 4,096-token input
-    is (B, H, 1, 4096), not T².
-
-    Args:
-        model: any module; every MultiHeadAttention inside it, in module order, is a "layer".
-        layers: which of those to record (ints, negative from the end), default all.
-        heads: which query heads, default all. Grouped-query heads are handled (head h reads
-            key/value head h // (H // Hk)).
-        rows: which query rows: an int, ints, a slice, or None for all (negative from the end).
-        device: where to keep the weights (e.g. ``"cpu"``); default the model's device.
-        chunk_size: compute the weights this many rows at a time, bounding the temporaries;
-            default all the chosen rows at once.
-
-    Yields:
-        A :class:`Recorder`; ``rec.weights`` lists one (B, H', R, S) tensor per recorded call.
-
-    Raises:
-        ValueError: no MultiHeadAttention in the model, layer/head/row indices out of range.
-        TypeError: indices that aren't ints.
-
-    Example:
-        >>> mha = MultiHeadAttention(16, num_heads=4)
-        >>> with capture(mha, heads=[0, 2], rows=[-1]) as rec:
-        ...     _ = mha(torch.randn(2, 5, 16))
-        >>> rec.weights[0].shape
-        torch.Size([2, 2, 1, 5])
-    """
-    recorder = Recorder()
-    slots: list[tuple[int, str, list[int] | None]] = []
-    pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
-
-    def consume(slot: int, row_ids: Tensor, w: Tensor, t: int) -> None:
-        pending.setdefault(slot, []).append((row_ids, w if device is None else w.to(device)))
-        done = sum(len(r) for r, _ in pending[slot])
-        expected = len(_resolve_rows(rows, t, row_ids.device))
-        if done == expected:
-            parts = pending.pop(slot)
-            layer, name, head_list = slots[slot]
-            all_heads = range(w.shape[1]) if head_list is None else head_list
-            recorder.records.append(
-                CapturedAttention(
-                    layer=layer,
-                    name=name,
-                    heads=tuple(all_heads),
-                    rows=tuple(int(r) for p, _ in parts for r in p.tolist()),
-                    weights=torch.cat([p for _, p in parts], dim=2),
-                )
-            )
-
-    with _observe(
-        model, layers=layers, heads=heads, rows=rows, chunk_size=chunk_size, consume=consume
-    ) as installed:
-        slots.extend(installed)
-        yield recorder
-
-
-# -- head statistics ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -691,8 +332,7 @@ def head_statistics(
     Returns:
         A :class:`HeadStatistics` over the chosen layers and heads.
     """
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_positive_int("chunk_size", chunk_size)
     tokens: list[list[str]] | None = None
     if hasattr(inputs, "input_ids"):
         ids = inputs.input_ids
@@ -727,10 +367,10 @@ def head_statistics(
         special_mask = special_mask & valid_mask
 
     found = attention_modules(model)
-    layer_ids = _as_index_list(layers, len(found), "layers") if found else None
+    layer_ids = check_indices("layers", layers, len(found), "attention layers") if found else None
     chosen = list(dict.fromkeys(layer_ids)) if layer_ids is not None else list(range(len(found)))
     num_heads = {found[i][1].num_heads for i in chosen}
-    head_ids = _as_index_list(heads, min(num_heads), "heads") if num_heads else None
+    head_ids = check_indices("heads", heads, min(num_heads), "heads") if num_heads else None
     if head_ids is None and len(num_heads) > 1:
         raise ValueError(
             f"the chosen layers have different head counts {sorted(num_heads)}: pass heads= "
@@ -739,7 +379,7 @@ def head_statistics(
     h = len(head_ids) if head_ids is not None else (num_heads.pop() if num_heads else 0)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     acc = _StatsAccumulator(len(chosen), h, b, t, device, valid_mask, special_mask)
-    with _observe(
+    with observe_rows(
         model,
         layers=layers,
         heads=heads,

@@ -18,8 +18,6 @@ import functools
 import html
 import re
 import string
-import sys
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from multihead.inspect import HeadStatistics, capture
+from multihead.observe.capture import capture
+from multihead.observe.statistics import HeadStatistics
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -96,7 +95,7 @@ class Explanation:
         text: the input text (cut to what the model read when it was truncated).
         tokens: the T tokens, [CLS] and [SEP] included.
         weights: (L, H, T, T) float32 on the CPU, every layer and head.
-        statistics: :class:`~multihead.inspect.HeadStatistics` of every layer and head.
+        statistics: :class:`~multihead.observe.statistics.HeadStatistics` of every layer and head.
         focus_index: the focus token's position in ``tokens``.
         focus_token: that token.
         focus_word: the word it starts (the whole word when the tokenizer split it).
@@ -505,15 +504,3 @@ def explain(
         model_name=model_name or _model_name(model),
         truncated=truncated,
     )
-
-
-class _CallableModule(types.ModuleType):
-    """Importing ``multihead.explain`` (the module) sets the package attribute
-    ``multihead.explain`` to the module, shadowing the function of the same name that
-    ``multihead.explain(...)`` promises; making the module callable keeps that promise."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Explanation:
-        return explain(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,23 @@
+"""Observe and steer attention through MultiHeadAttention's one observer channel.
+
+``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads.
+Everything here is an observer (:meth:`multihead.MultiHeadAttention.register_observer`).
+"""
+
+from __future__ import annotations
+
+from multihead._lazy import lazy_getattr
+
+_LAZY: dict[str, str] = {
+    "capture": "multihead.observe.capture",
+    "Recorder": "multihead.observe.capture",
+    "CapturedAttention": "multihead.observe.capture",
+    "head_statistics": "multihead.observe.statistics",
+    "HeadStatistics": "multihead.observe.statistics",
+    "METRICS": "multihead.observe.statistics",
+    "attention_modules": "multihead.observe.rows",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY)
