@@ -27,6 +27,7 @@ __all__ = [
     "check_index",
     "check_indices",
     "check_tensor",
+    "check_mask",
 ]
 
 T = TypeVar("T")
@@ -162,3 +163,27 @@ def check_tensor(
         names = ", ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype {names}, got {value.dtype}")
     return value
+
+
+def check_mask(name: str, mask: Any, shape: Sequence[int], letters: str) -> Tensor | None:
+    """An attention mask: None, or a bool (True = may attend) or float (added to the scores)
+    tensor that broadcasts to ``shape``, which ``letters`` names (e.g. "(B, H, T, S) =")."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or floating point (added to the scores), "
+            f"got dtype {mask.dtype}"
+        )
+    target = torch.Size(shape)
+    try:
+        ok = torch.broadcast_shapes(mask.shape, target) == target
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to {letters} {tuple(target)}"
+        )
+    return mask

@@ -6,10 +6,8 @@ The math itself is in :mod:`multihead.functional`; ragged batches without paddin
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -22,8 +20,9 @@ from multihead._checks import (
     check_optional_positive_int,
     check_positive_int,
     check_probability,
-    check_tensor,
 )
+from multihead.attention_checks import check_call, check_packed_call, combined_mask
+from multihead.observers import AttentionCall, AttentionObserver, run_observers
 from multihead.packing import PackedBatch
 
 __all__ = ["MultiHeadAttention", "AttentionCache", "AttentionCall", "AttentionObserver"]
@@ -40,62 +39,6 @@ class AttentionCache(Protocol):
     def length(self) -> int: ...
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
-
-
-class AttentionCall:
-    """One call of a :class:`MultiHeadAttention`, as its observers see it.
-
-    Attributes:
-        module: the attention module.
-        q: (B, H, T, D) queries, per head.
-        k: (B, Hk, S, D) keys (the cache's too, when there is one).
-        v: (B, Hk, S, Dv) values.
-        mask: None, or the bool/float mask the kernel saw, broadcastable to (B, H, T, S): the
-            ``mask`` and ``key_mask`` arguments combined. ``is_causal`` comes on top.
-        is_causal: bottom-right causal masking (see :func:`multihead.functional.causal_mask`).
-        scale: the factor on the scores.
-        query_mask: (B, T) bool, True at real (not padding) queries, when the call knows it
-            (self-attention with a key mask, or a packed batch); else None.
-
-    On a packed batch, q, k and v are put in batch order only when an observer reads them.
-    """
-
-    def __init__(
-        self,
-        module: MultiHeadAttention,
-        heads: Callable[[], tuple[Tensor, Tensor, Tensor]],
-        mask: Tensor | None,
-        is_causal: bool,
-        scale: float,
-        query_mask: Tensor | None,
-    ) -> None:
-        self.module = module
-        self._heads = heads
-        self.mask = mask
-        self.is_causal = is_causal
-        self.scale = scale
-        self.query_mask = query_mask
-
-    @functools.cached_property
-    def _qkv(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self._heads()
-
-    @property
-    def q(self) -> Tensor:
-        return self._qkv[0]
-
-    @property
-    def k(self) -> Tensor:
-        return self._qkv[1]
-
-    @property
-    def v(self) -> Tensor:
-        return self._qkv[2]
-
-
-# observer(call, out) with out the per-head output (B, T, H, Dv) before the output projection;
-# it returns None (out unchanged) or a replacement of the same shape and dtype.
-AttentionObserver = Callable[[AttentionCall, Tensor], "Tensor | None"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -283,20 +226,6 @@ class MultiHeadAttention(nn.Module):
         self._observers[handle.id] = fn
         return handle
 
-    def _observe(self, call: AttentionCall, out: Tensor) -> Tensor:
-        for fn in tuple(self._observers.values()):
-            new = fn(call, out)
-            if new is None:
-                continue
-            if not isinstance(new, Tensor) or new.shape != out.shape or new.dtype != out.dtype:
-                got = f"{new.dtype} {tuple(new.shape)}" if isinstance(new, Tensor) else new
-                raise ValueError(
-                    f"an observer must return None or a per-head output like "
-                    f"{out.dtype} {tuple(out.shape)} (B, T, H, Dv), got {got}"
-                )
-            out = new
-        return out
-
     # -- forward --------------------------------------------------------------------------------
 
     def _split_heads(self, x: Tensor, heads: int) -> Tensor:
@@ -378,9 +307,9 @@ class MultiHeadAttention(nn.Module):
         scale = 1.0 / math.sqrt(self.head_dim)
         dropout_p = self.dropout if self.training else 0.0
         if packing is not None:
-            self._check_packed(query, key, value, mask, key_mask, need_weights, cache, packing)
+            check_packed_call(self, query, key, value, mask, key_mask, need_weights, cache, packing)
             return self._attend_packed(query, packing, is_causal, scale, dropout_p)
-        self._check_forward(query, key, value, key_mask)
+        check_call(self, query, key, value, key_mask)
         unbatched = query.dim() == 2
         if unbatched:
             query = query.unsqueeze(0)
@@ -391,7 +320,7 @@ class MultiHeadAttention(nn.Module):
                 mask = mask.unsqueeze(0)  # (H, T, S) -> (1, H, T, S)
         b, t = query.shape[0], query.shape[1]
         s = (t if key is None else key.shape[1]) + (cache.length if cache is not None else 0)
-        attn_mask = self._attn_mask(mask, key_mask, b, t, s)
+        attn_mask = combined_mask(self, mask, key_mask, b, t, s)
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
@@ -414,7 +343,7 @@ class MultiHeadAttention(nn.Module):
             self_attention = key is None and cache is None
             query_mask = key_mask if self_attention else None
             call = AttentionCall(self, lambda: (q, k, v), attn_mask, is_causal, scale, query_mask)
-            out = self._observe(call, out)
+            out = run_observers(self._observers.values(), call, out)
         out = self.out_proj(out.flatten(2))  # (B, T, H·Dv) -> (B, T, out_dim)
         if unbatched:
             out = out.squeeze(0)
@@ -453,142 +382,11 @@ class MultiHeadAttention(nn.Module):
                 scale,
                 packing.key_mask,
             )
-            out = packing.pack(self._observe(call, packing.to_batch_order(out)))  # (N, H, Dv)
+            out = run_observers(self._observers.values(), call, packing.to_batch_order(out))
+            out = packing.pack(out)  # (N, H, Dv)
         else:
             out = packing.gather_sorted(out)  # (N, H, Dv)
         return self.out_proj(out.flatten(1))  # (N, H·Dv) -> (N, out_dim)
-
-    def _check_packed(
-        self,
-        x: Tensor,
-        key: Tensor | None,
-        value: Tensor | None,
-        mask: Tensor | None,
-        key_mask: Tensor | None,
-        need_weights: bool,
-        cache: AttentionCache | None,
-        packing: PackedBatch,
-    ) -> None:
-        if not isinstance(packing, PackedBatch):
-            raise TypeError(f"packing must be a PackedBatch or None, got {type(packing).__name__}")
-        extra = {
-            "key": key is not None,
-            "value": value is not None,
-            "mask": mask is not None,
-            "key_mask": key_mask is not None,
-            "need_weights": bool(need_weights),
-            "cache": cache is not None,
-        }
-        given = [name for name, on in extra.items() if on]
-        if given:
-            raise ValueError(
-                f"packing= is self-attention under the packing's own key mask: it cannot be "
-                f"combined with {', '.join(given)} (for weights use multihead.capture, which "
-                f"works on packed batches)"
-            )
-        if self.qkv_proj is None:
-            raise ValueError(
-                "packing= needs the packed self-attention projection: kdim == vdim == embed_dim "
-                f"(got kdim={self.kdim}, vdim={self.vdim}, embed_dim={self.embed_dim})"
-            )
-        check_tensor("query", x, dims=2)
-        if x.shape != (packing.num_tokens, self.embed_dim):
-            raise ValueError(
-                f"with packing=, query must be the packed tokens (N, E) = "
-                f"({packing.num_tokens}, {self.embed_dim}), got {tuple(x.shape)}"
-            )
-
-    def _check_forward(
-        self,
-        query: Tensor,
-        key: Tensor | None,
-        value: Tensor | None,
-        key_mask: Tensor | None,
-    ) -> None:
-        check_tensor("query", query, floating=True)
-        if query.dim() not in (2, 3):
-            raise ValueError(
-                f"query must be 2-D (T, E) or 3-D (B, T, E), got {query.dim()}-D shape "
-                f"{tuple(query.shape)}"
-            )
-        if query.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"query's last dimension must be embed_dim={self.embed_dim}, got shape "
-                f"{tuple(query.shape)}"
-            )
-        for name, t, width in (("key", key, self.kdim), ("value", value, self.vdim)):
-            if t is None:
-                continue
-            check_tensor(name, t, floating=True)
-            if t.dim() != query.dim():
-                raise ValueError(
-                    f"{name} must be {query.dim()}-D like query {tuple(query.shape)}, got shape "
-                    f"{tuple(t.shape)}"
-                )
-            if t.shape[-1] != width:
-                dim = "kdim" if name == "key" else "vdim"
-                raise ValueError(
-                    f"{name}'s last dimension must be {dim}={width}, got shape {tuple(t.shape)}"
-                )
-            if query.dim() == 3 and t.shape[0] != query.shape[0]:
-                raise ValueError(
-                    f"batch sizes disagree: query {tuple(query.shape)} and {name} {tuple(t.shape)}"
-                )
-        if value is not None and key is None:
-            raise ValueError("value was given without key: pass key too (or neither)")
-        if key is not None and value is not None and key.shape[-2] != value.shape[-2]:
-            raise ValueError(
-                f"key and value must have the same length, got key {tuple(key.shape)} and "
-                f"value {tuple(value.shape)}"
-            )
-        if key_mask is not None:
-            if not isinstance(key_mask, Tensor):
-                raise TypeError(
-                    f"key_mask must be a bool torch.Tensor or None, got {type(key_mask).__name__}"
-                )
-            if key_mask.dtype != torch.bool:
-                raise TypeError(
-                    f"key_mask must be a bool tensor (True = a real token), got dtype "
-                    f"{key_mask.dtype}; for torch's key_padding_mask (True = padding) pass "
-                    f"~key_padding_mask"
-                )
-
-    def _attn_mask(
-        self, mask: Tensor | None, key_mask: Tensor | None, b: int, t: int, s: int
-    ) -> Tensor | None:
-        """Check ``mask`` and ``key_mask`` against (B, H, T, S); combine them into one mask."""
-        if key_mask is not None:
-            if key_mask.shape != (b, s):
-                raise ValueError(
-                    f"key_mask must have shape (B, S) = ({b}, {s}) (unbatched: ({s},)), got "
-                    f"{tuple(key_mask.shape)}"
-                )
-            key_mask = key_mask[:, None, None, :]  # (B, 1, 1, S)
-        if mask is not None:
-            if not isinstance(mask, Tensor):
-                raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-            if mask.dtype != torch.bool and not mask.is_floating_point():
-                raise TypeError(
-                    f"mask must be bool (True = may attend) or floating point (added to the "
-                    f"scores), got dtype {mask.dtype}"
-                )
-            if mask.dim() == 3:
-                mask = mask.unsqueeze(1)  # (B, T, S) -> (B, 1, T, S)
-            if mask.dim() not in (2, 4):
-                raise ValueError(
-                    f"mask must be (T, S), (B, T, S) or (B, H, T, S), got shape {tuple(mask.shape)}"
-                )
-            target = (b, self.num_heads, t, s)
-            try:
-                ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
-            except RuntimeError:
-                ok = False
-            if not ok:
-                raise ValueError(
-                    f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, T, S) = "
-                    f"{target}"
-                )
-        return functional.combine_masks(mask, key_mask)
 
     # -- conversion (see multihead.interop) -----------------------------------------------------
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead._checks import check_choice, check_probability
+from multihead._checks import check_choice, check_mask, check_probability
 from multihead.kernels import math_attention
 
 __all__ = ["attention", "causal_mask", "combine_masks", "BACKENDS"]
@@ -140,29 +140,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> None:
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
 
-def _check_mask(mask: Tensor | None, q: Tensor, k: Tensor) -> None:
-    """Raise unless ``mask`` is None or a bool/float tensor broadcastable to (..., H, T, S)."""
-    if mask is None:
-        return
-    target = (*q.shape[:-1], k.shape[-2])
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"mask must be bool (True = may attend) or floating point (added to the "
-            f"scores), got dtype {mask.dtype}"
-        )
-    try:
-        shape = torch.broadcast_shapes(mask.shape, target)
-    except RuntimeError:
-        shape = None
-    if shape != torch.Size(target):
-        raise ValueError(
-            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
-            f"{tuple(target)} (..., H, T, S)"
-        )
-
-
 def _prepare_mask(
     mask: Tensor | None, is_causal: bool, q: Tensor, k: Tensor
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -175,7 +152,7 @@ def _prepare_mask(
     rows, which the caller zeroes. ``keep`` is None when no row can be empty.
     """
     tq, tk = q.shape[-2], k.shape[-2]
-    _check_mask(mask, q, k)
+    check_mask("mask", mask, (*q.shape[:-1], tk), "the scores' shape")
     if mask is not None and mask.dim() < 2:
         mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))  # kernels want (T, S)
     causal = causal_mask(tq, tk, device=q.device) if is_causal else None

@@ -1,0 +1,136 @@
+"""The argument checks of :meth:`MultiHeadAttention.forward`, all run before any state (a
+key/value cache) changes, and the one mask the kernel sees."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from multihead import functional
+from multihead._checks import check_mask, check_tensor
+from multihead.packing import PackedBatch
+
+if TYPE_CHECKING:
+    from multihead.attention import AttentionCache, MultiHeadAttention
+
+__all__ = ["check_call", "check_packed_call", "combined_mask"]
+
+
+def check_packed_call(
+    mha: MultiHeadAttention,
+    x: Tensor,
+    key: Tensor | None,
+    value: Tensor | None,
+    mask: Tensor | None,
+    key_mask: Tensor | None,
+    need_weights: bool,
+    cache: AttentionCache | None,
+    packing: PackedBatch,
+) -> None:
+    if not isinstance(packing, PackedBatch):
+        raise TypeError(f"packing must be a PackedBatch or None, got {type(packing).__name__}")
+    extra = {
+        "key": key is not None,
+        "value": value is not None,
+        "mask": mask is not None,
+        "key_mask": key_mask is not None,
+        "need_weights": bool(need_weights),
+        "cache": cache is not None,
+    }
+    given = [name for name, on in extra.items() if on]
+    if given:
+        raise ValueError(
+            f"packing= is self-attention under the packing's own key mask: it cannot be "
+            f"combined with {', '.join(given)} (for weights use multihead.capture, which "
+            f"works on packed batches)"
+        )
+    if mha.qkv_proj is None:
+        raise ValueError(
+            "packing= needs the packed self-attention projection: kdim == vdim == embed_dim "
+            f"(got kdim={mha.kdim}, vdim={mha.vdim}, embed_dim={mha.embed_dim})"
+        )
+    check_tensor("query", x, dims=2)
+    if x.shape != (packing.num_tokens, mha.embed_dim):
+        raise ValueError(
+            f"with packing=, query must be the packed tokens (N, E) = "
+            f"({packing.num_tokens}, {mha.embed_dim}), got {tuple(x.shape)}"
+        )
+
+
+def check_call(
+    mha: MultiHeadAttention,
+    query: Tensor,
+    key: Tensor | None,
+    value: Tensor | None,
+    key_mask: Tensor | None,
+) -> None:
+    check_tensor("query", query, floating=True)
+    if query.dim() not in (2, 3):
+        raise ValueError(
+            f"query must be 2-D (T, E) or 3-D (B, T, E), got {query.dim()}-D shape "
+            f"{tuple(query.shape)}"
+        )
+    if query.shape[-1] != mha.embed_dim:
+        raise ValueError(
+            f"query's last dimension must be embed_dim={mha.embed_dim}, got shape "
+            f"{tuple(query.shape)}"
+        )
+    for name, t, width in (("key", key, mha.kdim), ("value", value, mha.vdim)):
+        if t is None:
+            continue
+        check_tensor(name, t, floating=True)
+        if t.dim() != query.dim():
+            raise ValueError(
+                f"{name} must be {query.dim()}-D like query {tuple(query.shape)}, got shape "
+                f"{tuple(t.shape)}"
+            )
+        if t.shape[-1] != width:
+            dim = "kdim" if name == "key" else "vdim"
+            raise ValueError(
+                f"{name}'s last dimension must be {dim}={width}, got shape {tuple(t.shape)}"
+            )
+        if query.dim() == 3 and t.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"batch sizes disagree: query {tuple(query.shape)} and {name} {tuple(t.shape)}"
+            )
+    if value is not None and key is None:
+        raise ValueError("value was given without key: pass key too (or neither)")
+    if key is not None and value is not None and key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length, got key {tuple(key.shape)} and "
+            f"value {tuple(value.shape)}"
+        )
+    if key_mask is not None:
+        if not isinstance(key_mask, Tensor):
+            raise TypeError(
+                f"key_mask must be a bool torch.Tensor or None, got {type(key_mask).__name__}"
+            )
+        if key_mask.dtype != torch.bool:
+            raise TypeError(
+                f"key_mask must be a bool tensor (True = a real token), got dtype "
+                f"{key_mask.dtype}; for torch's key_padding_mask (True = padding) pass "
+                f"~key_padding_mask"
+            )
+
+
+def combined_mask(
+    mha: MultiHeadAttention, mask: Tensor | None, key_mask: Tensor | None, b: int, t: int, s: int
+) -> Tensor | None:
+    """Check ``mask`` and ``key_mask`` against (B, H, T, S); combine them into one mask."""
+    if key_mask is not None:
+        if key_mask.shape != (b, s):
+            raise ValueError(
+                f"key_mask must have shape (B, S) = ({b}, {s}) (unbatched: ({s},)), got "
+                f"{tuple(key_mask.shape)}"
+            )
+        key_mask = key_mask[:, None, None, :]  # (B, 1, 1, S)
+    if isinstance(mask, Tensor) and mask.dim() == 3:
+        mask = mask.unsqueeze(1)  # (B, T, S) -> (B, 1, T, S)
+    if isinstance(mask, Tensor) and mask.dim() not in (2, 4):
+        raise ValueError(
+            f"mask must be (T, S), (B, T, S) or (B, H, T, S), got shape {tuple(mask.shape)}"
+        )
+    mask = check_mask("mask", mask, (b, mha.num_heads, t, s), "(B, H, T, S) =")
+    return functional.combine_masks(mask, key_mask)
