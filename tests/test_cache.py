@@ -140,3 +140,28 @@ def test_errors() -> None:
         cache[2]
     with pytest.raises(ValueError, match="max_len must be a positive int, got 0"):
         KVCache(1, 1, 1, 1, max_len=0)
+
+
+def test_a_call_that_raises_leaves_the_cache_untouched() -> None:
+    """Every argument is checked before the cache is written: a failed step, then a corrected
+    retry, gives what the corrected step alone gives."""
+    mha = MultiHeadAttention(E, H).eval()
+    x = torch.randn(B, 4, E)
+    clean, broken = KVCache(1, B, H, E // H, 16), KVCache(1, B, H, E // H, 16)
+    with torch.no_grad():
+        mha(x[:, :3], cache=clean[0], is_causal=True)
+        mha(x[:, :3], cache=broken[0], is_causal=True)
+        bad_calls = [
+            {"key_mask": torch.ones(B, 3, dtype=torch.bool)},  # S is 4 with the cache, not 3
+            {"mask": torch.ones(1, 5, dtype=torch.bool)},  # does not broadcast to (T, S)
+            {"key_mask": torch.ones(B, 4)},  # not bool
+            {"is_causal": torch.tensor([True, False])},  # not a bool
+        ]
+        for kwargs in bad_calls:
+            with pytest.raises((TypeError, ValueError)):
+                mha(x[:, 3:], cache=broken[0], **kwargs)
+            assert broken.length == 3
+        want = mha(x[:, 3:], cache=clean[0], is_causal=True)
+        got = mha(x[:, 3:], cache=broken[0], is_causal=True)
+    assert broken.length == clean.length == 4
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
