@@ -441,15 +441,37 @@ def test_seed_004_wide_heads() -> None:
 
 
 def test_seed_004_published_class_has_no_forward() -> None:
-    """With ``forward`` defined inside ``__init__``, calling the module fails."""
+    """As published, seed 004's SelfAttention defines ``forward`` inside ``__init__`` (a local
+    function, never bound), so calling the module fails. Its layers are built all the same, and
+    MultiHeadAttention loaded from them runs the computation the seed meant."""
 
-    class Published(nn.Module):
-        def __init__(self) -> None:
+    class Published(nn.Module):  # the seed's class as written, but for `nn.module`
+        def __init__(self, k: int, n_heads: int = 8) -> None:
             super().__init__()
+            self.k = k
+            self.n_heads = n_heads
+            self.tokeys = nn.Linear(k, k * n_heads, bias=False)
+            self.toqueries = nn.Linear(k, k * n_heads, bias=False)
+            self.tovalues = nn.Linear(k, k * n_heads, bias=False)
+            self.unifyheads = nn.Linear(n_heads * k, k)
 
             def forward(self: nn.Module, x: Tensor) -> Tensor:  # local, never bound
                 return x
 
+    published = Published(D, n_heads=H)
+    x = torch.randn(B, T, D)
     with pytest.raises(NotImplementedError, match="forward"):
-        Published()(torch.randn(B, T, D))
+        published(x)
     assert not hasattr(nn, "module")  # `nn.module` (lower case) is an AttributeError
+    # Ours, given the published module's own weights, has a forward and computes what the
+    # corrected seed computes with those weights.
+    ours = MultiHeadAttention(D, H, head_dim=D)
+    _load_packed(
+        ours, [published.toqueries.weight, published.tokeys.weight, published.tovalues.weight], None
+    )
+    _load_linear(ours.out_proj, published.unifyheads)
+    fixed = Seed004SelfAttention(D, n_heads=H)
+    fixed.load_state_dict(published.state_dict())
+    out = ours(x)
+    assert out.shape == (B, T, D)
+    torch.testing.assert_close(out, fixed(x), atol=ATOL, rtol=RTOL)
