@@ -168,10 +168,12 @@ def _prepare_mask(
         return mask | ~keep, keep
     mask = mask.masked_fill(~keep, 0.0)
     if mask.dtype != q.dtype:
-        # A finite addend stays finite in q's dtype (float16 would turn -1e9 into -inf and empty
-        # the row); -inf stays -inf.
         low = torch.finfo(q.dtype).min
-        mask = torch.where(allowed | ~keep, mask.clamp(min=low), float("-inf")).to(q.dtype)
+        if torch.finfo(mask.dtype).min < low:
+            # A finite addend stays finite in q's dtype (float16 would turn -1e9 into -inf and
+            # empty the row); -inf stays -inf.
+            mask = torch.where(allowed | ~keep, mask.clamp(min=low), float("-inf"))
+        mask = mask.to(q.dtype)
     return mask, keep
 
 
@@ -275,7 +277,9 @@ def attention(
         need_weights: also return the attention weights (softmax probabilities, before dropout).
         backend: ``"auto"`` (``"math"`` when weights are asked for, else ``"sdpa"``), ``"sdpa"``
             (torch's fused kernel: linear memory, no weights) or ``"math"`` (the explicit
-            formula; also the backend for double backward).
+            formula). Double backward (a second derivative, e.g. for a gradient penalty) needs
+            ``backend="math"``: torch's fused CPU kernel has no second derivative, and torch
+            raises when one is asked of it.
 
     Returns:
         ``out`` (..., H, T, Dv), or ``(out, weights)`` with weights (..., H, T, S) when
