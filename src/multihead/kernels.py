@@ -9,17 +9,26 @@ D head dim, Dv value head dim.
   scores, :func:`merge_block` folds blocks together, and :func:`block_attention_backward` gives
   a block's gradients: ring attention is built from these three.
 
-This is the only module that uses private torch APIs, each for one stated reason and each with a
-public fallback that gives the same numbers.
+This module imports nothing from multihead: it sits below :mod:`multihead.functional`. It is the
+only module of the package allowed a private torch API; each use says why on the line above it,
+and has a public fallback (the explicit formula) that the tests run too.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["math_attention", "softmax_"]
+__all__ = [
+    "math_attention",
+    "softmax_",
+    "block_attention",
+    "block_attention_backward",
+    "merge_block",
+]
 
 
 def softmax_(scores: Tensor) -> Tensor:
@@ -97,3 +106,214 @@ def math_attention(
     # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
     out = torch.matmul(dropped, v.to(compute))
     return out.to(q.dtype), weights.to(q.dtype)
+
+
+# -- blocks with log-sum-exp (ring attention) -----------------------------------------------------
+
+# True: blocks run torch's CPU flash kernels where they can; tests set it False to run the
+# explicit formula (the public fallback) on CPU as well.
+_USE_CPU_FLASH = True
+
+_NEG_INF = float("-inf")
+
+
+def _use_cpu_flash(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """Whether torch's CPU flash kernels can serve this block; if not, the formula does."""
+    return (
+        _USE_CPU_FLASH
+        and q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        and q.shape[-1] == v.shape[-1]  # the kernels take one head dim for keys and values
+        and k.shape[-2] > 0
+        # their causal mask is top-left aligned, which agrees with ours only when T == S
+        and (not causal or q.shape[-2] == k.shape[-2])
+        and _cpu_flash_available()
+    )
+
+
+@functools.cache
+def _cpu_flash_available() -> bool:
+    """Whether this torch has the CPU flash kernels (private: they may go, the formula stays)."""
+    forward = "_scaled_dot_product_flash_attention_for_cpu"
+    return all(hasattr(torch.ops.aten, name) for name in (forward, forward + "_backward"))
+
+
+@functools.cache
+def _cpu_flash_groups_heads() -> bool:
+    """Whether this torch's CPU flash kernel takes fewer key/value heads than query heads."""
+    q = torch.zeros(1, 2, 1, 1)
+    try:
+        # private API: only a call tells if this torch's kernel groups heads; fallback: repeat k, v
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q[:, :1], q[:, :1])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _unit_last_stride(x: Tensor) -> Tensor:
+    """``x``, copied only when its last dimension is not dense (stride 1).
+
+    The CPU flash kernels read every row of q, k, v and out as a dense vector and, given another
+    stride, silently read the wrong memory (public SDPA makes rows dense before calling them).
+    Strides of the other dimensions, expanded ones (stride 0) included, they honour.
+    """
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _causal_mask(t: int, s: int, device: torch.device) -> Tensor:
+    """(T, S) bool, True where query i may see key j: j <= i + (S − T), bottom-right aligned as
+    in :func:`multihead.functional.causal_mask` (rebuilt here: kernels sits below functional)."""
+    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
+
+
+def _no_empty_rows(lse: Tensor) -> Tensor:
+    """``lse`` with −inf (a row that sees no key) replaced by 0, to subtract from scores: then
+    exp(−inf − 0) = 0 gives the row zero weights where exp(−inf − (−inf)) would give NaN."""
+    return lse.masked_fill(lse == _NEG_INF, 0.0)
+
+
+def _grouped(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One block's scores, with the query heads grouped by the key/value head they read.
+
+    Returns q5 (B, Hk, G, T, D), k5 (B, Hk, 1, S, D), v5 (B, Hk, 1, S, Dv) and scores
+    (B, Hk, G, T, S), G = H / Hk, −inf where ``causal`` hides a key; all in float32 at least.
+    """
+    b, h, t, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q5 = q.reshape(b, hk, h // hk, t, d).to(compute)  # (B, Hk, G, T, D)
+    k5 = k.to(compute).unsqueeze(2)  # (B, Hk, 1, S, D): shared by the group without a copy
+    v5 = v.to(compute).unsqueeze(2)  # (B, Hk, 1, S, Dv)
+    scores = torch.matmul(q5, k5.transpose(-2, -1)) * scale  # (B, Hk, G, T, S)
+    if causal:
+        scores.masked_fill_(~_causal_mask(t, s, q.device), _NEG_INF)
+    return q5, k5, v5, scores
+
+
+def block_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Attention over one block of keys, with the log-sum-exp of its scores.
+
+    With scores S = q kᵀ·scale (−inf where ``causal`` hides a key):
+
+        lse = log Σ_j exp(S_j),   out = Σ_j exp(S_j − lse) · v_j
+
+    so that blocks computed apart merge exactly (:func:`merge_block`). A query row that sees no
+    key (``causal`` with T > S) gives out = 0 and lse = −inf.
+
+    Args:
+        q: (B, H, T, D).
+        k: (B, Hk, S, D); H must be a multiple of Hk.
+        v: (B, Hk, S, Dv). q, k, v: one floating dtype, one device, any strides.
+        causal: query i sees keys j <= i + (S − T) (bottom-right aligned).
+        scale: the factor on the scores, e.g. 1 / sqrt(D).
+
+    Returns:
+        out (B, H, T, Dv) in q's dtype, and lse (B, H, T) in float32 (float64 for float64 input).
+    """
+    if _use_cpu_flash(q, k, v, causal):
+        group = q.shape[1] // k.shape[1]
+        if group > 1 and not _cpu_flash_groups_heads():
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+        # private API: the one CPU kernel that returns lse beside out; fallback: the formula below
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse
+    b, h, t, _ = q.shape
+    _, _, v5, scores = _grouped(q, k, v, scale, causal)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hk, G, T)
+    probs = torch.exp(scores - _no_empty_rows(lse).unsqueeze(-1))  # (B, Hk, G, T, S)
+    out = torch.matmul(probs, v5)  # (B, Hk, G, T, S) x (B, Hk, 1, S, Dv) -> (B, Hk, G, T, Dv)
+    return out.reshape(b, h, t, v.shape[-1]).to(q.dtype), lse.reshape(b, h, t)
+
+
+def block_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's share of the gradients, given the output and log-sum-exp over *all* keys.
+
+    Flash-attention-2's backward. With out and lse over all keys (this block's and others'),
+    P = exp(q kᵀ·scale − lse) is this block's columns of the softmax over all keys, and
+
+        Δ = rowsum(dout ⊙ out),   dv = Pᵀ dout,   dS = P ⊙ (dout vᵀ − Δ),
+        dq = dS k · scale,        dk = dSᵀ q · scale.
+
+    Summed over all key blocks, dq is exact; each block's dk and dv are exact for its keys' share
+    of these queries. Given a single block's own (out, lse), this is its plain gradient.
+
+    Args:
+        dout: (B, H, T, Dv), the gradient of the loss with respect to out.
+        q, k, v: as in :func:`block_attention`.
+        out: (B, H, T, Dv), the attention output over all keys, in q's dtype.
+        lse: (B, H, T), the log-sum-exp of the scores over all keys (float32 at least).
+        causal, scale: as in :func:`block_attention`.
+
+    Returns:
+        dq (B, H, T, D), dk (B, Hk, S, D), dv (B, Hk, S, Dv) in the dtypes of q, k and v.
+    """
+    hk = k.shape[1]
+    group = q.shape[1] // hk
+    if _use_cpu_flash(q, k, v, causal):
+        expand = group > 1 and not _cpu_flash_groups_heads()
+        ke, ve = (
+            (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if expand else (k, v)
+        )
+        dout, q, ke, ve, out = (_unit_last_stride(x) for x in (dout, q, ke, ve, out))
+        # private API: the only CPU backward that starts from a given (out, lse); fallback: below
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, ke, ve, out, lse.contiguous(), 0.0, causal, scale=scale
+        )
+        if expand:
+            dk = dk.unflatten(1, (hk, group)).sum(2)  # (B, H, S, D) -> (B, Hk, S, D)
+            dv = dv.unflatten(1, (hk, group)).sum(2)
+        return dq, dk, dv
+    b, h, t, d = q.shape
+    dv_dim = v.shape[-1]
+    q5, k5, v5, scores = _grouped(q, k, v, scale, causal)
+    do5 = dout.reshape(b, hk, group, t, dv_dim).to(q5.dtype)  # (B, Hk, G, T, Dv)
+    o5 = out.reshape(b, hk, group, t, dv_dim).to(q5.dtype)  # (B, Hk, G, T, Dv)
+    l5 = _no_empty_rows(lse.reshape(b, hk, group, t, 1).to(q5.dtype))  # (B, Hk, G, T, 1)
+    probs = torch.exp(scores - l5)  # (B, Hk, G, T, S)
+    grad_v = torch.matmul(probs.transpose(-2, -1), do5).sum(2)  # (B, Hk, S, Dv)
+    delta = (do5 * o5).sum(-1, keepdim=True)  # (B, Hk, G, T, 1)
+    ds = probs * (torch.matmul(do5, v5.transpose(-2, -1)) - delta)  # (B, Hk, G, T, S)
+    grad_q = torch.matmul(ds, k5) * scale  # (B, Hk, G, T, D)
+    grad_k = torch.matmul(ds.transpose(-2, -1), q5).sum(2) * scale  # (B, Hk, S, D)
+    return grad_q.reshape(b, h, t, d).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def merge_block(out_acc: Tensor, lse_acc: Tensor, out_blk: Tensor, lse_blk: Tensor) -> None:
+    """Fold one block's (out, lse) into a running (out, lse), in place: the log-sum-exp rule.
+
+        m = logaddexp(lse_acc, lse_blk)
+        out_acc ← out_acc · exp(lse_acc − m) + out_blk · exp(lse_blk − m),   lse_acc ← m
+
+    (Liu et al., 2023, "Ring Attention with Blockwise Transformers"). An empty accumulator
+    (out = 0, lse = −inf) takes the block as it is; a row that neither side has a key for stays
+    empty (out = 0, lse = −inf) instead of turning NaN.
+
+    Args:
+        out_acc: (..., T, Dv), updated in place; keep it in float32 at least.
+        lse_acc: (..., T), updated in place, in out_acc's dtype.
+        out_blk: (..., T, Dv), from :func:`block_attention` (any floating dtype).
+        lse_blk: (..., T), from :func:`block_attention`.
+    """
+    lse_new = torch.logaddexp(lse_acc, lse_blk)
+    base = _no_empty_rows(lse_new)
+    out_acc.mul_(torch.exp(lse_acc - base).unsqueeze(-1).to(out_acc.dtype))
+    out_acc.addcmul_(out_blk, torch.exp(lse_blk - base).unsqueeze(-1).to(out_acc.dtype))
+    lse_acc.copy_(lse_new)
