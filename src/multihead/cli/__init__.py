@@ -1,8 +1,10 @@
 """The ``multihead`` command: argparse subcommands, each in its own module of this package.
 
 A command module defines ``register(subparsers)`` (adds its parser, with cheap imports only, and
-sets ``func`` to a ``run(args) -> int``). Errors a user can fix are raised as :class:`CLIError`
-(or ValueError / FileNotFoundError from the library) and printed as one line, exit code 2.
+sets ``func`` to a ``run(args) -> int``). Errors a user can fix are raised as :class:`CLIError`,
+or by the library as ValueError (UnicodeError included), TypeError, FileNotFoundError or
+PermissionError; each is printed as one line on stderr, exit code 2. A flag argparse refuses
+is one line and exit code 2 as well.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import sys
 from collections.abc import Sequence
 
 from multihead import __version__
-from multihead.cli.common import CLIError
+from multihead.cli.common import CLIError, one_line
 
 __all__ = ["main", "CLIError", "COMMANDS"]
+
+# What a user's mistake raises: the library's argument checks and missing or forbidden files.
+# UnicodeError is a ValueError; it is named for the reader.
+_USER_ERRORS = (CLIError, ValueError, UnicodeError, TypeError, FileNotFoundError, PermissionError)
 
 # Module names under multihead.cli, in the order `multihead --help` lists them.
 COMMANDS: tuple[str, ...] = ("explain", "train")
@@ -44,15 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 success, 2 a usage or input error)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits after --help, --version or a refused flag
+        return e.code if isinstance(e.code, int) else 2
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
     try:
         return int(func(args))
-    except (CLIError, ValueError, FileNotFoundError, PermissionError) as e:
-        print(f"multihead {args.command}: error: {e}", file=sys.stderr)
+    except _USER_ERRORS as e:
+        print(f"multihead {args.command}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)

@@ -1,7 +1,9 @@
 """``multihead explain``: where does a word look, in every layer and head of a real model?
 
-Only argparse is imported at registration; torch, the model and matplotlib load when the command
-runs, behind a status line on stderr.
+The command parses, calls :func:`multihead.explain` and :meth:`Explanation.save`, and prints;
+the library checks every value (main() turns its errors into one line and exit code 2). Only
+argparse and the format/output checks are imported at registration; the model and matplotlib
+load when the command runs, behind a status line on stderr.
 """
 
 from __future__ import annotations
@@ -9,20 +11,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from multihead.cli.common import CLIError
+from multihead.cli.common import CLIError, printable
+from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
     from multihead.explanation import Explanation
 
 __all__ = ["register", "run"]
 
-_FORMATS = ("png", "svg", "html")
-_DEFAULT_FORMATS = "png,svg,html"
+_DEFAULT_FORMATS = ",".join(FORMATS)
 
 
 def register(subparsers: Any) -> None:
@@ -78,56 +79,22 @@ def register(subparsers: Any) -> None:
         "--format",
         default=_DEFAULT_FORMATS,
         metavar="LIST",
-        help=f"comma-separated, any of {', '.join(_FORMATS)} (default: {_DEFAULT_FORMATS})",
+        help=f"comma-separated, any of {', '.join(FORMATS)} (default: {_DEFAULT_FORMATS})",
     )
     p.set_defaults(func=run)
-
-
-def _formats(value: str) -> list[str]:
-    items = [f.strip().lower() for f in value.split(",") if f.strip()]
-    bad = [f for f in items if f not in _FORMATS]
-    if bad or not items:
-        raise CLIError(
-            f"--format must be a comma-separated list of {', '.join(_FORMATS)}, got {value!r}"
-        )
-    return list(dict.fromkeys(items))
-
-
-def _writable_dir(value: str) -> Path:
-    """Create --out if needed and prove it writable, before any slow work."""
-    out = Path(value)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".multihead-", delete=True):
-            pass
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise CLIError(f"cannot write to --out {value!r}: {reason}") from None
-    return out
-
-
-def _check_range(flag: str, value: int | None, count: int, what: str) -> None:
-    if value is not None and not 0 <= value < count:
-        raise CLIError(
-            f"{flag} {value} is out of range: the model has {count} {what} (0-{count - 1})"
-        )
 
 
 def _load_model(directory: str | None) -> tuple[Any, str]:
     try:
         from multihead.pretrained import load_bert, minilm
-    except ImportError as e:
-        raise CLIError(f"{e} (pip install 'multihead[cli]')") from None
-    try:
+
         if directory is None:
             return minilm(), "all-MiniLM-L6-v2"
-        path = Path(directory)
-        model = load_bert(path)
+        model = load_bert(directory)
     except ImportError as e:
-        raise CLIError(str(e)) from None
-    if model.tokenizer is None:
-        raise CLIError(f"--model {directory!r} has no tokenizer.json: explain needs to tokenize")
-    return model, path.resolve().name
+        raise CLIError(str(e)) from None  # it names the extra to install
+    # The name goes into titles, the page and the report: keep it printable whatever the bytes.
+    return model, printable(Path(directory).resolve().name)
 
 
 def _status(console: Any, message: str) -> Any:
@@ -140,14 +107,10 @@ def _status(console: Any, message: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead explain``; returns the exit code."""
-    if args.text is not None and not args.text.strip():
-        raise CLIError("TEXT is empty: give a sentence (or no TEXT for the default example)")
-    if args.focus is not None and args.focus_index is not None:
-        raise CLIError("give --focus or --focus-index, not both")
-    if args.focus is not None and not args.focus.strip():
-        raise CLIError("--focus is empty: give a word of the text")
-    formats = _formats(args.format)
-    out = _writable_dir(args.out)
+    # The two flags that need no model are checked first, so that a typo fails before seconds
+    # of loading; Explanation.save checks them again with the same functions.
+    formats = check_formats("--format", args.format)
+    out = check_output_dir("--out", args.out)
 
     try:
         from rich.console import Console
@@ -177,10 +140,6 @@ def _explain(
 ) -> tuple[Explanation, list[Path]]:
     with _status(console, "Loading the model…"):
         model, name = _load_model(args.model)
-    n_layers = model.config.num_hidden_layers
-    n_heads = model.config.num_attention_heads
-    _check_range("--layer", args.layer, n_layers, "layers")
-    _check_range("--head", args.head, n_heads, "heads")
 
     from multihead.explanation import explain
 
@@ -195,15 +154,7 @@ def _explain(
             heads=args.head,
         )
     ex.model_name = name
-    if ex.truncated:
-        print(
-            f"warning: the text is longer than the model takes ({model.max_seq_length} tokens): "
-            f"only its start was read, up to {ex.text[-40:]!r}",
-            file=sys.stderr,
-        )
-    for w in caught:
-        if ex.truncated and "truncated" in str(w.message):
-            continue  # said above, in the CLI's words
+    for w in caught:  # the library's warnings (a truncated text), in the command's voice
         print(f"warning: {w.message}", file=sys.stderr)
 
     with _status(console, "Drawing the pictures…"):
@@ -245,4 +196,4 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     print()
     print("Wrote:")
     for p in paths:
-        print(f"  {os.fspath(p)}")
+        print(f"  {printable(os.fspath(p))}")

@@ -1,4 +1,6 @@
-"""Models built from multihead's layers: a BERT encoder (``bert``), a small causal LM (``lm``)."""
+"""Models built from multihead's layers: a BERT encoder (``bert``, its text path in ``text``) and a
+small causal LM (``lm``). Nothing here reads checkpoints of other libraries: that is
+:mod:`multihead.pretrained`, above this package."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from multihead._lazy import lazy_getattr
 _LAZY: dict[str, str] = {
     "BertModel": "multihead.models.bert",
     "BertConfig": "multihead.models.bert",
+    "BertBatch": "multihead.models.text",
     "TransformerLM": "multihead.models.lm",
     "LMConfig": "multihead.models.lm",
 }

@@ -10,6 +10,9 @@ from __future__ import annotations
 from multihead._lazy import lazy_getattr
 
 _LAZY: dict[str, str] = {
+    "FORMATS": "multihead.viz.formats",
+    "check_formats": "multihead.viz.formats",
+    "check_output_dir": "multihead.viz.formats",
     "grid_figure": "multihead.viz.plots",
     "head_figure": "multihead.viz.plots",
     "save_figure": "multihead.viz.plots",

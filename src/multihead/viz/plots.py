@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from multihead.viz.formats import FIGURE_FORMATS
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["grid_figure", "head_figure", "save_figure", "FORMATS"]
+__all__ = ["grid_figure", "head_figure", "save_figure"]
 
-FORMATS: tuple[str, ...] = ("png", "svg")
 # Above this many tokens the grid's small cells drop their token labels (unreadable anyway).
 _GRID_LABEL_LIMIT = 40
 _CMAP = "Blues"
@@ -269,8 +270,9 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
-    if fmt not in FORMATS:
-        raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
+    if fmt not in FIGURE_FORMATS:
+        suffixes = " or ".join(f".{f}" for f in FIGURE_FORMATS)
+        raise ValueError(f"path must end in {suffixes}, got {str(path)!r}")
     # The SVG's text stays text (smaller, searchable) and its ids stay stable across runs.
     import matplotlib
 

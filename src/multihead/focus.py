@@ -1,0 +1,211 @@
+"""Words and tokens: which token a focus word names, which tokens make up each word, and which
+words a token attends to most.
+
+Used by :func:`multihead.explain`. A tokenizer splits text into word pieces ("didn't" -> didn ' t,
+"Tokenization" -> token ##ization); people name words. These helpers map between the two with
+the tokenizer's character offsets and word ids, never by re-tokenising.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = [
+    "AttendedWord",
+    "LayerFocus",
+    "find_focus",
+    "layer_focus",
+    "word_groups",
+    "word_spans",
+    "word_text",
+]
+
+# Shown in the error for a word that is not in the text, before "…".
+_SHOWN_TOKENS = 80
+
+
+@dataclass(frozen=True)
+class AttendedWord:
+    """A word the focus token attends to, in one layer.
+
+    Attributes:
+        word: the word as written in the text.
+        tokens: its token positions (a word the tokenizer splits has several).
+        weight: the attention the focus token pays it: summed over its tokens, mean over heads.
+        head: the head that pays it the most attention.
+        head_weight: that head's attention to it (summed over its tokens).
+        is_focus: whether it is the focus word itself.
+    """
+
+    word: str
+    tokens: tuple[int, ...]
+    weight: float
+    head: int
+    head_weight: float
+    is_focus: bool = False
+
+
+@dataclass(frozen=True)
+class LayerFocus:
+    """Where the focus token looks in one layer.
+
+    Attributes:
+        layer: the layer (0-based).
+        words: the words it attends to most (mean over the chosen heads), strongest first.
+        special: attention on each special token ([CLS], [SEP]), mean over heads, reported apart
+            because they soak up most of the mass in many heads.
+    """
+
+    layer: int
+    words: list[AttendedWord]
+    special: dict[str, float]
+
+
+def word_spans(
+    text: str, offsets: list[tuple[int, int]], word_ids: list[int | None]
+) -> list[tuple[int, int]]:
+    """Candidate words as (start, end) character spans, in text order: the tokenizer's words
+    and the whitespace-separated words with surrounding punctuation stripped ("didn't")."""
+    spans: dict[int, tuple[int, int]] = {}
+    for (start, end), word in zip(offsets, word_ids, strict=True):
+        if word is None:
+            continue
+        s, e = spans.get(word, (start, end))
+        spans[word] = (min(s, start), max(e, end))
+    found = set(spans.values()) | set(_plain_words(text))
+    return sorted(found)
+
+
+def _plain_words(text: str) -> list[tuple[int, int]]:
+    """Whitespace-separated words with surrounding punctuation stripped, and runs of word
+    characters: what a reader would call a word without the tokenizer's help."""
+    found = [m.span() for m in re.finditer(r"\w+", text)]
+    for m in re.finditer(r"\S+", text):
+        chunk = m.group()
+        core = chunk.strip(string.punctuation)
+        if core:
+            start = m.start() + chunk.index(core)
+            found.append((start, start + len(core)))
+    return found
+
+
+def find_focus(
+    text: str,
+    focus: str,
+    tokens: list[str],
+    offsets: list[tuple[int, int]],
+    word_ids: list[int | None],
+    *,
+    cut_from: str | None = None,
+    max_tokens: int | None = None,
+) -> int:
+    """The position of the first token of the first word matching ``focus`` case-insensitively.
+
+    Args:
+        text: the text the tokens cover (the part the model read).
+        focus: the word to find.
+        tokens, offsets, word_ids: per token, as :class:`~multihead.models.text.BertBatch` has
+            them for ``text``.
+        cut_from: when the text was truncated, the whole text before the cut, to tell a word
+            that was cut off from one that was never there.
+        max_tokens: where it was truncated, in tokens (for the message).
+
+    Raises:
+        ValueError: ``focus`` is empty, is not in the text (the message lists the tokens), or
+            only occurs after the truncation point.
+    """
+    target = focus.strip().casefold()
+    if not target:
+        raise ValueError("focus must be a word of the text, got an empty string")
+    for start, end in word_spans(text, offsets, word_ids):
+        if text[start:end].casefold() != target:
+            continue
+        for i, (s, e) in enumerate(offsets):
+            if word_ids[i] is not None and e > s and s >= start and e <= end:
+                return i
+    if cut_from is not None and any(
+        cut_from[s:e].casefold() == target for s, e in _plain_words(cut_from)
+    ):
+        raise ValueError(
+            f"focus word {focus!r} was cut off by truncation at {max_tokens} tokens: the model "
+            f"reads the text only up to {text[-40:]!r}; shorten the text or focus on an earlier "
+            f"word"
+        )
+    shown = " ".join(tokens[:_SHOWN_TOKENS]) + (" …" if len(tokens) > _SHOWN_TOKENS else "")
+    raise ValueError(f"focus word {focus!r} is not in the text; its tokens are: {shown}")
+
+
+def word_groups(word_ids: list[int | None], special: list[bool]) -> list[list[int]]:
+    """Token positions grouped by word (consecutive tokens of one word id); specials apart."""
+    groups: list[list[int]] = []
+    last: int | None = None
+    for i, word in enumerate(word_ids):
+        if special[i] or word is None:
+            last = None
+            continue
+        if groups and word == last:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+        last = word
+    return groups
+
+
+def word_text(
+    text: str, tokens: list[str], offsets: list[tuple[int, int]], group: list[int]
+) -> str:
+    """The word that the tokens ``group`` make, as written in ``text`` (joined tokens when the
+    offsets point nowhere, as for special tokens)."""
+    start, end = offsets[group[0]][0], offsets[group[-1]][1]
+    return text[start:end] if end > start else "".join(tokens[i] for i in group)
+
+
+def layer_focus(
+    weights: Tensor,
+    layer: int,
+    heads: list[int],
+    focus: int,
+    text: str,
+    tokens: list[str],
+    offsets: list[tuple[int, int]],
+    groups: list[list[int]],
+    special: list[bool],
+    top: int = 3,
+) -> LayerFocus:
+    """Where the token ``focus`` looks in one layer: the ``top`` words, mean over ``heads``.
+
+    Args:
+        weights: (L, H, T, T) attention weights of one text.
+        layer: the layer.
+        heads: the heads to average over (and to name the strongest of).
+        focus: the query token's position.
+        text, tokens, offsets: the text, its T tokens and their character offsets.
+        groups: token positions grouped by word (:func:`word_groups`).
+        special: per token, whether it is a special token ([CLS], [SEP]).
+    """
+    rows = weights[layer, heads, focus]  # (H', T)
+    mean = rows.mean(0)  # (T,)
+    scored = []
+    for group in groups:
+        per_head = rows[:, group].sum(-1)  # (H',)
+        best = int(per_head.argmax())
+        scored.append(
+            AttendedWord(
+                word=word_text(text, tokens, offsets, group),
+                tokens=tuple(group),
+                weight=float(mean[group].sum()),
+                head=heads[best],
+                head_weight=float(per_head[best]),
+                is_focus=focus in group,
+            )
+        )
+    scored.sort(key=lambda w: -w.weight)
+    specials: dict[str, float] = {}
+    for i, is_special in enumerate(special):
+        if is_special:
+            specials[tokens[i]] = specials.get(tokens[i], 0.0) + float(mean[i])
+    return LayerFocus(layer=layer, words=scored[:top], special=specials)
