@@ -379,6 +379,25 @@ def test_ablation_importance_equals_a_loop_of_intervene(kind: str) -> None:
     assert _observers(model) == 0
 
 
+def test_reused_layers_run_for_real_when_the_inputs_change() -> None:
+    enc = _encoder()
+    x0, x1, km = torch.randn(B, T, E), torch.randn(B, T, E), _key_mask()
+
+    def changing(first_calls: int) -> Callable[[], Tensor]:
+        calls = [0]
+
+        def metric() -> Tensor:  # x0 for the first calls, x1 after: recorded outputs are stale
+            calls[0] += 1
+            return enc(x0 if calls[0] <= first_calls else x1, key_mask=km).sum()
+
+        return metric
+
+    # with reuse: a recorded run and a check run on x0; without: one clean run on x0
+    got = head_importance(enc, changing(2))
+    want = head_importance(enc, changing(1), reuse_prefix=False)
+    assert torch.equal(got, want)
+
+
 def test_gradient_importance_against_finite_differences() -> None:
     enc = _encoder(num_kv_heads=3, dtype=torch.float64)
     x = torch.randn(B, T, E, dtype=torch.float64)
