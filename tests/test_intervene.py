@@ -379,6 +379,35 @@ def test_ablation_importance_equals_a_loop_of_intervene(kind: str) -> None:
     assert _observers(model) == 0
 
 
+class _Mixed(nn.Module):
+    """Attention outside any layer, then a stack whose first and last layers share attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = MultiHeadAttention(E, H)
+        self.enc = _encoder()
+        self.enc.layers[2].self_attn = self.enc.layers[0].self_attn  # tied
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.enc(x + self.pre(x))
+
+
+def test_reuse_with_attention_outside_layers_and_shared_between_layers() -> None:
+    model = _Mixed().eval()
+    assert [name for name, _ in attention_modules(model)] == [
+        "pre",
+        "enc.layers.0.self_attn",
+        "enc.layers.1.self_attn",
+    ]
+    x = torch.randn(B, T, E)
+
+    def metric() -> Tensor:
+        return model(x).square().mean()
+
+    want = head_importance(model, metric, reuse_prefix=False)
+    assert torch.equal(head_importance(model, metric), want)
+
+
 def test_reused_layers_run_for_real_when_the_inputs_change() -> None:
     enc = _encoder()
     x0, x1, km = torch.randn(B, T, E), torch.randn(B, T, E), _key_mask()

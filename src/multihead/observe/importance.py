@@ -243,9 +243,9 @@ class _PrefixCache:
     output when the arguments equal the recorded ones, and runs for real otherwise.
     """
 
-    def __init__(self, blocks: list[nn.Module], holder: list[int | None]) -> None:
+    def __init__(self, blocks: list[nn.Module], holders: list[list[int]]) -> None:
         self.blocks = blocks
-        self.holder = holder  # per layer, the index of the earliest block holding it, or None
+        self.holders = holders  # per layer, the blocks holding its module (shared modules: >1)
         self.calls: dict[int, list[_Call]] = {}
         self.order: dict[int, int] = {}  # block index -> rank of its first call
         self.clean = torch.zeros(())
@@ -270,11 +270,11 @@ class _PrefixCache:
                 "mode with dropout: no two runs agree); call model.eval() for faster ablation"
             )
             return None
-        holder = []
-        for _, mha in found:
-            holding = [i for i, b in enumerate(blocks) if any(m is mha for m in b.modules())]
-            holder.append(min(holding) if holding else None)
-        cache = cls(blocks, holder)
+        holders = [
+            [i for i, b in enumerate(blocks) if any(m is mha for m in b.modules())]
+            for _, mha in found
+        ]
+        cache = cls(blocks, holders)
         cache.clean = cache._record(metric)
         if not cache.order:
             logger.info("head_importance: full forwards (metric() ran none of the model's layers)")
@@ -321,8 +321,10 @@ class _PrefixCache:
 
     def skipping(self, layer: int) -> Any:
         """Within the block: one ablation run of ``layer`` reuses the blocks before its own."""
-        holder = self.holder[layer]
-        first = len(self.order) if holder is None else self.order.get(holder, len(self.order))
+        # the first call of a block holding the layer; a layer outside every block (or never
+        # run) bounds nothing: a block whose arguments it changed would not match anyway
+        never = len(self.order)
+        first = min((self.order.get(i, never) for i in self.holders[layer]), default=never)
         return self._skip_before(first)
 
     def _skip_before(self, first: int) -> Any:
