@@ -28,6 +28,9 @@ _LAZY: dict[str, str] = {
     "PackedBatch": "multihead.packing",
     "capture": "multihead.observe.capture",
     "head_statistics": "multihead.observe.statistics",
+    "intervene": "multihead.observe.intervene",
+    "record_heads": "multihead.observe.intervene",
+    "head_importance": "multihead.observe.importance",
     "explain": "multihead.explanation",
 }
 _SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli")

@@ -1,7 +1,9 @@
 """Observe and steer attention through MultiHeadAttention's one observer channel.
 
-``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads.
-Everything here is an observer (:meth:`multihead.MultiHeadAttention.register_observer`).
+``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads;
+``intervene`` ablates, scales or patches heads, ``record_heads`` records their outputs and
+``head_importance`` scores them. Everything here is an observer
+(:meth:`multihead.MultiHeadAttention.register_observer`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ _LAZY: dict[str, str] = {
     "HeadStatistics": "multihead.observe.statistics",
     "METRICS": "multihead.observe.statistics",
     "attention_modules": "multihead.observe.rows",
+    "intervene": "multihead.observe.intervene",
+    "record_heads": "multihead.observe.intervene",
+    "HeadRecording": "multihead.observe.intervene",
+    "head_importance": "multihead.observe.importance",
 }
 
 __all__ = list(_LAZY)

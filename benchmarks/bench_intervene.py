@@ -1,0 +1,264 @@
+"""Head interventions on all-MiniLM-L6-v2: what editing and scoring heads costs.
+
+Four ratios, each against the plain forward it adds to, and one agreement:
+
+- no edits: a forward inside ``intervene(model, {})`` ÷ a plain forward, 32 × 128 tokens. Nothing
+  is registered, so the cost is nil: the target, 1.02×, allows only the timing noise.
+- one edit: a forward inside ``intervene(model, {(3, 5): 0.0})`` ÷ a plain forward, 32 × 128
+  tokens. Target ≤ 1.05×.
+- ablation: ``head_importance(model, metric)`` over the 72 heads ÷ 72 × one ``metric()``
+  (a forward of a ragged batch of generated sentence pairs, scored by the mean cosine
+  similarity of each pair's embeddings). Target ≤ 0.65×: ablating a head of layer l reuses the
+  recorded outputs of the layers before l. The plain loop (``reuse_prefix=False``: one clean and
+  72 ablated full forwards) is measured beside it.
+- gradient: ``head_importance(model, metric, method="gradient")`` (one forward and one backward
+  with a ξ per head) ÷ one ``metric()`` under ``torch.no_grad()``. Target ≤ 4×.
+- Spearman rank correlation, over the 72 heads, of |ablation| and the gradient scores.
+
+Two clocks (``--clock``): ``wall`` (default; torch on all threads or ``--threads``) for a quiet
+machine, ``cpu``: the calling thread's CPU time with torch on one thread (``time.thread_time``),
+which counts the work done and hardly moves when other processes load the machine. Ratios are
+medians of per-round ratios; the rounds interleave the contenders.
+
+Run:  python benchmarks/bench_intervene.py [--rounds 5] [--clock wall|cpu] [--threads N]
+      [--quick] [--results-dir DIR]
+Writes benchmarks/results/intervene.json (intervene_quick.json with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import format_table, machine_info, median_time, write_json
+
+import multihead
+
+TARGETS = {"no edits": 1.02, "one edit": 1.05, "ablation, prefix reused": 0.65, "gradient": 4.0}
+
+ANIMALS = ["cat", "dog", "horse", "bird", "child", "farmer", "teacher", "fox"]
+ACTIONS = [
+    ("sleeps", "is sleeping"),
+    ("sits", "is sitting"),
+    ("waits", "is waiting"),
+    ("plays", "is playing"),
+    ("eats", "is eating"),
+    ("rests", "is resting"),
+]
+PLACES = ["on the mat", "in the garden", "near the river", "under the old tree", "by the door"]
+
+
+def sentence_pairs(n: int) -> list[tuple[str, str]]:
+    """``n`` pairs of paraphrases ("The cat sleeps on the mat." / "A cat is sleeping on the
+    mat."), drawn deterministically from small word lists: no downloads."""
+    combos = itertools.product(ANIMALS, ACTIONS, PLACES)
+    picked = list(itertools.islice(combos, 0, None, 7))[:n]
+    return [
+        (f"The {a} {simple} {p}.", f"A {a} {progressive} {p} today.")
+        for a, (simple, progressive), p in picked
+    ]
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two flat tensors (ties are rare for float scores)."""
+
+    def ranks(x: torch.Tensor) -> torch.Tensor:
+        r = torch.empty_like(x, dtype=torch.float64)
+        r[x.argsort()] = torch.arange(len(x), dtype=torch.float64)
+        return r
+
+    ra, rb = ranks(a.flatten().double()), ranks(b.flatten().double())
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (5; quick 1)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="see above")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for --clock wall")
+    parser.add_argument("--pairs", type=int, default=None, help="sentence pairs (24; quick 8)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: small shapes, 1 round")
+    parser.add_argument("--results-dir", default=None, help="default benchmarks/results")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 5)
+    pairs = args.pairs or (8 if args.quick else 24)
+    batch, length = (8, 64) if args.quick else (32, 128)
+    min_run_time = 0.2 if args.quick else 1.0
+    if args.clock == "cpu":
+        torch.set_num_threads(1)
+        clock: Callable[[], float] = time.thread_time
+    else:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        clock = time.perf_counter
+    if args.quick:
+        print("quick smoke run: the numbers below are not meaningful\n")
+
+    from multihead.pretrained import minilm
+
+    model = minilm()
+    torch.manual_seed(0)
+
+    # -- the forward's overhead: 32 × 128 tokens ------------------------------------------------
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, model.config.vocab_size, (batch, length), generator=g)
+    ids[:, 0], ids[:, -1] = 101, 102  # [CLS] ... [SEP]
+
+    def plain() -> object:
+        return model(ids)
+
+    def no_edits() -> object:
+        with multihead.intervene(model, {}):
+            return model(ids)
+
+    def one_edit() -> object:
+        with multihead.intervene(model, {(3, 5): 0.0}):
+            return model(ids)
+
+    forward_times: dict[str, list[float]] = {"plain": [], "no edits": [], "one edit": []}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for label, fn in (("plain", plain), ("no edits", no_edits), ("one edit", one_edit)):
+                seconds = median_time(fn, min_run_time=min_run_time, warmup=1, timer=clock)
+                forward_times[label].append(seconds)
+
+    # -- head importance on generated sentence pairs --------------------------------------------
+    texts = [s for pair in sentence_pairs(pairs) for s in pair]
+    sentences = model.tokenize(texts)
+
+    def metric() -> torch.Tensor:
+        hidden = model(sentences.input_ids, sentences.attention_mask).last_hidden_state
+        emb = model.mean_pool(hidden, sentences.attention_mask)  # (2·pairs, E), unit length
+        return F.cosine_similarity(emb[0::2], emb[1::2]).mean()
+
+    def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+        start = clock()
+        result = fn()
+        return clock() - start, result
+
+    def metric_no_grad() -> torch.Tensor:
+        with torch.no_grad():
+            return metric()
+
+    importance_times: dict[str, list[float]] = {
+        "metric": [],
+        "ablation, prefix reused": [],
+        "ablation, plain loop": [],
+        "gradient": [],
+    }
+    metric_no_grad()  # warm-up
+    for _ in range(rounds):
+        importance_times["metric"].append(
+            median_time(metric_no_grad, min_run_time=min_run_time, warmup=1, timer=clock)
+        )
+        seconds, reused = timed(lambda: multihead.head_importance(model, metric))
+        importance_times["ablation, prefix reused"].append(seconds)
+        seconds, loop = timed(lambda: multihead.head_importance(model, metric, reuse_prefix=False))
+        importance_times["ablation, plain loop"].append(seconds)
+        seconds, grad = timed(lambda: multihead.head_importance(model, metric, method="gradient"))
+        importance_times["gradient"].append(seconds)
+    same = bool(torch.equal(reused, loop))
+    rho = spearman(reused.abs(), grad)
+    num_heads = reused.numel()
+
+    # -- the table ------------------------------------------------------------------------------
+    def ratio_of(label: str, times: list[float], base: list[float], scale: float) -> float:
+        return statistics.median(t / (b * scale) for t, b in zip(times, base, strict=True))
+
+    rows: list[list[object]] = []
+    results: list[dict[str, object]] = []
+    tokens = int(sentences.attention_mask.sum())
+    specs = [
+        ("no edits", forward_times["no edits"], forward_times["plain"], 1, f"{batch}x{length}"),
+        ("one edit", forward_times["one edit"], forward_times["plain"], 1, f"{batch}x{length}"),
+        (
+            "ablation, prefix reused",
+            importance_times["ablation, prefix reused"],
+            importance_times["metric"],
+            num_heads,
+            f"{len(texts)} sentences, {tokens} tokens",
+        ),
+        (
+            "ablation, plain loop",
+            importance_times["ablation, plain loop"],
+            importance_times["metric"],
+            num_heads,
+            f"{len(texts)} sentences, {tokens} tokens",
+        ),
+        (
+            "gradient",
+            importance_times["gradient"],
+            importance_times["metric"],
+            1,
+            f"{len(texts)} sentences, {tokens} tokens",
+        ),
+    ]
+    for label, times, base, scale, shape in specs:
+        ratio = ratio_of(label, times, base, scale)
+        target = TARGETS.get(label)
+        against = f"{scale} forwards" if scale > 1 else "1 forward"
+        rows.append(
+            [
+                label,
+                shape,
+                f"{statistics.median(times) * 1e3:.1f}",
+                f"{statistics.median(base) * scale * 1e3:.1f}",
+                against,
+                f"{ratio:.3f}x",
+                "-" if target is None else f"<= {target:.2f}x",
+                "-" if target is None else ("yes" if ratio <= target else "NO"),
+            ]
+        )
+        results.append(
+            {
+                "measure": label,
+                "shape": shape,
+                "median_ms": statistics.median(times) * 1e3,
+                "baseline_ms": statistics.median(base) * scale * 1e3,
+                "baseline": against,
+                "ratio": ratio,
+                "per_round_ms": [t * 1e3 for t in times],
+                "target": target,
+            }
+        )
+    headers = ["measure", "input", "ms", "baseline ms", "baseline", "ratio", "target", "met"]
+    print(format_table(headers, rows))
+    print(
+        f"\nSpearman rank correlation of |ablation| and gradient over {num_heads} heads: "
+        f"{rho:.3f}; prefix reuse equals the plain loop bit for bit: {same}"
+    )
+    info = machine_info()
+    print(
+        f"{info['cpu']}, {info['cores']} cores, {torch.get_num_threads()} torch threads, torch "
+        f"{info['torch']}; clock {args.clock}; {rounds} rounds; load average "
+        f"{' '.join(f'{x:.1f}' for x in info['load_average'] or [])}"
+    )
+    directory = None if args.results_dir is None else Path(args.results_dir)
+    path = write_json(
+        "intervene_quick" if args.quick else "intervene",
+        {
+            "machine": info,
+            "clock": args.clock,
+            "rounds": rounds,
+            "rows": results,
+            "spearman_ablation_gradient": rho,
+            "prefix_reuse_equals_plain_loop": same,
+            "sentences": len(texts),
+            "ablation": reused.tolist(),
+            "gradient": grad.tolist(),
+        },
+        directory=directory,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
