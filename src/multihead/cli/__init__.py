@@ -2,14 +2,16 @@
 
 A command module defines ``register(subparsers)`` (adds its parser, with cheap imports only, and
 sets ``func`` to a ``run(args) -> int``). Errors a user can fix are raised as :class:`CLIError`
-(or ValueError / FileNotFoundError from the library) and printed as one line, exit code 2.
+(or ValueError / TypeError / OSError from the library) and printed as one line, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from multihead import __version__
@@ -42,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0 success, 2 a usage or input error)."""
+    """Run the CLI; returns the exit code (0 success, 2 a usage or input error, 130 interrupted).
+
+    ``main()`` without ``argv`` runs the process's own command line (the ``multihead`` script,
+    ``python -m multihead``) and owns the process: once the user has stopped a command with
+    Ctrl-C, a further Ctrl-C while the interpreter shuts down is ignored rather than printed as
+    a traceback. ``main(argv)`` leaves process-wide state alone, for callers such as tests.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -50,10 +58,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(func(args))
-    except (CLIError, ValueError, FileNotFoundError, PermissionError) as e:
-        print(f"multihead {args.command}: error: {e}", file=sys.stderr)
+        code = int(func(args))
+    except (CLIError, ValueError, TypeError, OSError) as e:
+        # One line, whatever the message holds (a path with a newline, a nested error).
+        message = " ".join(str(e).split("\n")) or type(e).__name__
+        print(f"multihead {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if argv is None:
+            _ignore_further_interrupts()
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
+    if code == 130 and argv is None:
+        _ignore_further_interrupts()
+    return code
+
+
+def _ignore_further_interrupts() -> None:
+    """The command has stopped on the user's Ctrl-C: what is left is printing and exiting."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
