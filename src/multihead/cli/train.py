@@ -158,7 +158,7 @@ def _config(args: argparse.Namespace) -> Any:
     # gain little, and on a busy machine OpenMP threads spin and slow every step down.
     given.setdefault("threads", 1)
     task = given.get("task", "sort")
-    out = args.out or os.path.join("runs", str(task))
+    out = os.path.join("runs", str(task)) if args.out is None else args.out
     return TrainConfig(**given, out=out, overwrite=args.overwrite, plots=not args.no_plots)
 
 

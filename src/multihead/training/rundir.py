@@ -126,6 +126,8 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
         FileNotFoundError: no checkpoint to resume (the message says what to do instead).
         ValueError: a damaged checkpoint (names the file), or a bad change.
     """
+    if not os.fspath(out):
+        raise ValueError("out must name a directory, got ''")
     path = Path(out)
     checkpoint = latest_checkpoint(path)
     if checkpoint is None:
