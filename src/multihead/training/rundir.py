@@ -111,7 +111,7 @@ def _saved_config(path: Path, config: Any) -> TrainConfig:
     try:
         return TrainConfig.from_dict(config["training"])
     except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint file {str(file)!r}: {e}") from None
+        raise ValueError(f"checkpoint file {str(file)!r}, its 'training' entry: {e}") from None
 
 
 def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
