@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from types import FrameType
 
 from multihead import __version__
 from multihead.cli.common import CLIError
@@ -48,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``main()`` without ``argv`` runs the process's own command line (the ``multihead`` script,
     ``python -m multihead``) and owns the process: once the user has stopped a command with
-    Ctrl-C, a further Ctrl-C while the interpreter shuts down is ignored rather than printed as
-    a traceback. ``main(argv)`` leaves process-wide state alone, for callers such as tests.
+    Ctrl-C, further Ctrl-Cs are ignored on the way out rather than printed as tracebacks.
+    ``main(argv)`` leaves process-wide state alone, for callers such as tests.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
+    if argv is None and _in_main_thread() and signal.getsignal(signal.SIGINT) is _DEFAULT_SIGINT:
+        signal.signal(signal.SIGINT, _interrupt_once)
     try:
         code = int(func(args))
     except (CLIError, ValueError, TypeError, OSError) as e:
@@ -74,7 +77,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+_DEFAULT_SIGINT = signal.default_int_handler
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _interrupt_once(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C stops the command (KeyboardInterrupt) and every later Ctrl-C is ignored, so the
+    way out (a checkpoint's save, the last lines, the interpreter's shutdown) is never cut short
+    by a second traceback. Commands may install their own handler meanwhile (training does)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _ignore_further_interrupts() -> None:
     """The command has stopped on the user's Ctrl-C: what is left is printing and exiting."""
-    if threading.current_thread() is threading.main_thread():
+    if _in_main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
