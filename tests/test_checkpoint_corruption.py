@@ -253,3 +253,11 @@ def test_library_errors_are_typed(run: Path) -> None:
     (step / "optimizer.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"optimizer\.safetensors' is missing"):
         load_checkpoint(step)
+
+
+def test_a_checkpoint_from_a_bigger_machine_resumes_with_fewer_threads(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _resealed(run, lambda d: _set(d, "training.threads", 4096))
+    assert "--threads must be at most the" in fails(capsys, resume(run))
+    assert main([*resume(run), "--threads", "1"]) == 0, capsys.readouterr().err

@@ -151,6 +151,9 @@ def test_out_paths(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     (foreign / "loss.png").write_bytes(b"my plot")
     model_only = tmp_path / "model-only"
     shutil.copytree(run, model_only, ignore=shutil.ignore_patterns("checkpoints"))
+    own_checkpoints = tmp_path / "own-checkpoints"
+    (own_checkpoints / "checkpoints").mkdir(parents=True)
+    (own_checkpoints / "checkpoints" / "best.pt").write_bytes(b"mine")
     before = snapshot(tmp_path)
     cases = [
         (["--out", str(file)], f"--out {str(file)!r} is a file, not a directory"),
@@ -161,6 +164,7 @@ def test_out_paths(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--out", str(foreign), "--overwrite"], "did not write: choose another --out"),
         (["--out", str(model_only)], "holds a trained model but no checkpoint to resume: pass"),
         (["--out", ""], "--out must name a directory, got ''"),
+        (["--out", str(own_checkpoints), "--overwrite"], "holds checkpoints, which 'multihead"),
     ]
     for flags, message in cases:
         assert message in fails(capsys, ["train", *SMALL, *QUIET, *flags]), flags
@@ -268,3 +272,13 @@ def test_good_values_still_run(run: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["generate", "--checkpoint", str(run), "--top-k", "3", "1 2 3 4 ="]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("training sort (L=4) for 3 steps") and len(out[-1].split()) <= 5
+
+
+def test_overwrite_deletes_only_what_a_run_wrote(run: Path, capsys) -> None:
+    mine = [run / "notes.txt", run / "checkpoints" / "best.pt"]
+    for file in mine:
+        file.write_text("mine")
+    argv = ["train", *SMALL, *QUIET, "--steps", "1", "--out", str(run), "--overwrite"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert all(file.read_text() == "mine" for file in mine)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "step-00000001"]

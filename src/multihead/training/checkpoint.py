@@ -48,6 +48,7 @@ __all__ = [
     "save_checkpoint",
     "latest_checkpoint",
     "has_leftovers",
+    "remove_checkpoints",
     "load_checkpoint",
     "optimizer_to_tensors",
     "optimizer_from_tensors",
@@ -56,6 +57,7 @@ __all__ = [
 CHECKPOINTS = "checkpoints"
 FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "state.json")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_LEFTOVER = re.compile(r"^\.step-.*\.tmp$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -224,10 +226,25 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def has_leftovers(run_dir: str | os.PathLike[str]) -> bool:
-    """True when ``run_dir/checkpoints`` holds only what a crash leaves (hidden ``.tmp``
+    """True when ``run_dir/checkpoints`` holds only what a crash leaves (hidden ``.step-*.tmp``
     directories, or nothing): the run stopped before its first checkpoint."""
     root = Path(run_dir) / CHECKPOINTS
-    return root.is_dir() and not _visible_steps(root)
+    return root.is_dir() and all(_LEFTOVER.match(entry.name) for entry in root.iterdir())
+
+
+def remove_checkpoints(run_dir: str | os.PathLike[str]) -> None:
+    """Delete a run's checkpoints and a crash's leftovers (and ``checkpoints/`` once empty);
+    anything else in ``checkpoints/`` stays."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.is_dir() and (_STEP_DIR.match(entry.name) or _LEFTOVER.match(entry.name)):
+            shutil.rmtree(entry, ignore_errors=True)
+    try:
+        root.rmdir()
+    except OSError:  # not empty: someone else's files
+        pass
 
 
 def _read_json(file: Path) -> dict[str, Any]:

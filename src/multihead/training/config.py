@@ -159,10 +159,9 @@ class TrainConfig:
         check_finite_float("grad_clip", self.grad_clip, minimum=0.0)
         check_non_negative_int("save_every", self.save_every)
         check_non_negative_int("eval_size", self.eval_size)
+        # Whether the threads and the device exist here is train()'s question: a checkpoint
+        # made on another machine must still be readable.
         check_optional_positive_int("threads", self.threads)
-        cpus = os.cpu_count() or 1
-        if self.threads is not None and self.threads > cpus:
-            raise ValueError(f"threads must be at most the {cpus} CPUs here, got {self.threads}")
         check_device(self.device)
 
     def model_config(self, task: Task | None = None) -> LMConfig:

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["World", "check_device", "resolve_device", "setup_world", "world_size", "check_fits"]
+__all__ = [
+    "World",
+    "check_device",
+    "check_threads",
+    "resolve_device",
+    "setup_world",
+    "world_size",
+    "check_fits",
+]
 
 # Device types a training run can use: real memory and autograd. ("meta" has no data.)
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
@@ -87,6 +95,17 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
             f"device {device!r} does not exist: this machine has {count} {dev.type} device(s)"
         )
     return dev
+
+
+def check_threads(threads: int | None) -> None:
+    """More threads than CPUs only makes OpenMP spin: refuse them (None: torch's choice).
+
+    Raises:
+        ValueError: more threads than this machine's CPUs.
+    """
+    cpus = os.cpu_count() or 1
+    if threads is not None and threads > cpus:
+        raise ValueError(f"threads must be at most the {cpus} CPUs here, got {threads}")
 
 
 def setup_world(device: torch.device) -> World:

@@ -56,7 +56,13 @@ from multihead.training.config import (
     TrainResult,
     lr_at,
 )
-from multihead.training.ddp import World, check_fits, resolve_device, setup_world
+from multihead.training.ddp import (
+    World,
+    check_fits,
+    check_threads,
+    resolve_device,
+    setup_world,
+)
 from multihead.training.rundir import RunPlan, plan_run, prepare_out, restore
 from multihead.training.tasks import VOCAB, Task, _key
 
@@ -187,6 +193,7 @@ def train(
     task = Task(config.task, config.seq_len)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(config.device, local_rank)
+    check_threads(config.threads)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     world = setup_world(device)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from multihead.training.checkpoint import (
     has_leftovers,
     latest_checkpoint,
     load_checkpoint,
+    remove_checkpoints,
 )
 from multihead.training.config import TrainConfig
 from multihead.training.tasks import Task
@@ -156,8 +156,8 @@ def plan_run(config: TrainConfig, task: Task) -> RunPlan:
         return RunPlan(out, checkpoint, loaded)
     checkpoint = latest_checkpoint(out)
     ours = (out / CONFIG_NAME).is_file() and _written_by_us(out / CONFIG_NAME)
-    present = [name for name in RUN_FILES if (out / name).exists()]
-    if checkpoint is None and not ours and present and not has_leftovers(out):
+    present = [name for name in (*RUN_FILES, CHECKPOINTS) if (out / name).exists()]
+    if checkpoint is None and not ours and not has_leftovers(out) and present:
         raise ValueError(
             f"out {str(out)!r} holds {', '.join(present)}, which 'multihead train' did not "
             f"write: choose another --out (nothing there is deleted or overwritten)"
@@ -298,11 +298,11 @@ def _check_tensors(file: Path, tensors: dict[str, Any], expected: dict[str, torc
 def prepare_out(plan: RunPlan) -> None:
     """Create the run directory; with ``overwrite``, delete the earlier run's files first.
 
-    Only the files a run writes are deleted (checkpoints/, config.json, model.safetensors,
+    Only the files a run writes are deleted (its checkpoints, config.json, model.safetensors,
     loss.png, attention.png); anything else in the directory stays.
     """
     if plan.clear:
-        shutil.rmtree(plan.out / CHECKPOINTS, ignore_errors=True)
+        remove_checkpoints(plan.out)
         for name in RUN_FILES:
             (plan.out / name).unlink(missing_ok=True)
     plan.out.mkdir(parents=True, exist_ok=True)
