@@ -189,6 +189,7 @@ def test_bad_resume_flags(run: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
     cases = [
         (["--resume"], "--resume needs --out DIR"),
         (["--resume", "--out", ""], "--out must name a directory, got ''"),
+        (["--resume", "--out", str(run / "config.json")], "config.json' is a file, not a"),
         (["--resume", "--out", str(missing)], "--resume: there is no checkpoint in"),
         (
             ["--resume", "--out", str(run), "--batch-size", "16"],

@@ -127,12 +127,18 @@ def register(subparsers: Any) -> None:
     g = subparsers.add_parser(
         "generate",
         help="continue prompts with a model trained by 'multihead train'",
-        description="Greedy (or sampled) continuation of space-separated prompts, one per line.",
+        description=(
+            "Greedy (or sampled) continuation of space-separated prompts, one answer per line. "
+            "A model answers prompts of the shape it was trained on: --seq-len digits and '=' "
+            "(e.g. '5 2 9 1 =' for --seq-len 4), or 'a + b =' for add."
+        ),
     )
     g.add_argument(
         "--checkpoint", required=True, help="a run directory (or one of its checkpoints/step-N)"
     )
-    g.add_argument("prompts", nargs="+", metavar="PROMPT", help='e.g. "5 2 9 1 ="')
+    g.add_argument(
+        "prompts", nargs="+", metavar="PROMPT", help='e.g. "5 2 9 1 =" (the trained length)'
+    )
     g.add_argument("--max-new-tokens", type=int, help="default: the task's answer length")
     g.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples"

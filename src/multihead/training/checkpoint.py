@@ -114,7 +114,7 @@ def optimizer_from_tensors(
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         parts = key.split(".", 2)
-        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or not parts[2]:
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdecimal() or not parts[2]:
             raise ValueError(f"optimizer tensor {key!r} is not named state.<index>.<name>")
         state.setdefault(int(parts[1]), {})[parts[2]] = value
     scalars = meta.get("scalars", {})
@@ -122,7 +122,7 @@ def optimizer_from_tensors(
     if not isinstance(scalars, Mapping) or not isinstance(groups, list):
         raise ValueError("the optimizer's scalars and param_groups are malformed")
     for index, entry in scalars.items():
-        if not str(index).isdigit() or not isinstance(entry, Mapping):
+        if not str(index).isdecimal() or not isinstance(entry, Mapping):
             raise ValueError(f"the optimizer's scalars for {index!r} are malformed")
         state.setdefault(int(index), {}).update(entry)
     if not all(isinstance(g, Mapping) for g in groups):

@@ -86,18 +86,22 @@ def _written_by_us(file: Path) -> bool:
 
 
 def _no_checkpoint(out: Path) -> Exception:
-    """The error for ``resume`` when ``out`` holds no checkpoint, with what to do instead."""
-    if has_leftovers(out):
-        return FileNotFoundError(
-            f"--resume: {str(out)!r} holds no checkpoint: its run stopped before saving the "
-            f"first one, so start it afresh (the same command without --resume)"
-        )
+    """The error for ``resume`` when ``out`` holds no checkpoint, with what to do instead (the
+    same advice a new run in ``out`` gets from :func:`plan_run`)."""
     if (out / CONFIG_NAME).is_file() and _written_by_us(out / CONFIG_NAME):
         return FileNotFoundError(
             f"--resume: {str(out)!r} holds a trained model but no checkpoint to resume: pass "
             f"--overwrite instead of --resume to start over"
         )
-    return FileNotFoundError(f"--resume: there is no checkpoint in {str(out / CHECKPOINTS)!r}")
+    if has_leftovers(out):
+        return FileNotFoundError(
+            f"--resume: {str(out)!r} holds no checkpoint: its run stopped before saving the "
+            f"first one, so start it afresh (the same command without --resume)"
+        )
+    return FileNotFoundError(
+        f"--resume: there is no checkpoint in {str(out / CHECKPOINTS)!r}, so nothing to resume: "
+        f"start a run there without --resume"
+    )
 
 
 def _saved_config(path: Path, config: Any) -> TrainConfig:
@@ -128,7 +132,7 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     """
     if not os.fspath(out):
         raise ValueError("out must name a directory, got ''")
-    path = Path(out)
+    path = check_out(out)
     checkpoint = latest_checkpoint(path)
     if checkpoint is None:
         raise _no_checkpoint(path)
