@@ -106,7 +106,9 @@ def check_index(name: str, value: Any, count: int, what: str) -> int:
         raise TypeError(f"{name} must be an int, got {describe(value)}")
     if not -count <= value < count:
         last = f"0..{count - 1}" if count else "none"
-        raise ValueError(f"{name} {value} is out of range: there are {count} {what} ({last})")
+        raise ValueError(
+            f"{name} {value} is out of range: there are {count} {what} ({last})"
+        )
     return int(value) % count
 
 
