@@ -1,6 +1,7 @@
 """Data-parallel training: 2 processes (gloo, 127.0.0.1) match one process on the same global
-batch. The workers go through the same path as ``torchrun -m multihead train``: the trainer
-reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment."""
+batch, and stop together when the loss diverges. The workers go through the same path as
+``torchrun -m multihead train``: the trainer reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+from the environment."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from multihead.models import TransformerLM
-from multihead.training import TrainConfig, train
+from multihead.training import DivergenceError, TrainConfig, latest_checkpoint, train
 
 WORLD = 2
 TIMEOUT = 120.0
@@ -48,7 +49,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, config: dict, report: str) -> None:
+def _worker(rank: int, port: int, config: dict, report: str, port2: int) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -65,6 +66,14 @@ def _worker(rank: int, port: int, config: dict, report: str) -> None:
         "checkpoint": None if result.checkpoint is None else str(result.checkpoint),
         "head": result.model.head.weight.flatten()[:64].tolist(),
     }
+    # A run that diverges: every rank must stop at the same step (none left waiting in a
+    # collective) with the same error, and nothing of the diverged step is saved.
+    os.environ["MASTER_PORT"] = str(port2)
+    diverging = {**config, "out": config["out"] + "-nan", "lr": 1e6, "steps": 10, "save_every": 1}
+    try:
+        train(TrainConfig(**diverging))
+    except DivergenceError as e:
+        summary["diverged_at"] = e.step
     Path(report, f"rank{rank}.json").write_text(json.dumps(summary))
 
 
@@ -72,7 +81,7 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     ddp_out, single_out = tmp_path / "ddp", tmp_path / "single"
     context = mp.start_processes(
         _worker,
-        args=(_free_port(), _config(ddp_out), str(tmp_path)),
+        args=(_free_port(), _config(ddp_out), str(tmp_path), _free_port()),
         nprocs=WORLD,
         join=False,
         start_method="spawn",
@@ -104,6 +113,10 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     )
     # Only rank 0 writes.
     assert ranks[0]["checkpoint"] is not None and ranks[1]["checkpoint"] is None
+    # The diverging run stopped on both ranks at the same step, its last good checkpoint kept.
+    assert ranks[0]["diverged_at"] == ranks[1]["diverged_at"] >= 2
+    kept = latest_checkpoint(tmp_path / "ddp-nan")
+    assert kept is not None and kept.name == f"step-{ranks[0]['diverged_at'] - 1:08d}"
     on_disk = TransformerLM.load(ddp_out).state_dict()
     expected_state = single.model.state_dict()
     for name, value in on_disk.items():

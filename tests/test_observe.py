@@ -336,3 +336,19 @@ def test_head_statistics_errors() -> None:
         head_statistics(enc, x, valid_mask=torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="metric must be one of entropy"):
         head_statistics(enc, x).top("loudness")
+
+
+def test_no_module_shadows_a_public_function() -> None:
+    """Importing every module of multihead.observe leaves its public names the functions (a
+    submodule named like a function would replace it on the package once imported)."""
+    import importlib
+    import pkgutil
+
+    import multihead.observe as observe
+
+    for info in pkgutil.iter_modules(observe.__path__):
+        importlib.import_module(f"multihead.observe.{info.name}")
+    for name in ("capture", "head_statistics", "intervene", "record_heads", "head_importance"):
+        assert callable(getattr(observe, name)) and not isinstance(
+            getattr(observe, name), type(observe)
+        ), name

@@ -26,10 +26,10 @@ _LAZY: dict[str, str] = {
     "LearnedPositionalEmbedding": "multihead.positions",
     "KVCache": "multihead.cache",
     "PackedBatch": "multihead.packing",
-    "capture": "multihead.observe.capture",
+    "capture": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
-    "intervene": "multihead.observe.intervene",
-    "record_heads": "multihead.observe.intervene",
+    "intervene": "multihead.observe.steering",
+    "record_heads": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
     "explain": "multihead.explanation",
 }

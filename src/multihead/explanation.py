@@ -35,7 +35,7 @@ from multihead.focus import (
     word_text,
 )
 from multihead.models.text import TruncationWarning, check_text
-from multihead.observe.capture import capture
+from multihead.observe.recorder import capture
 from multihead.observe.statistics import HeadStatistics
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 

@@ -15,6 +15,7 @@ plus whatever the caller adds, e.g. the task) and ``model.safetensors``. Never p
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
@@ -123,6 +124,68 @@ def _safetensors() -> Any:
             "saving and loading models needs safetensors: pip install 'multihead[cli]'"
         ) from e
     return safetensors.torch
+
+
+def _payload_digest(header: Mapping[str, Any], data: bytes) -> str:
+    """SHA-256 of a safetensors file's tensor entries (names, dtypes, shapes, offsets) and data."""
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def _split_safetensors(blob: bytes) -> tuple[dict[str, Any], bytes]:
+    """(header, data) of safetensors bytes; ValueError when the header is unreadable."""
+    if len(blob) < 8:
+        raise ValueError(f"{len(blob)} bytes, shorter than the 8-byte header size")
+    size = int.from_bytes(blob[:8], "little")
+    if size > len(blob) - 8:
+        raise ValueError(f"the header claims {size} bytes, the file has {len(blob) - 8} after it")
+    header = json.loads(blob[8 : 8 + size])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, blob[8 + size :]
+
+
+def _safetensors_bytes(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> bytes:
+    """``tensors`` as safetensors bytes whose metadata also holds their SHA-256 (``sha256``).
+
+    The checksum covers the tensor entries and the data, so a flipped bit anywhere but in the
+    metadata is found when :func:`_read_safetensors` reads the file back.
+    """
+    st = _safetensors()
+    header, data = _split_safetensors(st.save(dict(tensors), metadata=dict(metadata)))
+    # The metadata lives in the header only: adding the checksum leaves entries and data as is.
+    checksum = _payload_digest(header, data)
+    blob: bytes = st.save(dict(tensors), metadata={**metadata, "sha256": checksum})
+    return blob
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file, its checksum verified when it has one.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is truncated, corrupt or fails its checksum (names the file).
+    """
+    st = _safetensors()
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} is missing")
+    blob = path.read_bytes()
+    try:
+        header, data = _split_safetensors(blob)
+        metadata = header.get("__metadata__") or {}
+        if not isinstance(metadata, dict):
+            raise ValueError("its __metadata__ is not a JSON object")
+        tensors = st.load(blob)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{str(path)!r} is not a valid safetensors file ({e})") from None
+    expected = metadata.get("sha256")
+    if expected is not None and expected != _payload_digest(header, data):
+        raise ValueError(
+            f"{str(path)!r} is corrupt: its tensors do not match the checksum stored with them"
+        )
+    return tensors, metadata
 
 
 class TransformerLM(nn.Module):
@@ -248,8 +311,12 @@ class TransformerLM(nn.Module):
     def _check_ids(self, ids: Tensor, name: str = "ids") -> None:
         if not isinstance(ids, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise TypeError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
+        # torch's embedding lookup takes int64 and int32 ids only: say so here, by name.
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"{name} must be an integer tensor of dtype torch.int64 or torch.int32, got dtype "
+                f"{ids.dtype}"
+            )
         if ids.dim() != 2:
             raise ValueError(f"{name} must be 2-D (B, T), got shape {tuple(ids.shape)}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
@@ -427,7 +494,8 @@ class TransformerLM(nn.Module):
     ) -> Path:
         """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed).
 
-        Each file is replaced atomically (written aside, fsynced, renamed over the old one).
+        Each file is replaced atomically (written aside, fsynced, renamed over the old one); the
+        weights carry a SHA-256 checksum in their metadata, which :meth:`load` verifies.
 
         Args:
             directory: where to write.
@@ -436,18 +504,22 @@ class TransformerLM(nn.Module):
 
         Returns:
             The directory.
+
+        Raises:
+            ValueError: ``extra`` redefines ``"model"`` or ``"model_type"``.
         """
-        st = _safetensors()
         path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
         extra = dict(extra or {})
         clash = {"model", "model_type"} & set(extra)
         if clash:
             raise ValueError(f"extra must not redefine the keys {sorted(clash)}")
         config = {"model_type": _MODEL_TYPE, "model": self.config.to_dict(), **extra}
+        config_bytes = (json.dumps(config, indent=2) + "\n").encode()  # fails before any write
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        _atomic_write(path / WEIGHTS_NAME, st.save(tensors, metadata={"format": "pt"}))
-        _atomic_write(path / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
+        weights = _safetensors_bytes(tensors, {"format": "pt"})
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / WEIGHTS_NAME, weights)
+        _atomic_write(path / CONFIG_NAME, config_bytes)
         return path
 
     @staticmethod
@@ -460,7 +532,8 @@ class TransformerLM(nn.Module):
         """
         path = Path(directory)
         if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+            what = "is not a directory" if path.exists() else "does not exist"
+            raise FileNotFoundError(f"checkpoint directory {str(path)!r} {what}")
         file = path / CONFIG_NAME
         if not file.is_file():
             raise FileNotFoundError(f"{str(file)!r} is missing: not a saved TransformerLM")
@@ -469,9 +542,11 @@ class TransformerLM(nn.Module):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{str(file)!r} is not valid JSON ({e})") from None
         if not isinstance(config, dict) or config.get("model_type") != _MODEL_TYPE:
-            raise ValueError(f"{str(file)!r} is not a TransformerLM config (model_type)")
-        if "model" not in config:
-            raise ValueError(f"{str(file)!r} has no 'model' entry")
+            raise ValueError(
+                f"{str(file)!r} is not a TransformerLM config (model_type must be {_MODEL_TYPE!r})"
+            )
+        if not isinstance(config.get("model"), dict):
+            raise ValueError(f"{str(file)!r} has no 'model' entry (a JSON object)")
         return config
 
     @classmethod
@@ -486,10 +561,10 @@ class TransformerLM(nn.Module):
 
         Raises:
             FileNotFoundError: the directory or one of its files is missing.
-            ValueError: a corrupt file, or weights that don't match the config (names the
-                tensors that are missing, unexpected or of the wrong shape).
+            ValueError: a corrupt file (a failed checksum included), non-finite weights, or
+                weights that don't match the config (names the tensors that are missing,
+                unexpected or of the wrong shape or dtype).
         """
-        st = _safetensors()
         path = Path(directory)
         raw = cls.read_config(path)
         try:
@@ -497,14 +572,15 @@ class TransformerLM(nn.Module):
         except (TypeError, ValueError) as e:
             raise ValueError(f"{str(path / CONFIG_NAME)!r}: {e}") from None
         weights = path / WEIGHTS_NAME
-        if not weights.is_file():
-            raise FileNotFoundError(f"{str(weights)!r} is missing")
-        try:
-            tensors = st.load(weights.read_bytes())
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"{str(weights)!r} is not a valid safetensors file ({e})") from None
-        model = cls.from_config(config, device=device)
-        expected = model.state_dict()
+        tensors, _ = _read_safetensors(weights)
+        mismatch = f"the weights in {str(weights)!r} don't match its config"
+        if config.num_layers > len(tensors):  # each layer holds tensors: don't build millions
+            raise ValueError(
+                f"{mismatch}: num_layers={config.num_layers} but the file holds only "
+                f"{len(tensors)} tensors"
+            )
+        # Compare on the meta device first: a config edited to absurd widths allocates nothing.
+        expected = cls.from_config(config, device="meta").state_dict()
         problems = []
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
@@ -513,15 +589,21 @@ class TransformerLM(nn.Module):
         if unexpected:
             problems.append(f"unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
         for name in sorted(set(expected) & set(tensors)):
-            if expected[name].shape != tensors[name].shape:
+            want, got = expected[name], tensors[name]
+            if want.shape != got.shape:
                 problems.append(
-                    f"{name} has shape {tuple(tensors[name].shape)}, the config needs "
-                    f"{tuple(expected[name].shape)}"
+                    f"{name} has shape {tuple(got.shape)}, the config needs {tuple(want.shape)}"
                 )
+            elif want.dtype != got.dtype:
+                problems.append(f"{name} has dtype {got.dtype}, the model needs {want.dtype}")
         if problems:
+            raise ValueError(f"{mismatch}: " + "; ".join(problems[:4]))
+        bad = [name for name, t in tensors.items() if not bool(torch.isfinite(t).all())]
+        if bad:
             raise ValueError(
-                f"the weights in {str(weights)!r} don't match its config: "
-                + "; ".join(problems[:4])
+                f"the weights in {str(weights)!r} are not finite (nan or inf in {bad[:4]}): the "
+                f"run that wrote them diverged"
             )
+        model = cls.from_config(config, device=device)
         model.load_state_dict(tensors)
         return model

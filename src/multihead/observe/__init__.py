@@ -11,16 +11,16 @@ from __future__ import annotations
 from multihead._lazy import lazy_getattr
 
 _LAZY: dict[str, str] = {
-    "capture": "multihead.observe.capture",
-    "Recorder": "multihead.observe.capture",
-    "CapturedAttention": "multihead.observe.capture",
+    "capture": "multihead.observe.recorder",
+    "Recorder": "multihead.observe.recorder",
+    "CapturedAttention": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
     "HeadStatistics": "multihead.observe.statistics",
     "METRICS": "multihead.observe.statistics",
     "attention_modules": "multihead.observe.rows",
-    "intervene": "multihead.observe.intervene",
-    "record_heads": "multihead.observe.intervene",
-    "HeadRecording": "multihead.observe.intervene",
+    "intervene": "multihead.observe.steering",
+    "record_heads": "multihead.observe.steering",
+    "HeadRecording": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
 }
 

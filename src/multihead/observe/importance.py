@@ -10,7 +10,7 @@
   output (Michel, Levy and Neubig, "Are Sixteen Heads Really Better than One?", 2019): one
   forward and one backward for every head at once.
 
-Both act through MultiHeadAttention's observers (:mod:`multihead.observe.intervene`).
+Both act through MultiHeadAttention's observers (:mod:`multihead.observe.steering`).
 
 Shapes: L attention modules (layers), H heads (the most any layer has).
 """
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from multihead._checks import check_choice
 from multihead.attention import AttentionCall, MultiHeadAttention
 from multihead.layers import TransformerDecoderLayer, TransformerEncoderLayer
-from multihead.observe.intervene import intervene, model_heads
+from multihead.observe.steering import intervene, model_heads
 from multihead.packing import PackedBatch
 
 __all__ = ["head_importance", "METHODS"]

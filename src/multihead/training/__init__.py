@@ -2,14 +2,29 @@
 
 - :mod:`~multihead.training.tasks`: copy, reverse, sort and add, framed as continuation
   (``3 1 2 =`` → ``1 2 3``), data made on the fly as a pure function of (seed, step, row).
+- :mod:`~multihead.training.config`: :class:`TrainConfig` (every field checked), the schedule
+  and what the loop reports.
 - :mod:`~multihead.training.loop`: :func:`train` (AdamW, warmup + cosine, Ctrl-C, resume,
-  data-parallel under torchrun) and :func:`evaluate` (held-out exact match).
-- :mod:`~multihead.training.checkpoint`: atomic checkpoints in safetensors and JSON.
+  divergence) and :func:`evaluate` (held-out exact match).
+- :mod:`~multihead.training.ddp`: devices and data-parallel process groups (torchrun).
+- :mod:`~multihead.training.rundir`: what a run may do with its directory; restoring a checkpoint.
+- :mod:`~multihead.training.checkpoint`: atomic, checksummed checkpoints in safetensors and JSON.
+- :mod:`~multihead.training.generation`: continuing prompts with a trained model.
 - :mod:`~multihead.training.plots`: loss.png and attention.png.
 """
 
 from multihead.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from multihead.training.loop import StepInfo, TrainConfig, TrainResult, evaluate, lr_at, train
+from multihead.training.config import (
+    DivergenceError,
+    StartInfo,
+    StepInfo,
+    TrainConfig,
+    TrainResult,
+    lr_at,
+)
+from multihead.training.generation import complete_prompts, load_run
+from multihead.training.loop import evaluate, train
+from multihead.training.rundir import resume_config
 from multihead.training.tasks import EOS, PAD, TASKS, VOCAB, Task, get_task
 
 __all__ = [
@@ -20,11 +35,16 @@ __all__ = [
     "Task",
     "get_task",
     "TrainConfig",
+    "StartInfo",
     "StepInfo",
     "TrainResult",
+    "DivergenceError",
     "train",
+    "resume_config",
     "evaluate",
     "lr_at",
+    "load_run",
+    "complete_prompts",
     "save_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",

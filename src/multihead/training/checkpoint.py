@@ -18,10 +18,16 @@ which readers ignore and the next save deletes. Older checkpoints are deleted af
 is in place (renamed to a hidden name first, then deleted), so some complete checkpoint exists
 at every instant and no visible one ever lacks a file. Nothing is pickled: tensors go
 to safetensors, everything else to JSON.
+
+Damage from outside (a file deleted, truncated or edited) is found, never trained on: each
+safetensors file carries the SHA-256 of its tensors, ``state.json`` the SHA-256 of
+``config.json``, and :func:`load_checkpoint` checks every file's structure and that the files
+agree on the step. Its errors name the damaged file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,10 +40,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from multihead._checks import describe, is_int
+from multihead.models.lm import _read_safetensors, _safetensors_bytes
+
 __all__ = [
     "CHECKPOINTS",
     "save_checkpoint",
     "latest_checkpoint",
+    "has_leftovers",
+    "remove_checkpoints",
     "load_checkpoint",
     "optimizer_to_tensors",
     "optimizer_from_tensors",
@@ -46,14 +57,7 @@ __all__ = [
 CHECKPOINTS = "checkpoints"
 FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "state.json")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors.torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("checkpoints need safetensors: pip install 'multihead[cli]'") from e
-    return safetensors.torch
+_LEFTOVER = re.compile(r"^\.step-.*\.tmp$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -102,18 +106,33 @@ def optimizer_to_tensors(state: Mapping[str, Any]) -> tuple[dict[str, Tensor], d
 def optimizer_from_tensors(
     tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Rebuild an ``optimizer.state_dict()`` from :func:`optimizer_to_tensors`'s output."""
+    """Rebuild an ``optimizer.state_dict()`` from :func:`optimizer_to_tensors`'s output.
+
+    Raises:
+        ValueError: a tensor name that is not ``state.<int>.<name>``, or malformed ``meta``.
+    """
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = value
-    for index, entry in meta.get("scalars", {}).items():
+        parts = key.split(".", 2)
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdecimal() or not parts[2]:
+            raise ValueError(f"optimizer tensor {key!r} is not named state.<index>.<name>")
+        state.setdefault(int(parts[1]), {})[parts[2]] = value
+    scalars = meta.get("scalars", {})
+    groups = meta.get("param_groups")
+    if not isinstance(scalars, Mapping) or not isinstance(groups, list):
+        raise ValueError("the optimizer's scalars and param_groups are malformed")
+    for index, entry in scalars.items():
+        if not str(index).isdecimal() or not isinstance(entry, Mapping):
+            raise ValueError(f"the optimizer's scalars for {index!r} are malformed")
         state.setdefault(int(index), {}).update(entry)
-    groups = [
-        {k: tuple(v) if k == "betas" else v for k, v in group.items()}
-        for group in meta["param_groups"]
-    ]
-    return {"state": state, "param_groups": groups}
+    if not all(isinstance(g, Mapping) for g in groups):
+        raise ValueError("the optimizer's param_groups are malformed")
+    restored = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in groups]
+    return {"state": state, "param_groups": restored}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def save_checkpoint(
@@ -140,7 +159,6 @@ def save_checkpoint(
     Returns:
         The checkpoint's directory.
     """
-    st = _safetensors()
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
@@ -150,12 +168,18 @@ def save_checkpoint(
         try:
             tensors = {k: v.detach().contiguous() for k, v in model_state.items()}
             opt_tensors, opt_meta = optimizer_to_tensors(optimizer_state)
-            _write(tmp / "model.safetensors", st.save(tensors, metadata={"step": str(step)}))
-            _write(
-                tmp / "optimizer.safetensors", st.save(opt_tensors, metadata={"step": str(step)})
-            )
-            _write(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-            full_state = {"step": step, "optimizer": opt_meta, **state}
+            meta = {"step": str(step)}
+            config_bytes = (json.dumps(config, indent=2) + "\n").encode()
+            _write(tmp / "model.safetensors", _safetensors_bytes(tensors, meta))
+            _write(tmp / "optimizer.safetensors", _safetensors_bytes(opt_tensors, meta))
+            _write(tmp / "config.json", config_bytes)
+            # state.json vouches for config.json; the safetensors files carry their own checksums.
+            full_state = {
+                "step": step,
+                "optimizer": opt_meta,
+                **state,
+                "files": {"config.json": _sha256(config_bytes)},
+            }
             _write(tmp / "state.json", (json.dumps(full_state) + "\n").encode())
             _fsync_dir(tmp)
             os.rename(tmp, final)
@@ -164,7 +188,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     # Only now, with the new checkpoint in place, remove older ones and leftovers of crashes.
-    steps = sorted(_complete_steps(root))
+    steps = sorted(_visible_steps(root))
     for old in steps[: max(0, len(steps) - max(1, keep))]:
         # Hide it first (one atomic rename), then delete: a kill during the deletion leaves a
         # hidden leftover, never a visible checkpoint with files missing.
@@ -179,55 +203,117 @@ def save_checkpoint(
     return final
 
 
-def _complete_steps(root: Path) -> list[int]:
+def _visible_steps(root: Path) -> list[int]:
     if not root.is_dir():
         return []
-    steps = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and all((entry / f).is_file() for f in FILES):
-            steps.append(int(match.group(1)))
-    return steps
+    return [
+        int(m.group(1))
+        for entry in root.iterdir()
+        if (m := _STEP_DIR.match(entry.name)) and entry.is_dir()
+    ]
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint of a run, or None when there is none."""
+    """The newest checkpoint of a run, or None when there is none.
+
+    Every visible checkpoint was complete when it was renamed into place; one that lacks a file
+    now was damaged from outside, and is returned all the same so that :func:`load_checkpoint`
+    names what is missing (falling back to an older one would resume from it silently).
+    """
     root = Path(run_dir) / CHECKPOINTS
-    steps = _complete_steps(root)
+    steps = _visible_steps(root)
     return root / f"step-{max(steps):08d}" if steps else None
 
 
+def has_leftovers(run_dir: str | os.PathLike[str]) -> bool:
+    """True when ``run_dir/checkpoints`` holds only what a crash leaves (hidden ``.step-*.tmp``
+    directories, or nothing): the run stopped before its first checkpoint."""
+    root = Path(run_dir) / CHECKPOINTS
+    return root.is_dir() and all(_LEFTOVER.match(entry.name) for entry in root.iterdir())
+
+
+def remove_checkpoints(run_dir: str | os.PathLike[str]) -> None:
+    """Delete a run's checkpoints and a crash's leftovers (and ``checkpoints/`` once empty);
+    anything else in ``checkpoints/`` stays."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.is_dir() and (_STEP_DIR.match(entry.name) or _LEFTOVER.match(entry.name)):
+            shutil.rmtree(entry, ignore_errors=True)
+    try:
+        root.rmdir()
+    except OSError:  # not empty: someone else's files
+        pass
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint file {str(file)!r} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"checkpoint file {str(file)!r} must hold a JSON object, got {data!r:.40}")
+    return data
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint directory written by :func:`save_checkpoint`.
+    """Read and check a checkpoint directory written by :func:`save_checkpoint`.
 
     Returns:
         ``{"config", "model_state", "optimizer_state", "state"}``.
 
     Raises:
-        FileNotFoundError: a file is missing.
-        ValueError: a file is corrupt.
+        FileNotFoundError: the directory or a file is missing (names it).
+        ValueError: a file is corrupt, fails its checksum, or disagrees with the others on the
+            step (names it).
     """
-    st = _safetensors()
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     for f in FILES:
         if not (path / f).is_file():
             raise FileNotFoundError(f"checkpoint file {str(path / f)!r} is missing")
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint {str(path)!r} holds invalid JSON ({e})") from None
-    try:
-        model_state = st.load((path / "model.safetensors").read_bytes())
-        opt_tensors = st.load((path / "optimizer.safetensors").read_bytes())
-    except Exception as e:  # safetensors raises its own error types for corrupt files
+    state_file, config_file = path / "state.json", path / "config.json"
+    state = _read_json(state_file)
+    step: Any = state.get("step")
+    if not is_int(step) or step < 0:
         raise ValueError(
-            f"checkpoint {str(path)!r} holds a corrupt safetensors file ({e})"
+            f"checkpoint file {str(state_file)!r}: step must be an int >= 0, got {describe(step)}"
+        )
+    files = state.get("files", {})  # absent in checkpoints written before checksums
+    optimizer_meta = state.pop("optimizer", None)
+    if not isinstance(files, dict) or not isinstance(optimizer_meta, dict):
+        raise ValueError(
+            f"checkpoint file {str(state_file)!r} is malformed: 'optimizer' and 'files' must be "
+            f"JSON objects"
+        )
+    expected = files.get("config.json")
+    if expected is not None and expected != _sha256(config_file.read_bytes()):
+        raise ValueError(
+            f"checkpoint file {str(config_file)!r} was changed after it was saved: its SHA-256 "
+            f"is not the one state.json recorded"
+        )
+    config = _read_json(config_file)
+    tensors = {}
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        file = path / name
+        tensors[name], meta = _read_safetensors(file)
+        if meta.get("step", str(step)) != str(step):
+            raise ValueError(
+                f"checkpoint file {str(file)!r} holds step {meta['step']}, but state.json says "
+                f"step {step}"
+            )
+    try:
+        optimizer_state = optimizer_from_tensors(tensors["optimizer.safetensors"], optimizer_meta)
+    except ValueError as e:
+        raise ValueError(
+            f"checkpoint files {str(path / 'optimizer.safetensors')!r} and {str(state_file)!r} "
+            f"do not fit together: {e}"
         ) from None
-    optimizer_state = optimizer_from_tensors(opt_tensors, state.pop("optimizer"))
     return {
         "config": config,
-        "model_state": model_state,
+        "model_state": tensors["model.safetensors"],
         "optimizer_state": optimizer_state,
         "state": state,
     }

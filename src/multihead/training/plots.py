@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from multihead.models.lm import TransformerLM
-from multihead.observe.capture import capture
+from multihead.observe.recorder import capture
 from multihead.training.tasks import VOCAB, Task
 
 __all__ = ["plot_loss", "plot_attention"]

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from multihead._checks import check_choice, check_non_negative_int, check_positive_int
+
 __all__ = ["VOCAB", "PAD", "EOS", "EQUALS", "PLUS", "TASKS", "Task", "get_task"]
 
 # One vocabulary for every task: the ten digits, the two operators, padding and end-of-sequence.
@@ -53,6 +55,7 @@ TASKS: tuple[str, ...] = ("copy", "reverse", "sort", "add")
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 _HELD_OUT_EVERY = 10  # one input in ten is held out
+_ADD_MAX_DIGITS = 17  # two 17-digit operands still sum below 2**63
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -91,10 +94,13 @@ class Task:
     seq_len: int
 
     def __post_init__(self) -> None:
-        if self.name not in TASKS:
-            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.name!r}")
-        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {self.seq_len!r}")
+        check_choice("task", self.name, TASKS)
+        check_positive_int("seq_len", self.seq_len)
+        if self.name == "add" and self.seq_len > _ADD_MAX_DIGITS:
+            raise ValueError(
+                f"seq_len must be at most {_ADD_MAX_DIGITS} for the add task (its sums are int64), "
+                f"got {self.seq_len}"
+            )
 
     @property
     def input_digits(self) -> int:
@@ -163,8 +169,6 @@ class Task:
             return np.sort(digits, axis=1)
         # add: two L-digit operands, most significant digit first, sum on L + 1 digits
         weights = 10 ** np.arange(self.seq_len - 1, -1, -1, dtype=np.int64)
-        if self.seq_len > 17:
-            raise ValueError(f"add supports seq_len <= 17 (int64 sums), got {self.seq_len}")
         a = digits[:, : self.seq_len] @ weights
         b = digits[:, self.seq_len :] @ weights
         total = a + b
@@ -197,9 +201,14 @@ class Task:
         r = np.asarray(rows, dtype=np.int64)
         return self.examples(self._inputs(seed, TRAIN_STREAM, step, r, held_out=False))
 
-    def held_out(self, seed: int, n: int) -> Tensor:
-        """``n`` held-out examples (n, total_len): inputs training never draws."""
-        return self.examples(self._inputs(seed, EVAL_STREAM, 0, np.arange(n), held_out=True))
+    def held_out(self, seed: int, n: int, *, start: int = 0) -> Tensor:
+        """Held-out examples ``start .. start + n - 1`` (n, total_len): inputs training never draws.
+
+        Each row is keyed by its number, so chunks drawn separately are the whole set.
+        """
+        check_non_negative_int("start", start)
+        rows = np.arange(start, start + n)
+        return self.examples(self._inputs(seed, EVAL_STREAM, 0, rows, held_out=True))
 
     # -- text -----------------------------------------------------------------------------------
 
@@ -220,6 +229,40 @@ class Task:
                 f"({' '.join(allowed)}); separate tokens with spaces"
             )
         return [VOCAB.index(t) for t in tokens]
+
+    def example_prompt(self) -> str:
+        """A well-formed prompt of this task, for messages (``"5 2 9 1 ="`` for sort, L=4)."""
+        digits = [str((5 + 7 * i) % 10) for i in range(self.input_digits)]
+        if self.name == "add":
+            digits.insert(self.seq_len, "+")
+        return " ".join([*digits, "="])
+
+    def parse_prompt(self, text: str) -> list[int]:
+        """Token ids of one prompt the model was trained on: L digits then ``=`` (for ``add``:
+        L digits, ``+``, L digits, ``=``).
+
+        Raises:
+            ValueError: a token outside the vocabulary, or a prompt of another shape; the
+                message shows the shape this task expects.
+        """
+        ids = self.encode(text)
+        shape = (
+            f"{self.seq_len} digits, '+', {self.seq_len} digits and '='"
+            if self.name == "add"
+            else f"{self.seq_len} digits and '='"
+        )
+        expected = [EQUALS if i == self.prompt_len - 1 else None for i in range(self.prompt_len)]
+        if self.name == "add":
+            expected[self.seq_len] = PLUS
+        fits = len(ids) == len(expected) and all(
+            (i < 10) if want is None else (i == want) for i, want in zip(ids, expected, strict=True)
+        )
+        if not fits:
+            raise ValueError(
+                f"prompt {text!r} does not fit the model: it was trained on {self.name} prompts of "
+                f"{shape}, such as {self.example_prompt()!r}"
+            )
+        return ids
 
     @staticmethod
     def decode(ids: Sequence[int] | Tensor, *, stop_at_eos: bool = True) -> str:

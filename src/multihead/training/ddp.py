@@ -1,0 +1,180 @@
+"""Devices and data-parallel process groups for :func:`~multihead.training.train`.
+
+Under ``torchrun`` (the environment says ``WORLD_SIZE > 1``) every rank joins one process group,
+gloo on CPU or nccl on GPUs (one GPU per local rank). Everything a rank can check alone — the
+device string, whether that device exists, whether the run fits in its memory — is checked
+before the group is joined and before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "World",
+    "check_device",
+    "check_threads",
+    "resolve_device",
+    "setup_world",
+    "world_size",
+    "check_fits",
+]
+
+# Device types a training run can use: real memory and autograd. ("meta" has no data.)
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+_DEVICE_HINT = "'auto' or a torch device such as 'cpu', 'cuda' or 'cuda:0'"
+
+
+@dataclass
+class World:
+    """This process's place in the data-parallel run (a single process: rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False
+
+
+def world_size() -> int:
+    """The number of data-parallel ranks, as torchrun's ``WORLD_SIZE`` says (default 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_device(device: object) -> str:
+    """``device`` must be ``"auto"`` or a torch device string of a type that can train.
+
+    Whether the device exists on this machine is :func:`resolve_device`'s question.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: not a device string, or a device type without memory (``"meta"``).
+    """
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str ({_DEVICE_HINT}), got {device!r}")
+    if device == "auto":
+        return device
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be {_DEVICE_HINT}, got {device!r}") from None
+    if dev.type not in _DEVICE_TYPES:
+        raise ValueError(
+            f"device must be one of the types {', '.join(_DEVICE_TYPES)} (or 'auto'), got "
+            f"{device!r}"
+        )
+    return device
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """The torch device to train on; ``"auto"`` is the local rank's GPU if any, else the CPU.
+
+    Raises:
+        ValueError: the device is not available on this machine.
+    """
+    check_device(device)
+    if device == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    backend: Any = getattr(torch, dev.type, None)
+    if dev.type == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    elif backend is None or not backend.is_available():
+        available, count = False, 0
+    else:
+        available, count = True, int(backend.device_count())
+    if not available:
+        raise ValueError(f"device {device!r} is not available on this machine (try 'cpu')")
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(
+            f"device {device!r} does not exist: this machine has {count} {dev.type} device(s)"
+        )
+    return dev
+
+
+def check_threads(threads: int | None) -> None:
+    """More threads than CPUs only makes OpenMP spin: refuse them (None: torch's choice).
+
+    Raises:
+        ValueError: more threads than this machine's CPUs.
+    """
+    cpus = os.cpu_count() or 1
+    if threads is not None and threads > cpus:
+        raise ValueError(f"threads must be at most the {cpus} CPUs here, got {threads}")
+
+
+def setup_world(device: torch.device) -> World:
+    """Join the process group when torchrun started several ranks; a single process joins none."""
+    size = world_size()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if size <= 1:
+        return World(device=device)
+    import torch.distributed as dist
+
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        owns = True
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device, owns_group=owns)
+
+
+def _memory_of(device: torch.device) -> int | None:
+    """Bytes of memory on ``device``, or None where we can't tell."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type != "cpu":
+        return None
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return None
+
+
+def check_fits(
+    *,
+    vocab_size: int,
+    embed_dim: int,
+    num_layers: int,
+    ff_dim: int,
+    num_heads: int,
+    seq_len: int,
+    batch_size: int,
+    device: torch.device,
+) -> None:
+    """Refuse a run whose weights, AdamW state and one batch's activations can't fit ``device``.
+
+    A deliberate underestimate (float32; per layer the attention scores, the feed-forward
+    activations and a few (B, T, E) tensors), so that it only stops absurd sizes, and stops them
+    before anything is allocated or written.
+
+    Args:
+        seq_len: T, the positions per example; ``batch_size``: B on this rank.
+
+    Raises:
+        ValueError: the estimate exceeds the device's memory.
+    """
+    available = _memory_of(device)
+    if available is None:
+        return
+    e, f, layers, t, b = embed_dim, ff_dim, num_layers, seq_len, batch_size
+    params = 2 * vocab_size * e + t * e + layers * (4 * e * e + 2 * e * f)
+    activations = b * t * (layers * (6 * e + 2 * f + 2 * num_heads * t) + 2 * vocab_size)
+    needed = 4 * (4 * params + activations)  # weights, gradients, two AdamW moments; float32
+    if needed > available:
+        raise ValueError(
+            f"the run needs at least {_gib(needed)} (about {params:.3g} parameters with their "
+            f"gradients and AdamW state, and the activations of a batch of {b}×{t}), more than "
+            f"the {_gib(available)} of {device}: choose smaller embed_dim, ff_dim, num_layers or "
+            f"batch_size"
+        )
+
+
+def _gib(n: int) -> str:
+    gib = n / 2**30
+    return f"{gib:.1f} GiB" if gib < 1e5 else f"{gib:.2g} GiB"
