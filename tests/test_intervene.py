@@ -56,7 +56,7 @@ def _bert() -> BertModel:
         max_position_embeddings=16,
         type_vocab_size=2,
         layer_norm_eps=1e-12,
-        hidden_act="gelu",
+        activation="gelu",
     )
     return BertModel(config).eval()
 

@@ -37,6 +37,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,6 +200,12 @@ def train(
     world = setup_world(device)
     try:
         return _train(config, task, world, on_step, on_start)
+    except BaseException as e:
+        if world.size > 1:
+            # The traceback keeps _train's DDP module, which holds the process group; freed later
+            # by the GC with the GIL held, gloo's destructor deadlocks: drop those locals now.
+            traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         if world.owns_group:
             import torch.distributed as dist
