@@ -173,6 +173,8 @@ def test_explanation_outputs(default: Explanation, tmp_path: Path) -> None:
         "attention_grid.svg",
         f"head_L{layer}_H{head}.png",
         f"head_L{layer}_H{head}.svg",
+        "head_importance.png",
+        "head_importance.svg",
         "attention.html",
     ]
     assert all(p.stat().st_size > 1000 for p in written)
@@ -182,6 +184,7 @@ def test_explanation_outputs(default: Explanation, tmp_path: Path) -> None:
     assert default.file_names("svg,HTML") == [
         "attention_grid.svg",
         f"head_L{layer}_H{head}.svg",
+        "head_importance.svg",
         "attention.html",
     ]
     with pytest.raises(ValueError, match=r"path must end in .png, got"):
@@ -263,7 +266,11 @@ def test_cli_focus_layer_head_format(
     assert "focus 'capital' (token 13)" in text
     assert "(head 11;" in text
     assert [x.split(":")[0].strip() for x in text.splitlines() if "layer " in x[:9]] == ["layer 5"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_grid.png", "head_L5_H11.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "attention_grid.png",
+        "head_L5_H11.png",
+        "head_importance.png",
+    ]
 
     assert main(["explain", "--focus-index", "2", "--out", str(tmp_path), "--format", "html"]) == 0
     assert "focus 'animal' (token 2)" in capsys.readouterr().out
@@ -314,3 +321,62 @@ def test_python_m_multihead_explain(tmp_path: Path) -> None:
     assert "layer 5:" in result.stdout
     assert (tmp_path / "pics" / "attention_grid.png").is_file()
     assert (tmp_path / "pics" / "attention.html").is_file()
+
+
+# -- what happens without a head -------------------------------------------------------------------
+
+
+def _embedding_without(model: Any, text: str, heads: list[tuple[int, int]]) -> torch.Tensor:
+    """The reference: a copy of the model whose out_proj columns of ``heads`` are zero (a head's
+    input to the output projection), its mean-pooled normalised embedding (E,)."""
+    import copy
+
+    ablated = copy.deepcopy(model)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    with torch.no_grad():
+        for layer, head in heads:
+            attn = ablated.encoder.layers[layer].self_attn
+            attn.out_proj.weight[:, head * d : (head + 1) * d] = 0.0
+        return ablated.encode([text])[0]
+
+
+def test_ablation_and_importance_against_zeroed_out_proj_columns(model: Any) -> None:
+    text = "The animal didn't cross the street because it was too tired."
+    ex = explain(text, focus="it", model=model, ablate=[(5, 11), (-3, 1)])
+    assert ex.ablation is not None and ex.ablation.heads == ((5, 11), (3, 1))
+    clean = model.encode([text])[0]
+    want = float(clean @ _embedding_without(model, text, [(5, 11), (3, 1)]))
+    assert ex.ablation.cosine == pytest.approx(want, abs=1e-5)
+    assert ex.ablation.cosine < 0.99  # these heads matter to this sentence
+    assert ex.ablated_top_words is not None and len(ex.ablated_top_words) == 6
+    # layers up to 3 see the same inputs: their weights are unchanged; layer 4 reads layer 3's
+    # ablated output, so its weights move
+    torch.testing.assert_close(ex.ablation.weights[:4], ex.weights[:4], atol=1e-6, rtol=0)
+    assert (ex.ablation.weights[4] - ex.weights[4]).abs().max() > 1e-4
+    assert ex.importance is not None and ex.importance.shape == (6, 12)
+    for layer, head in [(5, 11), (0, 2), (2, 7)]:
+        alone = float(clean @ _embedding_without(model, text, [(layer, head)]))
+        assert float(ex.importance[layer, head]) == pytest.approx(1 - alone, abs=1e-5)
+    # the model is left as it was
+    torch.testing.assert_close(model.encode([text])[0], clean, atol=0, rtol=0)
+    page = ex.html()
+    assert '"importance":[[' in page
+
+
+def test_explain_ablate_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["explain", "--ablate", "5:11", "--format", "html", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "With L5:H11 zeroed" in out and "sentence embedding: cosine 0.9" in out
+    assert "most important (zeroed: embedding moves):" in out and "L5 H11" in out
+    for bad, message in (
+        ("5", "expected layer:head pairs"),
+        ("a:b", "expected layer:head pairs"),
+        ("6:0", "ablate layer index 6 is out of range: there are 6 layers"),
+        ("0:12", "ablate head index 12 is out of range: there are 12 heads"),
+        ("1:1,1:1", "ablate names a head twice"),
+    ):
+        code = main(["explain", "--ablate", bad, "--no-importance", "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and message in err, (bad, err)
+    assert not (tmp_path / "x").exists()

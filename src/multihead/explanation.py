@@ -34,6 +34,8 @@ from multihead.focus import (
     word_groups,
     word_text,
 )
+from multihead.head_effects import Ablation, ablated_weights, check_heads
+from multihead.head_effects import importance as head_effect_importance
 from multihead.models.text import TruncationWarning, check_text
 from multihead.observe.recorder import capture
 from multihead.observe.statistics import HeadStatistics
@@ -76,6 +78,10 @@ class Explanation:
         word_ids: per token, the index of its word (None for special tokens).
         model_name: a name for the model, for titles.
         truncated: whether the text was longer than the model takes and was cut.
+        importance: (L, H) how far the sentence embedding moves (cosine distance) when each
+            head is zeroed (see :mod:`multihead.head_effects`), or None when not computed.
+        ablation: the run with the ``ablate`` heads zeroed, or None.
+        ablated_top_words: per covered layer, the focus token's top words in that run.
     """
 
     text: str
@@ -92,6 +98,9 @@ class Explanation:
     word_ids: list[int | None] = field(repr=False)
     model_name: str = "model"
     truncated: bool = False
+    importance: Tensor | None = None
+    ablation: Ablation | None = None
+    ablated_top_words: list[LayerFocus] | None = None
 
     @property
     def focus_head(self) -> tuple[int, int]:
@@ -149,6 +158,7 @@ class Explanation:
             layers=self.layers,
             heads=self.heads,
             statistics=self.statistics,
+            importance=self.importance,
             focus=self.focus_index,
             initial=(self.layers.index(layer), self.heads.index(head)),
             title=f"Attention in {self.model_name}",
@@ -185,6 +195,8 @@ class Explanation:
         figures = [f for f in FIGURE_FORMATS if f in formats]
         names = [f"attention_grid.{f}" for f in figures]
         names += [f"head_L{layer}_H{head}.{f}" for f in figures]
+        if self.importance is not None:
+            names += [f"head_importance.{f}" for f in figures]
         return names + (["attention.html"] if "html" in formats else [])
 
     def save(self, directory: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
@@ -217,6 +229,15 @@ class Explanation:
                 "attention_grid": self.grid_figure(),
                 f"head_L{layer}_H{head}": self.head_figure(layer, head),
             }
+            if self.importance is not None:
+                from multihead.viz.plots import importance_figure
+
+                figures["head_importance"] = importance_figure(
+                    self.importance,
+                    title=f"{self.model_name}: head importance (cosine distance of the sentence "
+                    f"embedding with the head zeroed)",
+                    label="cosine distance",
+                )
         directory.mkdir(parents=True, exist_ok=True)
         written: list[Path] = []
         for name in names:
@@ -266,6 +287,8 @@ def explain(
     model: BertModel | None = None,
     layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
+    ablate: Sequence[tuple[int, int]] | None = None,
+    importance: bool = True,
 ) -> Explanation:
     """Run a text through a BERT model and gather its attention around one focus token.
 
@@ -279,6 +302,10 @@ def explain(
             :func:`multihead.pretrained.minilm`.
         layers: the layers (0-based) the pictures and ``top_words`` cover; default all.
         heads: the heads they cover; default all.
+        ablate: (layer, head) pairs to zero in a second run: :attr:`Explanation.ablation` and
+            :attr:`Explanation.ablated_top_words` show what changes without them.
+        importance: also score every head by how far zeroing it moves the sentence embedding
+            (:attr:`Explanation.importance`; one extra forward per head).
 
     Returns:
         An :class:`Explanation`: every layer's and head's weights (L, H, T, T), head statistics,
@@ -315,6 +342,9 @@ def explain(
     n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
     layer_list = check_indices("layers", layers, n_layers, "layers") or list(range(n_layers))
     head_list = check_indices("heads", heads, n_heads, "heads") or list(range(n_heads))
+    ablate_list = None if ablate is None else check_heads("ablate", ablate, n_layers, n_heads)
+    if not isinstance(importance, bool):
+        raise TypeError(f"importance must be a bool, got {describe(importance)}")
     if focus_index is not None and not is_int(focus_index):
         raise TypeError(f"focus_index must be an int or None, got {describe(focus_index)}")
 
@@ -374,10 +404,14 @@ def explain(
 
     groups = word_groups(word_ids, special)
     own = next((g for g in groups if focus_at in g), [focus_at])
-    top_words = [
-        layer_focus(weights, layer, head_list, focus_at, text, tokens, offsets, groups, special)
-        for layer in layer_list
-    ]
+
+    def tops(weights: Tensor) -> list[LayerFocus]:
+        return [
+            layer_focus(weights, layer, head_list, focus_at, text, tokens, offsets, groups, special)
+            for layer in layer_list
+        ]
+
+    ablation = None if ablate_list is None else ablated_weights(model, batch, ablate_list)
     return Explanation(
         text=text,
         tokens=tokens,
@@ -388,11 +422,14 @@ def explain(
         focus_word=word_text(text, tokens, offsets, own),
         layers=layer_list,
         heads=head_list,
-        top_words=top_words,
+        top_words=tops(weights),
         special=special,
         word_ids=word_ids,
         model_name=model_name or _model_name(model),
         truncated=truncated,
+        importance=head_effect_importance(model, batch) if importance else None,
+        ablation=ablation,
+        ablated_top_words=None if ablation is None else tops(ablation.weights),
     )
 
 

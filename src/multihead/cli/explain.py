@@ -64,6 +64,21 @@ def register(subparsers: Any) -> None:
         "--head", type=int, metavar="H", help="only head H (0-based) in the output and pictures"
     )
     p.add_argument(
+        "--ablate",
+        type=_heads,
+        metavar="L:H[,L:H...]",
+        help="also run the text with these heads zeroed (layer:head, 0-based) and show what "
+        "changes: the focus token's top words and the sentence embedding's cosine to the clean "
+        "one",
+    )
+    p.add_argument(
+        "--no-importance",
+        dest="importance",
+        action="store_false",
+        help="skip scoring every head by how far zeroing it moves the sentence embedding (one "
+        "forward per head; head_importance.png)",
+    )
+    p.add_argument(
         "--model",
         metavar="DIR",
         help="a Hugging Face style BERT directory (config.json, model.safetensors, "
@@ -82,6 +97,22 @@ def register(subparsers: Any) -> None:
         help=f"comma-separated, any of {', '.join(FORMATS)} (default: {_DEFAULT_FORMATS})",
     )
     p.set_defaults(func=run)
+
+
+def _heads(text: str) -> list[tuple[int, int]]:
+    """ "5:11,0:2" -> [(5, 11), (0, 2)] (argparse type: a ValueError becomes a one-line error)."""
+    pairs = []
+    for item in text.split(","):
+        layer, sep, head = item.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pairs.append((int(layer), int(head)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected layer:head pairs such as 5:11 or 0:2,5:11, got {text!r}"
+            ) from None
+    return pairs
 
 
 def _load_model(directory: str | None) -> tuple[Any, str]:
@@ -152,6 +183,8 @@ def _explain(
             model=model,
             layers=args.layer,
             heads=args.head,
+            ablate=args.ablate,
+            importance=args.importance,
         )
     ex.model_name = name
     for w in caught:  # the library's warnings (a truncated text), in the command's voice
@@ -193,7 +226,27 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     ):
         best = ", ".join(f"L{layer} H{head} {v:.2f}" for layer, head, v in stats.top(metric, 3))
         print(f"  {label + ':':44s}{best}")
+    if ex.importance is not None:
+        order = ex.importance.flatten().argsort(descending=True)[:3].tolist()
+        n = ex.importance.shape[1]
+        flat = ex.importance.flatten()
+        best = ", ".join(f"L{i // n} H{i % n} {float(flat[i]):.3f}" for i in order)
+        print(f"  {'most important (zeroed: embedding moves):':44s}{best}")
+    if ex.ablation is not None and ex.ablated_top_words is not None:
+        _print_ablation(ex)
     print()
     print("Wrote:")
     for p in paths:
         print(f"  {printable(os.fspath(p))}")
+
+
+def _print_ablation(ex: Explanation) -> None:
+    assert ex.ablation is not None and ex.ablated_top_words is not None
+    zeroed = ", ".join(f"L{layer}:H{head}" for layer, head in ex.ablation.heads)
+    print()
+    print(f"With {zeroed} zeroed (clean -> ablated top word of {ex.focus_token!r}):")
+    for clean, ablated in zip(ex.top_words, ex.ablated_top_words, strict=True):
+        before = f"{clean.words[0].word} {clean.words[0].weight:.2f}"
+        after = f"{ablated.words[0].word} {ablated.words[0].weight:.2f}"
+        print(f"  layer {clean.layer}:  {before:24s} -> {after}")
+    print(f"  sentence embedding: cosine {ex.ablation.cosine:.4f} to the clean one")

@@ -67,6 +67,7 @@ def render_page(
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
     statistics: HeadStatistics | None = None,
+    importance: Tensor | None = None,
     focus: int = 0,
     initial: tuple[int, int] = (0, 0),
     title: str = "Attention",
@@ -82,6 +83,8 @@ def render_page(
         layers, heads: the layer and head numbers of the weights' L and H axes (labels).
         statistics: a :class:`~multihead.observe.statistics.HeadStatistics` for the table (its
             layers and heads need not match the weights'; rows of heads not shown still list).
+        importance: (L', H') one score per head of ``statistics`` (e.g. how far zeroing the
+            head moves the sentence embedding): an "importance" column in the table.
         focus: the token whose attention is shown first.
         initial: (layer position, head position) shown first, positions along L and H.
         title, subtitle: shown at the top.
@@ -132,6 +135,17 @@ def render_page(
         "scales": base64.b64encode(scales).decode("ascii"),
         "stats": statistics.to_dict() if statistics is not None else None,
     }
+    if importance is not None:
+        if statistics is None or tuple(importance.shape) != (
+            len(statistics.layers),
+            len(statistics.heads),
+        ):
+            raise ValueError(
+                f"importance must score the statistics' (L', H') heads, got shape "
+                f"{tuple(importance.shape)} and statistics "
+                f"{None if statistics is None else (len(statistics.layers), len(statistics.heads))}"
+            )
+        data["stats"]["importance"] = [[round(float(x), 5) for x in row] for row in importance]
     # "<" escaped so that no token (say "</script>") can end the data block early.
     blob = json.dumps(data, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
     head, tail = _template().split("__DATA__")

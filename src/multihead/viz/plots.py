@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["grid_figure", "head_figure", "save_figure"]
+__all__ = ["grid_figure", "head_figure", "importance_figure", "save_figure"]
 
 # Above this many tokens the grid's small cells drop their token labels (unreadable anyway).
 _GRID_LABEL_LIMIT = 40
@@ -259,6 +259,58 @@ def head_figure(
         if x
     )
     ax.set_title(title or f"Attention, {where}".rstrip(", "))
+    return fig
+
+
+def importance_figure(
+    importance: Tensor,
+    *,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    title: str = "Head importance",
+    label: str = "importance",
+) -> Figure:
+    """A layers × heads heatmap of one score per head, each cell labelled with its value.
+
+    Args:
+        importance: (L, H) scores, e.g. :func:`multihead.head_importance`'s.
+        layers, heads: the numbers of the rows and columns (default 0..L-1, 0..H-1).
+        title: the figure's title.
+        label: the colour bar's label.
+    """
+    w = _check_weights(importance, 2, "(L, H)")
+    n_layers, n_heads = w.shape
+    layers = list(range(n_layers)) if layers is None else list(layers)
+    heads = list(range(n_heads)) if heads is None else list(heads)
+    if len(layers) != n_layers or len(heads) != n_heads:
+        raise ValueError(
+            f"layers and heads must label the {n_layers} × {n_heads} scores, got {len(layers)} "
+            f"and {len(heads)}"
+        )
+    _matplotlib()
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1.0 + 0.55 * n_heads + 1.2, 1.2 + 0.45 * n_layers))
+    ax = fig.add_subplot()
+    finite = w[torch.isfinite(w)]
+    low = min(0.0, float(finite.min())) if finite.numel() else 0.0
+    top = float(finite.abs().max()) if finite.numel() else 1.0
+    image = ax.imshow(w.numpy(), cmap="Reds", vmin=low, vmax=max(top, 1e-12), aspect="auto")
+    for i in range(n_layers):
+        for j in range(n_heads):
+            value = float(w[i, j])
+            text = f"{value:.3f}" if abs(value) < 10 else f"{value:.0f}"
+            dark = abs(value) > 0.6 * top
+            ax.text(
+                j, i, text, ha="center", va="center", fontsize=6, color="white" if dark else "black"
+            )
+    ax.set_xticks(range(n_heads), [str(h) for h in heads])
+    ax.set_yticks(range(n_layers), [str(layer) for layer in layers])
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label=label)
+    fig.tight_layout()
     return fig
 
 
