@@ -348,8 +348,10 @@ def test_the_snapshot_sees_what_a_good_run_writes(
         "out",
         "out/attention_grid.png",
         "out/attention_grid.svg",
-        f"out/{next(p.name for p in (tmp_path / 'out').glob('head_*.png'))}",
-        f"out/{next(p.name for p in (tmp_path / 'out').glob('head_*.svg'))}",
+        f"out/{next(p.name for p in (tmp_path / 'out').glob('head_L*.png'))}",
+        f"out/{next(p.name for p in (tmp_path / 'out').glob('head_L*.svg'))}",
+        "out/head_importance.png",
+        "out/head_importance.svg",
         "out/attention.html",
     }
 
