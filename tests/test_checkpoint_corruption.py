@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from cli_support import copy_run, fails, snapshot, train_tiny
 
 from multihead.cli import main
 from multihead.models import TransformerLM
-from multihead.training import TrainConfig, load_checkpoint, train
+from multihead.training import load_checkpoint
 
 STEP = "step-00000002"
 FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "state.json")
@@ -32,43 +32,19 @@ def _elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("trained") / "run"
-    config = TrainConfig(
+    """One tiny finished run, trained once per module."""
+    return train_tiny(
+        tmp_path_factory.mktemp("trained") / "run",
         task="reverse",
         seq_len=3,
-        steps=2,
-        batch_size=8,
         embed_dim=16,
-        num_heads=2,
         ff_dim=24,
-        threads=1,
-        out=str(out),
-        save_every=1,
-        eval_size=0,
-        plots=False,
     )
-    train(config)
-    return out
 
 
 @pytest.fixture
 def run(trained: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(trained, tmp_path / "run"))
-
-
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    return {
-        str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
-        for p in sorted(root.rglob("*"))
-    }
-
-
-def fails(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
+    return copy_run(trained, tmp_path)
 
 
 def _flip(data: bytes) -> bytes:

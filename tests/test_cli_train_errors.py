@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_support import copy_run, fails, snapshot, train_tiny
 
 from multihead.cli import main
-from multihead.training import TrainConfig, train
 
 TINY = ["--embed-dim", "32", "--num-heads", "2", "--ff-dim", "48", "--threads", "1"]
 SMALL = ["--task", "sort", "--seq-len", "4", "--steps", "2", "--batch-size", "8", *TINY]
@@ -31,51 +31,13 @@ def _elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tiny finished run (sort, L=4, 2 steps), trained once per module."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    config = TrainConfig(
-        task="sort",
-        seq_len=4,
-        steps=2,
-        batch_size=8,
-        embed_dim=32,
-        num_heads=2,
-        ff_dim=48,
-        threads=1,
-        out=str(out),
-        save_every=1,
-        eval_size=0,
-        plots=False,
-    )
-    train(config)
-    return out
+    """One tiny finished run, trained once per module."""
+    return train_tiny(tmp_path_factory.mktemp("trained") / "run")
 
 
 @pytest.fixture
 def run(trained: Path, tmp_path: Path) -> Path:
-    """A private copy of the trained run."""
-    return Path(shutil.copytree(trained, tmp_path / "run"))
-
-
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every path under ``root`` (hidden ones too) with its contents (None for directories)."""
-    return {
-        str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
-        for p in sorted(root.rglob("*"))
-    }
-
-
-def fails(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """Run the CLI in-process; it must exit 2 with one line on stderr. Returns that line."""
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own errors (a value that is not a number) exit here
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.count("\n") == 1 and err.endswith("\n"), err
-    assert "Traceback" not in err
-    return err
+    return copy_run(trained, tmp_path)
 
 
 # (flags, what the one line must say)
