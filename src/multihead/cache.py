@@ -21,13 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead._checks import check_positive_int
+
 __all__ = ["KVCache", "LayerKVCache"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class LayerKVCache:
@@ -135,11 +131,11 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.num_layers = _positive_int("num_layers", num_layers)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.max_len = _positive_int("max_len", max_len)
+        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.max_len = check_positive_int("max_len", max_len)
         shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
