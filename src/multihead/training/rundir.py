@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from multihead._checks import describe, is_int
-from multihead.models.lm import _MODEL_TYPE, CONFIG_NAME, WEIGHTS_NAME
+from multihead.models.lm_io import _MODEL_TYPE, CONFIG_NAME, WEIGHTS_NAME, rename_legacy_keys
 from multihead.training.checkpoint import (
     CHECKPOINTS,
     has_leftovers,
@@ -241,7 +241,8 @@ def restore(plan: RunPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -
     assert plan.checkpoint is not None and plan.loaded is not None
     step = int(plan.loaded["state"]["step"])
     weights_file = plan.checkpoint / "model.safetensors"
-    _check_tensors(weights_file, plan.loaded["model_state"], model.state_dict())
+    model_state = rename_legacy_keys(plan.loaded["model_state"])  # an earlier version's names
+    _check_tensors(weights_file, model_state, model.state_dict())
     params = [p for group in optimizer.param_groups for p in group["params"]]
     opt_file = plan.checkpoint / "optimizer.safetensors"
     state = plan.loaded["optimizer_state"]["state"]
@@ -270,7 +271,7 @@ def restore(plan: RunPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -
                 f"checkpoint file {str(opt_file)!r} counts {float(got['step']):g} AdamW steps, "
                 f"state.json says step {step}"
             )
-    model.load_state_dict(plan.loaded["model_state"])
+    model.load_state_dict(model_state)
     fresh = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": fresh["param_groups"]})
     return step
