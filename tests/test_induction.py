@@ -39,11 +39,10 @@ def test_data_repeats_where_claimed_and_the_layout_varies() -> None:
     assert len({n for n, _, _ in layouts}) == 9
     assert len({s2 for _, _, s2 in layouts}) > 15
     assert len({s2 - s1 for _, s1, s2 in layouts}) > 15
-    # first occurrences: the token did not occur before; never inside the copy's repeats
-    for i in range(20):
-        for j in range(1, 32):
-            assert first[i, j] == (ids[i, j] not in ids[i, :j])
-    assert not (first & repeated).any() and not first[:, 0].any()
+    # first: the segment's first occurrence, the same n - 1 positions as the repeats
+    for i, (n, s1, _) in enumerate(layouts):
+        assert np.array_equal(np.flatnonzero(first[i]), np.arange(s1 + 1, s1 + n))
+        assert np.array_equal(ids[i, s1 + 1 : s1 + n], ids[i, repeated[i]])
 
 
 def test_data_is_a_pure_function_and_held_out_layouts_are_never_trained_on() -> None:
@@ -157,3 +156,11 @@ def test_cli_induction_run_logs_the_probes(
     assert main([*argv, "--no-plots", "--no-attn-only", "--out", str(tmp_path / "full")]) == 0
     lm = TransformerLM.load(tmp_path / "full")
     assert not lm.config.attn_only and any(".ff." in n for n, _ in lm.named_parameters())
+
+
+def test_generate_refuses_an_induction_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train(TrainConfig.for_task("induction", steps=1, out=str(tmp_path / "run"), plots=False))
+    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path / "run"), "1 2 ="])
+    assert "is an induction run: generate answers the prompts of copy, reverse, sort and add" in err

@@ -3,8 +3,9 @@
     5 41 9 [17 3 60 22] 8 33 ... 50 [17 3 60 22] 12 ...      (a segment of n tokens, copied)
            s1                       s2
 
-Every next token is scored. Most are random (first occurrences: loss ≈ log V); the tokens after
-the first of the copy (s2 + 1 … s2 + n - 1) can be read off the earlier occurrence by an
+Every next token is scored. Most are random, the segment's first occurrence included (its
+tokens s1 + 1 … s1 + n - 1: loss ≈ log V); the same tokens of the copy (s2 + 1 … s2 + n - 1)
+can be read off the earlier occurrence by an
 induction head (Olsson et al., "In-context Learning and Induction Heads", 2022): a head that,
 at a token A, attends to the position right after an earlier A and copies what it finds there.
 A two-layer attention-only model learns one in a sudden "phase change"; one layer can't (the
@@ -65,8 +66,8 @@ class InductionBatch:
         ids: (B, L) token ids.
         repeated: (B, L) bool, True at the copy's tokens after its first (s2 + 1 … s2 + n - 1):
             predictable from the earlier occurrence.
-        first: (B, L) bool, True at first occurrences: tokens whose id did not occur earlier in
-            the sequence (position 0 excluded).
+        first: (B, L) bool, True at the same tokens of the segment's first occurrence
+            (s1 + 1 … s1 + n - 1): random, so their loss stays near log V.
     """
 
     ids: Tensor
@@ -140,6 +141,7 @@ class InductionTask:
         lengths = sorted(layouts)
         ids = np.empty((len(rows), self.seq_len), dtype=np.int64)
         repeated = np.zeros((len(rows), self.seq_len), dtype=bool)
+        first = np.zeros((len(rows), self.seq_len), dtype=bool)
         # Counter-based draws (SplitMix64 of seed, stream, step, row, column), as in tasks.py:
         # L token draws and two layout draws per row, each row keyed by its global number.
         base = _key(seed, stream, step)
@@ -151,11 +153,9 @@ class InductionTask:
             n = lengths[int(u[i, -2]) % len(lengths)]  # n uniform, then a layout of that n
             s1, s2 = layouts[n][int(u[i, -1]) % len(layouts[n])]
             ids[i, s2 : s2 + n] = ids[i, s1 : s1 + n]
+            # The same n - 1 positions of both occurrences: only the copy's are predictable.
+            first[i, s1 + 1 : s1 + n] = True
             repeated[i, s2 + 1 : s2 + n] = True
-        # A token's first occurrence in its sequence (position 0 excluded: nothing predicts it).
-        same = ids[:, :, None] == ids[:, None, :]  # (b, L, L)
-        first = ~(same & np.tri(self.seq_len, k=-1, dtype=bool)[None]).any(-1)
-        first[:, 0] = False
         return InductionBatch(
             torch.from_numpy(ids), torch.from_numpy(repeated), torch.from_numpy(first)
         )
@@ -182,8 +182,9 @@ class InductionProbe:
 
     Attributes:
         step: optimizer steps done.
-        first_loss: mean cross-entropy on first occurrences (random tokens; ≈ log V).
-        repeated_loss: mean cross-entropy on the copy's predictable tokens.
+        first_loss: mean cross-entropy on the segment's first occurrence (s1 + 1 … s1 + n - 1:
+            random tokens, ≈ log V).
+        repeated_loss: mean cross-entropy on the same tokens of the copy (s2 + 1 … s2 + n - 1).
         scores: per layer, per head, the induction score (see
             :class:`~multihead.observe.HeadStatistics`): 1 for a perfect induction head.
     """
