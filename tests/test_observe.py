@@ -447,3 +447,34 @@ def test_clark_metrics_of_hand_made_weights() -> None:
     # padding queries and keys are left out; a batch without [SEP] has NaN sep_to_sep
     no_sep = HeadStatistics.from_weights([w], tokens=[["[CLS]", "a", "b", "c", "d", "e"]])
     assert bool(no_sep.sep_to_sep.isnan().all()) and not bool(no_sep.to_cls.isnan().any())
+
+
+def test_a_tokenized_batch_gives_ids_and_tokens_chunked_equals_full() -> None:
+    """input_ids feed the token-identity metrics, tokens the [CLS]/[SEP]/punctuation ones."""
+    from types import SimpleNamespace
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(20, E)
+            self.enc = _encoder(layers=2)
+
+        def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.enc(self.embed(ids), key_mask=attention_mask.bool())
+
+    tokens = [["[CLS]", "a", "b", ",", "a", "b", "[SEP]"], ["[CLS]", "c", ".", "[SEP]"]]
+    ids = torch.tensor([[1, 5, 6, 2, 5, 6, 3], [1, 7, 4, 3, 0, 0, 0]])
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    batch = SimpleNamespace(input_ids=ids, attention_mask=mask, tokens=tokens)
+    model = Tiny().eval()
+    got = head_statistics(model, batch, chunk_size=3)
+    with torch.no_grad(), capture(model) as rec:
+        model(ids, mask)
+    want = HeadStatistics.from_weights(
+        rec.weights, valid_mask=mask.bool(), token_ids=ids, tokens=tokens
+    )
+    for name in ("induction", "duplicate_token", "to_cls", "to_sep", "to_punctuation"):
+        assert not bool(getattr(got, name).isnan().any()), name
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))
+    for name in ("sep_to_sep", "cls_entropy"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))
