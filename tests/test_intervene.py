@@ -517,7 +517,7 @@ def test_importance_falls_back_and_says_why(caplog: pytest.LogCaptureFixture) ->
     fresh = _lm()
     head_importance(fresh, lambda: fresh(torch.randint(14, (2, 4))).sum())  # new inputs each time
     assert "did not reproduce" in caplog.text
-    assert _observers(fresh) == 0 and "forward" not in vars(fresh.layers.layers[0])
+    assert _observers(fresh) == 0 and "forward" not in vars(fresh.blocks[0])
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -126,12 +126,15 @@ def test_load_errors(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "config.json").read_text())
     config["model"]["embed_dim"] = 30  # a config that doesn't match the weights
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"don't match its config: .*has shape \(13, 24\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"don't match its config: .*has shape \(40, 24\), the config needs \(40, 30\)",
+    ):
         TransformerLM.load(tmp_path)
     config["model"]["embed_dim"] = E
     config["model"]["num_layers"] = 3
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"don't match its config: missing \['layers.layers.2"):
+    with pytest.raises(ValueError, match=r"don't match its config: missing \['blocks.2"):
         TransformerLM.load(tmp_path)
     config["model"]["colour"] = "blue"
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -171,3 +174,59 @@ def test_input_errors() -> None:
         lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=1.0, top_k=0)
     with pytest.raises(ValueError, match=r"embed_dim \(24\) must be divisible by num_heads \(5\)"):
         TransformerLM(V, E, 5, L, F, MAX)
+
+
+def test_weights_saved_under_the_old_encoder_names_still_load(tmp_path: Path) -> None:
+    """Before 'blocks'/'norm' the LM's stack was a TransformerEncoder named 'layers'."""
+    from multihead.models.lm_io import _safetensors_bytes
+
+    lm = _lm()
+    lm.save(tmp_path)
+    old = {}
+    for name, value in lm.state_dict().items():
+        if name.startswith("blocks."):
+            name = "layers.layers." + name[len("blocks.") :]
+        elif name.startswith("norm."):
+            name = "layers." + name
+        old[name] = value.contiguous()
+    assert "layers.layers.1.ff.linear1.weight" in old and "layers.norm.weight" in old
+    (tmp_path / "model.safetensors").write_bytes(_safetensors_bytes(old, {"format": "pt"}))
+    loaded = TransformerLM.load(tmp_path)
+    ids = torch.randint(V, (2, 6))
+    torch.testing.assert_close(loaded(ids), lm(ids), rtol=0, atol=0)
+
+
+def test_blocks_and_final_norm_are_named_as_what_they_are() -> None:
+    lm = _lm()
+    names = set(lm.state_dict())
+    assert any(n.startswith("blocks.1.self_attn.") for n in names)
+    assert {"norm.weight", "norm.bias"} <= names
+    assert not any(n.startswith("layers.") for n in names)
+    assert _lm(norm_first=False).norm is None
+
+
+def test_attn_only_has_no_feed_forward_and_decodes_like_its_forward() -> None:
+    lm = _lm(attn_only=True)
+    names = [n for n, _ in lm.named_parameters()]
+    assert not any(".ff." in n or ".norm2." in n for n in names)
+    full = _lm()
+    per_block = (E * F + F) + (F * E + E) + 2 * E  # ff.linear1, ff.linear2 and norm2
+    assert full.num_parameters() - lm.num_parameters() == L * per_block
+    ids = torch.randint(V, (2, 8))
+    with multihead.capture(lm) as rec:
+        logits = lm(ids)
+    assert len(rec.weights) == L and all(torch.all(w.triu(1) == 0) for w in rec.weights)
+    cache = lm.make_cache(2)
+    steps = [lm(ids[:, :5], cache=cache), lm(ids[:, 5:], cache=cache)]
+    torch.testing.assert_close(torch.cat(steps, 1), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_std_sets_the_initial_embeddings() -> None:
+    torch.manual_seed(0)
+    lm = TransformerLM(64, 128, 4, 1, 8, 64, embedding_std=1.0)
+    assert 0.9 < float(lm.token_embedding.weight.detach().std()) < 1.1
+    assert float(lm.head.weight.detach().std()) < 0.03  # the output head keeps GPT-2's 0.02
+    with pytest.raises(ValueError, match="embedding_std must be a finite float > 0, got 0"):
+        LMConfig(64, 128, 4, 1, 8, 64, embedding_std=0)
+    with pytest.raises(ValueError, match="attn_only must be a bool, got 'yes'"):
+        LMConfig(64, 128, 4, 1, 8, 64, attn_only="yes")  # type: ignore[arg-type]

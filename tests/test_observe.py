@@ -352,3 +352,129 @@ def test_no_module_shadows_a_public_function() -> None:
         assert callable(getattr(observe, name)) and not isinstance(
             getattr(observe, name), type(observe)
         ), name
+
+
+# -- token-identity and Clark et al.'s metrics -------------------------------------------------
+
+
+def _repeated_ids() -> torch.Tensor:
+    """(1, 10): 7 distinct tokens, then the first 3 again (positions 7, 8, 9 repeat 0, 1, 2)."""
+    return torch.tensor([[5, 9, 2, 7, 3, 8, 1, 5, 9, 2]])
+
+
+def _head(kind: str, ids: torch.Tensor) -> torch.Tensor:
+    """Hand-built causal weights (1, 1, T, T) of a named head; queries without an earlier
+    occurrence of their token read themselves."""
+    t = ids.shape[1]
+    w = torch.zeros(1, 1, t, t)
+    for q in range(t):
+        earlier = [p for p in range(q) if ids[0, p] == ids[0, q]]
+        if kind == "previous":
+            w[0, 0, q, max(q - 1, 0)] = 1.0
+        elif earlier and kind == "induction":
+            w[0, 0, q, earlier[-1] + 1] = 1.0
+        elif earlier and kind == "duplicate":
+            w[0, 0, q, earlier[-1]] = 1.0
+        else:
+            w[0, 0, q, q] = 1.0
+    return w
+
+
+def test_induction_and_duplicate_token_scores_of_hand_built_heads() -> None:
+    ids = _repeated_ids()
+    heads = torch.cat([_head(k, ids) for k in ("induction", "duplicate", "previous")], dim=1)
+    stats = HeadStatistics.from_weights([heads], token_ids=ids, chunk_size=3)
+    # three queries (7, 8, 9) have a token that occurred before
+    torch.testing.assert_close(stats.induction[0], torch.tensor([1.0, 0.0, 0.0]))
+    torch.testing.assert_close(stats.duplicate_token[0], torch.tensor([0.0, 1.0, 0.0]))
+    assert stats.top("induction", 1) == [(0, 0, 1.0)]
+    assert stats.top("duplicate_token", 1) == [(0, 1, 1.0)]
+    # a token repeated twice: the induction target is after *each* earlier occurrence
+    ids2 = torch.tensor([[4, 6, 4, 6, 4]])
+    uniform = torch.tril(torch.ones(5, 5))
+    uniform = (uniform / uniform.sum(-1, keepdim=True))[None, None]
+    got = HeadStatistics.from_weights([uniform], token_ids=ids2).induction[0, 0]
+    # queries 2, 3, 4 (weights 1/3, 1/4, 1/5) on positions {1}, {2}, {1, 3}
+    assert float(got) == pytest.approx((1 / 3 + 1 / 4 + 2 / 5) / 3)
+
+
+def test_token_metrics_are_nan_without_ids_and_top_says_why() -> None:
+    heads = _head("induction", _repeated_ids())
+    stats = HeadStatistics.from_weights([heads])
+    assert bool(stats.induction.isnan().all()) and bool(stats.to_sep.isnan().all())
+    assert stats.to_dict()["induction"] == [[None]]
+    with pytest.raises(
+        ValueError, match="'induction' is NaN for every head: it needs the inputs' token ids"
+    ):
+        stats.top("induction")
+    with pytest.raises(
+        ValueError, match=r"token_ids must be an integer tensor \(B, T\) = \(1, 10\)"
+    ):
+        HeadStatistics.from_weights([heads], token_ids=torch.zeros(1, 10))
+
+
+def test_head_statistics_takes_ids_from_an_integer_input_chunked() -> None:
+    """head_statistics on a model run on ids equals from_weights on the captured weights."""
+    from multihead.models import TransformerLM
+
+    lm = TransformerLM(11, E, H, 2, 40, max_len=16).eval()
+    ids = torch.randint(11, (B, 12))
+    with torch.no_grad(), capture(lm) as rec:
+        lm(ids)
+    want = HeadStatistics.from_weights(rec.weights, token_ids=ids)
+    got = head_statistics(lm, ids, chunk_size=5)
+    for name in ("induction", "duplicate_token", "entropy"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))
+    assert not bool(got.induction.isnan().any())
+    # a float input (embeddings) has no token ids: NaN, as documented
+    enc = _encoder(layers=1)
+    assert bool(head_statistics(enc, torch.randn(B, T, E)).induction.isnan().all())
+
+
+def test_clark_metrics_of_hand_made_weights() -> None:
+    tokens = [["[CLS]", "the", ",", "cat", ".", "[SEP]"]]
+    t = len(tokens[0])
+    w = torch.zeros(1, 2, t, t)
+    w[0, 0, :, 5] = 1.0  # head 0: everyone reads [SEP]
+    w[0, 1] = torch.full((t, t), 1 / t)  # head 1: uniform
+    stats = HeadStatistics.from_weights([w], tokens=tokens)
+    torch.testing.assert_close(stats.to_sep[0], torch.tensor([1.0, 1 / t]))
+    torch.testing.assert_close(stats.to_cls[0], torch.tensor([0.0, 1 / t]))
+    torch.testing.assert_close(stats.to_punctuation[0], torch.tensor([0.0, 2 / t]))
+    torch.testing.assert_close(stats.sep_to_sep[0], torch.tensor([1.0, 1 / t]))
+    torch.testing.assert_close(stats.cls_entropy[0], torch.tensor([0.0, math.log(t)]))
+    assert stats.top("to_sep", 1) == [(0, 0, 1.0)]
+    # padding queries and keys are left out; a batch without [SEP] has NaN sep_to_sep
+    no_sep = HeadStatistics.from_weights([w], tokens=[["[CLS]", "a", "b", "c", "d", "e"]])
+    assert bool(no_sep.sep_to_sep.isnan().all()) and not bool(no_sep.to_cls.isnan().any())
+
+
+def test_a_tokenized_batch_gives_ids_and_tokens_chunked_equals_full() -> None:
+    """input_ids feed the token-identity metrics, tokens the [CLS]/[SEP]/punctuation ones."""
+    from types import SimpleNamespace
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(20, E)
+            self.enc = _encoder(layers=2)
+
+        def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.enc(self.embed(ids), key_mask=attention_mask.bool())
+
+    tokens = [["[CLS]", "a", "b", ",", "a", "b", "[SEP]"], ["[CLS]", "c", ".", "[SEP]"]]
+    ids = torch.tensor([[1, 5, 6, 2, 5, 6, 3], [1, 7, 4, 3, 0, 0, 0]])
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    batch = SimpleNamespace(input_ids=ids, attention_mask=mask, tokens=tokens)
+    model = Tiny().eval()
+    got = head_statistics(model, batch, chunk_size=3)
+    with torch.no_grad(), capture(model) as rec:
+        model(ids, mask)
+    want = HeadStatistics.from_weights(
+        rec.weights, valid_mask=mask.bool(), token_ids=ids, tokens=tokens
+    )
+    for name in ("induction", "duplicate_token", "to_cls", "to_sep", "to_punctuation"):
+        assert not bool(getattr(got, name).isnan().any()), name
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))
+    for name in ("sep_to_sep", "cls_entropy"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))

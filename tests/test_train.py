@@ -532,3 +532,33 @@ def test_no_module_of_training_or_the_cli_is_too_long() -> None:
     }
     assert "ddp.py" in lengths and "loop.py" in lengths
     assert max(lengths.values()) <= 400, lengths
+
+
+def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> None:
+    """Checkpoints written when the LM's stack was a TransformerEncoder named 'layers'
+    (``layers.layers.{i}.…``, ``layers.norm.…``) resume under today's ``blocks``/``norm``."""
+    from multihead.models.lm_io import _read_safetensors, _safetensors_bytes
+
+    config = _config(tmp_path, steps=2, save_every=1)
+    whole = train(_config(tmp_path / "whole", steps=3))
+    train(config)
+    last = latest_checkpoint(config.out)
+    assert last is not None
+    file = last / "model.safetensors"
+    tensors, meta = _read_safetensors(file)
+    old = {}
+    for name, value in tensors.items():
+        if name.startswith("blocks."):
+            name = "layers.layers." + name[len("blocks.") :]
+        elif name.startswith("norm."):
+            name = "layers." + name
+        old[name] = value
+    assert "layers.layers.0.self_attn.out_proj.weight" in old
+    meta = {k: v for k, v in meta.items() if k != "sha256"}
+    file.write_bytes(_safetensors_bytes(old, meta))
+    resumed = train(_config(tmp_path, steps=3, save_every=1, resume=True))
+    assert resumed.model is not None and whole.model is not None
+    for (name, a), b in zip(
+        whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name

@@ -2,6 +2,8 @@
 then continue prompts with it.
 
     multihead train --task sort                      # ≥ 99% exact match in well under a minute
+    multihead train --task induction                 # induction heads appear (docs/induction.md)
+    multihead train --task induction --num-layers 1  # the control: one layer can't
     multihead train --task reverse --steps 2000 --out runs/rev
     multihead train --out runs/rev --resume          # after Ctrl-C: continue where it stopped
     torchrun --nproc-per-node 2 -m multihead train --task sort --out runs/ddp
@@ -20,7 +22,7 @@ from multihead.cli.common import CLIError
 
 __all__ = ["register", "run_train", "run_generate"]
 
-_TASKS = ("copy", "reverse", "sort", "add")
+_TASKS = ("copy", "reverse", "sort", "add", "induction")
 
 # flag name -> TrainConfig field, for the flags that default to "the config's (or the
 # checkpoint's) value" so that --resume can tell what the user set explicitly.
@@ -37,10 +39,13 @@ _TRAIN_FLAGS = (
     "ff_dim",
     "num_kv_heads",
     "dropout",
+    "attn_only",
+    "embedding_std",
     "warmup_steps",
     "weight_decay",
     "save_every",
     "eval_size",
+    "probe_every",
     "threads",
     "device",
 )
@@ -77,9 +82,12 @@ def register(subparsers: Any) -> None:
         help="train a small causal transformer on a synthetic task",
         description=(
             "Train a TransformerLM on copy, reverse, sort or add, framed as continuation "
-            "('3 1 2 =' -> '1 2 3'). Writes DIR/config.json, model.safetensors, loss.png, "
-            "attention.png and checkpoints/; prints held-out exact-match accuracy. Ctrl-C saves "
-            "and stops; --resume continues. Under torchrun it trains data-parallel."
+            "('3 1 2 =' -> '1 2 3'), or on induction (random tokens with a copied segment; "
+            "loss on every token). Writes DIR/config.json, model.safetensors, loss.png, "
+            "attention.png (induction: induction.png too) and checkpoints/; prints held-out "
+            "exact-match accuracy (induction: the losses on first and repeated tokens and the "
+            "best induction head). Ctrl-C saves and stops; --resume continues. Under torchrun "
+            "it trains data-parallel."
         ),
     )
     p.add_argument(
@@ -87,9 +95,15 @@ def register(subparsers: Any) -> None:
         choices=_TASKS,
         help="the task (default sort; taken from the checkpoint with --resume)",
     )
-    p.add_argument("--steps", type=int, help="total optimizer steps (default 250)")
-    p.add_argument("--seq-len", type=int, help="input digits per example (default 8)")
-    p.add_argument("--batch-size", type=int, help="global batch, split across ranks (default 128)")
+    p.add_argument("--steps", type=int, help="total optimizer steps (default 250; induction 1200)")
+    p.add_argument(
+        "--seq-len", type=int, help="input digits per example (default 8; induction: tokens, 32)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="global batch, split across ranks (default 128; induction 32)",
+    )
     p.add_argument("--lr", type=float, help="peak AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, help="seeds the weights and the data (default 0)")
     p.add_argument("--out", help="run directory (default runs/TASK)")
@@ -109,15 +123,33 @@ def register(subparsers: Any) -> None:
         "--num-kv-heads", type=int, help="key/value heads (grouped-query; default H)"
     )
     model.add_argument("--dropout", type=float, help="dropout (default 0)")
+    model.add_argument(
+        "--attn-only",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="blocks without feed-forward networks (default: on for induction, off otherwise)",
+    )
+    model.add_argument(
+        "--embedding-std",
+        type=float,
+        help="std of the initial token/position embeddings (default 0.02; induction 1.0)",
+    )
     extra = p.add_argument_group("schedule and output")
     extra.add_argument(
-        "--warmup-steps", type=int, help="linear warmup steps (default 5%% of steps)"
+        "--warmup-steps",
+        type=int,
+        help="linear warmup steps (default 5%% of steps; induction 30)",
     )
     extra.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.01)")
     extra.add_argument(
         "--save-every", type=int, help="checkpoint every N steps (default 100; 0: end)"
     )
     extra.add_argument("--eval-size", type=int, help="held-out sequences to score (default 1000)")
+    extra.add_argument(
+        "--probe-every",
+        type=int,
+        help="induction: measure losses and head scores every N steps (default 20)",
+    )
     extra.add_argument("--threads", type=int, help="torch threads per process (default 1)")
     extra.add_argument("--device", help="'auto' (default: the local GPU if any), 'cpu', 'cuda:0'")
     extra.add_argument("--no-plots", action="store_true", help="skip loss.png and attention.png")
@@ -163,9 +195,12 @@ def _config(args: argparse.Namespace) -> Any:
     # One thread per process by default: the default model is small enough that more threads
     # gain little, and on a busy machine OpenMP threads spin and slow every step down.
     given.setdefault("threads", 1)
-    task = given.get("task", "sort")
+    task = given.pop("task", "sort")
     out = os.path.join("runs", str(task)) if args.out is None else args.out
-    return TrainConfig(**given, out=out, overwrite=args.overwrite, plots=not args.no_plots)
+    # The task's own defaults (the induction recipe) under the flags given.
+    return TrainConfig.for_task(
+        task, **given, out=out, overwrite=args.overwrite, plots=not args.no_plots
+    )
 
 
 def _is_rank0() -> bool:
@@ -198,6 +233,8 @@ def _progress(config: Any) -> tuple[Any, Any]:
     bar = progress.add_task(f"{config.task} L={config.seq_len}", total=config.steps, stats="")
 
     def on_step(info: Any) -> None:
+        if _worth_logging(info, config):
+            progress.console.print(_probe_line(info.probe), highlight=False)
         progress.update(
             bar,
             completed=info.step,
@@ -210,6 +247,20 @@ def _progress(config: Any) -> tuple[Any, Any]:
     return progress, on_step
 
 
+def _worth_logging(info: Any, config: Any) -> bool:
+    # Every fifth measurement and the last: a dozen lines for the default induction run.
+    every = 5 * config.probe_every
+    return info.probe is not None and (info.step % every == 0 or info.step == config.steps)
+
+
+def _probe_line(probe: Any) -> str:
+    layer, head, score = probe.best()
+    return (
+        f"step {probe.step:>5}: loss on first occurrences {probe.first_loss:.3f}, on repeated "
+        f"tokens {probe.repeated_loss:.3f}; best induction head L{layer} H{head} {score:.2f}"
+    )
+
+
 def run_train(args: argparse.Namespace) -> int:
     from multihead.training import DivergenceError, train
 
@@ -219,6 +270,11 @@ def run_train(args: argparse.Namespace) -> int:
         raise CLIError(_in_flags(str(e))) from None
     rank0 = _is_rank0()
     progress, on_step = _progress(config) if rank0 and not args.quiet else (None, None)
+    if rank0 and on_step is None:
+
+        def on_step(info: Any) -> None:
+            if _worth_logging(info, config):
+                print(_probe_line(info.probe), flush=True)
 
     def on_start(info: Any) -> None:
         # Called once every check has passed: a run that fails them prints nothing here.
@@ -258,9 +314,11 @@ def run_train(args: argparse.Namespace) -> int:
     )
     if result.accuracy is not None:
         print(f"held-out exact match: {100 * result.accuracy:.1f}% of {config.eval_size} sequences")
+    if result.probes:
+        print(f"held-out layouts, {_probe_line(result.probes[-1])}")
     files = ["config.json", "model.safetensors"]
     if config.plots:
-        files += ["loss.png", "attention.png"]
+        files += ["loss.png", "attention.png"] + (["induction.png"] if result.probes else [])
     print(f"wrote {', '.join(os.path.join(config.out, f) for f in files)}")
     return 0
 

@@ -1,191 +1,94 @@
 """A small causal language model built from multihead's layers, for the synthetic tasks.
 
     ids (B, T) → token embedding + learned position embedding → dropout
-               → N × TransformerEncoderLayer, run causally (each position sees itself and before)
+               → N decoder blocks, causal (each position sees itself and before):
+                     x = x + attn(norm1(x));  x = x + ff(norm2(x))      (pre-LN)
                → final LayerNorm (pre-LN only) → output head → logits (B, T, V)
+
+A decoder block here is a :class:`~multihead.layers.TransformerEncoderLayer` run with
+``is_causal=True`` (a GPT block: self-attention and feed-forward, no cross-attention), or, with
+``attn_only=True``, an :class:`AttentionOnlyBlock` (the setting of Elhage et al.'s "A Mathematical
+Framework for Transformer Circuits", where induction heads were first described).
 
 Seed 003 masks the decoder "to ensure the autoregressive nature" of the task; here the same
 bottom-right causal mask serves training on whole sequences and decoding token by token with a
-:class:`~multihead.cache.KVCache`.
-
-On disk a model is a directory with ``config.json`` (its :class:`LMConfig` under ``"model"``,
-plus whatever the caller adds, e.g. the task) and ``model.safetensors``. Never pickle.
+:class:`~multihead.cache.KVCache`. Saving and loading live in :mod:`multihead.models.lm_io`,
+generation in :mod:`multihead.models.generation`; the methods here delegate to them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import os
-import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead.attention import AttentionCache, MultiHeadAttention
 from multihead.cache import KVCache
-from multihead.layers import TransformerEncoder, TransformerEncoderLayer
+from multihead.layers import TransformerEncoderLayer
+from multihead.models import generation, lm_io
+from multihead.models.lm_config import LMConfig
+from multihead.models.lm_io import CONFIG_NAME, WEIGHTS_NAME
 from multihead.positions import LearnedPositionalEmbedding
 
-__all__ = ["LMConfig", "TransformerLM", "CONFIG_NAME", "WEIGHTS_NAME"]
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-_MODEL_TYPE = "multihead.TransformerLM"
+__all__ = ["LMConfig", "TransformerLM", "AttentionOnlyBlock", "CONFIG_NAME", "WEIGHTS_NAME"]
 
 
-@dataclass(frozen=True)
-class LMConfig:
-    """The hyperparameters of a :class:`TransformerLM`; what ``config.json`` stores.
+class AttentionOnlyBlock(nn.Module):
+    """A decoder block without its feed-forward network: causal self-attention and a skip.
 
-    Args: as :class:`TransformerLM`.
+    - pre-LN (``norm_first=True``):  x = x + attn(norm1(x))
+    - post-LN (``norm_first=False``):  x = norm1(x + attn(x))
+
+    Submodules are named as in :class:`~multihead.layers.TransformerEncoderLayer` (``self_attn``,
+    ``norm1``, ``dropout1``), so an attention-only model's weights read like a full one's minus
+    ``ff`` and ``norm2``.
+
+    Args:
+        embed_dim, num_heads, num_kv_heads, dropout, norm_first, device, dtype: as for
+            :class:`~multihead.layers.TransformerEncoderLayer`.
     """
 
-    vocab_size: int
-    embed_dim: int
-    num_heads: int
-    num_layers: int
-    ff_dim: int
-    max_len: int
-    num_kv_heads: int | None = None
-    dropout: float = 0.0
-    norm_first: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "embed_dim", "num_heads", "num_layers", "ff_dim", "max_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        kv = self.num_kv_heads
-        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0):
-            raise ValueError(f"num_kv_heads must be a positive int or None, got {kv!r}")
-        if self.embed_dim % self.num_heads != 0:
-            raise ValueError(
-                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
-            )
-        if kv is not None and self.num_heads % kv != 0:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})"
-            )
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be a float in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.norm_first, bool):
-            raise ValueError(f"norm_first must be a bool, got {self.norm_first!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LMConfig:
-        """Build from a mapping, e.g. parsed JSON; unknown or missing keys raise ValueError."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"an LMConfig must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(
-                f"unknown LMConfig keys {unknown}; expected a subset of {sorted(names)}"
-            )
-        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
-        missing = sorted(required - set(data))
-        if missing:
-            raise ValueError(f"LMConfig is missing the keys {missing}")
-        return cls(**data)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors.torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "saving and loading models needs safetensors: pip install 'multihead[cli]'"
-        ) from e
-    return safetensors.torch
-
-
-def _payload_digest(header: Mapping[str, Any], data: bytes) -> str:
-    """SHA-256 of a safetensors file's tensor entries (names, dtypes, shapes, offsets) and data."""
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
-    digest.update(data)
-    return digest.hexdigest()
-
-
-def _split_safetensors(blob: bytes) -> tuple[dict[str, Any], bytes]:
-    """(header, data) of safetensors bytes; ValueError when the header is unreadable."""
-    if len(blob) < 8:
-        raise ValueError(f"{len(blob)} bytes, shorter than the 8-byte header size")
-    size = int.from_bytes(blob[:8], "little")
-    if size > len(blob) - 8:
-        raise ValueError(f"the header claims {size} bytes, the file has {len(blob) - 8} after it")
-    header = json.loads(blob[8 : 8 + size])
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    return header, blob[8 + size :]
-
-
-def _safetensors_bytes(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> bytes:
-    """``tensors`` as safetensors bytes whose metadata also holds their SHA-256 (``sha256``).
-
-    The checksum covers the tensor entries and the data, so a flipped bit anywhere but in the
-    metadata is found when :func:`_read_safetensors` reads the file back.
-    """
-    st = _safetensors()
-    header, data = _split_safetensors(st.save(dict(tensors), metadata=dict(metadata)))
-    # The metadata lives in the header only: adding the checksum leaves entries and data as is.
-    checksum = _payload_digest(header, data)
-    blob: bytes = st.save(dict(tensors), metadata={**metadata, "sha256": checksum})
-    return blob
-
-
-def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The tensors and metadata of a safetensors file, its checksum verified when it has one.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: the file is truncated, corrupt or fails its checksum (names the file).
-    """
-    st = _safetensors()
-    if not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} is missing")
-    blob = path.read_bytes()
-    try:
-        header, data = _split_safetensors(blob)
-        metadata = header.get("__metadata__") or {}
-        if not isinstance(metadata, dict):
-            raise ValueError("its __metadata__ is not a JSON object")
-        tensors = st.load(blob)
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ValueError(f"{str(path)!r} is not a valid safetensors file ({e})") from None
-    expected = metadata.get("sha256")
-    if expected is not None and expected != _payload_digest(header, data):
-        raise ValueError(
-            f"{str(path)!r} is corrupt: its tensors do not match the checksum stored with them"
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            dropout=dropout,
+            device=device,
+            dtype=dtype,
         )
-    return tensors, metadata
+        self.norm1 = nn.LayerNorm(embed_dim, device=device, dtype=dtype)
+        self.dropout1 = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: AttentionCache | None = None,
+    ) -> Tensor:
+        """x (B, T, E) -> (B, T, E); key_mask (B, S), is_causal and cache as for attention."""
+        kw: dict[str, Any] = {"key_mask": key_mask, "is_causal": is_causal, "cache": cache}
+        if self.norm_first:
+            return x + self.dropout1(self.self_attn(self.norm1(x), **kw))
+        return self.norm1(x + self.dropout1(self.self_attn(x, **kw)))
 
 
 class TransformerLM(nn.Module):
@@ -195,17 +98,24 @@ class TransformerLM(nn.Module):
         vocab_size: V, the number of token ids.
         embed_dim: E.
         num_heads: H.
-        num_layers: the number of :class:`~multihead.layers.TransformerEncoderLayer`.
-        ff_dim: the feed-forward hidden width.
+        num_layers: the number of decoder blocks.
+        ff_dim: the feed-forward hidden width (unused with ``attn_only``).
         max_len: the most positions the model handles (learned position embeddings).
         num_kv_heads: key/value heads per layer (grouped-query attention); default ``num_heads``.
         dropout: on embeddings, attention weights, feed-forward and residual branches.
-        norm_first: pre-LN layers and a final LayerNorm (default), or post-LN layers.
+        norm_first: pre-LN blocks and a final LayerNorm (default), or post-LN blocks.
+        attn_only: blocks without feed-forward networks (:class:`AttentionOnlyBlock`).
+        embedding_std: the standard deviation of the token and position embeddings at
+            initialisation. GPT-2's 0.02 (default) keeps the residual stream small at first;
+            the induction task uses 1.0, with which an attention-only model grows its induction
+            heads in a few hundred steps (with 0.02 it did not within 90 s; docs/induction.md).
         device, dtype: as for any torch module.
 
-    Submodules: ``token_embedding`` (V → E), ``position_embedding``, ``layers``
-    (:class:`~multihead.layers.TransformerEncoder`, with the final LayerNorm as its ``norm``),
-    ``head`` (E → V).
+    Submodules: ``token_embedding`` (V → E), ``position_embedding``, ``blocks`` (the decoder
+    blocks, :class:`~multihead.layers.TransformerEncoderLayer` run causally, or
+    :class:`AttentionOnlyBlock`), ``norm`` (the final LayerNorm; None for post-LN), ``head``
+    (E → V). Weights saved under the names of earlier versions (``layers.layers.{i}``,
+    ``layers.norm``) still load.
 
     Example:
         >>> lm = TransformerLM(14, 64, 4, 2, 256, max_len=32)
@@ -227,6 +137,8 @@ class TransformerLM(nn.Module):
         num_kv_heads: int | None = None,
         dropout: float = 0.0,
         norm_first: bool = True,
+        attn_only: bool = False,
+        embedding_std: float = 0.02,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -241,35 +153,33 @@ class TransformerLM(nn.Module):
             num_kv_heads=num_kv_heads,
             dropout=dropout,
             norm_first=norm_first,
+            attn_only=attn_only,
+            embedding_std=embedding_std,
         )
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.token_embedding = nn.Embedding(vocab_size, embed_dim, **factory)
         self.position_embedding = LearnedPositionalEmbedding(max_len, embed_dim, **factory)
         self.dropout = nn.Dropout(dropout)
-        self.layers = TransformerEncoder(
-            [
-                TransformerEncoderLayer(
-                    embed_dim,
-                    num_heads,
-                    ff_dim,
-                    num_kv_heads=num_kv_heads,
-                    dropout=dropout,
-                    norm_first=norm_first,
-                    **factory,
-                )
-                for _ in range(num_layers)
-            ],
-            norm=nn.LayerNorm(embed_dim, **factory) if norm_first else None,
+        block_kw: dict[str, Any] = {
+            "num_kv_heads": num_kv_heads,
+            "dropout": dropout,
+            "norm_first": norm_first,
+            **factory,
+        }
+        self.blocks = nn.ModuleList(
+            AttentionOnlyBlock(embed_dim, num_heads, **block_kw)
+            if attn_only
+            else TransformerEncoderLayer(embed_dim, num_heads, ff_dim, **block_kw)
+            for _ in range(num_layers)
         )
+        self.norm = nn.LayerNorm(embed_dim, **factory) if norm_first else None
         self.head = nn.Linear(embed_dim, vocab_size, bias=False, **factory)
-        # GPT-2's small embeddings: N(0, 1) ones would swamp the residual stream at init.
         with torch.no_grad():
-            for weight in (
-                self.token_embedding.weight,
-                self.position_embedding.embedding.weight,
-                self.head.weight,
-            ):
-                nn.init.normal_(weight, std=0.02)
+            # GPT-2's small embeddings (0.02) by default: N(0, 1) ones would dominate the
+            # residual stream at init, which is what an attention-only induction model needs.
+            for weight in (self.token_embedding.weight, self.position_embedding.embedding.weight):
+                nn.init.normal_(weight, std=embedding_std)
+            nn.init.normal_(self.head.weight, std=0.02)
 
     @classmethod
     def from_config(cls, config: LMConfig, **factory: Any) -> TransformerLM:
@@ -308,7 +218,8 @@ class TransformerLM(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
 
-    def _check_ids(self, ids: Tensor, name: str = "ids") -> None:
+    def check_ids(self, ids: Tensor, name: str = "ids") -> None:
+        """Raise TypeError/ValueError unless ``ids`` is a (B, T) int tensor in [0, V)."""
         if not isinstance(ids, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
         # torch's embedding lookup takes int64 and int32 ids only: say so here, by name.
@@ -349,7 +260,7 @@ class TransformerLM(nn.Module):
         Raises:
             ValueError: ids outside the vocabulary, or more positions than ``max_len``.
         """
-        self._check_ids(ids)
+        self.check_ids(ids)
         t = ids.shape[1]
         offset = cache.length if cache is not None else 0
         if offset + t > self.config.max_len:
@@ -364,13 +275,17 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"positions must be < max_len={self.config.max_len}, got {int(positions.max())}"
             )
-        x = self.dropout(self.position_embedding(self.token_embedding(ids), positions))
-        h = self.layers(x, key_mask=key_mask, is_causal=True, cache=cache)  # (B, T, E)
-        return self.head(h)  # (B, T, E) -> (B, T, V)
+        x = self.dropout(self.position_embedding(self.token_embedding(ids), positions))  # (B, T, E)
+        for i, block in enumerate(self.blocks):
+            x = block(
+                x, key_mask=key_mask, is_causal=True, cache=None if cache is None else cache[i]
+            )
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x)  # (B, T, E) -> (B, T, V)
 
-    # -- generation -----------------------------------------------------------------------------
+    # -- generation, saving and loading (delegates) ----------------------------------------------
 
-    @torch.no_grad()
     def generate(
         self,
         ids: Tensor,
@@ -383,7 +298,7 @@ class TransformerLM(nn.Module):
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Continue prompts token by token.
+        """Continue prompts token by token (no gradients; the model is in eval mode meanwhile).
 
         Args:
             ids: prompts (B, T). Prompts of different lengths are left-padded (any in-vocabulary
@@ -408,86 +323,17 @@ class TransformerLM(nn.Module):
             ValueError: ids outside the vocabulary, a prompt (plus N) longer than ``max_len``, a
                 key_mask that is not left padding, or bad sampling arguments.
         """
-        self._check_ids(ids)
-        b, t = ids.shape
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if t == 0:
-            raise ValueError("ids must hold at least one prompt token, got shape (B, 0)")
-        if t + max_new_tokens > self.config.max_len:
-            raise ValueError(
-                f"the prompt ({t} tokens) plus max_new_tokens ({max_new_tokens}) is longer than "
-                f"the model's max_len={self.config.max_len}"
-            )
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
-            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        if eos_id is not None and not 0 <= eos_id < self.config.vocab_size:
-            raise ValueError(f"eos_id must be in [0, {self.config.vocab_size}), got {eos_id}")
-        positions = self._prompt_positions(ids, key_mask)
-
-        was_training = self.training
-        self.eval()
-        try:
-            out = ids
-            cache = self.make_cache(b, t + max_new_tokens) if use_cache else None
-            done = torch.zeros(b, dtype=torch.bool, device=ids.device)
-            step_ids, step_pos = ids, positions
-            for _ in range(max_new_tokens):
-                if cache is None:  # recompute the whole sequence
-                    step_ids, step_pos = out, positions
-                logits = self(step_ids, key_mask=key_mask, positions=step_pos, cache=cache)
-                token = self._pick(logits[:, -1], temperature, top_k, generator)  # (B,)
-                if eos_id is not None:
-                    token = token.masked_fill(done, eos_id)
-                    done = done | (token == eos_id)
-                out = torch.cat([out, token[:, None]], dim=1)
-                # The new token is position last + 1 of its row, and a real token.
-                step_ids, step_pos = token[:, None], positions[:, -1:] + 1
-                positions = torch.cat([positions, step_pos], dim=1)
-                if key_mask is not None:
-                    key_mask = F.pad(key_mask, (0, 1), value=True)
-                if eos_id is not None and bool(done.all()):
-                    break
-        finally:
-            self.train(was_training)
-        return out
-
-    def _prompt_positions(self, ids: Tensor, key_mask: Tensor | None) -> Tensor:
-        """Per-row positions (B, T) of the prompts: 0 at each row's first real token."""
-        b, t = ids.shape
-        if key_mask is None:
-            return torch.arange(t, device=ids.device).expand(b, t)
-        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
-            raise TypeError("key_mask must be a bool tensor (True = a real token)")
-        if key_mask.shape != ids.shape:
-            raise ValueError(
-                f"key_mask must have the shape of ids (B, T) = {tuple(ids.shape)}, got "
-                f"{tuple(key_mask.shape)}"
-            )
-        if not bool(key_mask[:, -1].all()) or bool((key_mask[:, :-1] & ~key_mask[:, 1:]).any()):
-            raise ValueError(
-                "key_mask must describe left padding (each row False... then True..., ending in "
-                "a real token): generation appends after the last position"
-            )
-        return (key_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-    @staticmethod
-    def _pick(
-        logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-    ) -> Tensor:
-        """The next token (B,) from the last position's logits (B, V)."""
-        if temperature == 0:
-            return logits.argmax(dim=-1)
-        logits = logits.float() / temperature
-        if top_k is not None and top_k < logits.shape[-1]:
-            kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-    # -- saving and loading ---------------------------------------------------------------------
+        return generation.generate(
+            self,
+            ids,
+            max_new_tokens,
+            use_cache=use_cache,
+            temperature=temperature,
+            top_k=top_k,
+            key_mask=key_mask,
+            eos_id=eos_id,
+            generator=generator,
+        )
 
     def save(
         self, directory: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None
@@ -508,19 +354,7 @@ class TransformerLM(nn.Module):
         Raises:
             ValueError: ``extra`` redefines ``"model"`` or ``"model_type"``.
         """
-        path = Path(directory)
-        extra = dict(extra or {})
-        clash = {"model", "model_type"} & set(extra)
-        if clash:
-            raise ValueError(f"extra must not redefine the keys {sorted(clash)}")
-        config = {"model_type": _MODEL_TYPE, "model": self.config.to_dict(), **extra}
-        config_bytes = (json.dumps(config, indent=2) + "\n").encode()  # fails before any write
-        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        weights = _safetensors_bytes(tensors, {"format": "pt"})
-        path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path / WEIGHTS_NAME, weights)
-        _atomic_write(path / CONFIG_NAME, config_bytes)
-        return path
+        return lm_io.save_lm(self, directory, extra=extra)
 
     @staticmethod
     def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -530,30 +364,13 @@ class TransformerLM(nn.Module):
             FileNotFoundError: no such directory or no config.json in it.
             ValueError: the file is not a TransformerLM config.
         """
-        path = Path(directory)
-        if not path.is_dir():
-            what = "is not a directory" if path.exists() else "does not exist"
-            raise FileNotFoundError(f"checkpoint directory {str(path)!r} {what}")
-        file = path / CONFIG_NAME
-        if not file.is_file():
-            raise FileNotFoundError(f"{str(file)!r} is missing: not a saved TransformerLM")
-        try:
-            config = json.loads(file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{str(file)!r} is not valid JSON ({e})") from None
-        if not isinstance(config, dict) or config.get("model_type") != _MODEL_TYPE:
-            raise ValueError(
-                f"{str(file)!r} is not a TransformerLM config (model_type must be {_MODEL_TYPE!r})"
-            )
-        if not isinstance(config.get("model"), dict):
-            raise ValueError(f"{str(file)!r} has no 'model' entry (a JSON object)")
-        return config
+        return lm_io.read_config(directory)
 
     @classmethod
     def load(
         cls, directory: str | os.PathLike[str], *, device: torch.device | str | None = None
     ) -> TransformerLM:
-        """Load a model written by :meth:`save`.
+        """Load a model written by :meth:`save` (also under an earlier version's weight names).
 
         Args:
             directory: holding ``config.json`` and ``model.safetensors``.
@@ -565,45 +382,4 @@ class TransformerLM(nn.Module):
                 weights that don't match the config (names the tensors that are missing,
                 unexpected or of the wrong shape or dtype).
         """
-        path = Path(directory)
-        raw = cls.read_config(path)
-        try:
-            config = LMConfig.from_dict(raw["model"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{str(path / CONFIG_NAME)!r}: {e}") from None
-        weights = path / WEIGHTS_NAME
-        tensors, _ = _read_safetensors(weights)
-        mismatch = f"the weights in {str(weights)!r} don't match its config"
-        if config.num_layers > len(tensors):  # each layer holds tensors: don't build millions
-            raise ValueError(
-                f"{mismatch}: num_layers={config.num_layers} but the file holds only "
-                f"{len(tensors)} tensors"
-            )
-        # Compare on the meta device first: a config edited to absurd widths allocates nothing.
-        expected = cls.from_config(config, device="meta").state_dict()
-        problems = []
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        if missing:
-            problems.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
-        if unexpected:
-            problems.append(f"unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
-        for name in sorted(set(expected) & set(tensors)):
-            want, got = expected[name], tensors[name]
-            if want.shape != got.shape:
-                problems.append(
-                    f"{name} has shape {tuple(got.shape)}, the config needs {tuple(want.shape)}"
-                )
-            elif want.dtype != got.dtype:
-                problems.append(f"{name} has dtype {got.dtype}, the model needs {want.dtype}")
-        if problems:
-            raise ValueError(f"{mismatch}: " + "; ".join(problems[:4]))
-        bad = [name for name, t in tensors.items() if not bool(torch.isfinite(t).all())]
-        if bad:
-            raise ValueError(
-                f"the weights in {str(weights)!r} are not finite (nan or inf in {bad[:4]}): the "
-                f"run that wrote them diverged"
-            )
-        model = cls.from_config(config, device=device)
-        model.load_state_dict(tensors)
-        return model
+        return lm_io.load_lm(cls, directory, device=device)

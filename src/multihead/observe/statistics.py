@@ -1,8 +1,10 @@
 """Head statistics: what each head does, summarised in one forward pass.
 
 :func:`head_statistics` summarises each head (entropy, identity, previous/next-token scores,
-mass on special tokens, most-attended token), computing the weights a chunk of query rows at a
-time inside the forward so that no head's full (T, S) matrix is ever held.
+mass on special tokens, induction and duplicate-token scores, Clark et al.'s [CLS]/[SEP]/
+punctuation measures, most-attended token), computing the weights a chunk of query rows at a
+time inside the forward so that no head's full (T, S) matrix is ever held. The metrics and their
+running sums live in :mod:`multihead.observe.head_metrics`.
 """
 
 from __future__ import annotations
@@ -16,21 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_positive_int
+from multihead.observe.head_metrics import ID_METRICS, METRICS, StatsAccumulator
 from multihead.observe.rows import attention_modules, observe_rows
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = ["head_statistics", "HeadStatistics", "METRICS"]
-
-# name -> what it measures; the metrics of HeadStatistics, in table order.
-METRICS: dict[str, str] = {
-    "entropy": "entropy of a query's weights, nats (mean over queries)",
-    "identity": "weight on the query's own position",
-    "previous_token": "weight on the position just before the query",
-    "next_token": "weight on the position just after the query",
-    "special": "weight on special tokens ([CLS], [SEP])",
-}
 
 
 @dataclass
@@ -43,10 +37,29 @@ class HeadStatistics:
     last for ``next_token``). ``entropy`` is in nats: 0 for a head that reads one key, log(S) for a
     uniform one.
 
+    Token-identity metrics (need the token ids; NaN when they are unknown, e.g. when the model
+    was run on embeddings, or when no query's token occurred earlier):
+
+    - ``induction``: over queries whose token occurred earlier, the weight on the positions
+      right after those earlier occurrences. A perfect induction head (… A B … A → B) scores 1,
+      a previous-token head about 0.
+    - ``duplicate_token``: over the same queries, the weight on the earlier occurrences.
+
+    Clark et al., "What Does BERT Look At?" (2019), over real queries unless said otherwise
+    (need the tokens, to tell [CLS], [SEP] and punctuation; NaN when unknown or, for the last
+    two, when the batch holds no such query):
+
+    - ``to_cls``, ``to_sep``, ``to_punctuation``: the weight on [CLS], on [SEP], on tokens made
+      of punctuation characters;
+    - ``sep_to_sep``: over [SEP] queries, the weight on [SEP];
+    - ``cls_entropy``: the entropy of [CLS]'s row, in nats.
+
     Attributes:
         layers: the layer indices (L') the rows of each table refer to.
         heads: the head indices (H').
-        entropy, identity, previous_token, next_token, special: (L', H') float32.
+        entropy, identity, previous_token, next_token, special, induction, duplicate_token,
+            to_cls, to_sep, to_punctuation, sep_to_sep, cls_entropy: (L', H') float32 (the
+            names of :data:`METRICS`).
         most_attended: (B, L', H') int64, per sequence the key position with the largest mean
             weight.
         most_attended_weight: (B, L', H') that mean weight.
@@ -61,6 +74,13 @@ class HeadStatistics:
     previous_token: Tensor
     next_token: Tensor
     special: Tensor
+    induction: Tensor
+    duplicate_token: Tensor
+    to_cls: Tensor
+    to_sep: Tensor
+    to_punctuation: Tensor
+    sep_to_sep: Tensor
+    cls_entropy: Tensor
     most_attended: Tensor
     most_attended_weight: Tensor
     num_queries: int
@@ -76,6 +96,7 @@ class HeadStatistics:
         layers: Sequence[int] | None = None,
         heads: Sequence[int] | None = None,
         tokens: list[list[str]] | None = None,
+        token_ids: Tensor | None = None,
         chunk_size: int | None = None,
     ) -> HeadStatistics:
         """Statistics of weights already computed.
@@ -85,7 +106,10 @@ class HeadStatistics:
             valid_mask: (B, T) bool, True at real tokens; padding queries are left out.
             special_mask: (B, T) bool, True at special tokens ([CLS], [SEP]).
             layers, heads: the indices to label rows and columns with (default 0..L-1, 0..H-1).
-            tokens: per sequence, to label positions in the table.
+            tokens: per sequence, to label positions in the table and to find [CLS], [SEP] and
+                punctuation (Clark et al.'s metrics are NaN without them).
+            token_ids: (B, T) integer ids, for ``induction`` and ``duplicate_token`` (NaN
+                without them).
             chunk_size: rows per step (bounds temporaries).
         """
         if isinstance(weights, Tensor):
@@ -107,24 +131,40 @@ class HeadStatistics:
                     f"got {tuple(w.shape)} (first {tuple(first.shape)})"
                 )
         b, h, t, _ = first.shape
-        acc = _StatsAccumulator(len(per_layer), h, b, t, first.device, valid_mask, special_mask)
+        acc = StatsAccumulator(
+            len(per_layer), h, b, t, first.device, valid_mask, special_mask, token_ids, tokens
+        )
         step = chunk_size or t
         for slot, w in enumerate(per_layer):
             for start in range(0, t, step):
                 rows = torch.arange(start, min(start + step, t), device=w.device)
                 acc.add(slot, rows, w[:, :, start : start + step], t)
-        return acc.result(
+        return _result(
+            acc,
             list(layers) if layers is not None else list(range(len(per_layer))),
             list(heads) if heads is not None else list(range(h)),
             tokens,
         )
 
     def top(self, metric: str, k: int = 3) -> list[tuple[int, int, float]]:
-        """The k heads scoring highest on ``metric``, as (layer, head, score)."""
+        """The k heads scoring highest on ``metric``, as (layer, head, score).
+
+        Heads whose score is NaN come last.
+
+        Raises:
+            ValueError: an unknown metric, or one unknown for these inputs (all NaN: e.g.
+                ``induction`` of a model run without token ids).
+        """
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
         values: Tensor = getattr(self, metric)
-        order = values.flatten().argsort(descending=True)[:k]
+        if bool(values.isnan().all()):
+            need = "token ids" if metric in ID_METRICS else "tokens"
+            raise ValueError(
+                f"metric {metric!r} is NaN for every head: it needs the inputs' {need} "
+                f"(and a query it applies to)"
+            )
+        order = values.flatten().nan_to_num(nan=-float("inf")).argsort(descending=True)[:k]
         n = values.shape[1]
         return [
             (self.layers[int(i) // n], self.heads[int(i) % n], float(values.flatten()[i]))
@@ -134,8 +174,11 @@ class HeadStatistics:
     def to_dict(self, batch_index: int = 0) -> dict[str, Any]:
         """Plain lists (JSON-ready): metrics (L', H') and, for one sequence, the most-attended."""
         out: dict[str, Any] = {"layers": self.layers, "heads": self.heads}
-        for name in METRICS:
-            out[name] = [[round(float(x), 4) for x in row] for row in getattr(self, name)]
+        for name in METRICS:  # NaN (unknown) as None: JSON has no NaN
+            out[name] = [
+                [None if x != x else round(float(x), 4) for x in row.tolist()]
+                for row in getattr(self, name)
+            ]
         out["most_attended"] = self.most_attended[batch_index].tolist()
         out["most_attended_weight"] = [
             [round(float(x), 4) for x in row] for row in self.most_attended_weight[batch_index]
@@ -192,119 +235,14 @@ class HeadStatistics:
         return buffer.getvalue()
 
 
-class _StatsAccumulator:
-    """Running sums of the head statistics, fed one chunk of query rows at a time."""
-
-    def __init__(
-        self,
-        num_slots: int,
-        num_heads: int,
-        batch: int,
-        length: int,
-        device: torch.device,
-        valid_mask: Tensor | None,
-        special_mask: Tensor | None,
-    ) -> None:
-        for name, m in (("valid_mask", valid_mask), ("special_mask", special_mask)):
-            if m is None:
-                continue
-            if not isinstance(m, Tensor) or m.dtype != torch.bool:
-                raise TypeError(f"{name} must be a bool tensor (B, T) or None, got {m!r:.80}")
-            if tuple(m.shape) != (batch, length):
-                raise ValueError(
-                    f"{name} must have shape (B, T) = ({batch}, {length}), got {tuple(m.shape)}"
-                )
-        self.valid = (
-            valid_mask.to(device)
-            if valid_mask is not None
-            else torch.ones(batch, length, dtype=torch.bool, device=device)
-        )  # (B, T)
-        special = special_mask.to(device) if special_mask is not None else None
-        self.special = (
-            special & self.valid if special is not None else torch.zeros_like(self.valid)
-        )  # (B, S)
-        self.shape = (batch, length)
-        z = torch.zeros(num_slots, num_heads, dtype=torch.float64, device=device)
-        self.sums = {name: z.clone() for name in METRICS}
-        self.prev_count = torch.zeros((), dtype=torch.float64, device=device)
-        self.next_count = torch.zeros((), dtype=torch.float64, device=device)
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
-        # (slot, B, H, S): summed weight each key receives from real queries
-        self.received = torch.zeros(
-            num_slots, batch, num_heads, length, dtype=torch.float64, device=device
-        )
-        self.slot_counts = torch.zeros(num_slots, dtype=torch.float64, device=device)
-
-    def add(self, slot: int, rows: Tensor, w: Tensor, t: int) -> None:
-        """Fold in weights (B, H', R, S) of query rows ``rows`` (R,) of a (T, S) problem."""
-        b, h, r, s = w.shape
-        if (b, t) != self.shape or s != t:
-            raise ValueError(
-                f"head statistics need self-attention over the (B, T) = {self.shape} tokens they "
-                f"were given, got weights for B={b}, T={t}, S={s}; choose self-attention layers "
-                f"with layers="
-            )
-        # float32 per chunk (float64 would double the chunk's memory); sums accumulate in float64
-        w = w.to(torch.promote_types(w.dtype, torch.float32))
-        vq = self.valid[:, rows].to(w.dtype)  # (B, R)
-        valid_k = self.valid.to(w.dtype)  # (B, S)
-        per_query = {
-            "entropy": -torch.special.xlogy(w, w).sum(-1),  # (B, H, R)
-            "special": (w * self.special[:, None, None, :].to(w.dtype)).sum(-1),
-        }
-        own = rows.view(1, 1, r, 1).expand(b, h, r, 1)
-        per_query["identity"] = w.gather(-1, own).squeeze(-1)
-        # previous/next: only queries that have a real neighbour there count
-        prev_pos, next_pos = rows - 1, rows + 1
-        has_prev = (prev_pos >= 0)[None, :] & valid_k[:, prev_pos.clamp(min=0)].bool()  # (B, R)
-        has_next = (next_pos < s)[None, :] & valid_k[:, next_pos.clamp(max=s - 1)].bool()
-        per_query["previous_token"] = w.gather(-1, (own - 1).clamp(min=0)).squeeze(-1)
-        per_query["next_token"] = w.gather(-1, (own + 1).clamp(max=s - 1)).squeeze(-1)
-        prev_w = vq * has_prev.to(w.dtype)  # (B, R)
-        next_w = vq * has_next.to(w.dtype)
-        weights_of = {"previous_token": prev_w, "next_token": next_w}
-        for name, values in per_query.items():
-            qw = weights_of.get(name, vq)
-            self.sums[name][slot] += (values * qw[:, None, :]).sum(dim=(0, 2))
-        if slot == 0:
-            self.count += vq.sum()
-            self.prev_count += prev_w.sum()
-            self.next_count += next_w.sum()
-        self.received[slot] += (w * vq[:, None, :, None]).sum(2)  # (B, H, S)
-        self.slot_counts[slot] += vq.sum()
-
-    def result(
-        self, layers: list[int], heads: list[int], tokens: list[list[str]] | None
-    ) -> HeadStatistics:
-        def mean(name: str, count: Tensor) -> Tensor:
-            return (self.sums[name] / count.clamp(min=1)).float().cpu()
-
-        # Mean weight each key receives per sequence; padding keys can't be "most attended".
-        per_seq = self.valid.sum(1).to(torch.float64).clamp(min=1)  # (B,)
-        received = self.received / per_seq[None, :, None, None]  # (L', B, H, S)
-        received = received.masked_fill(~self.valid[None, :, None, :], -1.0)
-        top_weight, top_pos = received.max(dim=-1)  # (L', B, H)
-        return HeadStatistics(
-            layers=layers,
-            heads=heads,
-            entropy=mean("entropy", self.count),
-            identity=mean("identity", self.count),
-            previous_token=mean("previous_token", self.prev_count),
-            next_token=mean("next_token", self.next_count),
-            special=mean("special", self.count),
-            most_attended=top_pos.transpose(0, 1).cpu(),
-            most_attended_weight=top_weight.clamp(min=0).transpose(0, 1).float().cpu(),
-            num_queries=int(self.count.item()),
-            tokens=tokens,
-        )
-
-
 def head_statistics(
     model: nn.Module,
     inputs: Any,
     *,
     valid_mask: Tensor | None = None,
     special_mask: Tensor | None = None,
+    token_ids: Tensor | None = None,
+    tokens: list[list[str]] | None = None,
     layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
     chunk_size: int = 128,
@@ -325,6 +263,12 @@ def head_statistics(
         valid_mask: (B, T) bool, True at real tokens; default from the batch's attention_mask,
             else from ``key_mask`` in forward_kwargs, else all tokens.
         special_mask: (B, T) bool, True at [CLS]/[SEP]; default from the batch.
+        token_ids: (B, T) integer ids for ``induction`` and ``duplicate_token``; default the
+            batch's ``input_ids``, or ``inputs`` itself when it is an integer tensor. When they
+            are unknown (``inputs`` is a float tensor of embeddings and no ``token_ids`` given),
+            those two metrics are NaN.
+        tokens: per sequence its tokens, for Clark et al.'s [CLS]/[SEP]/punctuation metrics;
+            default the batch's ``tokens``. Unknown: those metrics are NaN.
         layers, heads: which to summarise (as for :func:`capture`).
         chunk_size: query rows per step.
         **forward_kwargs: passed to the model when ``inputs`` is a tensor.
@@ -333,7 +277,6 @@ def head_statistics(
         A :class:`HeadStatistics` over the chosen layers and heads.
     """
     check_positive_int("chunk_size", chunk_size)
-    tokens: list[list[str]] | None = None
     if hasattr(inputs, "input_ids"):
         ids = inputs.input_ids
         attention_mask = getattr(inputs, "attention_mask", None)
@@ -344,7 +287,10 @@ def head_statistics(
             valid_mask = attention_mask.bool()
         if special_mask is None and getattr(inputs, "special_mask", None) is not None:
             special_mask = inputs.special_mask.bool()
-        tokens = getattr(inputs, "tokens", None)
+        if tokens is None:
+            tokens = getattr(inputs, "tokens", None)
+        if token_ids is None:
+            token_ids = ids
 
         def run() -> None:
             model(ids, **kwargs)
@@ -358,6 +304,8 @@ def head_statistics(
             model(inputs, **forward_kwargs)
 
         b, t = inputs.shape[0], inputs.shape[1]
+        if token_ids is None and inputs.dim() == 2 and not inputs.is_floating_point():
+            token_ids = inputs
     else:
         raise TypeError(
             f"inputs must be a tensor or a tokenized batch with input_ids, got "
@@ -378,7 +326,9 @@ def head_statistics(
         )
     h = len(head_ids) if head_ids is not None else (num_heads.pop() if num_heads else 0)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    acc = _StatsAccumulator(len(chosen), h, b, t, device, valid_mask, special_mask)
+    acc = StatsAccumulator(
+        len(chosen), h, b, t, device, valid_mask, special_mask, token_ids, tokens
+    )
     with observe_rows(
         model,
         layers=layers,
@@ -391,4 +341,19 @@ def head_statistics(
             run()
     if not bool(acc.slot_counts.gt(0).all()) and bool(acc.valid.any()):
         raise ValueError("some chosen attention layers were not called by the model's forward")
-    return acc.result(chosen, head_ids if head_ids is not None else list(range(h)), tokens)
+    return _result(acc, chosen, head_ids if head_ids is not None else list(range(h)), tokens)
+
+
+def _result(
+    acc: StatsAccumulator, layers: list[int], heads: list[int], tokens: list[list[str]] | None
+) -> HeadStatistics:
+    top_pos, top_weight = acc.most_attended()
+    return HeadStatistics(
+        layers=layers,
+        heads=heads,
+        **acc.means(),
+        most_attended=top_pos,
+        most_attended_weight=top_weight,
+        num_queries=int(acc.counts["all"].item()),
+        tokens=tokens,
+    )

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import describe, is_int
-from multihead.models.lm import _read_safetensors, _safetensors_bytes
+from multihead.models.lm_io import _read_safetensors, _safetensors_bytes
 
 __all__ = [
     "CHECKPOINTS",

@@ -25,13 +25,15 @@ from multihead._checks import (
 )
 from multihead.models.lm import LMConfig
 from multihead.training.ddp import check_device
-from multihead.training.tasks import VOCAB, Task
+from multihead.training.tasks import TaskLike, get_task
 
 if TYPE_CHECKING:
     from multihead.models.lm import TransformerLM
+    from multihead.training.induction import InductionProbe
 
 __all__ = [
     "TrainConfig",
+    "TASK_DEFAULTS",
     "StartInfo",
     "StepInfo",
     "TrainResult",
@@ -56,13 +58,29 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+# The settings a task starts from when not given (TrainConfig.for_task and the CLI). The induction
+# recipe (docs/induction.md): an attention-only model with N(0, 1) embeddings, a short warmup.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "induction": {
+        "seq_len": 32,
+        "steps": 1200,
+        "batch_size": 32,
+        "warmup_steps": 30,
+        "attn_only": True,
+        "embedding_std": 1.0,
+    },
+}
+
+
 @dataclass
 class TrainConfig:
     """Everything that defines a training run (the CLI's flags).
 
     Args:
-        task: ``"copy"``, ``"reverse"``, ``"sort"`` or ``"add"``.
-        seq_len: L, input digits per example (per operand for ``add``, at most 17).
+        task: ``"copy"``, ``"reverse"``, ``"sort"``, ``"add"`` or ``"induction"`` (use
+            :meth:`for_task` to start from the task's defaults, :data:`TASK_DEFAULTS`).
+        seq_len: L, input digits per example (per operand for ``add``, at most 17); for
+            ``induction`` the tokens per sequence (at least 11).
         steps: optimizer steps in total (a resumed run continues up to this number).
         batch_size: the global batch, split across data-parallel ranks.
         lr: peak learning rate of AdamW (> 0).
@@ -72,6 +90,11 @@ class TrainConfig:
         overwrite: start afresh in an ``out`` that holds an earlier run (deleting it); not
             together with ``resume``.
         embed_dim, num_heads, num_layers, ff_dim, num_kv_heads, dropout: the model.
+        attn_only: decoder blocks without feed-forward networks.
+        embedding_std: std of the initial token and position embeddings (see
+            :class:`~multihead.models.TransformerLM`).
+        probe_every: for ``induction``, measure the first/repeated-token losses and every
+            head's induction score on held-out sequences every this many steps.
         warmup_steps: linear warmup; default 5% of ``steps``.
         min_lr_ratio: the cosine decays to ``lr · min_lr_ratio`` at the last step; in [0, 1].
         weight_decay: AdamW's decoupled weight decay (not on biases, norms and embeddings); ≥ 0.
@@ -101,6 +124,8 @@ class TrainConfig:
     ff_dim: int = 512
     num_kv_heads: int | None = None
     dropout: float = 0.0
+    attn_only: bool = False
+    embedding_std: float = 0.02
     warmup_steps: int | None = None
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
@@ -110,6 +135,7 @@ class TrainConfig:
     threads: int | None = None
     device: str = "auto"
     plots: bool = True
+    probe_every: int = 20
 
     # Fields that may differ when resuming; every other field must match the checkpoint's.
     RESUMABLE: ClassVar[frozenset[str]] = frozenset(
@@ -123,6 +149,7 @@ class TrainConfig:
             "threads",
             "device",
             "plots",
+            "probe_every",
         }
     )
 
@@ -131,7 +158,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check every field (done on construction; :func:`train` does it again)."""
-        task = Task(self.task, self.seq_len)  # validates both
+        task = get_task(self.task, self.seq_len)  # validates both
         for name in ("steps", "batch_size", "embed_dim", "num_heads", "num_layers", "ff_dim"):
             check_positive_int(name, getattr(self, name))
         if check_finite_float("lr", self.lr) <= 0:
@@ -141,7 +168,7 @@ class TrainConfig:
             raise TypeError(f"out must be a path (str), got {describe(self.out)}")
         if not os.fspath(self.out):
             raise ValueError("out must name a directory, got ''")
-        for name in ("resume", "overwrite", "plots"):
+        for name in ("resume", "overwrite", "plots", "attn_only"):
             _check_bool(name, getattr(self, name))
         if self.resume and self.overwrite:
             raise ValueError(
@@ -149,6 +176,9 @@ class TrainConfig:
             )
         check_optional_positive_int("num_kv_heads", self.num_kv_heads)
         check_probability("dropout", self.dropout)
+        if check_finite_float("embedding_std", self.embedding_std) <= 0:
+            raise ValueError(f"embedding_std must be > 0, got {self.embedding_std!r}")
+        check_positive_int("probe_every", self.probe_every)
         self.model_config(task)  # the widths and heads must fit together
         if self.warmup_steps is not None:
             check_non_negative_int("warmup_steps", self.warmup_steps)
@@ -164,11 +194,16 @@ class TrainConfig:
         check_optional_positive_int("threads", self.threads)
         check_device(self.device)
 
-    def model_config(self, task: Task | None = None) -> LMConfig:
+    @classmethod
+    def for_task(cls, task: str, **changes: Any) -> TrainConfig:
+        """A run of ``task`` from its defaults (:data:`TASK_DEFAULTS`), with ``changes``."""
+        return cls(**{"task": task, **TASK_DEFAULTS.get(task, {}), **changes})
+
+    def model_config(self, task: TaskLike | None = None) -> LMConfig:
         """The model this run trains (validates the model's fields together)."""
-        task = task or Task(self.task, self.seq_len)
+        task = task or get_task(self.task, self.seq_len)
         return LMConfig(
-            len(VOCAB),
+            task.vocab_size,
             self.embed_dim,
             self.num_heads,
             self.num_layers,
@@ -176,6 +211,8 @@ class TrainConfig:
             max_len=task.total_len,
             num_kv_heads=self.num_kv_heads,
             dropout=float(self.dropout),
+            attn_only=self.attn_only,
+            embedding_std=float(self.embedding_std),
         )
 
     @property
@@ -233,6 +270,7 @@ class StepInfo:
     lr: float
     tokens_per_s: float  # tokens processed per second (all ranks), since this invocation began
     elapsed: float
+    probe: InductionProbe | None = None  # induction: measured at this step (every probe_every)
 
 
 @dataclass
@@ -248,6 +286,7 @@ class TrainResult:
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, acc)
     checkpoint: Path | None = None  # the newest checkpoint (rank 0)
     model: TransformerLM | None = None
+    probes: list[InductionProbe] = field(default_factory=list)  # induction, every probe_every
 
 
 class DivergenceError(FloatingPointError):

@@ -39,6 +39,11 @@ def load_run(directory: str | os.PathLike[str]) -> tuple[TransformerLM, Task]:
         raise ValueError(
             f"{str(file)!r} has no task: generate needs a model trained by 'multihead train'"
         )
+    if info["name"] == "induction":
+        raise ValueError(
+            f"{str(file)!r} is an induction run: generate answers the prompts of copy, reverse, "
+            f"sort and add; load an induction model with TransformerLM.load (docs/induction.md)"
+        )
     try:
         task = Task(info["name"], info["seq_len"])
     except (TypeError, ValueError) as e:

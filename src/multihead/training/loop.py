@@ -34,14 +34,10 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 
 import torch
 import torch.nn.functional as F
@@ -64,51 +60,18 @@ from multihead.training.ddp import (
     resolve_device,
     setup_world,
 )
+from multihead.training.induction import InductionProbe, InductionTask, probe_induction
 from multihead.training.rundir import RunPlan, plan_run, prepare_out, restore
-from multihead.training.tasks import VOCAB, Task, _key
+from multihead.training.stopping import StopRequest
+from multihead.training.tasks import Task, TaskLike, _key, get_task
 
 __all__ = ["train", "evaluate"]
-
-
-# -- stopping ----------------------------------------------------------------------------------
-
-
-class _StopRequest:
-    """SIGINT/SIGTERM set a flag the loop checks between steps.
-
-    A second SIGINT (with ``escalate``) raises KeyboardInterrupt, but only while ``abandonable``
-    (the step's forward and backward pass, which change no weights); elsewhere it is noted and
-    the loop stops after the step, so a saved checkpoint never holds half an update.
-    """
-
-    def __init__(self, *, escalate: bool) -> None:
-        self.requested = False
-        self.escalate = escalate
-        self.abandonable = False
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested and self.escalate and signum == signal.SIGINT and self.abandonable:
-            self.abandonable = False
-            raise KeyboardInterrupt  # a second Ctrl-C: abandon this step
-        self.requested = True
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be set from the main thread
-            return
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
 
 
 # -- model and optimizer -----------------------------------------------------------------------
 
 
-def _build_model(config: TrainConfig, task: Task, device: torch.device) -> TransformerLM:
+def _build_model(config: TrainConfig, task: TaskLike, device: torch.device) -> TransformerLM:
     torch.manual_seed(config.seed)
     return TransformerLM.from_config(config.model_config(task), device=device)
 
@@ -168,8 +131,9 @@ def train(
 
     Writes, into ``config.out`` (rank 0): ``config.json`` and ``model.safetensors`` (the latest
     weights), ``checkpoints/step-N/`` (atomic, for ``resume``), and at the end ``loss.png`` and
-    ``attention.png``. Nothing is written, or deleted (``overwrite``), before every check has
-    passed.
+    ``attention.png`` (and for ``induction``, ``induction.png``: the first/repeated-token losses
+    and each head's induction score against the step, measured every ``probe_every`` steps).
+    Nothing is written, or deleted (``overwrite``), before every check has passed.
 
     Args:
         config: the run.
@@ -191,7 +155,7 @@ def train(
         DivergenceError: the loss became nan or inf (nothing of that step is saved).
     """
     config.validate()
-    task = Task(config.task, config.seq_len)
+    task = get_task(config.task, config.seq_len)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(config.device, local_rank)
     check_threads(config.threads)
@@ -234,7 +198,7 @@ def _kept(checkpoint: Path | None) -> str:
 
 def _train(
     config: TrainConfig,
-    task: Task,
+    task: TaskLike,
     world: World,
     on_step: Callable[[StepInfo], None] | None,
     on_start: Callable[[StartInfo], None] | None,
@@ -246,7 +210,7 @@ def _train(
         )
     shard = config.batch_size // world.size
     check_fits(
-        vocab_size=len(VOCAB),
+        vocab_size=task.vocab_size,
         embed_dim=config.embed_dim,
         num_layers=config.num_layers,
         ff_dim=config.ff_dim,
@@ -259,11 +223,13 @@ def _train(
     model = _build_model(config, task, world.device)
     optimizer = _optimizer(model, config)
     history: list[tuple[int, float, float]] = []
+    probes: list[InductionProbe] = []  # induction: the losses and head scores, every few steps
     start_step = 0
     if plan.checkpoint is not None:
         assert plan.loaded is not None
         start_step = restore(plan, model, optimizer)
         history = [(int(s), float(a), float(b)) for s, a, b in plan.loaded["state"]["history"]]
+        probes = [InductionProbe.from_list(x) for x in plan.loaded["state"].get("induction", [])]
     # Every check has passed: only now may the run touch the disk.
     if world.rank == 0:
         prepare_out(plan)
@@ -283,7 +249,12 @@ def _train(
         _check_finite_weights(model, step, loss, last_checkpoint)
         if world.rank != 0:
             return
-        state = {"history": history, "rng": {"seed": config.seed, "next_step": step}}
+        state: dict[str, object] = {
+            "history": history,
+            "rng": {"seed": config.seed, "next_step": step},
+        }
+        if probes:
+            state["induction"] = [x.to_list() for x in probes]
         last_checkpoint = save_checkpoint(
             out,
             step,
@@ -301,7 +272,9 @@ def _train(
     rows = range(world.rank * shard, (world.rank + 1) * shard)
     p = task.prompt_len
     tokens_per_step = config.batch_size * (task.total_len - 1)
-    stop = _StopRequest(escalate=world.size == 1)
+    stop = StopRequest(escalate=world.size == 1)
+    # Induction: held-out layouts, measured on rank 0 (the model is the same on every rank).
+    held = task.probe_batch(config.seed, 64) if isinstance(task, InductionTask) else None
     step = start_step
     loss_v = history[-1][1] if history else math.nan
     interrupted = False
@@ -350,6 +323,14 @@ def _train(
                         checkpoint=last_checkpoint,
                     )
                 history.append((step, loss_v, acc_v))
+                probe = None
+                if (
+                    held is not None
+                    and world.rank == 0
+                    and (step % config.probe_every == 0 or step == config.steps)
+                ):
+                    probe = probe_induction(model, held, step)
+                    probes.append(probe)
                 if world.rank == 0 and on_step is not None:
                     elapsed = time.perf_counter() - t0
                     on_step(
@@ -362,6 +343,7 @@ def _train(
                             lr=lr,
                             tokens_per_s=tokens_per_step * (step - start_step) / elapsed,
                             elapsed=elapsed,
+                            probe=probe,
                         )
                     )
                 if stop_v > 0:
@@ -385,16 +367,19 @@ def _train(
         history=history,
         checkpoint=last_checkpoint,
         model=model,
+        probes=probes,
     )
     if interrupted or world.rank != 0:
         return result
     model.eval()
     if config.plots:
-        from multihead.training.plots import plot_attention, plot_loss
+        from multihead.training.plots import plot_attention, plot_induction, plot_loss
 
         plot_loss(history, out / "loss.png", title=f"{task.name}, L={task.seq_len}")
         example = task.held_out(config.seed, 1).to(world.device)
         plot_attention(model, task, example[0], out / "attention.png")
-    if config.eval_size:
+        if probes:
+            plot_induction(probes, out / "induction.png", title=f"induction, L={task.seq_len}")
+    if config.eval_size and isinstance(task, Task):  # induction: the probes are its measure
         result.accuracy = evaluate(model, task, seed=config.seed, n=config.eval_size)
     return result

@@ -9,16 +9,19 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from multihead.models.lm import TransformerLM
 from multihead.observe.recorder import capture
-from multihead.training.tasks import VOCAB, Task
+from multihead.training.tasks import TaskLike
 
-__all__ = ["plot_loss", "plot_attention"]
+if TYPE_CHECKING:
+    from multihead.training.induction import InductionProbe
+
+__all__ = ["plot_loss", "plot_attention", "plot_induction"]
 
 
 def _figure(width: float, height: float) -> Any:
@@ -69,7 +72,7 @@ def plot_loss(
 
 @torch.no_grad()
 def plot_attention(
-    model: TransformerLM, task: Task, example: Tensor, path: str | os.PathLike[str]
+    model: TransformerLM, task: TaskLike, example: Tensor, path: str | os.PathLike[str]
 ) -> Path:
     """Every head's attention on one example: a grid of layers × heads, queries down, keys across.
 
@@ -88,7 +91,7 @@ def plot_attention(
         weights = rec.weights  # L × (1, H, T, T)
     finally:
         model.train(was_training)
-    labels = [VOCAB[int(i)].replace("<eos>", "eos") for i in ids[0]]
+    labels = [task.label(int(i)) for i in ids[0]]
     rows, cols = len(weights), weights[0].shape[1]
     fig = _figure(2.6 * cols + 0.6, 2.6 * rows + 0.6)
     axes = fig.subplots(rows, cols, squeeze=False)
@@ -100,4 +103,44 @@ def plot_attention(
             ax.set_xticks(range(len(labels)), labels, fontsize=5)
             ax.set_yticks(range(len(labels)), labels, fontsize=5)
     fig.suptitle(f"{task.name}: {task.decode(example, stop_at_eos=False)}", fontsize=9)
+    return _save(fig, path)
+
+
+def plot_induction(
+    probes: Sequence[InductionProbe], path: str | os.PathLike[str], *, title: str = ""
+) -> Path:
+    """The induction task's phase change: losses and each head's induction score per step.
+
+    Args:
+        probes: the measurements, in step order (see
+            :class:`~multihead.training.induction.InductionProbe`).
+        path: the PNG to write.
+        title: the figure's title.
+    """
+    fig = _figure(10.0, 3.8)
+    losses, scores = fig.subplots(1, 2)
+    steps = [p.step for p in probes]
+    losses.plot(steps, [p.first_loss for p in probes], label="first occurrences")
+    losses.plot(steps, [p.repeated_loss for p in probes], label="repeated tokens")
+    losses.set_xlabel("step")
+    losses.set_ylabel("loss (held-out layouts)")
+    losses.set_ylim(bottom=0)
+    losses.grid(True, alpha=0.3)
+    losses.legend(fontsize=8)
+    layers = len(probes[0].scores) if probes else 0
+    styles = ("-", "--", ":", "-.")
+    for layer in range(layers):
+        for head in range(len(probes[0].scores[layer])):
+            scores.plot(
+                steps,
+                [p.scores[layer][head] for p in probes],
+                linestyle=styles[layer % len(styles)],
+                label=f"L{layer} H{head}",
+            )
+    scores.set_xlabel("step")
+    scores.set_ylabel("induction score")
+    scores.set_ylim(0, 1)
+    scores.grid(True, alpha=0.3)
+    scores.legend(fontsize=7, ncol=max(1, layers))
+    fig.suptitle(title or "induction heads")
     return _save(fig, path)

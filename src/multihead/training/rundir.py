@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from multihead._checks import describe, is_int
-from multihead.models.lm import _MODEL_TYPE, CONFIG_NAME, WEIGHTS_NAME
+from multihead.models.lm_config import LMConfig
+from multihead.models.lm_io import _MODEL_TYPE, CONFIG_NAME, WEIGHTS_NAME, rename_legacy_keys
 from multihead.training.checkpoint import (
     CHECKPOINTS,
     has_leftovers,
@@ -36,12 +37,12 @@ from multihead.training.checkpoint import (
     remove_checkpoints,
 )
 from multihead.training.config import TrainConfig
-from multihead.training.tasks import Task
+from multihead.training.tasks import TaskLike
 
 __all__ = ["RunPlan", "check_out", "resume_config", "plan_run", "restore", "prepare_out"]
 
 # The files a finished run writes beside checkpoints/.
-RUN_FILES = (CONFIG_NAME, WEIGHTS_NAME, "loss.png", "attention.png")
+RUN_FILES = (CONFIG_NAME, WEIGHTS_NAME, "loss.png", "attention.png", "induction.png")
 
 
 @dataclass
@@ -141,7 +142,7 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     return TrainConfig(**{**fields, **changes})
 
 
-def plan_run(config: TrainConfig, task: Task) -> RunPlan:
+def plan_run(config: TrainConfig, task: TaskLike) -> RunPlan:
     """Check ``config.out`` for this run, and load (and check) the checkpoint to resume from.
 
     Raises:
@@ -183,7 +184,7 @@ def plan_run(config: TrainConfig, task: Task) -> RunPlan:
 
 
 def _check_resumable(
-    config: TrainConfig, task: Task, checkpoint: Path, loaded: dict[str, Any]
+    config: TrainConfig, task: TaskLike, checkpoint: Path, loaded: dict[str, Any]
 ) -> None:
     """The checkpoint's files must describe this run, and agree with each other."""
     saved = _saved_config(checkpoint, loaded["config"])
@@ -196,7 +197,11 @@ def _check_resumable(
                 f"{getattr(saved, f.name)!r}, got {getattr(config, f.name)!r}"
             )
     file = checkpoint / CONFIG_NAME
-    if loaded["config"].get("model") != config.model_config(task).to_dict():
+    try:  # through LMConfig: a config written before a field existed has its default
+        same_model = LMConfig.from_dict(loaded["config"].get("model")) == config.model_config(task)
+    except (TypeError, ValueError):
+        same_model = False
+    if not same_model:
         raise ValueError(
             f"checkpoint file {str(file)!r}: its 'model' entry does not match its 'training' one"
         )
@@ -241,7 +246,8 @@ def restore(plan: RunPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -
     assert plan.checkpoint is not None and plan.loaded is not None
     step = int(plan.loaded["state"]["step"])
     weights_file = plan.checkpoint / "model.safetensors"
-    _check_tensors(weights_file, plan.loaded["model_state"], model.state_dict())
+    model_state = rename_legacy_keys(plan.loaded["model_state"])  # an earlier version's names
+    _check_tensors(weights_file, model_state, model.state_dict())
     params = [p for group in optimizer.param_groups for p in group["params"]]
     opt_file = plan.checkpoint / "optimizer.safetensors"
     state = plan.loaded["optimizer_state"]["state"]
@@ -270,7 +276,7 @@ def restore(plan: RunPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -
                 f"checkpoint file {str(opt_file)!r} counts {float(got['step']):g} AdamW steps, "
                 f"state.json says step {step}"
             )
-    model.load_state_dict(plan.loaded["model_state"])
+    model.load_state_dict(model_state)
     fresh = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": fresh["param_groups"]})
     return step

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,7 +32,18 @@ from torch import Tensor
 
 from multihead._checks import check_choice, check_non_negative_int, check_positive_int
 
-__all__ = ["VOCAB", "PAD", "EOS", "EQUALS", "PLUS", "TASKS", "Task", "get_task"]
+__all__ = [
+    "VOCAB",
+    "PAD",
+    "EOS",
+    "EQUALS",
+    "PLUS",
+    "TASKS",
+    "ALL_TASKS",
+    "Task",
+    "TaskLike",
+    "get_task",
+]
 
 # One vocabulary for every task: the ten digits, the two operators, padding and end-of-sequence.
 VOCAB: tuple[str, ...] = (
@@ -52,6 +64,8 @@ VOCAB: tuple[str, ...] = (
 )
 PLUS, EQUALS, PAD, EOS = 10, 11, 12, 13
 TASKS: tuple[str, ...] = ("copy", "reverse", "sort", "add")
+# With the induction task (multihead.training.induction), which has its own vocabulary.
+ALL_TASKS: tuple[str, ...] = (*TASKS, "induction")
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 _HELD_OUT_EVERY = 10  # one input in ten is held out
@@ -74,6 +88,27 @@ def _key(*parts: int) -> np.uint64:
     for p in parts:
         h = _mix(h ^ np.array([p], dtype=np.uint64) + _GOLDEN)
     return h[0]
+
+
+class TaskLike(Protocol):
+    """What the training loop needs of a task: :class:`Task` or
+    :class:`~multihead.training.induction.InductionTask`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def prompt_len(self) -> int: ...  # the loss is taken on the tokens after the prompt
+    @property
+    def total_len(self) -> int: ...
+    def batch(self, seed: int, step: int, rows: range | Sequence[int]) -> Tensor: ...
+    def held_out(self, seed: int, n: int, *, start: int = 0) -> Tensor: ...
+    def to_dict(self) -> dict[str, object]: ...
+    def label(self, token: int) -> str: ...
+    def decode(self, ids: Sequence[int] | Tensor, *, stop_at_eos: bool = True) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -101,6 +136,15 @@ class Task:
                 f"seq_len must be at most {_ADD_MAX_DIGITS} for the add task (its sums are int64), "
                 f"got {self.seq_len}"
             )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(VOCAB)
+
+    @staticmethod
+    def label(token: int) -> str:
+        """A short label of a token id for figures."""
+        return VOCAB[token].replace("<eos>", "eos")
 
     @property
     def input_digits(self) -> int:
@@ -275,6 +319,11 @@ class Task:
         return " ".join(out)
 
 
-def get_task(name: str, seq_len: int) -> Task:
-    """The task ``name`` at input length ``seq_len`` (validates both)."""
+def get_task(name: str, seq_len: int) -> TaskLike:
+    """The task ``name`` (one of :data:`ALL_TASKS`) at length ``seq_len`` (validates both)."""
+    if name == "induction":
+        from multihead.training.induction import InductionTask
+
+        return InductionTask(seq_len)
+    check_choice("task", name, ALL_TASKS)
     return Task(name, seq_len)

@@ -1,0 +1,263 @@
+"""The metrics of :class:`~multihead.observe.statistics.HeadStatistics` and their running sums.
+
+Shapes: B sequences, T query positions, S = T keys (self-attention), H' heads, R query rows of
+one chunk, L' layers (slots). Every metric is a mean over a set of queries of a sum of weights
+(or, for the entropies, of a function of one query's row), so the sums are folded in a chunk of
+query rows at a time and no head's (T, S) matrix is ever held.
+
+The token-identity metrics (``induction``, ``duplicate_token``) need the token ids; the
+metrics of Clark et al., "What Does BERT Look At?" (2019) (``to_cls``, ``to_sep``,
+``to_punctuation``, ``sep_to_sep``, ``cls_entropy``) need to know which tokens are [CLS], [SEP]
+and punctuation, which is read from the token strings. Without them those metrics are NaN; they
+are NaN too when no query qualifies (no repeated token, no [SEP] query, ...).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["METRICS", "ID_METRICS", "ROLE_METRICS", "token_roles", "StatsAccumulator"]
+
+# name -> what it measures; the metrics of HeadStatistics, in table order.
+METRICS: dict[str, str] = {
+    "entropy": "entropy of a query's weights, nats (mean over queries)",
+    "identity": "weight on the query's own position",
+    "previous_token": "weight on the position just before the query",
+    "next_token": "weight on the position just after the query",
+    "special": "weight on special tokens ([CLS], [SEP])",
+    "induction": (
+        "weight on the position right after an earlier occurrence of the query's token "
+        "(queries whose token occurred before; needs token ids)"
+    ),
+    "duplicate_token": (
+        "weight on earlier occurrences of the query's token (queries whose token occurred "
+        "before; needs token ids)"
+    ),
+    "to_cls": "weight on [CLS] (needs tokens)",
+    "to_sep": "weight on [SEP] (needs tokens)",
+    "to_punctuation": "weight on punctuation tokens (needs tokens)",
+    "sep_to_sep": "weight of [SEP] queries on [SEP] (needs tokens)",
+    "cls_entropy": "entropy of [CLS]'s row, nats (needs tokens)",
+}
+ID_METRICS = ("induction", "duplicate_token")
+ROLE_METRICS = ("to_cls", "to_sep", "to_punctuation", "sep_to_sep", "cls_entropy")
+
+CLS_TOKENS = frozenset({"[CLS]", "<s>"})
+SEP_TOKENS = frozenset({"[SEP]", "</s>"})
+
+
+def _is_punctuation(token: str) -> bool:
+    # WordPiece continuations ("##.") are punctuation too; "[CLS]" is not (letters inside).
+    text = token.removeprefix("##")
+    return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
+
+
+def token_roles(
+    tokens: Sequence[Sequence[str]], batch: int, length: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Bool masks (B, T) of the [CLS], [SEP] and punctuation tokens.
+
+    Args:
+        tokens: per sequence its tokens from position 0 (padding after them may be left out).
+        batch, length: B and T.
+
+    Raises:
+        ValueError: not B sequences, or a sequence longer than T.
+    """
+    if len(tokens) != batch or any(len(seq) > length for seq in tokens):
+        lengths = [len(seq) for seq in tokens]
+        raise ValueError(
+            f"tokens must hold B={batch} sequences of at most T={length} tokens, got lengths "
+            f"{lengths[:8]}"
+        )
+    masks = torch.zeros(3, batch, length, dtype=torch.bool)
+    for i, seq in enumerate(tokens):
+        for j, tok in enumerate(seq):
+            masks[0, i, j] = tok in CLS_TOKENS
+            masks[1, i, j] = tok in SEP_TOKENS
+            masks[2, i, j] = _is_punctuation(tok)
+    return masks[0], masks[1], masks[2]
+
+
+def _check_mask(name: str, m: Tensor | None, batch: int, length: int) -> None:
+    if m is None:
+        return
+    if not isinstance(m, Tensor) or m.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (B, T) or None, got {m!r:.80}")
+    if tuple(m.shape) != (batch, length):
+        raise ValueError(
+            f"{name} must have shape (B, T) = ({batch}, {length}), got {tuple(m.shape)}"
+        )
+
+
+class StatsAccumulator:
+    """Running sums of the head statistics, fed one chunk of query rows at a time.
+
+    Args:
+        num_slots, num_heads: L' and H'.
+        batch, length: B and T.
+        device: where the sums live.
+        valid_mask: (B, T) bool, True at real tokens (default all).
+        special_mask: (B, T) bool, True at [CLS]/[SEP].
+        token_ids: (B, T) integer ids, for ``induction`` and ``duplicate_token`` (NaN without).
+        tokens: per sequence its tokens, for the [CLS]/[SEP]/punctuation metrics (NaN without).
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_heads: int,
+        batch: int,
+        length: int,
+        device: torch.device,
+        valid_mask: Tensor | None,
+        special_mask: Tensor | None,
+        token_ids: Tensor | None = None,
+        tokens: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        _check_mask("valid_mask", valid_mask, batch, length)
+        _check_mask("special_mask", special_mask, batch, length)
+        if token_ids is not None and (
+            not isinstance(token_ids, Tensor)
+            or token_ids.is_floating_point()
+            or token_ids.is_complex()
+            or tuple(token_ids.shape) != (batch, length)
+        ):
+            got = (
+                f"{token_ids.dtype} of shape {tuple(token_ids.shape)}"
+                if isinstance(token_ids, Tensor)
+                else type(token_ids).__name__
+            )
+            raise ValueError(
+                f"token_ids must be an integer tensor (B, T) = ({batch}, {length}), got {got}"
+            )
+        self.valid = (
+            valid_mask.to(device)
+            if valid_mask is not None
+            else torch.ones(batch, length, dtype=torch.bool, device=device)
+        )  # (B, T)
+        special = special_mask.to(device) if special_mask is not None else None
+        self.special = (
+            special & self.valid if special is not None else torch.zeros_like(self.valid)
+        )  # (B, S)
+        self.ids = token_ids.to(device) if token_ids is not None else None  # (B, T)
+        self.roles: dict[str, Tensor] | None = None
+        if tokens is not None:
+            cls, sep, punct = token_roles(tokens, batch, length)
+            self.roles = {
+                "cls": cls.to(device) & self.valid,
+                "sep": sep.to(device) & self.valid,
+                "punctuation": punct.to(device) & self.valid,
+            }
+        self.shape = (batch, length)
+        z = torch.zeros(num_slots, num_heads, dtype=torch.float64, device=device)
+        self.sums = {name: z.clone() for name in METRICS}
+        # The queries each metric averages over (counted once: every slot sees the same rows).
+        self.counts = {
+            name: torch.zeros((), dtype=torch.float64, device=device)
+            for name in ("all", "prev", "next", "repeat", "sep", "cls")
+        }
+        # (slot, B, H, S): summed weight each key receives from real queries
+        self.received = torch.zeros(
+            num_slots, batch, num_heads, length, dtype=torch.float64, device=device
+        )
+        self.slot_counts = torch.zeros(num_slots, dtype=torch.float64, device=device)
+
+    def add(self, slot: int, rows: Tensor, w: Tensor, t: int) -> None:
+        """Fold in weights (B, H', R, S) of query rows ``rows`` (R,) of a (T, S) problem."""
+        b, h, r, s = w.shape
+        if (b, t) != self.shape or s != t:
+            raise ValueError(
+                f"head statistics need self-attention over the (B, T) = {self.shape} tokens they "
+                f"were given, got weights for B={b}, T={t}, S={s}; choose self-attention layers "
+                f"with layers="
+            )
+        # float32 per chunk (float64 would double the chunk's memory); sums accumulate in float64
+        w = w.to(torch.promote_types(w.dtype, torch.float32))
+        vq = self.valid[:, rows].to(w.dtype)  # (B, R)
+        valid_k = self.valid.to(w.dtype)  # (B, S)
+
+        def mass(keys: Tensor) -> Tensor:
+            """Weight (B, H', R) on keys marked by (B, S) or per query by (B, R, S)."""
+            k = keys.to(w.dtype)
+            return (w * (k[:, None, None, :] if k.dim() == 2 else k[:, None])).sum(-1)
+
+        entropy = -torch.special.xlogy(w, w).sum(-1)  # (B, H, R)
+        own = rows.view(1, 1, r, 1).expand(b, h, r, 1)
+        # previous/next: only queries that have a real neighbour there count
+        prev_pos, next_pos = rows - 1, rows + 1
+        has_prev = (prev_pos >= 0)[None, :] & valid_k[:, prev_pos.clamp(min=0)].bool()  # (B, R)
+        has_next = (next_pos < s)[None, :] & valid_k[:, next_pos.clamp(max=s - 1)].bool()
+        prev_q, next_q = vq * has_prev.to(w.dtype), vq * has_next.to(w.dtype)  # (B, R)
+        # (per-query values (B, H', R), the queries (B, R) they are averaged over)
+        scores: dict[str, tuple[Tensor, Tensor]] = {
+            "entropy": (entropy, vq),
+            "special": (mass(self.special), vq),
+            "identity": (w.gather(-1, own).squeeze(-1), vq),
+            "previous_token": (w.gather(-1, (own - 1).clamp(min=0)).squeeze(-1), prev_q),
+            "next_token": (w.gather(-1, (own + 1).clamp(max=s - 1)).squeeze(-1), next_q),
+        }
+        counts = {"all": vq, "prev": prev_q, "next": next_q}
+        if self.ids is not None:
+            keys = torch.arange(s, device=w.device)
+            earlier = self.ids[:, None, :] == self.ids[:, rows, None]  # (B, R, S): same token
+            earlier &= (keys[None, :] < rows[:, None])[None] & self.valid[:, None, :]
+            # the position right after each earlier occurrence (at most the query itself)
+            after = F.pad(earlier[..., :-1], (1, 0))  # (B, R, S)
+            repeat_q = vq * earlier.any(-1).to(w.dtype)  # (B, R): the token occurred before
+            scores["induction"] = (mass(after), repeat_q)
+            scores["duplicate_token"] = (mass(earlier), repeat_q)
+            counts["repeat"] = repeat_q
+        if self.roles is not None:
+            cls_q = self.roles["cls"][:, rows].to(w.dtype)  # (B, R)
+            sep_q = self.roles["sep"][:, rows].to(w.dtype)
+            to_sep = mass(self.roles["sep"])
+            scores["to_cls"] = (mass(self.roles["cls"]), vq)
+            scores["to_sep"] = (to_sep, vq)
+            scores["to_punctuation"] = (mass(self.roles["punctuation"]), vq)
+            scores["sep_to_sep"] = (to_sep, sep_q)
+            scores["cls_entropy"] = (entropy, cls_q)
+            counts["sep"], counts["cls"] = sep_q, cls_q
+        for name, (values, queries) in scores.items():
+            self.sums[name][slot] += (values * queries[:, None, :]).sum(dim=(0, 2))
+        if slot == 0:
+            for name, queries in counts.items():
+                self.counts[name] += queries.sum()
+        self.received[slot] += (w * vq[:, None, :, None]).sum(2)  # (B, H, S)
+        self.slot_counts[slot] += vq.sum()
+
+    def means(self) -> dict[str, Tensor]:
+        """Each metric (L', H') float32 on the CPU; NaN where its inputs or queries are missing."""
+        count_of = {
+            "previous_token": "prev",
+            "next_token": "next",
+            "induction": "repeat",
+            "duplicate_token": "repeat",
+            "sep_to_sep": "sep",
+            "cls_entropy": "cls",
+        }
+        out = {}
+        for name, total in self.sums.items():
+            count = self.counts[count_of.get(name, "all")]
+            known = (name not in ID_METRICS or self.ids is not None) and (
+                name not in ROLE_METRICS or self.roles is not None
+            )
+            if name in (*ID_METRICS, *ROLE_METRICS) and (not known or count == 0):
+                out[name] = torch.full(total.shape, float("nan"))
+            else:
+                out[name] = (total / count.clamp(min=1)).float().cpu()
+        return out
+
+    def most_attended(self) -> tuple[Tensor, Tensor]:
+        """Per sequence, the key each head reads most: positions and weights (B, L', H')."""
+        # Mean weight each key receives per sequence; padding keys can't be "most attended".
+        per_seq = self.valid.sum(1).to(torch.float64).clamp(min=1)  # (B,)
+        received = self.received / per_seq[None, :, None, None]  # (L', B, H, S)
+        received = received.masked_fill(~self.valid[None, :, None, :], -1.0)
+        top_weight, top_pos = received.max(dim=-1)  # (L', B, H)
+        return top_pos.transpose(0, 1).cpu(), top_weight.clamp(min=0).transpose(0, 1).float().cpu()
