@@ -230,3 +230,20 @@ def test_embedding_std_sets_the_initial_embeddings() -> None:
         LMConfig(64, 128, 4, 1, 8, 64, embedding_std=0)
     with pytest.raises(ValueError, match="attn_only must be a bool, got 'yes'"):
         LMConfig(64, 128, 4, 1, 8, 64, attn_only="yes")  # type: ignore[arg-type]
+
+
+def test_generate_refuses_non_finite_temperature_and_bad_sampling_arguments() -> None:
+    lm = _lm()
+    ids = torch.randint(V, (1, 3))
+    for kwargs, match in (
+        ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+        ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+        ({"temperature": -1.0}, "temperature must be >= 0.0, got -1.0"),
+        ({"top_k": 0}, "top_k must be a positive int or None, got 0"),
+        ({"eos_id": V}, f"eos_id index {V} is out of range"),
+        ({"eos_id": -1}, r"eos_id must be in \[0, 13\), got -1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            lm.generate(ids, 2, **kwargs)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        lm.generate(ids, -1)

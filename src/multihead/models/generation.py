@@ -12,6 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead._checks import (
+    check_finite_float,
+    check_index,
+    check_non_negative_int,
+    check_optional_positive_int,
+)
+
 if TYPE_CHECKING:
     from multihead.models.lm import TransformerLM
 
@@ -35,8 +42,7 @@ def generate(
     config = model.config
     model.check_ids(ids)
     b, t = ids.shape
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_non_negative_int("max_new_tokens", max_new_tokens)
     if t == 0:
         raise ValueError("ids must hold at least one prompt token, got shape (B, 0)")
     if t + max_new_tokens > config.max_len:
@@ -44,12 +50,12 @@ def generate(
             f"the prompt ({t} tokens) plus max_new_tokens ({max_new_tokens}) is longer than "
             f"the model's max_len={config.max_len}"
         )
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if eos_id is not None and not 0 <= eos_id < config.vocab_size:
-        raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id}")
+    check_finite_float("temperature", temperature, minimum=0.0)  # NaN or inf: refused
+    check_optional_positive_int("top_k", top_k)
+    if eos_id is not None:
+        check_index("eos_id", eos_id, config.vocab_size, "token ids")
+        if eos_id < 0:
+            raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id}")
     positions = prompt_positions(ids, key_mask)
 
     was_training = model.training
