@@ -1,0 +1,342 @@
+"""Any Hugging Face model: see and steer its heads through transformers' attention interface.
+
+transformers (>= 5) routes the attention of most model families through one function table,
+``transformers.AttentionInterface``. Importing this module registers the implementation
+``"multihead"`` there (with transformers' sdpa mask function under the same name, so padding
+reaches it), so that::
+
+    import multihead.hf
+    model = AutoModel.from_pretrained(path, attn_implementation="multihead")
+
+runs every routed attention call through :func:`multihead.functional.attention` (the fused path;
+the result equals ``attn_implementation="sdpa"``), and returns per-head weights equal to
+``"eager"``'s with ``output_attentions=True``.
+
+The function receives exactly what the observer channel needs: the per-head q (B, H, T, D),
+k (B, Hk, S, D), v, the mask, and it returns the per-head output (B, T, H, Dv) that the module
+then sends through its output projection. Each routed attention module gets an
+:class:`AttentionSite` (its observers), so :func:`multihead.capture`, ``head_statistics``,
+``intervene``, ``record_heads`` and ``head_importance`` accept a ``PreTrainedModel`` directly,
+with layers = the routed attention modules in module order. While any observer is registered
+the model runs on ``"multihead"``; its previous implementation comes back when the last one is
+removed.
+
+Refused, with an error naming the model family and the feature (never a different result):
+attention-logit softcapping (Gemma-2, ...), attention sinks (GPT-OSS, ...), paged caches, and
+families whose attention is not routed through the interface.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from multihead import functional
+from multihead.observers import AttentionCall, AttentionObserver, run_observers
+
+try:
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.integrations.sdpa_attention import create_position_bias_mask
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "multihead.hf needs transformers>=5 (its AttentionInterface): pip install 'multihead[hf]'"
+    ) from error
+
+__all__ = ["NAME", "AttentionSite", "attention_forward", "attention_sites", "routed"]
+
+NAME = "multihead"
+# The attribute under which a routed attention module keeps its site.
+_SITE = "_multihead_site"
+
+
+def _family(module: nn.Module) -> str:
+    """The model family (``config.model_type``) of an attention module, for error messages."""
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", None)
+    return f"{model_type} ({type(module).__name__})" if model_type else type(module).__name__
+
+
+def _refuse(module: nn.Module, feature: str) -> None:
+    raise NotImplementedError(
+        f"attn_implementation={NAME!r} does not support {feature}, which the {_family(module)} "
+        f"attention passed; load this model with attn_implementation='eager' instead"
+    )
+
+
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention function for ``attn_implementation="multihead"``.
+
+    Follows ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` step by step
+    (same causal flag, same key cropping, same position-bias mask), computing with
+    :func:`multihead.functional.attention`.
+
+    Args:
+        module: the model's attention module (``module.is_causal`` is the default causality).
+        query: (B, H, T, D).
+        key: (B, Hk, S, D), H a multiple of Hk (grouped-query heads are not repeated).
+        value: (B, Hk, S, Dv).
+        attention_mask: None, a bool mask (True = attend) or a float mask added to the scores,
+            broadcastable to (B, H, T, S).
+        dropout: dropout on the weights (transformers passes 0 in eval).
+        scaling: the factor on the scores; default 1 / sqrt(D).
+        is_causal: overrides ``module.is_causal``.
+        position_bias: (B or 1, H, T, S) added to the scores (T5-style relative bias).
+        **kwargs: ``output_attentions`` (return the weights), ``softcap`` / ``s_aux`` (refused
+            when set), and what the mask already encodes (``sliding_window``, ...).
+
+    Returns:
+        ``(out (B, T, H, Dv), weights (B, H, T, S) or None)``: ``out`` after the module's
+        observers, ``weights`` only with ``output_attentions=True``.
+    """
+    if kwargs.get("softcap") is not None:
+        _refuse(module, f"attention-logit softcapping (softcap={kwargs['softcap']})")
+    if kwargs.get("s_aux") is not None:
+        _refuse(module, "attention sinks (s_aux)")
+    cache = kwargs.get("cache")
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        _refuse(module, "a paged KV cache (continuous batching)")
+    q_length = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As sdpa: causal only when the mask was skipped, never for one query (decoding).
+    causal = bool(q_length > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > q_length:
+        # Prefill into an empty static cache: transformers aligns is_causal top-left, i.e. the
+        # keys after the first T are padding; drop them (bottom-right then equals top-left).
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+        if position_bias is not None:
+            position_bias = position_bias[..., :q_length]
+    mask = attention_mask
+    if position_bias is not None:
+        mask = create_position_bias_mask(position_bias, attention_mask, causal, query, key)
+        causal = False
+    want_weights = bool(kwargs.get("output_attentions", False))
+    weights: Tensor | None = None
+    if want_weights:
+        out, weights = functional.attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            is_causal=causal,
+            scale=scaling,
+            dropout_p=dropout,
+            need_weights=True,
+        )
+    else:
+        out = functional.attention(
+            query, key, value, mask=mask, is_causal=causal, scale=scaling, dropout_p=dropout
+        )
+    out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
+    site: AttentionSite | None = getattr(module, _SITE, None)
+    if site is not None and site._observers:
+        site.check_call(query, value)
+        k, v = key, value
+        call = AttentionCall(
+            site, lambda: (query, k, v), mask, causal, _scale(scaling, query), None
+        )
+        out = run_observers(site._observers.values(), call, out)
+    return out.contiguous(), weights
+
+
+def _scale(scaling: float | None, query: Tensor) -> float:
+    return float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+
+
+AttentionInterface.register(NAME, attention_forward)
+# Without a mask function of its own, a registered name receives attention_mask=None even with
+# padding; sdpa's (bool, True = attend, skipped when plainly causal) is the one we follow.
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def routed(cls: type) -> bool:
+    """Whether instances of ``cls`` route their attention through ``AttentionInterface``."""
+    return _routed(cls)
+
+
+@functools.cache
+def _routed(cls: Any) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _first_int(obj: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+class _Switch:
+    """Keeps one model on ``"multihead"`` while any of its sites has observers."""
+
+    def __init__(self, model: PreTrainedModel, sites: list[AttentionSite]) -> None:
+        self.model = model
+        self.sites = sites
+        self.count = 0
+        self.previous: Any = None
+
+    def acquire(self) -> None:
+        if self.count == 0:
+            self.previous = self.model.config._attn_implementation
+            if self.previous != NAME:
+                self.model.set_attn_implementation(NAME)
+            stuck = [s for s in self.sites if _implementation(s.module) != NAME]
+            if stuck:
+                if self.previous != NAME:
+                    self.model.set_attn_implementation(self.previous)
+                raise ValueError(
+                    f"{type(self.model).__name__}: transformers would not switch the attention "
+                    f"of {_family(stuck[0].module)} to {NAME!r} (it stays on "
+                    f"{_implementation(stuck[0].module)!r}); its heads cannot be observed"
+                )
+        self.count += 1
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count == 0 and self.previous != NAME:
+            self.model.set_attn_implementation(self.previous)
+
+
+def _implementation(module: nn.Module) -> Any:
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
+class _Handle:
+    """Removes one observer; the model's implementation comes back with the last one."""
+
+    def __init__(self, site: AttentionSite, key: int) -> None:
+        self.site, self.key = site, key
+
+    def remove(self) -> None:
+        if self.site._observers.pop(self.key, None) is not None:
+            self.site._switch.release()
+
+
+class AttentionSite:
+    """The observers of one routed transformers attention module (one "layer").
+
+    Quacks like :class:`multihead.MultiHeadAttention` for the observe functions:
+    ``num_heads``, ``head_dim``, ``parameters()``, ``register_observer(fn)``.
+
+    Attributes:
+        module: the transformers attention module.
+        num_heads: H, its query heads.
+        head_dim: Dv, the width of one head's output.
+    """
+
+    dropout = 0.0  # transformers applies attention dropout only in training, inside the call
+
+    def __init__(self, module: nn.Module, switch: _Switch) -> None:
+        config = getattr(module, "config", None)
+        heads = _first_int(
+            module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
+        ) or _first_int(config, ("num_attention_heads", "n_head", "num_heads", "n_heads"))
+        if heads is None:
+            raise ValueError(
+                f"{_family(module)}: cannot tell how many heads this attention module has"
+            )
+        dim = _first_int(module, ("head_dim", "attention_head_size", "head_size")) or _first_int(
+            config, ("head_dim",)
+        )
+        if dim is None:
+            width = _first_int(config, ("hidden_size", "d_model", "n_embd", "dim"))
+            dim = width // heads if width else 0
+        self.module = module
+        self.num_heads = heads
+        self.head_dim = dim
+        self._switch = switch
+        self._observers: OrderedDict[int, AttentionObserver] = OrderedDict()
+        self._next = 0
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def register_observer(self, fn: AttentionObserver) -> _Handle:
+        """Call ``fn(call, out)`` on each call, ``out`` the per-head output (B, T, H, Dv)
+        before the module's output projection (see :meth:`MultiHeadAttention.register_observer`).
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._switch.acquire()
+        self._next += 1
+        self._observers[self._next] = fn
+        return _Handle(self, self._next)
+
+    def check_call(self, query: Tensor, value: Tensor) -> None:
+        """Refuse a call whose heads disagree with what the site told the observe functions."""
+        if query.shape[1] != self.num_heads or value.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"{_family(self.module)}: the attention call has {query.shape[1]} heads of width "
+                f"{value.shape[-1]}, but the module was read as {self.num_heads} heads of width "
+                f"{self.head_dim}; its heads cannot be observed"
+            )
+
+
+def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
+    """The routed attention modules of every transformers model in ``model``, in module order.
+
+    Attaches an :class:`AttentionSite` to each (once). Layers are numbered by module order,
+    not ``module.layer_idx`` (which many families lack).
+
+    Raises:
+        ValueError: no transformers model inside, or one whose attention is not routed through
+            ``AttentionInterface`` (the error names its family).
+    """
+    outer: list[tuple[str, PreTrainedModel]] = []
+    for name, m in model.named_modules():
+        # the outermost transformers models only (a CausalLM holds its base model)
+        if isinstance(m, PreTrainedModel) and not any(
+            r == "" or name.startswith(f"{r}.") for r, _ in outer
+        ):
+            outer.append((name, m))
+    if not outer:
+        raise ValueError(f"model ({type(model).__name__}) holds no transformers PreTrainedModel")
+    found: list[tuple[str, AttentionSite]] = []
+    for prefix, root in outer:
+        own = [(n, m) for n, m in root.named_modules() if routed(type(m))]
+        if not own:
+            family = getattr(root.config, "model_type", type(root).__name__)
+            raise ValueError(
+                f"{family} ({type(root).__name__}) does not route its attention through "
+                f"transformers' AttentionInterface: multihead cannot observe or steer its heads"
+            )
+        switch = getattr(root, "_multihead_switch", None)
+        if not isinstance(switch, _Switch):
+            switch = _Switch(root, [])
+            # a plain attribute: not a submodule, not in the state dict
+            object.__setattr__(root, "_multihead_switch", switch)
+        for name, m in own:
+            site = getattr(m, _SITE, None)
+            if site is None:
+                site = AttentionSite(m, switch)
+                object.__setattr__(m, _SITE, site)
+                switch.sites.append(site)
+            full = f"{prefix}.{name}" if prefix and name else prefix or name
+            found.append((full, site))
+    return found
+
+
+def uses_transformers(model: nn.Module) -> bool:
+    """Whether ``model`` holds a transformers model (the observe functions then use sites)."""
+    return any(isinstance(m, PreTrainedModel) for m in model.modules())
