@@ -48,6 +48,25 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "multihead.hf needs transformers>=5 (its AttentionInterface): pip install 'multihead[hf]'"
     ) from error
 
+try:  # which outputs the running forward collects (families that drop output_attentions)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - an older or newer layout: the kwarg alone decides
+    _active_collector = None
+
+
+def _weights_requested(kwargs: dict[str, Any]) -> bool:
+    """Whether the forward returns attention weights (``output_attentions=True``).
+
+    Most families pass ``output_attentions`` down; some (GPT-2, ...) drop it and let
+    transformers' output collector read the weights off every attention call, so its active
+    collection is asked too. Weights cost (B, H, T, S): they are computed only when asked for.
+    """
+    if kwargs.get("output_attentions"):
+        return True
+    collected = _active_collector.get() if _active_collector is not None else None
+    return isinstance(collected, dict) and any("attention" in key for key in collected)
+
+
 __all__ = ["NAME", "AttentionSite", "attention_forward", "attention_sites", "routed"]
 
 NAME = "multihead"
@@ -126,7 +145,7 @@ def attention_forward(
     if position_bias is not None:
         mask = create_position_bias_mask(position_bias, attention_mask, causal, query, key)
         causal = False
-    want_weights = bool(kwargs.get("output_attentions", False))
+    want_weights = _weights_requested(kwargs)
     weights: Tensor | None = None
     if want_weights:
         out, weights = functional.attention(
