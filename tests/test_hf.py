@@ -204,7 +204,8 @@ def eager_weights(fam: Family, model: nn.Module, inputs: dict[str, Tensor]) -> l
     out = model(**inputs, output_attentions=True)
     if fam.kind != "seq2seq":
         return list(out.attentions)
-    decoder = [w for pair in zip(out.decoder_attentions, out.cross_attentions) for w in pair]
+    pairs = zip(out.decoder_attentions, out.cross_attentions, strict=True)
+    decoder = [w for pair in pairs for w in pair]  # per decoder layer: self, then cross
     return list(out.encoder_attentions) + decoder
 
 

@@ -49,9 +49,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 try:  # which outputs the running forward collects (families that drop output_attentions)
-    from transformers.utils.output_capturing import _active_collector
+    from transformers.utils import output_capturing as _capturing
 except ImportError:  # pragma: no cover - an older or newer layout: the kwarg alone decides
-    _active_collector = None
+    _capturing = None  # type: ignore[assignment]
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:
@@ -63,7 +63,8 @@ def _weights_requested(kwargs: dict[str, Any]) -> bool:
     """
     if kwargs.get("output_attentions"):
         return True
-    collected = _active_collector.get() if _active_collector is not None else None
+    collector = getattr(_capturing, "_active_collector", None)
+    collected = collector.get() if collector is not None else None
     return isinstance(collected, dict) and any("attention" in key for key in collected)
 
 
