@@ -423,3 +423,44 @@ def test_family_not_routed_through_the_interface_is_named(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"gptj .*does not route its attention"):
         with multihead.capture(model):
             pass
+
+
+def test_attention_sinks_are_refused_naming_the_family(tmp_path: Path) -> None:
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=4,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="multihead"
+    )
+    with pytest.raises(NotImplementedError, match=r"attention sinks.*gpt_oss"):
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+def test_hybrid_family_with_unrouted_attention_is_refused() -> None:
+    # LongT5's encoder computes local attention itself; only its decoder is routed: observing
+    # the routed layers alone would renumber the layers
+    config = transformers.LongT5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4
+    )
+    model = transformers.LongT5Model(config)
+    with pytest.raises(ValueError, match=r"longt5 .*outside transformers' AttentionInterface"):
+        with multihead.intervene(model, {(0, 0): 0.0}):
+            pass
+
+
+def test_two_attention_calls_per_layer_are_refused() -> None:
+    config = _decoder("DiffLlamaConfig", head_dim=16)()
+    model = transformers.DiffLlamaModel(config)
+    with pytest.raises(ValueError, match=r"diffllama .*2 attention calls per layer"):
+        with multihead.capture(model):
+            pass

@@ -32,7 +32,7 @@ import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -42,7 +42,7 @@ from multihead.observers import AttentionCall, AttentionObserver, run_observers
 try:
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.integrations.sdpa_attention import create_position_bias_mask
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "multihead.hf needs transformers>=5 (its AttentionInterface): pip install 'multihead[hf]'"
@@ -127,8 +127,14 @@ def attention_forward(
     """
     if kwargs.get("softcap") is not None:
         _refuse(module, f"attention-logit softcapping (softcap={kwargs['softcap']})")
-    if kwargs.get("s_aux") is not None:
-        _refuse(module, "attention sinks (s_aux)")
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            _refuse(module, f"attention sinks ({name}=)")
+    unknown = sorted(k for k, v in kwargs.items() if k not in _HARMLESS and v is not None)
+    if unknown:
+        # a keyword sdpa would ignore but eager may honour (sparse indices, head masks, ...):
+        # refuse rather than risk a different result
+        _refuse(module, f"the keyword argument(s) {', '.join(unknown)}")
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         _refuse(module, "a paged KV cache (continuous batching)")
@@ -175,28 +181,108 @@ def attention_forward(
     return out.contiguous(), weights
 
 
+# Keywords the attention call may carry that change nothing here: the mask already encodes
+# them (sliding_window, packed sequences), they are bookkeeping, or they are handled above.
+_HARMLESS = frozenset(
+    {
+        "output_attentions",
+        "output_hidden_states",
+        "softcap",
+        "s_aux",
+        "sinks",
+        "cache",
+        "sliding_window",
+        "position_ids",
+        "cache_position",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "deterministic",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "layer_idx",
+        "return_dict",
+        "token_type_ids",
+    }
+)
+
+
 def _scale(scaling: float | None, query: Tensor) -> float:
     return float(scaling) if scaling is not None else query.shape[-1] ** -0.5
 
 
+@functools.cache
+def _sdpa_family(config_type: Any) -> bool:
+    """Whether the base model of this config class supports sdpa (and so sdpa's bool masks)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        model_cls: Any = MODEL_MAPPING[config_type]
+    except (KeyError, ValueError, ImportError):
+        return False
+    if isinstance(model_cls, (tuple, list)):
+        model_cls = model_cls[0]
+    return bool(getattr(model_cls, "_supports_sdpa", False))
+
+
+def mask_function(*args: Any, **kwargs: Any) -> Tensor | None:
+    """The mask for ``"multihead"``: sdpa's where the family supports sdpa, else eager's.
+
+    sdpa's mask is bool (True = attend) and skipped (None) when plainly causal or full: the
+    fused path, no (T, S) buffer. A family without sdpa support may add the mask to its scores
+    in code that is not routed through the interface (BigBird-Pegasus's encoder, ...): it gets
+    eager's additive float mask, which :func:`attention_forward` reads as well.
+    """
+    config = kwargs.get("config")
+    if config is not None and _sdpa_family(cast(Any, type(config))):
+        return sdpa_mask(*args, **kwargs)
+    return eager_mask(*args, **kwargs)
+
+
 AttentionInterface.register(NAME, attention_forward)
 # Without a mask function of its own, a registered name receives attention_mask=None even with
-# padding; sdpa's (bool, True = attend, skipped when plainly causal) is the one we follow.
-AttentionMaskInterface.register(NAME, sdpa_mask)
+# padding.
+AttentionMaskInterface.register(NAME, mask_function)
 
 
 def routed(cls: type) -> bool:
     """Whether instances of ``cls`` route their attention through ``AttentionInterface``."""
-    return _routed(cls)
+    return _calls(cast(Any, cls)) > 0
 
 
 @functools.cache
-def _routed(cls: Any) -> bool:
+def _calls(cls: Any) -> int:
+    """How many attention calls the forward of ``cls`` makes through the interface (0: none)."""
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError, AttributeError):
-        return False
-    return "ALL_ATTENTION_FUNCTIONS" in source
+        return 0
+    if "ALL_ATTENTION_FUNCTIONS" not in source:
+        return 0
+    return max(1, source.count("attention_interface("))
+
+
+def _unrouted_attention(root: nn.Module) -> nn.Module | None:
+    """An attention module of ``root`` that bypasses the interface (hybrid families), if any.
+
+    Recognised by name (``*Attention*`` with weights of its own) with no routed module above or
+    below it: observing only the routed ones would renumber the layers silently.
+    """
+    routed_names = [n for n, m in root.named_modules() if routed(type(m))]
+    for name, m in root.named_modules():
+        if "Attention" not in type(m).__name__ or routed(type(m)):
+            continue
+        if not any(isinstance(c, nn.Linear) or hasattr(c, "nf") for c in m.children()):
+            continue
+        related = any(
+            r.startswith(f"{name}.") or name.startswith(f"{r}.") or not r or not name
+            for r in routed_names
+        )
+        if not related:
+            return m
+    return None
 
 
 def _first_int(obj: object, names: tuple[str, ...]) -> int | None:
@@ -335,11 +421,26 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
     found: list[tuple[str, AttentionSite]] = []
     for prefix, root in outer:
         own = [(n, m) for n, m in root.named_modules() if routed(type(m))]
+        family = getattr(root.config, "model_type", type(root).__name__)
         if not own:
-            family = getattr(root.config, "model_type", type(root).__name__)
             raise ValueError(
                 f"{family} ({type(root).__name__}) does not route its attention through "
                 f"transformers' AttentionInterface: multihead cannot observe or steer its heads"
+            )
+        bypass = _unrouted_attention(root)
+        if bypass is not None:
+            raise ValueError(
+                f"{family} ({type(root).__name__}) computes some attention outside transformers' "
+                f"AttentionInterface ({type(bypass).__name__}): multihead cannot observe or "
+                f"steer all of its layers"
+            )
+        double = next((m for _, m in own if _calls(cast(Any, type(m))) > 1), None)
+        if double is not None:
+            raise ValueError(
+                f"{family} ({type(root).__name__}): {type(double).__name__} makes "
+                f"{_calls(cast(Any, type(double)))} attention calls per layer (e.g. differential "
+                f"attention), so a head is not one call's head; multihead cannot observe or "
+                f"steer its heads"
             )
         switch = getattr(root, "_multihead_switch", None)
         if not isinstance(switch, _Switch):
