@@ -113,7 +113,8 @@ def row_weights(call: AttentionCall, heads: Tensor | None, rows: Tensor) -> Tens
     if call.is_causal:
         # The causal mask of the full (T, S) problem, restricted to the chosen rows: the core's
         # own is_causal would align a (R, S) problem bottom-right, which is a different mask.
-        causal = functional.causal_mask(t, s, device=q.device).index_select(0, rows)  # (R, S)
+        # Built for the chosen rows only (query i sees keys j <= i + S - T): never (T, S).
+        causal = torch.arange(s, device=q.device) <= (rows + (s - t))[:, None]  # (R, S)
         m = functional.combine_masks(m, causal)
     _, weights = functional.attention(
         q, k, v, mask=m, scale=call.scale, need_weights=True, backend="math"
