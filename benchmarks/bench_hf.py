@@ -4,6 +4,7 @@ A Llama-shaped random model (4 layers, width 512, 8 query heads, 2 key/value hea
 one forward of T tokens two ways, each in a fresh child process:
 
 - ``sdpa``: transformers' plain ``attn_implementation="sdpa"`` forward;
+- ``multihead``: the plain forward on ``attn_implementation="multihead"`` (for context);
 - ``capture``: the same model inside ``multihead.capture(model, rows=[-1])``: one query row of
   every head of every layer recorded, (B, H, 1, T) per layer (the model runs on
   ``"multihead"`` inside the block).
@@ -35,7 +36,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from common import format_table, machine_info, write_json  # noqa: E402
 
-MODES = ("sdpa", "capture")
+MODES = ("sdpa", "multihead", "capture")
 TARGETS = {"time": 1.15, "peak_rss": 1.1}
 
 
@@ -65,7 +66,7 @@ def child(mode: str, length: int, repeats: int, quick: bool) -> dict[str, Any]:
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = build(quick)
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("multihead" if mode == "multihead" else "sdpa")
     ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(1))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times = []
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 "T": length,
                 "time": by["capture"]["seconds"] / by["sdpa"]["seconds"],
                 "peak_rss": by["capture"]["peak_rss"] / by["sdpa"]["peak_rss"],
+                "time_vs_multihead": by["capture"]["seconds"] / by["multihead"]["seconds"],
             }
         )
     print(
@@ -138,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         format_table(
-            ["T", "time capture ÷ sdpa", "peak RSS capture ÷ sdpa"],
-            [[r["T"], f"{r['time']:.3f}", f"{r['peak_rss']:.3f}"] for r in ratios],
+            ["T", "time capture ÷ sdpa", "peak RSS capture ÷ sdpa", "time capture ÷ multihead"],
+            [
+                [r["T"]] + [f"{r[k]:.3f}" for k in ("time", "peak_rss", "time_vs_multihead")]
+                for r in ratios
+            ],
         )
     )
     payload = {
