@@ -309,6 +309,38 @@ def test_generate_with_static_cache_equals_sdpa(saved: dict[str, Path]) -> None:
     assert torch.equal(got, ref)
 
 
+SEQ2SEQ = [f for f in FAMILIES if f.kind == "seq2seq"]
+
+
+@pytest.mark.parametrize("fam", SEQ2SEQ, ids=[f.name for f in SEQ2SEQ])
+def test_encoder_decoder_generate_equals_sdpa(fam: Family, saved: dict[str, Path]) -> None:
+    inputs = batch(fam)
+    del inputs["decoder_input_ids"]
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    with torch.no_grad():
+        ref = load(fam, saved[fam.name], "sdpa").generate(**inputs, **kw)
+        got = load(fam, saved[fam.name], "multihead").generate(**inputs, **kw)
+    assert torch.equal(got, ref)
+
+
+def test_nested_blocks_restore_the_implementation_once(saved: dict[str, Path]) -> None:
+    fam = next(f for f in FAMILIES if f.name == "qwen2")
+    inputs = batch(fam)
+    model = load(fam, saved[fam.name], "eager")
+    with torch.no_grad():
+        with multihead.capture(model, rows=[-1]) as rec:
+            with multihead.intervene(model, {(0, 1): 0.0}):
+                assert model.config._attn_implementation == "multihead"
+                model(**inputs)
+            assert model.config._attn_implementation == "multihead"  # capture still open
+            model(**inputs)
+        assert model.config._attn_implementation == "eager"
+    assert len(rec.weights) == 4  # 2 layers x 2 forwards
+    # layer 1 sees the ablation of layer 0 in the first forward only
+    assert (rec.weights[1] - rec.weights[3]).abs().max() > 1e-6
+    torch.testing.assert_close(rec.weights[0], rec.weights[2], atol=0, rtol=0)
+
+
 def test_capture_of_one_row_is_one_row_per_head(saved: dict[str, Path]) -> None:
     fam = next(f for f in FAMILIES if f.name == "llama")
     inputs = batch(fam)
@@ -345,6 +377,17 @@ def test_statistics_record_heads_and_importance_accept_a_transformers_model(
         with multihead.capture(model) as rec:
             model(**inputs)
     torch.testing.assert_close(rec.weights[0][0], expected[0][0], atol=1e-6, rtol=0)
+
+    real = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        stats = multihead.head_statistics(
+            model, inputs["input_ids"], attention_mask=inputs["attention_mask"], valid_mask=real
+        )
+    reference = multihead.observe.statistics.HeadStatistics.from_weights(expected, valid_mask=real)
+    for metric in ("entropy", "identity", "previous_token"):
+        torch.testing.assert_close(
+            getattr(stats, metric), getattr(reference, metric), atol=1e-5, rtol=0
+        )
 
     with torch.no_grad():
         clean = model(**inputs).last_hidden_state
