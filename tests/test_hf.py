@@ -9,7 +9,10 @@ References are transformers' own: "sdpa" for outputs and generation, "eager" wit
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -507,3 +510,40 @@ def test_two_attention_calls_per_layer_are_refused() -> None:
     with pytest.raises(ValueError, match=r"diffllama .*2 attention calls per layer"):
         with multihead.capture(model):
             pass
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(Path(multihead.__file__).resolve().parent.parent))
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_coverage_script_sorts_families(tmp_path: Path) -> None:
+    done = _script("hf_coverage.py", "--only", "bert,gptj", "--results-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "hf_coverage.json").read_text(encoding="utf-8"))
+    status = {row["family"]: row["status"] for row in payload["rows"]}
+    assert status == {"bert": "supported", "gptj": "refused"}
+    assert payload["counts"]["mismatch"] == 0
+
+
+@pytest.mark.slow
+def test_bench_script_quick(tmp_path: Path) -> None:
+    done = _script("bench_hf.py", "--quick", "--results-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "hf_quick.json").read_text(encoding="utf-8"))
+    modes = {row["mode"]: row for row in payload["rows"]}
+    assert set(modes) == {"sdpa", "multihead", "capture"}
+    # one row of every head of every layer: 2 layers x 8 heads x 256 keys, nothing more
+    assert modes["capture"]["recorded_elements"] == 2 * 8 * 256
+    assert all(row["seconds"] > 0 and row["peak_rss"] > 0 for row in payload["rows"])
