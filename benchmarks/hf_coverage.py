@@ -134,11 +134,17 @@ def small_config(model_type: str) -> Any:
         if name in ("head_dim",) and getattr(config, name, None) is None:
             continue
         if hasattr(config, name) and isinstance(getattr(config, name), int):
-            setattr(config, name, value)
+            try:
+                setattr(config, name, value)
+            except AttributeError:  # a read-only property derived from other fields
+                pass
     for name in ("layer_types", "block_types"):
         value = getattr(config, name, None)
         if isinstance(value, list) and value:
-            setattr(config, name, (value * 2)[:2])  # the first layers' kinds, for 2 layers
+            try:  # the first layers' kinds, for 2 layers
+                setattr(config, name, (value * 2)[:2])
+            except AttributeError:
+                pass
     return config
 
 
