@@ -471,7 +471,7 @@ def test_family_not_routed_through_the_interface_is_named(tmp_path: Path) -> Non
             pass
 
 
-def test_attention_sinks_are_refused_naming_the_family(tmp_path: Path) -> None:
+def test_attention_sinks_equal_eager_and_observing_them_is_refused(tmp_path: Path) -> None:
     config = transformers.GptOssConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -484,12 +484,28 @@ def test_attention_sinks_are_refused_naming_the_family(tmp_path: Path) -> None:
         num_experts_per_tok=1,
         sliding_window=4,
     )
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="multihead"
-    )
-    with pytest.raises(NotImplementedError, match=r"attention sinks.*gpt_oss"):
-        model(input_ids=torch.tensor([[5, 6, 7]]))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()  # initialised to zero: make them matter
+    model.save_pretrained(tmp_path)
+    fam = Family("gpt_oss", lambda: config, "AutoModelForCausalLM", "decoder")
+    inputs = batch(fam)
+    eager = load(fam, tmp_path, "eager")
+    ours = load(fam, tmp_path, "multihead")
+    with torch.no_grad():
+        ref = eager(**inputs).logits
+        got = ours(**inputs).logits
+        real = inputs["attention_mask"].bool()
+        torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
+        kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(**inputs, **kw), eager.generate(**inputs, **kw))
+        with pytest.raises(NotImplementedError, match=r"output_attentions with attention sinks"):
+            ours(**inputs, output_attentions=True)
+        with pytest.raises(NotImplementedError, match=r"observing heads with attention sinks"):
+            with multihead.capture(ours):
+                ours(**inputs)
 
 
 def test_hybrid_family_with_unrouted_attention_is_refused() -> None:

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
 from multihead import functional
@@ -127,13 +128,14 @@ def attention_forward(
     """
     if kwargs.get("softcap") is not None:
         _refuse(module, f"attention-logit softcapping (softcap={kwargs['softcap']})")
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            _refuse(module, f"attention sinks ({name}=)")
-    unknown = sorted(k for k, v in kwargs.items() if k not in _HARMLESS and v is not None)
+    sink = kwargs.get("s_aux")
+    if sink is None:
+        sink = kwargs.get("sinks")
+    unknown = sorted(k for k, v in kwargs.items() if k not in _HARMLESS and _carries_data(v))
     if unknown:
-        # a keyword sdpa would ignore but eager may honour (sparse indices, head masks, ...):
-        # refuse rather than risk a different result
+        # a tensor or number sdpa would ignore but eager may honour (sparse indices, head masks,
+        # ...): refuse rather than risk a different result; flags (output_router_logits, ...)
+        # are bookkeeping
         _refuse(module, f"the keyword argument(s) {', '.join(unknown)}")
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
@@ -153,6 +155,13 @@ def attention_forward(
         mask = create_position_bias_mask(position_bias, attention_mask, causal, query, key)
         causal = False
     want_weights = _weights_requested(kwargs)
+    if sink is not None:
+        if want_weights:
+            # families disagree on what their weights are with sinks (GPT-OSS drops the sink's
+            # share, Granite-SWA returns the plain softmax): no one answer equals them all
+            _refuse(module, "output_attentions with attention sinks (s_aux/sinks)")
+        key, value, mask = _with_sink(module, query, key, value, mask, causal, sink)
+        causal = False
     weights: Tensor | None = None
     if want_weights:
         out, weights = functional.attention(
@@ -171,6 +180,9 @@ def attention_forward(
         )
     out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
     site: AttentionSite | None = getattr(module, _SITE, None)
+    if sink is not None:
+        if site is not None and site._observers:
+            _refuse(module, "observing heads with attention sinks (s_aux/sinks)")
     if site is not None and site._observers:
         site.check_call(query, value)
         k, v = key, value
@@ -207,6 +219,56 @@ _HARMLESS = frozenset(
         "token_type_ids",
     }
 )
+
+
+def _with_sink(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    sink: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention sinks as one more key: a zero key and value whose score is the sink's logit.
+
+    softmax over [scores, sink] then dropping the sink's column (eager's formula) equals
+    attending to an extra key with value 0 and additive mask ``sink``: the sink takes its share
+    of the softmax and adds nothing to the output. The mask becomes float (B, H, T, S + 1).
+
+    Returns ``(key, value, mask)`` with the extra key last; ``is_causal`` is folded into mask.
+    """
+    b, h, t, _ = query.shape
+    s = key.shape[2]
+    if sink.dim() == 1 and sink.shape[0] == h:
+        sink = sink.reshape(1, h, 1, 1)  # one logit per head (GPT-OSS, ...)
+    elif sink.dim() != 4:
+        _refuse(module, f"attention sinks of shape {tuple(sink.shape)}")
+    dtype = query.dtype
+    scores = torch.zeros(1, 1, t, s, dtype=dtype, device=query.device)
+    if causal:
+        allowed = functional.causal_mask(t, s, device=query.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if mask is not None:
+        scores = scores + (
+            torch.zeros((), dtype=dtype, device=query.device).masked_fill(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else mask.to(dtype)
+        )
+    scores = scores.expand(b, h, t, s)
+    column = sink.to(dtype).expand(b, h, t, 1)
+    zeros_k = key.new_zeros(*key.shape[:2], 1, key.shape[3])
+    zeros_v = value.new_zeros(*value.shape[:2], 1, value.shape[3])
+    key = torch.cat([key, zeros_k], dim=2)
+    value = torch.cat([value, zeros_v], dim=2)
+    return key, value, torch.cat([scores, column], dim=-1)
+
+
+def _carries_data(value: object) -> bool:
+    """Whether a keyword's value could change the attention: a tensor or a number."""
+    if isinstance(value, bool) or value is None:
+        return False
+    return isinstance(value, (Tensor, int, float))
 
 
 def _scale(scaling: float | None, query: Tensor) -> float:
