@@ -563,3 +563,27 @@ def test_bench_script_quick(tmp_path: Path) -> None:
     # one row of every head of every layer: 2 layers x 8 heads x 256 keys, nothing more
     assert modes["capture"]["recorded_elements"] == 2 * 8 * 256
     assert all(row["seconds"] > 0 and row["peak_rss"] > 0 for row in payload["rows"])
+
+
+def test_gradients_equal_sdpa_and_gradient_importance_runs(saved: dict[str, Path]) -> None:
+    fam = next(f for f in FAMILIES if f.name == "llama")
+    inputs = batch(fam)
+    grads = {}
+    for impl in ("sdpa", "multihead"):
+        model = load(fam, saved[fam.name], impl)
+        loss = model(**inputs, labels=inputs["input_ids"]).loss
+        loss.backward()
+        grads[impl] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["sdpa"].keys() == grads["multihead"].keys()
+    for name, g in grads["sdpa"].items():
+        torch.testing.assert_close(grads["multihead"][name], g, atol=1e-5, rtol=0, msg=name)
+
+    model = load(fam, saved[fam.name], "sdpa")
+
+    def metric() -> Tensor:
+        return model(**inputs).logits[0, -1, 5]
+
+    scores = multihead.head_importance(model, metric, method="gradient")
+    assert scores.shape == (2, 4)
+    assert bool(scores.gt(0).any())
+    assert model.config._attn_implementation == "sdpa"
