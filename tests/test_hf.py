@@ -148,7 +148,7 @@ FAMILIES = [
         lambda: transformers.T5Config(
             vocab_size=VOCAB,
             d_model=48,
-            d_kv=12,
+            d_kv=16,  # heads of width 16 on a width-48 model: Dv is not E // H
             d_ff=96,
             num_layers=2,
             num_decoder_layers=2,

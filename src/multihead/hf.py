@@ -424,9 +424,11 @@ class AttentionSite:
             raise ValueError(
                 f"{_family(module)}: cannot tell how many heads this attention module has"
             )
-        dim = _first_int(module, ("head_dim", "attention_head_size", "head_size")) or _first_int(
-            config, ("head_dim",)
-        )
+        # Dv, the width of one head's output: MLA families name it apart from the q·k width
+        dim = _first_int(
+            module,
+            ("v_head_dim", "head_dim", "attention_head_size", "head_size", "key_value_proj_dim"),
+        ) or _first_int(config, ("v_head_dim", "head_dim", "d_kv"))
         if dim is None:
             width = _first_int(config, ("hidden_size", "d_model", "n_embd", "dim"))
             dim = width // heads if width else 0
