@@ -189,10 +189,11 @@ def hidden(out: Any) -> torch.Tensor:
 def eager_attentions(out: Any) -> list[torch.Tensor] | None:
     if getattr(out, "encoder_attentions", None) is not None:
         pairs = zip(out.decoder_attentions or (), out.cross_attentions or (), strict=False)
-        return list(out.encoder_attentions) + [w for p in pairs for w in p]
+        found = list(out.encoder_attentions) + [w for p in pairs for w in p]
+        return found if all(isinstance(a, torch.Tensor) for a in found) else None
     attentions = getattr(out, "attentions", None)
-    if not attentions or any(a is None for a in attentions):
-        return None
+    if not attentions or not all(isinstance(a, torch.Tensor) for a in attentions):
+        return None  # none, or per-layer structures (Pegasus-X's global/local dicts)
     return list(attentions)
 
 
@@ -318,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = check(name)
         except Timeout as error:
             row = {"family": name, "status": "skipped", "reason": f"Timeout: {error}"}
+        except Exception as error:  # noqa: BLE001 - this script's own comparison broke
+            reason = f"coverage script: {type(error).__name__}: {error}"[:200]
+            row = {"family": name, "status": "failed", "reason": reason}
         rows.append(row)
         print(f"{name:28s} {row['status']:9s} {row.get('reason', '')}", flush=True)
     counts = {
