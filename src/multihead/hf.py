@@ -119,7 +119,8 @@ def attention_forward(
         scaling: the factor on the scores; default 1 / sqrt(D).
         is_causal: overrides ``module.is_causal``.
         position_bias: (B or 1, H, T, S) added to the scores (T5-style relative bias).
-        **kwargs: ``output_attentions`` (return the weights), ``softcap`` / ``s_aux`` (refused
+        **kwargs: ``output_attentions`` (return the weights), ``s_aux`` / ``sinks`` (attention
+            sinks: one logit per head, or broadcastable to (B, H, T, 1)), ``softcap`` (refused
             when set), and what the mask already encodes (``sliding_window``, ...).
 
     Returns:
@@ -155,7 +156,10 @@ def attention_forward(
         mask = create_position_bias_mask(position_bias, attention_mask, causal, query, key)
         causal = False
     want_weights = _weights_requested(kwargs)
+    site: AttentionSite | None = getattr(module, _SITE, None)
     if sink is not None:
+        if site is not None and site._observers:
+            _refuse(module, "observing heads with attention sinks (s_aux/sinks)")
         if want_weights:
             # families disagree on what their weights are with sinks (GPT-OSS drops the sink's
             # share, Granite-SWA returns the plain softmax): no one answer equals them all
@@ -179,10 +183,6 @@ def attention_forward(
             query, key, value, mask=mask, is_causal=causal, scale=scaling, dropout_p=dropout
         )
     out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
-    site: AttentionSite | None = getattr(module, _SITE, None)
-    if sink is not None:
-        if site is not None and site._observers:
-            _refuse(module, "observing heads with attention sinks (s_aux/sinks)")
     if site is not None and site._observers:
         site.check_call(query, value)
         k, v = key, value
