@@ -587,3 +587,25 @@ def test_gradients_equal_sdpa_and_gradient_importance_runs(saved: dict[str, Path
     assert scores.shape == (2, 4)
     assert bool(scores.gt(0).any())
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_model_already_on_multihead_stays_on_it(saved: dict[str, Path]) -> None:
+    fam = next(f for f in FAMILIES if f.name == "gpt2")
+    inputs = batch(fam)
+    model = load(fam, saved[fam.name], "multihead")
+    with torch.no_grad(), multihead.capture(model, rows=[0]) as rec:
+        model(**inputs)
+    assert model.config._attn_implementation == "multihead"
+    assert len(rec.weights) == 2
+
+
+def test_keywords_that_could_change_the_result_are_refused() -> None:
+    module = nn.Module()
+    module.config = transformers.LlamaConfig()  # names the family in the error
+    q = k = v = torch.randn(1, 2, 3, 4)
+    # a flag is bookkeeping; the result equals the plain attention
+    out, _ = hf.attention_forward(module, q, k, v, None, output_router_logits=True)
+    expected = multihead.functional.attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(NotImplementedError, match=r"keyword argument\(s\) indices.*llama"):
+        hf.attention_forward(module, q, k, v, None, indices=torch.zeros(3, dtype=torch.long))
