@@ -33,7 +33,7 @@ _LAZY: dict[str, str] = {
     "head_importance": "multihead.observe.importance",
     "explain": "multihead.explanation",
 }
-_SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli")
+_SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli", "hf")
 
 __all__ = ["MultiHeadAttention", "functional", "__version__", *_LAZY, *_SUBMODULES]
 

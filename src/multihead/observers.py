@@ -9,22 +9,26 @@ statistics and interventions are observers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from multihead.attention import MultiHeadAttention
-
-__all__ = ["AttentionCall", "AttentionObserver", "run_observers"]
+__all__ = [
+    "AttentionCall",
+    "AttentionObserver",
+    "ObservableAttention",
+    "ObserverHandle",
+    "run_observers",
+]
 
 
 class AttentionCall:
     """One call of a :class:`MultiHeadAttention`, as its observers see it.
 
     Attributes:
-        module: the attention module.
+        module: the attention module (a :class:`multihead.hf.AttentionSite` for a transformers
+            model).
         q: (B, H, T, D) queries, per head.
         k: (B, Hk, S, D) keys (the cache's too, when there is one).
         v: (B, Hk, S, Dv) values.
@@ -40,7 +44,7 @@ class AttentionCall:
 
     def __init__(
         self,
-        module: MultiHeadAttention,
+        module: ObservableAttention,
         heads: Callable[[], tuple[Tensor, Tensor, Tensor]],
         mask: Tensor | None,
         is_causal: bool,
@@ -69,6 +73,30 @@ class AttentionCall:
     @property
     def v(self) -> Tensor:
         return self._qkv[2]
+
+
+class ObserverHandle(Protocol):
+    """What ``register_observer`` returns."""
+
+    def remove(self) -> None: ...
+
+
+class ObservableAttention(Protocol):
+    """An attention site with the observer channel: :class:`~multihead.MultiHeadAttention`, or
+    a transformers attention module's :class:`multihead.hf.AttentionSite`.
+
+    ``num_heads`` is H (query heads), ``head_dim`` Dv (one head's output width).
+    """
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def register_observer(self, fn: AttentionObserver) -> ObserverHandle: ...
 
 
 # observer(call, out) with out the per-head output (B, T, H, Dv) before the output projection;

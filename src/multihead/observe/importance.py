@@ -29,6 +29,7 @@ from multihead._checks import check_choice
 from multihead.attention import AttentionCall, MultiHeadAttention
 from multihead.layers import TransformerDecoderLayer, TransformerEncoderLayer
 from multihead.observe.steering import intervene, model_heads
+from multihead.observers import ObservableAttention
 from multihead.packing import PackedBatch
 
 __all__ = ["head_importance", "METHODS"]
@@ -111,13 +112,13 @@ def head_importance(
     return _ablation_importance(model, found, metric, reuse_prefix=bool(reuse_prefix))
 
 
-def _gradient_importance(found: list[tuple[str, MultiHeadAttention]], metric: Metric) -> Tensor:
+def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: Metric) -> Tensor:
     """|∂metric/∂ξ| with ξ (H,) per layer multiplied into the per-head output by an observer."""
     xis = [
         torch.ones(
             mha.num_heads,
-            dtype=mha.out_proj.weight.dtype,
-            device=mha.out_proj.weight.device,
+            dtype=next(mha.parameters()).dtype,
+            device=next(mha.parameters()).device,
             requires_grad=True,
         )
         for _, mha in found
@@ -153,7 +154,7 @@ def _gradient_importance(found: list[tuple[str, MultiHeadAttention]], metric: Me
     return scores
 
 
-def _table(found: list[tuple[str, MultiHeadAttention]], like: Tensor) -> Tensor:
+def _table(found: list[tuple[str, ObservableAttention]], like: Tensor) -> Tensor:
     """An (L, H) table of NaN: the heads a layer lacks stay NaN."""
     most = max(mha.num_heads for _, mha in found)
     return torch.full((len(found), most), float("nan"), dtype=like.dtype, device=like.device)
@@ -161,7 +162,7 @@ def _table(found: list[tuple[str, MultiHeadAttention]], like: Tensor) -> Tensor:
 
 def _ablation_importance(
     model: nn.Module,
-    found: list[tuple[str, MultiHeadAttention]],
+    found: list[tuple[str, ObservableAttention]],
     metric: Metric,
     *,
     reuse_prefix: bool,
@@ -253,7 +254,7 @@ class _PrefixCache:
 
     @classmethod
     def build(
-        cls, model: nn.Module, found: list[tuple[str, MultiHeadAttention]], metric: Metric
+        cls, model: nn.Module, found: list[tuple[str, ObservableAttention]], metric: Metric
     ) -> _PrefixCache | None:
         """Record the clean run and check that reuse reproduces it, or None (reason logged)."""
         blocks = _blocks(model, found)
@@ -388,7 +389,7 @@ class _patched:
         self.patched.clear()
 
 
-def _blocks(model: nn.Module, found: list[tuple[str, MultiHeadAttention]]) -> list[nn.Module]:
+def _blocks(model: nn.Module, found: list[tuple[str, ObservableAttention]]) -> list[nn.Module]:
     """The multihead layers that hold the attention modules (the nearest one above each).
 
     Only layers whose class keeps the library's own forward count (a subclass that overrides

@@ -15,21 +15,36 @@ from torch import Tensor, nn
 from multihead import functional
 from multihead._checks import check_indices, check_optional_positive_int
 from multihead.attention import AttentionCall, AttentionObserver, MultiHeadAttention
+from multihead.observers import ObservableAttention
 
 __all__ = ["attention_modules", "observe_rows", "resolve_rows", "row_weights", "Rows"]
 
 Rows = int | Sequence[int] | slice | range | None
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
-    """Every :class:`MultiHeadAttention` in ``model``, in module order (= layer order).
+def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
+    """Every observable attention site in ``model``, in module order (= layer order).
+
+    A site is a :class:`MultiHeadAttention`, or, in a Hugging Face transformers model, an
+    attention module routed through transformers' ``AttentionInterface``
+    (:func:`multihead.hf.attention_sites`: the model runs on ``attn_implementation="multihead"``
+    while observers are registered). Both offer the same observer channel.
 
     Returns:
-        ``(qualified_name, module)`` pairs; the model itself comes first if it is one.
+        ``(qualified_name, site)`` pairs; the model itself comes first if it is one.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if _holds_transformers(model):
+        from multihead import hf  # only here: transformers is an optional extra
+
+        return list(hf.attention_sites(model))
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+
+
+def _holds_transformers(model: nn.Module) -> bool:
+    """Whether a transformers model is inside (checked without importing transformers)."""
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
 
 
 def resolve_rows(rows: Rows, t: int, device: torch.device) -> Tensor:
@@ -98,7 +113,8 @@ def row_weights(call: AttentionCall, heads: Tensor | None, rows: Tensor) -> Tens
     if call.is_causal:
         # The causal mask of the full (T, S) problem, restricted to the chosen rows: the core's
         # own is_causal would align a (R, S) problem bottom-right, which is a different mask.
-        causal = functional.causal_mask(t, s, device=q.device).index_select(0, rows)  # (R, S)
+        # Built for the chosen rows only (query i sees keys j <= i + S - T): never (T, S).
+        causal = torch.arange(s, device=q.device) <= (rows + (s - t))[:, None]  # (R, S)
         m = functional.combine_masks(m, causal)
     _, weights = functional.attention(
         q, k, v, mask=m, scale=call.scale, need_weights=True, backend="math"
@@ -131,7 +147,8 @@ def observe_rows(
     if not found:
         raise ValueError(
             f"model ({type(model).__name__}) contains no multihead.MultiHeadAttention module: "
-            f"capture records only attention built from multihead's modules"
+            f"capture records only attention built from multihead's modules (or a transformers "
+            f"model, through multihead.hf)"
         )
     layer_ids = check_indices("layers", layers, len(found), "attention layers")
     # a layer named twice is observed once

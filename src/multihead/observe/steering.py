@@ -32,8 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_index, describe, is_int
-from multihead.attention import AttentionCall, AttentionObserver, MultiHeadAttention
+from multihead.attention import AttentionCall, AttentionObserver
 from multihead.observe.rows import attention_modules
+from multihead.observers import ObservableAttention
 
 __all__ = ["intervene", "record_heads", "HeadRecording", "Edit", "HeadKey"]
 
@@ -48,19 +49,20 @@ _EDIT_KINDS = (
 )
 
 
-def model_heads(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+def model_heads(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
     """The model's attention modules (= layers), or a ValueError when there are none."""
     found = attention_modules(model)
     if not found:
         raise ValueError(
             f"model ({type(model).__name__}) contains no multihead.MultiHeadAttention module: "
-            f"heads can be edited only in attention built from multihead's modules"
+            f"heads can be edited only in attention built from multihead's modules (or a "
+            f"transformers model, through multihead.hf)"
         )
     return found
 
 
 def resolve_head(
-    name: str, key: object, found: Sequence[tuple[str, MultiHeadAttention]]
+    name: str, key: object, found: Sequence[tuple[str, ObservableAttention]]
 ) -> HeadKey:
     """Check one ``(layer, head)`` key against the model; negative indices count from the end.
 
@@ -76,15 +78,15 @@ def resolve_head(
     return layer, head
 
 
-def _module_dtype(mha: MultiHeadAttention) -> torch.dtype:
-    return mha.out_proj.weight.dtype
+def _module_dtype(mha: ObservableAttention) -> torch.dtype:
+    return next(mha.parameters()).dtype  # = out_proj's: the per-head output feeds it
 
 
-def _module_device(mha: MultiHeadAttention) -> torch.device:
-    return mha.out_proj.weight.device
+def _module_device(mha: ObservableAttention) -> torch.device:
+    return next(mha.parameters()).device
 
 
-def _check_edit(key: HeadKey, edit: object, mha: MultiHeadAttention) -> float | str | Tensor:
+def _check_edit(key: HeadKey, edit: object, mha: ObservableAttention) -> float | str | Tensor:
     """One edit, checked; a number comes back as a float, a patch on the module's device."""
     where = f"edits[{key}]"
     if isinstance(edit, bool):
@@ -128,7 +130,7 @@ def _mean_over_real(x: Tensor, query_mask: Tensor | None) -> Tensor:
 
 
 def _edit_observer(
-    layer: int, mha: MultiHeadAttention, edits: Mapping[int, float | str | Tensor]
+    layer: int, mha: ObservableAttention, edits: Mapping[int, float | str | Tensor]
 ) -> AttentionObserver:
     """The observer applying one module's edits (head -> edit) to its per-head output."""
     h = mha.num_heads
@@ -168,7 +170,7 @@ def _edit_observer(
 
 def check_edits(
     model: nn.Module, edits: object
-) -> tuple[list[tuple[str, MultiHeadAttention]], dict[int, dict[int, float | str | Tensor]]]:
+) -> tuple[list[tuple[str, ObservableAttention]], dict[int, dict[int, float | str | Tensor]]]:
     """Validate every edit against the model; returns the modules and layer -> head -> edit."""
     found = model_heads(model)
     if not isinstance(edits, Mapping):

@@ -1,0 +1,43 @@
+"""Any Hugging Face model: see and steer its heads through transformers' attention interface.
+
+transformers (>= 5) routes the attention of most model families through one function table,
+``transformers.AttentionInterface``. Importing this module registers the implementation
+``"multihead"`` there (with transformers' sdpa mask function under the same name, so padding
+reaches it), so that::
+
+    import multihead.hf
+    model = AutoModel.from_pretrained(path, attn_implementation="multihead")
+
+runs every routed attention call through :func:`multihead.functional.attention` (the fused path;
+the result equals ``attn_implementation="sdpa"``), and returns per-head weights equal to
+``"eager"``'s with ``output_attentions=True``.
+
+The function receives exactly what the observer channel needs: the per-head q (B, H, T, D),
+k (B, Hk, S, D), v, the mask, and it returns the per-head output (B, T, H, Dv) that the module
+then sends through its output projection. Each routed attention module gets an
+:class:`AttentionSite` (its observers), so :func:`multihead.capture`, ``head_statistics``,
+``intervene``, ``record_heads`` and ``head_importance`` accept a ``PreTrainedModel`` directly,
+with layers = the routed attention modules in module order. While any observer is registered
+the model runs on ``"multihead"``; its previous implementation comes back when the last one is
+removed.
+
+Refused, with an error naming the model family and the feature (never a different result):
+attention-logit softcapping (Gemma-2, ...), attention sinks (GPT-OSS, ...), paged caches, and
+families whose attention is not routed through the interface.
+"""
+
+from __future__ import annotations
+
+# importing forward registers "multihead" and its mask function in transformers
+from multihead.hf.forward import NAME, attention_forward, mask_function
+from multihead.hf.sites import AttentionSite, attention_sites, routed, uses_transformers
+
+__all__ = [
+    "NAME",
+    "AttentionSite",
+    "attention_forward",
+    "attention_sites",
+    "mask_function",
+    "routed",
+    "uses_transformers",
+]

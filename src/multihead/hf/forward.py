@@ -1,0 +1,286 @@
+"""The attention function registered as ``"multihead"`` in transformers, and its mask function.
+
+:func:`attention_forward` follows transformers' sdpa function step by step, computing with
+:func:`multihead.functional.attention`, and runs the module's observers (its
+:class:`~multihead.hf.sites.AttentionSite`) on the per-head output (B, T, H, Dv) it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from multihead import functional
+from multihead.observers import AttentionCall, run_observers
+
+if TYPE_CHECKING:
+    from multihead.hf.sites import AttentionSite
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import create_position_bias_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "multihead.hf needs transformers>=5 (its AttentionInterface): pip install 'multihead[hf]'"
+    ) from error
+
+try:  # which outputs the running forward collects (families that drop output_attentions)
+    from transformers.utils import output_capturing as _capturing
+except ImportError:  # pragma: no cover - an older or newer layout: the kwarg alone decides
+    _capturing = None  # type: ignore[assignment]
+
+
+def _weights_requested(kwargs: dict[str, Any]) -> bool:
+    """Whether the forward returns attention weights (``output_attentions=True``).
+
+    Most families pass ``output_attentions`` down; some (GPT-2, ...) drop it and let
+    transformers' output collector read the weights off every attention call, so its active
+    collection is asked too. Weights cost (B, H, T, S): they are computed only when asked for.
+    """
+    if kwargs.get("output_attentions"):
+        return True
+    collector = getattr(_capturing, "_active_collector", None)
+    collected = collector.get() if collector is not None else None
+    return isinstance(collected, dict) and any("attention" in key for key in collected)
+
+
+NAME = "multihead"
+# The attribute under which a routed attention module keeps its site.
+SITE = "_multihead_site"
+
+
+def family_name(module: nn.Module) -> str:
+    """The model family (``config.model_type``) of an attention module, for error messages."""
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", None)
+    return f"{model_type} ({type(module).__name__})" if model_type else type(module).__name__
+
+
+def _refuse(module: nn.Module, feature: str) -> None:
+    raise NotImplementedError(
+        f"attn_implementation={NAME!r} does not support {feature}, which the {family_name(module)} "
+        f"attention passed; load this model with attn_implementation='eager' instead"
+    )
+
+
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention function for ``attn_implementation="multihead"``.
+
+    Follows ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` step by step
+    (same causal flag, same key cropping, same position-bias mask), computing with
+    :func:`multihead.functional.attention`.
+
+    Args:
+        module: the model's attention module (``module.is_causal`` is the default causality).
+        query: (B, H, T, D).
+        key: (B, Hk, S, D), H a multiple of Hk (grouped-query heads are not repeated).
+        value: (B, Hk, S, Dv).
+        attention_mask: None, a bool mask (True = attend) or a float mask added to the scores,
+            broadcastable to (B, H, T, S).
+        dropout: dropout on the weights (transformers passes 0 in eval).
+        scaling: the factor on the scores; default 1 / sqrt(D).
+        is_causal: overrides ``module.is_causal``.
+        position_bias: (B or 1, H, T, S) added to the scores (T5-style relative bias).
+        **kwargs: ``output_attentions`` (return the weights), ``s_aux`` / ``sinks`` (attention
+            sinks: one logit per head, or broadcastable to (B, H, T, 1)), ``softcap`` (refused
+            when set), and what the mask already encodes (``sliding_window``, ...).
+
+    Returns:
+        ``(out (B, T, H, Dv), weights (B, H, T, S) or None)``: ``out`` after the module's
+        observers, ``weights`` only with ``output_attentions=True``.
+    """
+    if kwargs.get("softcap") is not None:
+        _refuse(module, f"attention-logit softcapping (softcap={kwargs['softcap']})")
+    sink = kwargs.get("s_aux")
+    if sink is None:
+        sink = kwargs.get("sinks")
+    unknown = sorted(k for k, v in kwargs.items() if k not in _HARMLESS and _carries_data(v))
+    if unknown:
+        # a tensor or number sdpa would ignore but eager may honour (sparse indices, head masks,
+        # ...): refuse rather than risk a different result; flags (output_router_logits, ...)
+        # are bookkeeping
+        _refuse(module, f"the keyword argument(s) {', '.join(unknown)}")
+    cache = kwargs.get("cache")
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        _refuse(module, "a paged KV cache (continuous batching)")
+    q_length = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As sdpa: causal only when the mask was skipped, never for one query (decoding).
+    causal = bool(q_length > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > q_length:
+        # Prefill into an empty static cache: transformers aligns is_causal top-left, i.e. the
+        # keys after the first T are padding; drop them (bottom-right then equals top-left).
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+        if position_bias is not None:
+            position_bias = position_bias[..., :q_length]
+    mask = attention_mask
+    if position_bias is not None:
+        mask = create_position_bias_mask(position_bias, attention_mask, causal, query, key)
+        causal = False
+    want_weights = _weights_requested(kwargs)
+    site: AttentionSite | None = getattr(module, SITE, None)
+    if sink is not None:
+        if site is not None and site._observers:
+            _refuse(module, "observing heads with attention sinks (s_aux/sinks)")
+        if want_weights:
+            # families disagree on what their weights are with sinks (GPT-OSS drops the sink's
+            # share, Granite-SWA returns the plain softmax): no one answer equals them all
+            _refuse(module, "output_attentions with attention sinks (s_aux/sinks)")
+        key, value, mask = _with_sink(module, query, key, value, mask, causal, sink)
+        causal = False
+    weights: Tensor | None = None
+    if want_weights:
+        out, weights = functional.attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            is_causal=causal,
+            scale=scaling,
+            dropout_p=dropout,
+            need_weights=True,
+        )
+    else:
+        out = functional.attention(
+            query, key, value, mask=mask, is_causal=causal, scale=scaling, dropout_p=dropout
+        )
+    out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
+    if site is not None and site._observers:
+        site.check_call(query, value)
+        k, v = key, value
+        call = AttentionCall(
+            site, lambda: (query, k, v), mask, causal, _scale(scaling, query), None
+        )
+        out = run_observers(site._observers.values(), call, out)
+    return out.contiguous(), weights
+
+
+# Keywords the attention call may carry that change nothing here: the mask already encodes
+# them (sliding_window, packed sequences), they are bookkeeping, or they are handled above.
+_HARMLESS = frozenset(
+    {
+        "output_attentions",
+        "output_hidden_states",
+        "softcap",
+        "s_aux",
+        "sinks",
+        "cache",
+        "sliding_window",
+        "position_ids",
+        "cache_position",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "deterministic",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "layer_idx",
+        "return_dict",
+        "token_type_ids",
+    }
+)
+
+
+def _with_sink(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    sink: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention sinks as one more key: a zero key and value whose score is the sink's logit.
+
+    softmax over [scores, sink] then dropping the sink's column (eager's formula) equals
+    attending to an extra key with value 0 and additive mask ``sink``: the sink takes its share
+    of the softmax and adds nothing to the output. The mask becomes float (B, H, T, S + 1).
+
+    Returns ``(key, value, mask)`` with the extra key last; ``is_causal`` is folded into mask.
+    """
+    b, h, t, _ = query.shape
+    s = key.shape[2]
+    if sink.dim() == 1 and sink.shape[0] == h:
+        sink = sink.reshape(1, h, 1, 1)  # one logit per head (GPT-OSS, ...)
+    elif sink.dim() != 4:
+        _refuse(module, f"attention sinks of shape {tuple(sink.shape)}")
+    dtype = query.dtype
+    scores = torch.zeros(1, 1, t, s, dtype=dtype, device=query.device)
+    if causal:
+        allowed = functional.causal_mask(t, s, device=query.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if mask is not None:
+        scores = scores + (
+            torch.zeros((), dtype=dtype, device=query.device).masked_fill(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else mask.to(dtype)
+        )
+    scores = scores.expand(b, h, t, s)
+    column = sink.to(dtype).expand(b, h, t, 1)
+    zeros_k = key.new_zeros(*key.shape[:2], 1, key.shape[3])
+    zeros_v = value.new_zeros(*value.shape[:2], 1, value.shape[3])
+    key = torch.cat([key, zeros_k], dim=2)
+    value = torch.cat([value, zeros_v], dim=2)
+    return key, value, torch.cat([scores, column], dim=-1)
+
+
+def _carries_data(value: object) -> bool:
+    """Whether a keyword's value could change the attention: a tensor or a number."""
+    if isinstance(value, bool) or value is None:
+        return False
+    return isinstance(value, (Tensor, int, float))
+
+
+def _scale(scaling: float | None, query: Tensor) -> float:
+    return float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+
+
+@functools.cache
+def _sdpa_family(config_type: Any) -> bool:
+    """Whether the base model of this config class supports sdpa (and so sdpa's bool masks)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        model_cls: Any = MODEL_MAPPING[config_type]
+    except (KeyError, ValueError, ImportError):
+        return False
+    if isinstance(model_cls, (tuple, list)):
+        model_cls = model_cls[0]
+    return bool(getattr(model_cls, "_supports_sdpa", False))
+
+
+def mask_function(*args: Any, **kwargs: Any) -> Tensor | None:
+    """The mask for ``"multihead"``: sdpa's where the family supports sdpa, else eager's.
+
+    sdpa's mask is bool (True = attend) and skipped (None) when plainly causal or full: the
+    fused path, no (T, S) buffer. A family without sdpa support may add the mask to its scores
+    in code that is not routed through the interface (BigBird-Pegasus's encoder, ...): it gets
+    eager's additive float mask, which :func:`attention_forward` reads as well.
+    """
+    config = kwargs.get("config")
+    if config is not None and _sdpa_family(cast(Any, type(config))):
+        return sdpa_mask(*args, **kwargs)
+    return eager_mask(*args, **kwargs)
+
+
+AttentionInterface.register(NAME, attention_forward)
+# Without a mask function of its own, a registered name receives attention_mask=None even with
+# padding.
+AttentionMaskInterface.register(NAME, mask_function)

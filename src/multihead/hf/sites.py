@@ -1,0 +1,236 @@
+"""Where observers live in a transformers model: one :class:`AttentionSite` per routed
+attention module, and the switch that keeps the model on ``"multihead"`` while they observe."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, cast
+
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from multihead.hf.forward import NAME, SITE, family_name
+from multihead.observers import AttentionObserver
+
+__all__ = ["AttentionSite", "attention_sites", "routed", "uses_transformers"]
+
+
+def routed(cls: type) -> bool:
+    """Whether instances of ``cls`` route their attention through ``AttentionInterface``."""
+    return _calls(cast(Any, cls)) > 0
+
+
+@functools.cache
+def _calls(cls: Any) -> int:
+    """How many attention calls the forward of ``cls`` makes through the interface (0: none)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return 0
+    if "ALL_ATTENTION_FUNCTIONS" not in source:
+        return 0
+    return max(1, source.count("attention_interface("))
+
+
+def _unrouted_attention(root: nn.Module) -> nn.Module | None:
+    """An attention module of ``root`` that bypasses the interface (hybrid families), if any.
+
+    Recognised by name (``*Attention*`` with weights of its own) with no routed module above or
+    below it: observing only the routed ones would renumber the layers silently.
+    """
+    routed_names = [n for n, m in root.named_modules() if routed(type(m))]
+    for name, m in root.named_modules():
+        if "Attention" not in type(m).__name__ or routed(type(m)):
+            continue
+        if not any(isinstance(c, nn.Linear) or hasattr(c, "nf") for c in m.children()):
+            continue
+        related = any(
+            r.startswith(f"{name}.") or name.startswith(f"{r}.") or not r or not name
+            for r in routed_names
+        )
+        if not related:
+            return m
+    return None
+
+
+def _first_int(obj: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+class _Switch:
+    """Keeps one model on ``"multihead"`` while any of its sites has observers."""
+
+    def __init__(self, model: PreTrainedModel, sites: list[AttentionSite]) -> None:
+        self.model = model
+        self.sites = sites
+        self.count = 0
+        self.previous: Any = None
+
+    def acquire(self) -> None:
+        if self.count == 0:
+            self.previous = self.model.config._attn_implementation
+            if self.previous != NAME:
+                self.model.set_attn_implementation(NAME)
+            stuck = [s for s in self.sites if _implementation(s.module) != NAME]
+            if stuck:
+                if self.previous != NAME:
+                    self.model.set_attn_implementation(self.previous)
+                raise ValueError(
+                    f"{type(self.model).__name__}: transformers would not switch the attention "
+                    f"of {family_name(stuck[0].module)} to {NAME!r} (it stays on "
+                    f"{_implementation(stuck[0].module)!r}); its heads cannot be observed"
+                )
+        self.count += 1
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count == 0 and self.previous != NAME:
+            self.model.set_attn_implementation(self.previous)
+
+
+def _implementation(module: nn.Module) -> Any:
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
+class _Handle:
+    """Removes one observer; the model's implementation comes back with the last one."""
+
+    def __init__(self, site: AttentionSite, key: int) -> None:
+        self.site, self.key = site, key
+
+    def remove(self) -> None:
+        if self.site._observers.pop(self.key, None) is not None:
+            self.site._switch.release()
+
+
+class AttentionSite:
+    """The observers of one routed transformers attention module (one "layer").
+
+    Quacks like :class:`multihead.MultiHeadAttention` for the observe functions:
+    ``num_heads``, ``head_dim``, ``parameters()``, ``register_observer(fn)``.
+
+    Attributes:
+        module: the transformers attention module.
+        num_heads: H, its query heads.
+        head_dim: Dv, the width of one head's output.
+    """
+
+    dropout = 0.0  # transformers applies attention dropout only in training, inside the call
+
+    def __init__(self, module: nn.Module, switch: _Switch) -> None:
+        config = getattr(module, "config", None)
+        heads = _first_int(
+            module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
+        ) or _first_int(config, ("num_attention_heads", "n_head", "num_heads", "n_heads"))
+        if heads is None:
+            raise ValueError(
+                f"{family_name(module)}: cannot tell how many heads this attention module has"
+            )
+        # Dv, the width of one head's output: MLA families name it apart from the q·k width
+        dim = _first_int(
+            module,
+            ("v_head_dim", "head_dim", "attention_head_size", "head_size", "key_value_proj_dim"),
+        ) or _first_int(config, ("v_head_dim", "head_dim", "d_kv"))
+        if dim is None:
+            width = _first_int(config, ("hidden_size", "d_model", "n_embd", "dim"))
+            dim = width // heads if width else 0
+        self.module = module
+        self.num_heads = heads
+        self.head_dim = dim
+        self._switch = switch
+        self._observers: OrderedDict[int, AttentionObserver] = OrderedDict()
+        self._next = 0
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def register_observer(self, fn: AttentionObserver) -> _Handle:
+        """Call ``fn(call, out)`` on each call, ``out`` the per-head output (B, T, H, Dv)
+        before the module's output projection (see :meth:`MultiHeadAttention.register_observer`).
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._switch.acquire()
+        self._next += 1
+        self._observers[self._next] = fn
+        return _Handle(self, self._next)
+
+    def check_call(self, query: Tensor, value: Tensor) -> None:
+        """Refuse a call whose heads disagree with what the site told the observe functions."""
+        if query.shape[1] != self.num_heads or value.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"{family_name(self.module)}: the attention call has {query.shape[1]} heads of "
+                f"width {value.shape[-1]}, but the module was read as {self.num_heads} heads of "
+                f"width {self.head_dim}; its heads cannot be observed"
+            )
+
+
+def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
+    """The routed attention modules of every transformers model in ``model``, in module order.
+
+    Attaches an :class:`AttentionSite` to each (once). Layers are numbered by module order,
+    not ``module.layer_idx`` (which many families lack).
+
+    Raises:
+        ValueError: no transformers model inside, or one whose attention is not routed through
+            ``AttentionInterface`` (the error names its family).
+    """
+    outer: list[tuple[str, PreTrainedModel]] = []
+    for name, m in model.named_modules():
+        # the outermost transformers models only (a CausalLM holds its base model)
+        if isinstance(m, PreTrainedModel) and not any(
+            r == "" or name.startswith(f"{r}.") for r, _ in outer
+        ):
+            outer.append((name, m))
+    if not outer:
+        raise ValueError(f"model ({type(model).__name__}) holds no transformers PreTrainedModel")
+    found: list[tuple[str, AttentionSite]] = []
+    for prefix, root in outer:
+        own = [(n, m) for n, m in root.named_modules() if routed(type(m))]
+        family = getattr(root.config, "model_type", type(root).__name__)
+        if not own:
+            raise ValueError(
+                f"{family} ({type(root).__name__}) does not route its attention through "
+                f"transformers' AttentionInterface: multihead cannot observe or steer its heads"
+            )
+        bypass = _unrouted_attention(root)
+        if bypass is not None:
+            raise ValueError(
+                f"{family} ({type(root).__name__}) computes some attention outside transformers' "
+                f"AttentionInterface ({type(bypass).__name__}): multihead cannot observe or "
+                f"steer all of its layers"
+            )
+        double = next((m for _, m in own if _calls(cast(Any, type(m))) > 1), None)
+        if double is not None:
+            raise ValueError(
+                f"{family} ({type(root).__name__}): {type(double).__name__} makes "
+                f"{_calls(cast(Any, type(double)))} attention calls per layer (e.g. differential "
+                f"attention), so a head is not one call's head; multihead cannot observe or "
+                f"steer its heads"
+            )
+        switch = getattr(root, "_multihead_switch", None)
+        if not isinstance(switch, _Switch):
+            switch = _Switch(root, [])
+            # a plain attribute: not a submodule, not in the state dict
+            object.__setattr__(root, "_multihead_switch", switch)
+        for name, m in own:
+            site = getattr(m, SITE, None)
+            if site is None:
+                site = AttentionSite(m, switch)
+                object.__setattr__(m, SITE, site)
+                switch.sites.append(site)
+            full = f"{prefix}.{name}" if prefix and name else prefix or name
+            found.append((full, site))
+    return found
+
+
+def uses_transformers(model: nn.Module) -> bool:
+    """Whether ``model`` holds a transformers model (the observe functions then use sites)."""
+    return any(isinstance(m, PreTrainedModel) for m in model.modules())
