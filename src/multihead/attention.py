@@ -364,7 +364,15 @@ class MultiHeadAttention(nn.Module):
         # (B, T, ·) each, rows sorted longest first, zeros at the padding
         q, k, v = packing.unpack(qkv, sorted=True).split([h * d, hk * d, hk * d], -1)
         q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
-        out = packing.attend(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+        out = packing.attend(
+            q,
+            k,
+            v,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            zero_fill=bool(self._observers),
+        )
         if self._observers:
 
             def heads() -> tuple[Tensor, Tensor, Tensor]:

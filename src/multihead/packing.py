@@ -124,6 +124,7 @@ class PackedBatch:
         is_causal: bool = False,
         scale: float | None = None,
         dropout_p: float = 0.0,
+        zero_fill: bool = True,
     ) -> Tensor:
         """Attention in the sorted layout, one kernel call per bucket, under the key mask.
 
@@ -131,14 +132,17 @@ class PackedBatch:
             q: (B, H, T, D), k: (B, Hk, T, D), v: (B, Hk, T, Dv): batch rows in ``order``
                 (``unpack(..., sorted=True)``), zeros at the padding.
             is_causal, scale, dropout_p: as for :func:`multihead.functional.attention`.
+            zero_fill: zeros past each bucket's length (for observers, who see every
+                position); without it those positions are left unwritten, since
+                :meth:`gather_sorted` never reads them back.
 
         Returns:
-            (B, T, H, Dv) in the sorted layout; zeros past each bucket's length, and at padding
-            inside it whatever the masked rows give (they are never gathered back by
-            :meth:`gather_sorted`).
+            (B, T, H, Dv) in the sorted layout; past each bucket's length zeros (or nothing
+            written), and at padding inside it whatever the masked rows give.
         """
         b, h, t, _ = q.shape
-        out = q.new_zeros(b, t, h, v.shape[-1])  # (B, T, H, Dv), sorted
+        shape = (b, t, h, v.shape[-1])  # (B, T, H, Dv), sorted
+        out = q.new_zeros(shape) if zero_fill else q.new_empty(shape)
         for start, stop, length, mask in self.buckets:
             o = functional.attention(
                 q[start:stop, :, :length],  # (n, H, L, D) views
