@@ -120,14 +120,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> None:
             f"k and v must have the same heads and length, got k {tuple(k.shape)} "
             f"and v {tuple(v.shape)}"
         )
-    for name, size, what in (
-        ("q", q.shape[-1], "head dim D"),
-        ("v", v.shape[-1], "head dim Dv"),
-        ("q", q.shape[-3], "number of heads H"),
-        ("k", k.shape[-3], "number of key/value heads Hk"),
+    for name, t, dim, what in (
+        ("q", q, -1, "head dim D"),
+        ("v", v, -1, "head dim Dv"),
+        ("q", q, -3, "number of heads H"),
+        ("k", k, -3, "number of key/value heads Hk"),
     ):
-        if size == 0:
-            raise ValueError(f"{name}'s {what} must be positive, got shape {tuple(q.shape)}")
+        if t.shape[dim] == 0:
+            raise ValueError(f"{name}'s {what} must be positive, got shape {tuple(t.shape)}")
     hq, hk = q.shape[-3], k.shape[-3]
     if hq % hk != 0:
         raise ValueError(
@@ -200,7 +200,10 @@ def _sdpa(
     if mask is None and q.device.type == "cpu":
         # torch's CPU flash kernel turns a NaN query row into zeros; NaN in the inputs propagates
         # here (one cheap pass over q, nothing over the scores).
-        out = out + q.sum(-1, keepdim=True).mul(0.0).to(out.dtype)
+        # (Summed in float32 at least: a float16 row of large finite values must not overflow
+        # to inf, whose product with 0 would be a NaN the input never had.)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        out = out + q.sum(-1, keepdim=True, dtype=wide).mul(0.0).to(out.dtype)
     return out
 
 
