@@ -75,11 +75,12 @@ class PackedBatch:
         self.rank = torch.empty_like(self.order)
         self.rank[self.order] = torch.arange(self.order.shape[0], device=key_mask.device)
         self.sorted_batch_index = self.rank[self.batch_index]  # (N,): row in the sorted batch
-        self._identity_order = bool(
-            (self.order == torch.arange(self.order.shape[0], device=key_mask.device)).all()
-        )
+        order = self.order.tolist()
+        self._identity_order = order == list(range(len(order)))
         sorted_mask = key_mask[self.order]  # (B, T)
-        lengths = effective.tolist()  # one host sync per forward, not per layer
+        # Host syncs (nonzero, these lists, one per bucket below) happen once per forward, here,
+        # not once per layer.
+        lengths = effective.tolist()
         b = len(lengths)
         # (first row, end row, length, mask (n, 1, 1, L) or None when every key is real)
         self.buckets: list[tuple[int, int, int, Tensor | None]] = []
