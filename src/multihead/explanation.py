@@ -34,10 +34,9 @@ from multihead.focus import (
     word_groups,
     word_text,
 )
-from multihead.head_effects import Ablation, ablated_weights, check_heads
+from multihead.head_effects import Ablation, ablated_weights, check_heads, every_head
 from multihead.head_effects import importance as head_effect_importance
 from multihead.models.text import TruncationWarning, check_text
-from multihead.observe.recorder import capture
 from multihead.observe.statistics import HeadStatistics
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 
@@ -389,13 +388,7 @@ def explain(
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     batch = batch.to(device)
-    with torch.no_grad(), capture(model, device="cpu") as rec:
-        model(
-            batch.input_ids,
-            attention_mask=batch.attention_mask,
-            token_type_ids=batch.token_type_ids,
-        )
-    weights = torch.stack([w[0] for w in rec.weights]).float()  # (L, H, T, T)
+    weights, _ = every_head(model, batch)  # (L, H, T, T)
     statistics = HeadStatistics.from_weights(
         [weights.unsqueeze(0)[:, i] for i in range(weights.shape[0])],  # L × (1, H, T, T)
         special_mask=torch.tensor([special]),  # (1, T)

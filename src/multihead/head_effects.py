@@ -30,7 +30,14 @@ if TYPE_CHECKING:
     from multihead.models.bert import BertModel
     from multihead.models.text import BertBatch
 
-__all__ = ["embedding_distance", "importance", "ablated_weights", "check_heads", "Ablation"]
+__all__ = [
+    "embedding_distance",
+    "every_head",
+    "importance",
+    "ablated_weights",
+    "check_heads",
+    "Ablation",
+]
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,16 @@ def importance(model: BertModel, batch: BertBatch) -> Tensor:
     return head_importance(model, metric, method="ablation").float().cpu()
 
 
+def every_head(model: BertModel, batch: BertBatch) -> tuple[Tensor, Tensor]:
+    """Run one text under :func:`multihead.capture`: every layer's and head's weights
+    (L, H, T, T), float32 on the CPU, and the sentence embedding (E,)."""
+    if batch.input_ids.shape[0] != 1:
+        raise ValueError(f"batch must hold one text, got {batch.input_ids.shape[0]}")
+    with torch.no_grad(), capture(model, device="cpu") as rec:
+        embedding = _embedding(model, batch)[0]
+    return torch.stack([w[0] for w in rec.weights]).float(), embedding
+
+
 def ablated_weights(
     model: BertModel, batch: BertBatch, heads: Sequence[tuple[int, int]]
 ) -> Ablation:
@@ -106,9 +123,7 @@ def ablated_weights(
     similarity to the clean one. The model is left exactly as it was."""
     clean, _ = embedding_distance(model, batch)
     pairs = tuple((int(layer), int(head)) for layer, head in heads)
-    with torch.no_grad(), intervene(model, dict.fromkeys(pairs, 0.0)):
-        with capture(model, device="cpu") as rec:
-            ablated = _embedding(model, batch)
-    weights = torch.stack([w[0] for w in rec.weights]).float()  # (L, H, T, T)
-    cosine = float((ablated * clean).sum(-1)[0])
+    with intervene(model, dict.fromkeys(pairs, 0.0)):
+        weights, ablated = every_head(model, batch)
+    cosine = float(ablated @ clean[0])
     return Ablation(heads=pairs, weights=weights, cosine=cosine)
