@@ -478,3 +478,24 @@ def test_a_tokenized_batch_gives_ids_and_tokens_chunked_equals_full() -> None:
         torch.testing.assert_close(getattr(got, name), getattr(want, name))
     for name in ("sep_to_sep", "cls_entropy"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name))
+
+
+def test_roles_of_hand_built_heads() -> None:
+    # head 0 reads the token before (the first reads itself), head 1 reads [SEP], head 2 is
+    # uniform over 10 keys (no place gets 0.3): the labels follow from the patterns alone.
+    t = 10
+    prev = torch.zeros(t, t)
+    prev[0, 0] = 1.0
+    prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
+    sep = torch.zeros(t, t)
+    sep[:, t - 1] = 1.0
+    uniform = torch.full((t, t), 1.0 / t)
+    weights = torch.stack([prev, sep, uniform])[None, None]  # (L=1, B=1, H=3, T, T)
+    tokens = [["[CLS]", *"abcdefgh", "[SEP]"]]
+    stats = HeadStatistics.from_weights(weights, tokens=tokens)
+    assert stats.roles() == [["previous token", "[SEP]", "broad"]]
+    assert stats.to_dict()["role"] == stats.roles()
+    # without tokens the [SEP] score is unknown and can't win: head 1 reads the last key,
+    # which is the next token only for the query before it, so nothing reaches 0.3
+    assert HeadStatistics.from_weights(weights).roles() == [["previous token", "broad", "broad"]]
+    assert "previous token" in str(stats)

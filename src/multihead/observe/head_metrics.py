@@ -21,7 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["METRICS", "ID_METRICS", "ROLE_METRICS", "token_roles", "StatsAccumulator"]
+__all__ = [
+    "METRICS",
+    "ID_METRICS",
+    "ROLE_METRICS",
+    "ROLES",
+    "BROAD",
+    "BROAD_BELOW",
+    "token_roles",
+    "StatsAccumulator",
+]
 
 # name -> what it measures; the metrics of HeadStatistics, in table order.
 METRICS: dict[str, str] = {
@@ -46,6 +55,22 @@ METRICS: dict[str, str] = {
 }
 ID_METRICS = ("induction", "duplicate_token")
 ROLE_METRICS = ("to_cls", "to_sep", "to_punctuation", "sep_to_sep", "cls_entropy")
+
+# role label -> the metric that measures it, for a head's dominant role (HeadStatistics.roles).
+# Each is the weight a query puts on one kind of place, so they compare on one scale.
+ROLES: dict[str, str] = {
+    "self": "identity",
+    "previous token": "previous_token",
+    "next token": "next_token",
+    "[CLS]": "to_cls",
+    "[SEP]": "to_sep",
+    "punctuation": "to_punctuation",
+    "induction": "induction",
+    "duplicate token": "duplicate_token",
+}
+# A head none of whose role scores reaches this spreads its weight: Clark et al.'s "broad" heads.
+BROAD = "broad"
+BROAD_BELOW = 0.3
 
 CLS_TOKENS = frozenset({"[CLS]", "<s>"})
 SEP_TOKENS = frozenset({"[SEP]", "</s>"})

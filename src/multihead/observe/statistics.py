@@ -18,13 +18,36 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_positive_int
-from multihead.observe.head_metrics import ID_METRICS, METRICS, StatsAccumulator
+from multihead.observe.head_metrics import (
+    BROAD,
+    BROAD_BELOW,
+    ID_METRICS,
+    METRICS,
+    ROLES,
+    StatsAccumulator,
+)
 from multihead.observe.rows import attention_modules, observe_rows
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = ["head_statistics", "HeadStatistics", "METRICS"]
+
+# metric -> table column ("-" where a metric is unknown for the inputs)
+_COLUMNS = {
+    "entropy": "entropy",
+    "identity": "self",
+    "previous_token": "prev",
+    "next_token": "next",
+    "special": "special",
+    "induction": "induct",
+    "duplicate_token": "dup",
+    "to_cls": "[CLS]",
+    "to_sep": "[SEP]",
+    "to_punctuation": "punct",
+    "sep_to_sep": "sep>sep",
+    "cls_entropy": "cls ent",
+}
 
 
 @dataclass
@@ -171,6 +194,23 @@ class HeadStatistics:
             for i in order
         ]
 
+    def roles(self) -> list[list[str]]:
+        """Each head's dominant role, (L', H') labels: the :data:`~multihead.observe.head_metrics.
+        ROLES` label whose metric is largest ("self", "previous token", "next token", "[CLS]",
+        "[SEP]", "punctuation", "induction", "duplicate token"), or "broad" when none reaches
+        ``BROAD_BELOW`` (0.3: the head spreads its weight). Unknown (NaN) metrics don't compete.
+        """
+        scores = torch.stack([getattr(self, m) for m in ROLES.values()])  # (R, L', H')
+        best, which = scores.nan_to_num(nan=-1.0).max(dim=0)
+        labels = list(ROLES)
+        return [
+            [
+                labels[int(k)] if float(v) >= BROAD_BELOW else BROAD
+                for v, k in zip(vr, kr, strict=True)
+            ]
+            for vr, kr in zip(best, which, strict=True)
+        ]
+
     def to_dict(self, batch_index: int = 0) -> dict[str, Any]:
         """Plain lists (JSON-ready): metrics (L', H') and, for one sequence, the most-attended."""
         out: dict[str, Any] = {"layers": self.layers, "heads": self.heads}
@@ -179,6 +219,7 @@ class HeadStatistics:
                 [None if x != x else round(float(x), 4) for x in row.tolist()]
                 for row in getattr(self, name)
             ]
+        out["role"] = self.roles()
         out["most_attended"] = self.most_attended[batch_index].tolist()
         out["most_attended_weight"] = [
             [round(float(x), 4) for x in row] for row in self.most_attended_weight[batch_index]
@@ -198,26 +239,25 @@ class HeadStatistics:
                 "HeadStatistics.table needs rich: pip install 'multihead[viz]'"
             ) from e
         table = Table(title="Head statistics (mean over queries; entropy in nats)")
-        for col in ("layer", "head", "entropy", "identity", "prev", "next", "special", "top"):
-            table.add_column(col, justify="left" if col == "top" else "right")
+        for col in ("layer", "head", *_COLUMNS.values(), "role", "top"):
+            table.add_column(col, justify="left" if col in ("role", "top") else "right")
         rows = [(i, j) for i in range(len(self.layers)) for j in range(len(self.heads))]
         if sort_by is not None:
             if sort_by not in METRICS:
                 raise ValueError(f"sort_by must be one of {', '.join(METRICS)}, got {sort_by!r}")
-            values = getattr(self, sort_by)
+            values = getattr(self, sort_by).nan_to_num(nan=-float("inf"))
             rows.sort(key=lambda ij: -float(values[ij]))
         toks = self.tokens[batch_index] if self.tokens is not None else None
+        roles = self.roles()
         for i, j in rows:
             pos = int(self.most_attended[batch_index, i, j])
             label = toks[pos] if toks is not None and pos < len(toks) else f"#{pos}"
+            cells = [getattr(self, m)[i, j] for m in _COLUMNS]
             table.add_row(
                 str(self.layers[i]),
                 str(self.heads[j]),
-                f"{float(self.entropy[i, j]):.2f}",
-                f"{float(self.identity[i, j]):.2f}",
-                f"{float(self.previous_token[i, j]):.2f}",
-                f"{float(self.next_token[i, j]):.2f}",
-                f"{float(self.special[i, j]):.2f}",
+                *("-" if v != v else f"{float(v):.2f}" for v in cells),
+                roles[i][j],
                 f"{label} ({float(self.most_attended_weight[batch_index, i, j]):.2f})",
             )
         return table
@@ -231,7 +271,7 @@ class HeadStatistics:
         except ImportError:
             return repr(self)
         buffer = io.StringIO()
-        Console(file=buffer, width=100, color_system=None).print(self.table())
+        Console(file=buffer, width=170, color_system=None).print(self.table())
         return buffer.getvalue()
 
 

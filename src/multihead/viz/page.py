@@ -72,6 +72,7 @@ def render_page(
     initial: tuple[int, int] = (0, 0),
     title: str = "Attention",
     subtitle: str = "",
+    causal: bool = False,
     compress: bool = True,
 ) -> str:
     """The interactive page as one HTML string.
@@ -88,6 +89,8 @@ def render_page(
         focus: the token whose attention is shown first.
         initial: (layer position, head position) shown first, positions along L and H.
         title, subtitle: shown at the top.
+        causal: the weights are a causal (decoder) model's: each query reads only itself and
+            earlier tokens, and maps are drawn as lower triangles.
         compress: deflate the weights (inflated by the browser's DecompressionStream; every
             current browser has it). Without it the page is ~4/3 of L·H·T² bytes.
 
@@ -129,6 +132,7 @@ def render_page(
         "layers": layers,
         "heads": heads,
         "focus": int(focus),
+        "causal": bool(causal),
         "initial": {"layer": int(initial[0]), "head": int(initial[1])},
         "encoding": "deflate" if compress else "raw",
         "weights": base64.b64encode(payload).decode("ascii"),
