@@ -1,20 +1,25 @@
 """The cost of seeing one row of every head of a transformers model at long context.
 
 A Llama-shaped random model (4 layers, width 512, 8 query heads, 2 key/value heads, fp32) runs
-one forward of T tokens two ways, each in a fresh child process:
+one forward of T tokens in these modes, each in a fresh child process (so that each peak RSS is
+its own):
 
 - ``sdpa``: transformers' plain ``attn_implementation="sdpa"`` forward;
 - ``multihead``: the plain forward on ``attn_implementation="multihead"`` (for context);
 - ``capture``: the same model inside ``multihead.capture(model, rows=[-1])``: one query row of
   every head of every layer recorded, (B, H, 1, T) per layer (the model runs on
-  ``"multihead"`` inside the block).
+  ``"multihead"`` inside the block);
+- ``eager``: ``attn_implementation="eager"`` with ``output_attentions=True`` (every head's T×T
+  weights of every layer), only for T <= ``--eager-max`` (it needs L·H·T² floats and more).
 
-Reported: the median forward time and the peak RSS of each child, and the ratios capture ÷ sdpa
-(targets: time <= 1.15x, peak RSS <= 1.1x).
+The modes run in ``--rounds`` interleaved rounds (each round starts every mode's child once, in
+a rotated order), so that a slow spell of a shared machine hits every mode alike. Reported: per
+mode the median forward time over all rounds and the peak RSS; the ratio capture ÷ sdpa is the
+median of the per-round ratios (targets: time <= 1.15x, peak RSS <= 1.1x).
 
 Usage::
 
-    python benchmarks/bench_hf.py [--lengths 4096 16384] [--repeats 3] [--quick]
+    python benchmarks/bench_hf.py [--lengths 4096 16384] [--rounds 5] [--repeats 2] [--quick]
 
 Writes ``benchmarks/results/hf.json`` (``hf_quick.json`` with ``--quick``).
 """
@@ -36,7 +41,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from common import format_table, machine_info, write_json  # noqa: E402
 
-MODES = ("sdpa", "multihead", "capture")
+MODES = ("sdpa", "multihead", "capture", "eager")
 TARGETS = {"time": 1.15, "peak_rss": 1.1}
 
 
@@ -66,7 +71,7 @@ def child(mode: str, length: int, repeats: int, quick: bool) -> dict[str, Any]:
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = build(quick)
-    model.set_attn_implementation("multihead" if mode == "multihead" else "sdpa")
+    model.set_attn_implementation(mode if mode in ("multihead", "eager") else "sdpa")
     ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(1))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times = []
@@ -79,6 +84,10 @@ def child(mode: str, length: int, repeats: int, quick: bool) -> dict[str, Any]:
                 with multihead.capture(model, rows=[-1]) as rec:
                     model(input_ids=ids, use_cache=False)
                 recorded = sum(w.numel() for w in rec.weights)
+            elif mode == "eager":
+                out = model(input_ids=ids, use_cache=False, output_attentions=True)
+                recorded = sum(w.numel() for w in out.attentions)
+                del out
             else:
                 model(input_ids=ids, use_cache=False)
             if i > 0:
@@ -86,7 +95,7 @@ def child(mode: str, length: int, repeats: int, quick: bool) -> dict[str, Any]:
     return {
         "mode": mode,
         "T": length,
-        "seconds": sorted(times)[len(times) // 2],
+        "times": times,
         "rss_before": rss_before,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "recorded_elements": recorded,
@@ -96,7 +105,11 @@ def child(mode: str, length: int, repeats: int, quick: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="timed forwards per child")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of all modes")
+    parser.add_argument(
+        "--eager-max", type=int, default=4096, help="run eager output_attentions up to this T"
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model at T=256: a smoke run")
     parser.add_argument("--results-dir", type=Path, default=None)
     parser.add_argument("--child", nargs=2, metavar=("MODE", "T"), help=argparse.SUPPRESS)
@@ -107,25 +120,48 @@ def main(argv: list[str] | None = None) -> int:
 
     lengths = [256] if args.quick else args.lengths
     repeats = 1 if args.quick else args.repeats
-    rows = []
+    rounds = 1 if args.quick else args.rounds
+    runs: list[dict[str, Any]] = []
     for length in lengths:
+        modes = [m for m in MODES if m != "eager" or length <= args.eager_max]
+        for r in range(rounds):
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                command = [sys.executable, __file__, "--child", mode, str(length)]
+                command += ["--repeats", str(repeats)] + (["--quick"] if args.quick else [])
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    print(done.stderr[-3000:], file=sys.stderr)
+                    return 1
+                runs.append({**json.loads(done.stdout.strip().splitlines()[-1]), "round": r})
+    rows, ratios = [], []
+    for length in lengths:
+        of_t = [run for run in runs if run["T"] == length]
         for mode in MODES:
-            command = [sys.executable, __file__, "--child", mode, str(length)]
-            command += ["--repeats", str(repeats)] + (["--quick"] if args.quick else [])
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return 1
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    ratios = []
-    for length in lengths:
-        by = {r["mode"]: r for r in rows if r["T"] == length}
+            mine = [run for run in of_t if run["mode"] == mode]
+            if mine:
+                rows.append(
+                    {
+                        "T": length,
+                        "mode": mode,
+                        "seconds": _median([t for run in mine for t in run["times"]]),
+                        "peak_rss": max(run["peak_rss"] for run in mine),
+                        "recorded_elements": mine[0]["recorded_elements"],
+                    }
+                )
+
+        def per_round(mode: str, of_t: list[dict[str, Any]] = of_t) -> list[float]:
+            """Per round, capture's median time ÷ ``mode``'s."""
+            by = {(run["round"], run["mode"]): _median(run["times"]) for run in of_t}
+            return [by[r, "capture"] / by[r, mode] for r in range(rounds)]
+
+        by_mode = {row["mode"]: row for row in rows if row["T"] == length}
         ratios.append(
             {
                 "T": length,
-                "time": by["capture"]["seconds"] / by["sdpa"]["seconds"],
-                "peak_rss": by["capture"]["peak_rss"] / by["sdpa"]["peak_rss"],
-                "time_vs_multihead": by["capture"]["seconds"] / by["multihead"]["seconds"],
+                "time": _median(per_round("sdpa")),
+                "time_rounds": per_round("sdpa"),
+                "peak_rss": by_mode["capture"]["peak_rss"] / by_mode["sdpa"]["peak_rss"],
+                "time_vs_multihead": _median(per_round("multihead")),
             }
         )
     print(
@@ -150,13 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "machine": machine_info(),
         "quick": args.quick,
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "rows": rows,
+        "runs": runs,
         "ratios": ratios,
         "targets": TARGETS,
     }
     path = write_json("hf_quick" if args.quick else "hf", payload, directory=args.results_dir)
     print(f"wrote {path}")
     return 0
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 if __name__ == "__main__":
