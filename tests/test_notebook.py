@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ print({REPORT!r} + json.dumps({{
     "workdir": workdir,
     "captured_shapes": captured_shapes,
     "induction_heads": induction_heads,
+    "losses": [first, repeated, repeated_ablated],
 }}))
 """
 
@@ -87,6 +89,8 @@ def _is_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:  # the number now belongs to another user's process
+        return False
     return True
 
 
@@ -109,7 +113,11 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)])
     )
     client = nbclient.NotebookClient(
-        nb, km=km, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(workdir)}}
+        nb,
+        km=km,
+        timeout=CELL_TIMEOUT_S,
+        extra_arguments=["--InteractiveShell.colors=nocolor"],  # plain tracebacks in failures
+        resources={"metadata": {"path": str(workdir)}},
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTER_RUNTIME_DIR", str(base / "runtime"))  # connection files stay in tmp
@@ -137,6 +145,15 @@ def test_runs_clean_on_the_multihead_under_test(executed: dict[str, Any]) -> Non
         o for c in executed["nb"].cells for o in c.get("outputs", []) if o.output_type == "error"
     ]
     assert not errors
+    # A warning in a kernel is printed to the cell's stderr (other stderr, such as matplotlib
+    # building its font cache on a fresh machine, is not a fault of the tour).
+    warned = [
+        f"[{c.id}] {o.text}"
+        for c in executed["nb"].cells
+        for o in c.get("outputs", [])
+        if o.output_type == "stream" and o.name == "stderr" and re.search(r"\w+Warning\b", o.text)
+    ]
+    assert not warned, "the tour's cells warned:\n" + "\n".join(warned)
     assert not executed["km"].has_kernel
     assert not _is_alive(report["pid"]), "the kernel process was left running"
 
@@ -185,5 +202,17 @@ def test_capture_cell_prints_one_row_per_head(executed: dict[str, Any], minilm: 
 def test_finds_an_induction_head_in_the_second_layer(executed: dict[str, Any]) -> None:
     heads = executed["report"]["induction_heads"]
     assert any(layer == 1 and score >= 0.5 for layer, _, score in heads), heads
+    printed = "".join(_text(o) for o in _cell(executed["nb"], "find").outputs)
+    for layer, head, score in heads:
+        assert f"induction head: L{layer} H{head} score {score:.2f}" in printed
+
+
+def test_zeroing_the_induction_heads_makes_repeated_tokens_hard_again(
+    executed: dict[str, Any],
+) -> None:
+    first, repeated, ablated = executed["report"]["losses"]
+    assert repeated < first - 1.0  # the trained model reads repeated tokens off the first half
+    # Zeroed, the repeated tokens' loss goes back more than halfway to that of random tokens.
+    assert ablated > (first + repeated) / 2
     printed = "".join(_text(o) for o in _cell(executed["nb"], "break").outputs)
-    assert "with the induction heads zeroed" in printed
+    assert f"with the induction heads zeroed: {ablated:.2f}" in printed
