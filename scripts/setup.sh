@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # Torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
   python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
   python -m pip install -q -e ".[all,test]" 2>&1 | grep -v "^WARNING: Location" || true
-  python -c "import multihead, torch, transformers, tokenizers, safetensors, matplotlib" \
+  python -c "import multihead, torch, transformers, tokenizers, safetensors, matplotlib, nbclient, ipykernel" \
     || { echo "setup: installation failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
