@@ -158,7 +158,7 @@ def test_page_in_chromium(driver: Any, tmp_path: Path) -> None:
 # T = 16 tokens, 2 layers × 3 heads; layer 0's heads are built so that where each query looks is
 # known exactly: head 0 reads the previous token, head 1 reads [CLS] (position 0), head 2 itself.
 T = len(TOKENS)
-IMPORTANCE = torch.tensor([[0.5, 0.25, 0.125], [0.0625, 0.75, 0.03125]])
+IMPORTANCE = torch.tensor([[0.52, 0.25, 0.125], [0.07, 0.75, 0.031]])
 
 
 def _designed(causal: bool = False) -> torch.Tensor:
@@ -333,4 +333,119 @@ def test_head_view_draws_lines_in_one_colour_per_head(driver: Any, tmp_path: Pat
             for c in colours:
                 counts[c] += near(tuple(px[k : k + 4]), c)
     assert all(n > 20 for n in counts.values()), counts
+    _no_errors_no_network(driver)
+
+
+def test_causal_maps_are_lower_triangles(driver: Any, tmp_path: Path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    path, weights, _ = _designed_page(tmp_path, causal=True)
+    _open(driver, path)
+    driver.execute_script("mh.select(1, 0)")
+    heatmap = _pixels(driver, "matrix-canvas")
+    cell = heatmap[1] / T
+    for i in range(T):
+        if i == 10:
+            continue  # the focus row is outlined
+        for j in range(T):
+            alpha = _rgba(heatmap, (j + 0.5) * cell, (i + 0.5) * cell)[3]
+            assert alpha == (0 if j > i else 255), (i, j)  # above: background, not "zero"
+    for layer in range(2):
+        for head in range(3):
+            w, _, px = _pixels(driver, f"thumb-{layer}-{head}")
+            alphas = [px[4 * (i * w + j) + 3] for i in range(T) for j in range(T)]
+            assert alphas == [0 if j > i else 255 for i in range(T) for j in range(T)]
+
+    # hover the key "didn" (position 3) in the head view's right column: lines come from the
+    # queries that read it (3 and later), those at or above 2% of their row's peak
+    base = driver.find_element(By.ID, "hv-base")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", base)
+    x, y = driver.execute_script("return mh.headViewPoint('k', 3)")
+    size = base.size
+    ActionChains(driver).move_to_element_with_offset(
+        base, int(x - size["width"] / 2), int(y - size["height"] / 2)
+    ).perform()
+    assert driver.execute_script("return [mh.state.focus, mh.state.side]") == [3, "k"]
+    w = weights[1, 0]
+    relative = torch.round(w / w.amax(-1, keepdim=True) * 255) / 255  # 8 bits per row, as stored
+    readers = [i for i in range(T) if relative[i, 3] >= 0.02]
+    assert readers and min(readers) >= 3
+    assert driver.execute_script("return mh.headView.lines") == {"1:0": len(readers)}
+    _no_errors_no_network(driver)
+
+
+def test_statistics_table_has_role_and_importance(driver: Any, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    path, _, stats = _designed_page(tmp_path)
+    _open(driver, path)
+    keys = [th.get_attribute("data-k") for th in driver.find_elements(By.CSS_SELECTOR, "#stats th")]
+    assert keys[:4] == ["layer", "head", "role", "importance"]
+    assert {"induction", "duplicate_token", "to_cls", "to_sep", "to_punctuation"} <= set(keys)
+
+    def row(layer: int, head: int) -> dict[str, str]:
+        tr = driver.find_element(By.CSS_SELECTOR, f'#stats tr[data-l="{layer}"][data-h="{head}"]')
+        cells = [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        return dict(zip(keys, cells, strict=True))
+
+    roles = stats.roles()
+    # the heads built as previous-token, [CLS] and identity heads carry those roles
+    for head, role in enumerate(("previous token", "[CLS]", "self")):
+        assert roles[0][head] == role and row(0, head)["role"] == role
+    assert row(0, 2)["identity"] == "1.00" and row(0, 1)["to_cls"] == "1.00"
+    for layer in range(2):
+        for head in range(3):
+            assert row(layer, head)["importance"] == f"{float(IMPORTANCE[layer, head]):.3f}"
+    assert torch.isnan(stats.induction).all()  # no token ids given: unknown, shown as a dash
+    assert row(1, 1)["induction"] == "\u2013"
+
+    # sort by importance (largest first), then a click on the top row still opens its head
+    driver.find_element(By.CSS_SELECTOR, '#stats th[data-k="importance"]').click()
+    first = driver.find_element(By.CSS_SELECTOR, "#stats tbody tr")
+    assert (first.get_attribute("data-l"), first.get_attribute("data-h")) == ("1", "1")
+    first.click()
+    assert driver.execute_script("return [mh.state.layer, mh.state.head]") == [1, 1]
+    _no_errors_no_network(driver)
+
+
+def test_512_token_page_opens_and_records_its_time(
+    driver: Any, tmp_path: Path, record_property: Any
+) -> None:
+    # 6 layers × 12 heads × 512² weights, a realistic pattern: a [CLS] sink plus a local window
+    layers, heads, t = 6, 12, 512
+    pos = torch.arange(t)
+    scores = (
+        -(pos[:, None] - pos[None, :]).abs().float() * torch.linspace(0.3, 3, heads)[:, None, None]
+    )
+    scores[..., 0] += 2.0
+    weights = torch.softmax(scores, -1).expand(layers, heads, t, t)
+    tokens = ["[CLS]", *(f"w{i}" for i in range(t - 2)), "[SEP]"]
+    path = write_page(tmp_path / "long.html", weights, tokens, title="512 tokens")
+    driver.get(path.as_uri())
+    _wait_ready(driver, timeout=120)
+    ready = driver.execute_script("return window.__multiheadReady")
+    assert ready is not None and ready["ms"] > 0 and ready["sinceNavigation"] >= ready["ms"]
+    assert (
+        driver.execute_script("return document.querySelectorAll('#model-grid canvas').length") == 72
+    )
+    # each thumbnail is the head's map max-pooled into 64 × 64 blocks of 8 × 8 weights, each
+    # query relative to its peak, on the white -> blue ramp; reference: pooled here from the weights
+    for head in (0, 11):
+        w = weights[0, head]
+        relative = torch.round(w / w.amax(-1, keepdim=True) * 255)  # 8 bits per row, as stored
+        pooled = torch.nn.functional.max_pool2d(relative[None], 8)[0] / 255  # (64, 64)
+        ramp = torch.stack([247 - 239 * pooled, 251 - 203 * pooled, 255 - 148 * pooled], -1)
+        thumb = _pixels(driver, f"thumb-0-{head}")
+        assert thumb[:2] == (64, 64)
+        drawn = torch.tensor(thumb[2], dtype=torch.float32).view(64, 64, 4)
+        assert (drawn[..., :3] - ramp).abs().max() <= 1.0
+    size_mb = path.stat().st_size / 1e6
+    record_property("page_open_ms", round(ready["ms"], 1))
+    record_property("page_open_since_navigation_ms", round(ready["sinceNavigation"], 1))
+    record_property("page_mb", round(size_mb, 2))
+    print(
+        f"512-token page ({size_mb:.1f} MB): open {ready['ms']:.0f} ms from script start, "
+        f"{ready['sinceNavigation']:.0f} ms from navigation (decode {ready['decode']:.0f} ms)"
+    )
     _no_errors_no_network(driver)
