@@ -333,6 +333,18 @@ def test_head_view_draws_lines_in_one_colour_per_head(driver: Any, tmp_path: Pat
             for c in colours:
                 counts[c] += near(tuple(px[k : k + 4]), c)
     assert all(n > 20 for n in counts.values()), counts
+
+    # the head view's own check boxes add a head (the identity head: a line from 8 to itself)
+    box = driver.find_element(By.CSS_SELECTOR, '#hv-heads input[data-h="2"]')
+    _click(driver, box)
+    assert driver.execute_script("return mh.state.picked.map(p => [p.l, p.h])") == [
+        [0, 0],
+        [0, 1],
+        [0, 2],
+    ]
+    assert driver.execute_script("return mh.headView.lines") == {"0:0": 1, "0:1": 1, "0:2": 1}
+    third = driver.execute_script("return mh.headView.colors[2]")
+    assert third not in view["colors"] and "L0 H2" in driver.find_element(By.ID, "hv-legend").text
     _no_errors_no_network(driver)
 
 
