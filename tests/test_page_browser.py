@@ -424,14 +424,16 @@ def test_statistics_table_has_role_and_importance(driver: Any, tmp_path: Path) -
 def test_512_token_page_opens_and_records_its_time(
     driver: Any, tmp_path: Path, record_property: Any
 ) -> None:
-    # 6 layers × 12 heads × 512² weights, a realistic pattern: a [CLS] sink plus a local window
+    # 6 layers × 12 heads × 512² weights shaped like a BERT's: per head a local window (none for
+    # the broad heads), a [CLS] sink and noise, so the page is about as large as a real one
     layers, heads, t = 6, 12, 512
     pos = torch.arange(t)
-    scores = (
-        -(pos[:, None] - pos[None, :]).abs().float() * torch.linspace(0.3, 3, heads)[:, None, None]
-    )
-    scores[..., 0] += 2.0
-    weights = torch.softmax(scores, -1).expand(layers, heads, t, t)
+    distance = (pos[:, None] - pos[None, :]).abs().float()  # (T, T)
+    width = (3.0 * torch.linspace(0, 1, layers * heads) ** 7).view(layers, heads, 1, 1)
+    noise = torch.randn(layers, heads, t, t, generator=torch.Generator().manual_seed(0))
+    scores = -distance * width + noise
+    scores[..., 0] += 3.0
+    weights = torch.softmax(scores, -1)  # (L, H, T, T)
     tokens = ["[CLS]", *(f"w{i}" for i in range(t - 2)), "[SEP]"]
     path = write_page(tmp_path / "long.html", weights, tokens, title="512 tokens")
     driver.get(path.as_uri())
@@ -447,12 +449,12 @@ def test_512_token_page_opens_and_records_its_time(
     )
     # each thumbnail is the head's map max-pooled into 64 × 64 blocks of 8 × 8 weights, each
     # query relative to its peak, on the white -> blue ramp; reference: pooled here from the weights
-    for head in (0, 11):
-        w = weights[0, head]
+    for layer, head in ((0, 0), (2, 5), (5, 11)):  # broad to sharp
+        w = weights[layer, head]
         relative = torch.round(w / w.amax(-1, keepdim=True) * 255)  # 8 bits per row, as stored
         pooled = torch.nn.functional.max_pool2d(relative[None], 8)[0] / 255  # (64, 64)
         ramp = torch.stack([247 - 239 * pooled, 251 - 203 * pooled, 255 - 148 * pooled], -1)
-        thumb = _pixels(driver, f"thumb-0-{head}")
+        thumb = _pixels(driver, f"thumb-{layer}-{head}")
         assert thumb[:2] == (64, 64)
         drawn = torch.tensor(thumb[2], dtype=torch.float32).view(64, 64, 4)
         assert (drawn[..., :3] - ramp).abs().max() <= 1.0
