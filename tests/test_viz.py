@@ -190,6 +190,40 @@ def test_page_errors() -> None:
         render_page(w, TOKENS, initial=(2, 0))
 
 
+def test_page_causal_flag_is_checked_against_the_weights() -> None:
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # key after query
+    scores = torch.randn(L, H, T, T, generator=torch.Generator().manual_seed(3))
+    causal = torch.softmax(scores.masked_fill(future, -float("inf")), dim=-1)
+    assert causal.triu(1).eq(0).all()
+    data = _data(render_page(causal, TOKENS, causal=True))
+    assert data["causal"] is True
+    assert _data(render_page(causal, TOKENS))["causal"] is False  # a causal map may be shown flat
+    # one weight after its query (layer 1, head 2, query 3 on key 7): the flag must be wrong
+    leaky = causal.clone()
+    leaky[1, 2, 3, 7] = 0.25
+    with pytest.raises(
+        ValueError,
+        match=r"causal=True but weights put 0.25 above the diagonal \(layer position 1, head 2, "
+        r"query 3 on later key 7\): these are not a causal model's weights; pass causal=False",
+    ):
+        render_page(leaky, TOKENS, causal=True)
+    with pytest.raises(ValueError, match="causal=True but weights put"):
+        render_page(_weights(), TOKENS, causal=True)  # a bidirectional model's weights
+
+
+def test_page_carries_roles_importance_and_the_new_views() -> None:
+    w = _weights()
+    stats = _stats(w)
+    importance = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    page = render_page(w, TOKENS, statistics=stats, importance=importance)
+    data = _data(page)
+    assert data["stats"]["role"] == stats.roles()
+    assert data["stats"]["importance"] == [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]
+    for element in ('id="model-grid"', 'id="hv-base"', 'id="hv-lines"', 'id="stats"'):
+        assert element in page
+    assert "__multiheadReady" in page
+
+
 def test_formats_are_one_list_checked_once() -> None:
     from multihead.explanation import Explanation
     from multihead.viz import FORMATS, check_formats

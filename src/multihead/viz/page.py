@@ -2,9 +2,22 @@
 
 The page (template: ``page.html`` beside this module) carries its script, style and data inline and
 never touches the network, so it works offline, from an e-mail attachment, or inside a notebook.
-It offers a layer and a head selector; hovering a token shades every token by the attention the
-hovered one pays it (drawn on a <canvas>, so 512 tokens are as quick as 16); a heatmap of the
-selected head; and the head-statistics table (click a row to show that head).
+It shows the whole model:
+
+- a layer and a head selector; hovering a token shades every token by the attention the hovered
+  one pays it (drawn on a <canvas>, so 512 tokens are as quick as 16); a heatmap of the selected
+  head (rows: queries, each relative to its own peak; columns: keys);
+- the model view: every layer × head as a small map (rows: layers, columns: heads; each T × T map
+  max-pooled to the thumbnail's pixels), click one to open it, as BertViz's model view;
+- the head view: queries left, keys right, lines from the hovered token to the tokens it attends
+  to (opacity and width by weight; per head its strongest keys), several heads overlaid in
+  distinct colours (shift-click thumbnails or tick heads; a legend names them);
+- the head-statistics table with each head's role and, when given, importance (click a row to
+  show that head, a column title to sort).
+
+A causal model's maps are lower triangles (the upper one hatched, not drawn as zero) and its head
+view draws lines only to earlier tokens. The page measures its own opening (script start to every
+view drawn) in ``window.__multiheadReady = {ms, ...}``.
 
 The weights travel compactly: each query row is scaled by its maximum and quantised to 8 bits
 (the row maxima are kept as float32), then deflated and base64-encoded; the browser inflates them
@@ -55,6 +68,19 @@ def encode_weights(weights: Tensor) -> tuple[bytes, bytes]:
     return q.numpy().tobytes(), scales.numpy().astype("<f4").tobytes()
 
 
+def _check_causal(weights: Tensor, tol: float = 1e-6) -> None:
+    """Refuse ``causal=True`` for weights that put mass above the diagonal (key after query)."""
+    above = weights.detach().to(torch.float32).triu(diagonal=1).abs()  # (L, H, T, T)
+    worst = float(above.max()) if above.numel() else 0.0
+    if worst > tol:
+        layer, head, i, j = (int(x) for x in torch.nonzero(above == worst)[0])
+        raise ValueError(
+            f"causal=True but weights put {worst:.3g} above the diagonal (layer position {layer}, "
+            f"head {head}, query {i} on later key {j}): these are not a causal model's weights; "
+            f"pass causal=False"
+        )
+
+
 def _template() -> str:
     return (resources.files("multihead.viz") / "page.html").read_text(encoding="utf-8")
 
@@ -90,12 +116,17 @@ def render_page(
         initial: (layer position, head position) shown first, positions along L and H.
         title, subtitle: shown at the top.
         causal: the weights are a causal (decoder) model's: each query reads only itself and
-            earlier tokens, and maps are drawn as lower triangles.
+            earlier tokens; maps are drawn as lower triangles and the head view draws lines only
+            to earlier tokens.
         compress: deflate the weights (inflated by the browser's DecompressionStream; every
             current browser has it). Without it the page is ~4/3 of L·H·T² bytes.
 
     Returns:
         A complete HTML document with no external reference.
+
+    Raises:
+        ValueError: a shape or label does not match the weights, or ``causal=True`` with weights
+            above the diagonal (more than 1e-6).
     """
     if (
         not isinstance(weights, Tensor)
@@ -104,6 +135,8 @@ def render_page(
     ):
         got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
         raise ValueError(f"weights must be a (L, H, T, T) self-attention tensor, got {got}")
+    if causal:
+        _check_causal(weights)
     n_layers, n_heads, t, _ = weights.shape
     if len(tokens) != t:
         raise ValueError(f"tokens must hold T={t} tokens, got {len(tokens)}")
