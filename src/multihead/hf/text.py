@@ -170,7 +170,9 @@ class HFTextModel(nn.Module):
 
         ``tokens`` are display strings: the text each token covers (byte-level "Ġthe" and
         SentencePiece "▁the" read "the"), the tokenizer's own strings for special tokens.
-        ``offsets`` exclude the whitespace a token carries, so words are found by their letters.
+        ``offsets`` exclude the whitespace a token carries, so words are found by their letters
+        (a token of whitespace alone, shown as "␣", gets the empty span where the next text
+        starts).
 
         Raises:
             ValueError: ``texts`` empty or not valid Unicode.
@@ -184,13 +186,14 @@ class HFTextModel(nn.Module):
         )
         items = [texts] if isinstance(texts, str) else list(texts)
         for i, source in enumerate(items):
-            spans = [_trim(source, s, e) for s, e in batch.offsets[i]]
             special = batch.special_mask[i].tolist()
-            batch.tokens[i] = [
-                tok if special[j] or e <= s else source[s:e].translate(_BLANKS)
-                for j, (tok, (s, e)) in enumerate(zip(batch.tokens[i], spans, strict=True))
-            ]
-            batch.offsets[i] = spans
+            tokens, spans = [], []
+            for j, (tok, (s, e)) in enumerate(zip(batch.tokens[i], batch.offsets[i], strict=True)):
+                start, end = _trim(source, s, e)
+                shown = source[start:end] or source[s:e].translate(_BLANKS)
+                tokens.append(tok if special[j] or not shown else shown)
+                spans.append((start, end))
+            batch.tokens[i], batch.offsets[i] = tokens, spans
         return batch
 
     # -- tensors out ------------------------------------------------------------------------
@@ -230,11 +233,12 @@ class HFTextModel(nn.Module):
 
 
 def _trim(source: str, start: int, end: int) -> tuple[int, int]:
-    """(start, end) without the whitespace at either end; unchanged when nothing else is left."""
+    """(start, end) without the whitespace at either end; (end, end) for whitespace alone, so
+    that a word's text never starts with the space its first token carries."""
     piece = source[start:end]
     core = piece.strip()
     if not core:
-        return start, end
+        return end, end
     s = start + piece.index(core)
     return s, s + len(core)
 
