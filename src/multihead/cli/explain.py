@@ -147,9 +147,9 @@ def _is_bert_dir(given: str) -> bool:
     """Whether ``given`` is a directory for multihead's own BERT (works without transformers):
     its config.json says model_type "bert", or cannot be read (load_bert then says why)."""
     path = Path(given)
-    if not path.is_dir():
-        return False
     try:
+        if not path.is_dir():
+            return False
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return True

@@ -295,15 +295,17 @@ def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
     given = os.fspath(dir_or_name)
     if not given:
         raise ValueError("model must be a directory or a model name, got ''")
+    local = _local_directory(given)  # its mistakes are told before transformers is needed
     try:
         import transformers
     except ImportError as e:
+        where = "" if local else f"model {given!r} is not a directory, and "
         raise ImportError(
-            "a Hugging Face model needs transformers>=5: pip install 'multihead[hf]'"
+            f"{where}a Hugging Face model needs transformers>=5: pip install 'multihead[hf]'"
         ) from e
     import multihead.hf  # noqa: F401  (registers "multihead" in transformers)
 
-    directory = _resolve(given, cache_dir)
+    directory = local or _from_cache(given, cache_dir)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"model {given!r} has no config.json: expected a Hugging Face model directory "
@@ -340,17 +342,26 @@ def _looks_like_path(given: str) -> bool:
     )
 
 
-def _resolve(given: str, cache_dir: str | None) -> Path:
-    """The local directory holding ``given``: itself, or its snapshot in the cache."""
+def _local_directory(given: str) -> Path | None:
+    """``given`` as a directory; None for what can only be a model name."""
     path = Path(given).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:  # a name too long, ...
+        raise ValueError(f"model path {given!r} cannot be used: {e.strerror or e}") from None
+    if exists:
         if not path.is_dir():
             raise NotADirectoryError(
-                f"model must be a directory or a model name, got a file: {given!r}"
+                f"model must be a directory or a model name, got {given!r} (not a directory)"
             )
         return path
     if _looks_like_path(given):
         raise FileNotFoundError(f"model directory {given!r} does not exist")
+    return None
+
+
+def _from_cache(given: str, cache_dir: str | None) -> Path:
+    """The snapshot directory of the model named ``given`` in the local cache."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
