@@ -389,6 +389,25 @@ def test_a_name_in_the_local_cache_loads_without_the_network(
         load_hf("tiny/nothing", cache_dir=str(cache))
 
 
+def test_weights_missing_from_the_files_are_a_warning(
+    saved: dict[str, Path], tmp_path: Path, capsys: Any
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = Path(shutil.copytree(saved["gpt2"], tmp_path / "model"))
+    weights = load_file(path / "model.safetensors")
+    dropped = next(k for k in weights if k.endswith("h.1.ln_1.weight"))
+    del weights[dropped]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 weights are not in its files .*h\.1\.ln_1\.weight"):
+        load_hf(path)
+    capsys.readouterr()
+    argv = ["explain", "--model", str(path), "--out", str(tmp_path / "o"), "--format", "html"]
+    assert main([*argv, "--no-importance"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: model" in err and "initialised at random" in err
+
+
 def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a network connection was attempted")

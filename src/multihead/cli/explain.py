@@ -197,8 +197,10 @@ def run(args: argparse.Namespace) -> int:
 def _explain(
     args: argparse.Namespace, formats: list[str], out: Path, console: Any
 ) -> tuple[Explanation, list[Path]]:
-    with _status(console, "Loading the model…"):
+    with _status(console, "Loading the model…"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model, name = _load_model(args.model)
+    _warn(caught)
 
     from multihead.explanation import explain
 
@@ -215,12 +217,17 @@ def _explain(
             importance=args.importance,
         )
     ex.model_name = name
-    for w in caught:  # the library's warnings (a truncated text), in the command's voice
-        print(f"warning: {w.message}", file=sys.stderr)
+    _warn(caught)
 
     with _status(console, "Drawing the pictures…"):
         paths = ex.save(out, formats)
     return ex, paths
+
+
+def _warn(caught: list[warnings.WarningMessage]) -> None:
+    """The library's warnings (a truncated text, missing weights), in the command's voice."""
+    for w in caught:
+        print(f"warning: {printable(str(w.message))}", file=sys.stderr)
 
 
 def _print_report(ex: Explanation, paths: list[Path]) -> None:
@@ -251,11 +258,13 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     print()
     stats = ex.statistics
     print("Heads (all layers; mean over tokens):")
-    for metric, label in (
+    metrics = [
         ("identity", "most identity-like (attend to themselves)"),
         ("previous_token", "most previous-token-like"),
-        ("next_token", "most next-token-like"),
-    ):
+    ]
+    if not ex.causal:  # a causal head cannot look at the next token: always 0
+        metrics.append(("next_token", "most next-token-like"))
+    for metric, label in metrics:
         best = ", ".join(f"L{layer} H{head} {v:.2f}" for layer, head, v in stats.top(metric, 3))
         print(f"  {label + ':':44s}{best}")
     if ex.importance is not None:

@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import os
 import string
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +290,9 @@ def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
             different head counts.
         TypeError: ``dir_or_name`` is not a str or path.
         ImportError: transformers (>= 5) is not installed.
+
+    Warns:
+        UserWarning: weights the model needs are missing from the files (initialised at random).
     """
     if not isinstance(dir_or_name, (str, os.PathLike)):
         raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
@@ -321,8 +325,18 @@ def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
         tokenizer = _tokenizer(transformers, directory, given)
         # Loaded on transformers' default implementation and switched after the check: a family
         # without the interface fails inside from_pretrained with a bare KeyError otherwise.
-        model = transformers.AutoModel.from_pretrained(
-            directory, config=config, local_files_only=True
+        model, info = transformers.AutoModel.from_pretrained(
+            directory, config=config, local_files_only=True, output_loading_info=True
+        )
+    # transformers initialises weights missing from the files at random, and says so only in a
+    # log line we silenced: say it as a warning (BERT's pooler is never read here).
+    missing = [k for k in info.get("missing_keys", ()) if not k.startswith("pooler.")]
+    if missing:
+        warnings.warn(
+            f"model {given!r}: {len(missing)} weights are not in its files and were initialised "
+            f"at random ({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''})",
+            UserWarning,
+            stacklevel=2,
         )
     from multihead.hf.sites import attention_sites
 
