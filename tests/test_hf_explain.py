@@ -375,7 +375,7 @@ def test_a_long_text_is_truncated_at_the_position_limit(loaded: dict[str, HFText
 
 
 def test_a_name_in_the_local_cache_loads_without_the_network(
-    saved: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    saved: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     cache = tmp_path / "hub"
     snap = cache / "models--tiny--gpt2" / "snapshots" / "0123abcd"
@@ -387,6 +387,16 @@ def test_a_name_in_the_local_cache_loads_without_the_network(
     assert model.name == "tiny/gpt2" and model.causal
     with pytest.raises(FileNotFoundError, match=r"'tiny/nothing' is neither a directory nor"):
         load_hf("tiny/nothing", cache_dir=str(cache))
+    # the command looks names up in the default cache (HF_HUB_CACHE)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)  # "tiny/gpt2" is not a directory here
+    out = tmp_path / "out"
+    argv = ["explain", "--model", "tiny/gpt2", "--out", str(out), "--format", "html"]
+    assert main([*argv, "--no-importance"]) == 0
+    assert capsys.readouterr().out.startswith("tiny/gpt2: ")
+    assert (out / "attention.html").is_file()
 
 
 def test_weights_missing_from_the_files_are_a_warning(
@@ -423,6 +433,14 @@ def test_library_refusals(saved: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"has no config.json"):
         load_hf(tmp_path)
+
+
+def test_layers_with_different_head_counts_are_refused(saved: dict[str, Path]) -> None:
+    model = transformers.AutoModel.from_pretrained(saved["gpt2"], attn_implementation="multihead")
+    model.h[1].attn.num_heads, model.h[1].attn.head_dim = 2, 24  # layer 1: 2 heads of width 24
+    tokenizer = transformers.AutoTokenizer.from_pretrained(saved["gpt2"])
+    with pytest.raises(ValueError, match=r"different head counts \(layer 0: 4, layer 1: 2\)"):
+        HFTextModel(model, tokenizer)
 
 
 # -- the command ---------------------------------------------------------------------------------
