@@ -342,7 +342,7 @@ def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
 
     attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
     model.set_attn_implementation(multihead.hf.NAME)
-    name = given if not Path(given).exists() else Path(given).resolve().name
+    name = local.resolve().name if local else given
     return HFTextModel(model.eval(), tokenizer, name=name)
 
 
