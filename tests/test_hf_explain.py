@@ -374,6 +374,17 @@ def test_a_long_text_is_truncated_at_the_position_limit(loaded: dict[str, HFText
     assert loaded["t5"].max_seq_length == 512  # relative positions: no limit in the files
 
 
+def test_a_short_max_seq_length_loads_quietly(saved: dict[str, Path]) -> None:
+    # the load-time probe is longer than 4 tokens: its truncation is not the user's (warnings
+    # are errors in this suite)
+    model = transformers.AutoModel.from_pretrained(saved["gpt2"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(saved["gpt2"])
+    wrapped = HFTextModel(model, tokenizer, max_seq_length=4)
+    assert wrapped.causal and wrapped.config.num_hidden_layers == 2
+    with pytest.warns(TruncationWarning):
+        assert len(wrapped.tokenize(TEXT).tokens[0]) == 4
+
+
 def test_a_name_in_the_local_cache_loads_without_the_network(
     saved: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

@@ -141,9 +141,11 @@ class HFTextModel(nn.Module):
         from multihead.observe.rows import attention_modules
 
         sites = attention_modules(self)  # refuses a family the interface does not route
-        batch = self.tokenize(_PROBE)
-        if batch.input_ids.shape[1] < 2:  # causality shows only between two tokens
-            batch = self.tokenize(" ".join([_PROBE] * 4))
+        with warnings.catch_warnings():  # a model shorter than the probe: its start is enough
+            warnings.simplefilter("ignore", text.TruncationWarning)
+            batch = self.tokenize(_PROBE)
+            if batch.input_ids.shape[1] < 2:  # causality shows only between two tokens
+                batch = self.tokenize(" ".join([_PROBE] * 4))
         with torch.no_grad(), capture(self, device="cpu") as rec:
             self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
         called = [r.layer for r in rec.records]
