@@ -119,7 +119,9 @@ def test_explain_errors(model: Any) -> None:
         explain(3, model=model)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="focus_index must be an int or None, got '2'"):
         explain(focus_index="2", model=model)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="model must be a multihead BertModel, got str"):
+    with pytest.raises(
+        TypeError, match="model must be a multihead BertModel or an HFTextModel, got str"
+    ):
         explain(model="all-MiniLM-L6-v2")  # type: ignore[arg-type]
     undecodable = b"caf\xff".decode("utf-8", "surrogateescape")
     with pytest.raises(ValueError, match="text must be valid Unicode text, .* position 3"):
@@ -205,7 +207,9 @@ def test_multihead_explain_is_the_function_after_importing_its_module() -> None:
     second = module.explain("Another short text.", focus_index=1)
     assert first.focus_token == "text" and second.focus_token == "another"
     assert first.model_name == "all-MiniLM-L6-v2"
-    assert module._default_model.cache_info().hits >= 1
+    from multihead.explain_model import default_model
+
+    assert default_model.cache_info().hits >= 1
 
 
 def test_head_statistics_on_a_padded_bert_batch(model: Any) -> None:

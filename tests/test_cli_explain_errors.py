@@ -217,7 +217,8 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         "model-missing",
         ["--model", "nowhere"],
         None,
-        r"path must be a model directory, got 'nowhere",
+        # not a directory, so a name: never downloaded, looked up in the local cache only
+        r"model 'nowhere' is (neither|not) a directory",
     ),
     ("model-empty", ["--model", ""], None, r"path must be a model directory, got ''$"),
     ("model-file", ["--model", "file.txt"], a_file, r"got 'file.txt' \(not a directory\)"),

@@ -14,22 +14,22 @@ In a notebook, the returned :class:`Explanation` shows the interactive page inli
 
 from __future__ import annotations
 
-import functools
 import html
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from multihead._checks import check_index, check_indices, describe, is_int
+from multihead.explain_model import DEFAULT_MODEL_NAME, check_model, default_model, model_name
 from multihead.focus import (
     AttendedWord,
     LayerFocus,
-    find_focus,
+    choose_focus,
     layer_focus,
     word_groups,
     word_text,
@@ -43,7 +43,7 @@ from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from multihead.models.bert import BertModel
+    from multihead.explain_model import TextModel
 
 __all__ = [
     "explain",
@@ -64,7 +64,7 @@ class Explanation:
 
     Attributes:
         text: the input text (cut to what the model read when it was truncated).
-        tokens: the T tokens, [CLS] and [SEP] included.
+        tokens: the T tokens, special tokens ([CLS], [SEP], <s>, ...) included.
         weights: (L, H, T, T) float32 on the CPU, every layer and head.
         statistics: :class:`~multihead.observe.statistics.HeadStatistics` of every layer and head.
         focus_index: the focus token's position in ``tokens``.
@@ -81,6 +81,8 @@ class Explanation:
             head is zeroed (see :mod:`multihead.head_effects`), or None when not computed.
         ablation: the run with the ``ablate`` heads zeroed, or None.
         ablated_top_words: per covered layer, the focus token's top words in that run.
+        causal: the model is a decoder: each token attends only to itself and earlier tokens
+            (every weight above the diagonal is 0); pictures and the page draw lower triangles.
     """
 
     text: str
@@ -100,6 +102,7 @@ class Explanation:
     importance: Tensor | None = None
     ablation: Ablation | None = None
     ablated_top_words: list[LayerFocus] | None = None
+    causal: bool = False
 
     @property
     def focus_head(self) -> tuple[int, int]:
@@ -124,6 +127,7 @@ class Explanation:
             layers=self.layers,
             heads=self.heads,
             focus=self.focus_index,
+            causal=self.causal,
             title=f"Attention in {self.model_name} (rows: queries, columns: keys; "
             f"focus: {self.focus_token!r}, token {self.focus_index})",
         )
@@ -142,6 +146,7 @@ class Explanation:
             layer=layer,
             head=head,
             focus=self.focus_index,
+            causal=self.causal,
             title=f"{self.model_name}: layer {layer}, head {head}",
         )
 
@@ -162,6 +167,7 @@ class Explanation:
             initial=(self.layers.index(layer), self.heads.index(head)),
             title=f"Attention in {self.model_name}",
             subtitle=self.text if len(self.text) <= 300 else self.text[:300] + "…",
+            causal=self.causal,
         )
 
     def save_png(self, path: str | Path) -> Path:
@@ -256,26 +262,14 @@ class Explanation:
         )
 
     def summary(self) -> str:
-        """Plain text: the focus token, then per covered layer its top words and [CLS]/[SEP]."""
+        """Plain text: the focus token, then per covered layer its top words (earlier words for a
+        causal model) and the special tokens apart."""
         lines = [f"focus: {self.focus_token!r} (token {self.focus_index})"]
         for lf in self.top_words:
             words = ", ".join(f"{w.word} {w.weight:.2f} (head {w.head})" for w in lf.words)
             special = ", ".join(f"{k} {v:.2f}" for k, v in lf.special.items())
-            lines.append(f"layer {lf.layer}: {words}; {special}")
+            lines.append(f"layer {lf.layer}: {words}" + (f"; {special}" if special else ""))
         return "\n".join(lines)
-
-
-@functools.lru_cache(maxsize=1)
-def _default_model() -> BertModel:
-    # Loaded once per process: a notebook calling explain() in a loop shouldn't reload it.
-    from multihead.pretrained import minilm
-
-    return minilm()
-
-
-def _model_name(model: Any) -> str:
-    name = getattr(model, "name", None) or getattr(model, "name_or_path", None)
-    return str(name) if name else type(model).__name__
 
 
 def explain(
@@ -283,22 +277,25 @@ def explain(
     *,
     focus: str | None = None,
     focus_index: int | None = None,
-    model: BertModel | None = None,
+    model: TextModel | None = None,
     layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
     ablate: Sequence[tuple[int, int]] | None = None,
     importance: bool = True,
 ) -> Explanation:
-    """Run a text through a BERT model and gather its attention around one focus token.
+    """Run a text through a model and gather its attention around one focus token.
 
     Args:
         text: the text; default the seeds' "The animal didn't cross the street because it was
             too tired." (with focus "it"). Longer than the model takes: truncated, with a warning.
         focus: a word: matched case-insensitively, its first occurrence, and its first token when
-            the tokenizer splits it. Default: "it" for the default text, else the first word.
-        focus_index: a token position instead (0 is [CLS]); negative counts from the end.
-        model: a :class:`~multihead.models.bert.BertModel` with a tokenizer; default
-            :func:`multihead.pretrained.minilm`.
+            the tokenizer splits it. Default: "it" for the default text, else the first word;
+            for a causal (decoder) model the last word's last token, which sees every token.
+        focus_index: a token position instead (0 is [CLS] in BERT); negative counts from the
+            end.
+        model: a :class:`~multihead.models.bert.BertModel` with a tokenizer, or an
+            :class:`~multihead.hf.text.HFTextModel` (any Hugging Face text model, e.g. from
+            :func:`multihead.hf.text.load_hf`); default :func:`multihead.pretrained.minilm`.
         layers: the layers (0-based) the pictures and ``top_words`` cover; default all.
         heads: the heads they cover; default all.
         ablate: (layer, head) pairs to zero in a second run: :attr:`Explanation.ablation` and
@@ -333,10 +330,11 @@ def explain(
         raise ValueError(
             f"give focus or focus_index, not both (got focus={focus!r}, focus_index={focus_index})"
         )
-    model_name = None
+    name = None
     if model is None:
-        model, model_name = _default_model(), "all-MiniLM-L6-v2"
-    _check_model(model)
+        model, name = default_model(), DEFAULT_MODEL_NAME
+    model = check_model(model)
+    causal = bool(getattr(model, "causal", False))
     config = model.config
     n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
     layer_list = check_indices("layers", layers, n_layers, "layers") or list(range(n_layers))
@@ -364,20 +362,18 @@ def explain(
         )
         text = text[:last]
 
-    if focus_index is not None:
-        focus_at = check_index("focus_index", focus_index, t, "tokens in the text")
-    elif focus is not None:
-        focus_at = find_focus(
-            text,
-            focus,
-            tokens,
-            offsets,
-            word_ids,
-            cut_from=full_text if truncated else None,
-            max_tokens=model.max_seq_length,
-        )
-    else:
-        focus_at = next((i for i, s in enumerate(special) if not s), 0)
+    focus_at = choose_focus(
+        text,
+        tokens,
+        offsets,
+        word_ids,
+        special,
+        focus=focus,
+        focus_index=focus_index,
+        causal=causal,
+        cut_from=full_text if truncated else None,
+        max_tokens=model.max_seq_length,
+    )
     if truncated:
         warnings.warn(
             f"the text is longer than the model takes (max_seq_length={model.max_seq_length} "
@@ -418,21 +414,10 @@ def explain(
         top_words=tops(weights),
         special=special,
         word_ids=word_ids,
-        model_name=model_name or _model_name(model),
+        model_name=name or model_name(model),
         truncated=truncated,
         importance=head_effect_importance(model, batch) if importance else None,
         ablation=ablation,
         ablated_top_words=None if ablation is None else tops(ablation.weights),
+        causal=causal,
     )
-
-
-def _check_model(model: Any) -> None:
-    from multihead.models.bert import BertModel
-
-    if not isinstance(model, BertModel):
-        raise TypeError(f"model must be a multihead BertModel, got {type(model).__name__}")
-    if model.tokenizer is None:
-        raise ValueError(
-            "model must have a tokenizer to read text, got a BertModel without one (its "
-            "directory has no tokenizer.json)"
-        )

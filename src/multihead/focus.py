@@ -14,9 +14,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from multihead._checks import check_index
+
 __all__ = [
     "AttendedWord",
     "LayerFocus",
+    "choose_focus",
+    "default_focus",
     "find_focus",
     "layer_focus",
     "word_groups",
@@ -209,3 +213,46 @@ def layer_focus(
         if is_special:
             specials[tokens[i]] = specials.get(tokens[i], 0.0) + float(mean[i])
     return LayerFocus(layer=layer, words=scored[:top], special=specials)
+
+
+def default_focus(
+    text: str,
+    offsets: list[tuple[int, int]],
+    word_ids: list[int | None],
+    special: list[bool],
+    *,
+    causal: bool,
+) -> int:
+    """The focus when none is given: the first real token; for a causal model the last token of
+    the last word with a letter or digit (the final "." is rarely the question), which attends
+    to every token before it."""
+    if not causal:
+        return next((i for i, s in enumerate(special) if not s), 0)
+    groups = word_groups(word_ids, special)
+    worded = [g for g in groups if any(ch.isalnum() for i in g for ch in text[slice(*offsets[i])])]
+    chosen = (worded or groups or [[len(special) - 1]])[-1]
+    return chosen[-1]
+
+
+def choose_focus(
+    text: str,
+    tokens: list[str],
+    offsets: list[tuple[int, int]],
+    word_ids: list[int | None],
+    special: list[bool],
+    *,
+    focus: str | None,
+    focus_index: int | None,
+    causal: bool,
+    cut_from: str | None = None,
+    max_tokens: int | None = None,
+) -> int:
+    """The focus token's position: ``focus_index`` (checked, negative from the end), else the
+    word ``focus`` (:func:`find_focus`), else :func:`default_focus`."""
+    if focus_index is not None:
+        return check_index("focus_index", focus_index, len(tokens), "tokens in the text")
+    if focus is not None:
+        return find_focus(
+            text, focus, tokens, offsets, word_ids, cut_from=cut_from, max_tokens=max_tokens
+        )
+    return default_focus(text, offsets, word_ids, special, causal=causal)

@@ -2,7 +2,8 @@
 
 Attention maps show where a head looks, not whether it matters. For an encoder such as MiniLM
 whose output is a sentence embedding (mean over real tokens, L2-normalised), a head matters as
-much as removing it moves that embedding:
+much as removing it moves that embedding (for a decoder, the last real token's state,
+L2-normalised: what its next-token prediction reads; see :mod:`multihead.hf.text`):
 
     importance[l, h] = 1 - cos(e_clean, e_{without head (l, h)})
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from multihead._checks import check_index, describe, is_int
 from multihead.observe.importance import head_importance
@@ -27,7 +28,7 @@ from multihead.observe.recorder import capture
 from multihead.observe.steering import intervene
 
 if TYPE_CHECKING:
-    from multihead.models.bert import BertModel
+    from multihead.explain_model import TextModel
     from multihead.models.text import BertBatch
 
 __all__ = [
@@ -75,15 +76,22 @@ def check_heads(
     return out
 
 
-def _embedding(model: BertModel, batch: BertBatch) -> Tensor:
-    """The sentence embedding (B, E): mean over real tokens, L2-normalised."""
+def _module(model: TextModel) -> nn.Module:
+    # Both kinds of text model are modules: the observe functions walk their attention modules.
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def _embedding(model: TextModel, batch: BertBatch) -> Tensor:
+    """The sentence embedding (B, E), L2-normalised (the model's ``sentence_embedding``)."""
     hidden = model(
         batch.input_ids, attention_mask=batch.attention_mask, token_type_ids=batch.token_type_ids
     ).last_hidden_state
-    return model.mean_pool(hidden, batch.attention_mask)
+    return model.sentence_embedding(hidden, batch.attention_mask)
 
 
-def embedding_distance(model: BertModel, batch: BertBatch) -> tuple[Tensor, Callable[[], Tensor]]:
+def embedding_distance(model: TextModel, batch: BertBatch) -> tuple[Tensor, Callable[[], Tensor]]:
     """The clean embedding (B, E) and a metric for :func:`multihead.head_importance`: the mean
     over the batch of 1 - cos(clean, current), as a scalar tensor (0 for the clean model)."""
     with torch.no_grad():
@@ -95,35 +103,35 @@ def embedding_distance(model: BertModel, batch: BertBatch) -> tuple[Tensor, Call
     return clean, metric
 
 
-def importance(model: BertModel, batch: BertBatch) -> Tensor:
+def importance(model: TextModel, batch: BertBatch) -> Tensor:
     """(L, H) cosine distance of the sentence embedding when each head is zeroed (float32, CPU).
 
     Args:
-        model: a BertModel in eval mode.
+        model: a BertModel or HFTextModel in eval mode.
         batch: its tokenized text.
     """
     _, metric = embedding_distance(model, batch)
-    return head_importance(model, metric, method="ablation").float().cpu()
+    return head_importance(_module(model), metric, method="ablation").float().cpu()
 
 
-def every_head(model: BertModel, batch: BertBatch) -> tuple[Tensor, Tensor]:
+def every_head(model: TextModel, batch: BertBatch) -> tuple[Tensor, Tensor]:
     """Run one text under :func:`multihead.capture`: every layer's and head's weights
     (L, H, T, T), float32 on the CPU, and the sentence embedding (E,)."""
     if batch.input_ids.shape[0] != 1:
         raise ValueError(f"batch must hold one text, got {batch.input_ids.shape[0]}")
-    with torch.no_grad(), capture(model, device="cpu") as rec:
+    with torch.no_grad(), capture(_module(model), device="cpu") as rec:
         embedding = _embedding(model, batch)[0]
     return torch.stack([w[0] for w in rec.weights]).float(), embedding
 
 
 def ablated_weights(
-    model: BertModel, batch: BertBatch, heads: Sequence[tuple[int, int]]
+    model: TextModel, batch: BertBatch, heads: Sequence[tuple[int, int]]
 ) -> Ablation:
     """Run ``batch`` with ``heads`` zero-ablated: every head's weights and the embedding's cosine
     similarity to the clean one. The model is left exactly as it was."""
     clean, _ = embedding_distance(model, batch)
     pairs = tuple((int(layer), int(head)) for layer, head in heads)
-    with intervene(model, dict.fromkeys(pairs, 0.0)):
+    with intervene(_module(model), dict.fromkeys(pairs, 0.0)):
         weights, ablated = every_head(model, batch)
     cosine = float(ablated @ clean[0])
     return Ablation(heads=pairs, weights=weights, cosine=cosine)

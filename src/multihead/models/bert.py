@@ -396,6 +396,8 @@ class BertModel(nn.Module):
         )
 
     mean_pool = staticmethod(text.mean_pool)
+    # The sentence embedding multihead.explain's head effects compare: the mean over real tokens.
+    sentence_embedding = staticmethod(text.mean_pool)
 
     def encode(self, sentences: str | Sequence[str], *, batch_size: int = 32) -> Tensor:
         """Sentence embeddings (N, E), mean over real tokens and L2-normalised, in eval mode

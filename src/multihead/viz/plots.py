@@ -50,6 +50,14 @@ def _check_weights(weights: Tensor, dims: int, what: str) -> Tensor:
     return weights.detach().to("cpu", torch.float32)
 
 
+def _blank_future(w: Tensor) -> Tensor:
+    """(..., T, S) weights with the keys after each query set to NaN, drawn blank: a causal
+    model's upper triangle is masked, not a weight of 0. Queries are the last T of S."""
+    t, s = w.shape[-2:]
+    future = torch.ones(t, s, dtype=torch.bool).triu(s - t + 1)  # (T, S) key after query
+    return w.masked_fill(future, float("nan"))
+
+
 def _check_tokens(tokens: Sequence[str], t: int, s: int) -> None:
     # Queries are the last T of the S positions (bottom-right, as causal masks align them).
     if len(tokens) != s or t > s:
@@ -68,6 +76,7 @@ def grid_figure(
     focus: int | None = None,
     title: str | None = None,
     cell_inches: float = 1.7,
+    causal: bool = False,
 ) -> Figure:
     """A grid of heatmaps, one per (layer, head): rows are layers, columns heads.
 
@@ -79,6 +88,8 @@ def grid_figure(
         focus: a query position whose row is outlined in every cell.
         title: the figure's title.
         cell_inches: the size of one heatmap.
+        causal: a causal model's weights: the keys after each query are drawn blank (white),
+            each map a lower triangle.
 
     Returns:
         A matplotlib Figure; save it with :func:`save_figure`.
@@ -86,6 +97,8 @@ def grid_figure(
     w = _check_weights(weights, 4, "(L, H, T, S)")
     n_layers, n_heads, t, s = w.shape
     _check_tokens(tokens, t, s)
+    if causal:
+        w = _blank_future(w)
     layers = list(range(n_layers)) if layers is None else list(layers)
     heads = list(range(n_heads)) if heads is None else list(heads)
     if len(layers) != n_layers or len(heads) != n_heads:
@@ -185,6 +198,7 @@ def head_figure(
     head: int | None = None,
     focus: int | None = None,
     title: str | None = None,
+    causal: bool = False,
 ) -> Figure:
     """A large view of one head's (T, S) weights, every token labelled, with a colour bar.
 
@@ -194,10 +208,14 @@ def head_figure(
         layer, head: numbers for the title.
         focus: a query position whose row is outlined.
         title: overrides the default title.
+        causal: a causal model's weights: the keys after each query are drawn blank (white).
     """
     w = _check_weights(weights, 2, "(T, S)")
     t, s = w.shape
     _check_tokens(tokens, t, s)
+    vmax = float(w.max().clamp(min=1e-6))  # before NaNs hide the maximum
+    if causal:
+        w = _blank_future(w)
     _matplotlib()
     from matplotlib.figure import Figure
 
@@ -214,9 +232,9 @@ def head_figure(
     ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
     image = ax.imshow(
         w.numpy(),
-        cmap=_CMAP,
+        cmap=_matplotlib().colormaps[_CMAP].with_extremes(bad="white"),
         vmin=0.0,
-        vmax=float(w.max().clamp(min=1e-6)),
+        vmax=vmax,
         aspect="auto",
         interpolation="nearest",
     )

@@ -1,0 +1,426 @@
+"""Any Hugging Face text model, read like multihead's own BERT: :class:`HFTextModel` and
+:func:`load_hf`, what :func:`multihead.explain` (and ``multihead explain --model``) runs.
+
+:class:`HFTextModel` wraps a transformers model and its fast tokenizer behind the interface
+``explain`` uses on :class:`~multihead.models.bert.BertModel`: ``tokenize`` (a
+:class:`~multihead.models.text.BertBatch`, right padding, truncation with a
+:class:`~multihead.models.text.TruncationWarning`), a forward returning ``last_hidden_state``,
+a sentence embedding, ``config.num_hidden_layers`` / ``config.num_attention_heads``,
+``max_seq_length``, ``name`` and ``causal``.
+
+- Encoder-decoder models (T5, BART, ...): only the encoder runs (``get_encoder()``); its
+  self-attention is what is explained.
+- Decoder-only models (GPT-2, Llama, ...) are ``causal``: each token reads itself and earlier
+  tokens. Their sentence embedding is the last real token's hidden state (L2-normalised): the
+  state the next-token prediction reads, the one place that has seen the whole text. Encoders
+  mean-pool their real tokens, as sentence-transformers does.
+
+Layers are the routed attention modules the forward actually calls, in module order (as
+:func:`multihead.capture` numbers them); a probe forward at construction counts them and their
+heads, and tells causal models from the weights (every weight above the diagonal exactly 0).
+
+Shapes: B texts, T tokens, E hidden width, L layers, H heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import string
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead._checks import describe
+from multihead.models import text
+from multihead.models.text import BertBatch
+
+__all__ = ["HFTextConfig", "HFTextModel", "load_hf"]
+
+# Without a position limit in the config or the tokenizer (T5's relative positions), texts are
+# cut here: what T5 itself was trained on, and a page a browser draws comfortably.
+_FALLBACK_MAX_LENGTH = 512
+# Tokenizers without a limit report this huge number (transformers' VERY_LARGE_INTEGER).
+_NO_LIMIT = 10**9
+_PROBE = "The cat sat on the mat, and then it slept."
+# How whitespace-only tokens are shown (a label of blanks reads as nothing).
+_BLANKS = str.maketrans({" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"})
+
+
+@dataclass(frozen=True)
+class HFTextConfig:
+    """What ``explain`` reads of a model's shape.
+
+    Attributes:
+        num_hidden_layers: L, the routed attention modules one forward calls.
+        num_attention_heads: H, the query heads of each (the same in every layer).
+        hidden_size: E, the width of ``last_hidden_state``.
+        model_type: the transformers family (``config.model_type``).
+    """
+
+    num_hidden_layers: int
+    num_attention_heads: int
+    hidden_size: int
+    model_type: str
+
+
+class HFTextModel(nn.Module):
+    """A transformers model and its fast tokenizer, presented as ``explain`` reads a BertModel.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` whose attention is routed through
+            transformers' AttentionInterface; an encoder-decoder model runs its encoder only.
+        tokenizer: its fast tokenizer (``PreTrainedTokenizerFast``: offsets and word ids).
+        name: a name for titles; default ``config.name_or_path``.
+        max_seq_length: where texts are cut, in tokens; default the smallest of the config's
+            position limit and the tokenizer's ``model_max_length`` (else 512).
+
+    Attributes:
+        model: the module that runs (the encoder of an encoder-decoder model).
+        tokenizer: the fast tokenizer, as given.
+        config: an :class:`HFTextConfig`.
+        causal: whether each token reads only itself and earlier tokens (decoder-only models).
+        name: the model's name.
+        max_seq_length: the most tokens a text keeps, specials included.
+
+    Raises:
+        ValueError: a family not routed through the interface (named), attention modules not
+            called exactly once each, or layers with different head counts (named).
+        TypeError: ``tokenizer`` is not a fast tokenizer.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        name: str | None = None,
+        max_seq_length: int | None = None,
+    ) -> None:
+        super().__init__()
+        hf_config = model.config
+        if getattr(hf_config, "is_encoder_decoder", False):
+            model = model.get_encoder()  # type: ignore[operator]
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError(
+                f"tokenizer must be a fast tokenizer (PreTrainedTokenizerFast, from a "
+                f"tokenizer.json), got {type(tokenizer).__name__}"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or str(getattr(hf_config, "name_or_path", "") or type(model).__name__)
+        self.max_seq_length = max_seq_length or _max_length(hf_config, tokenizer)
+        pad = tokenizer.pad_token_id
+        pad = pad if pad is not None else getattr(hf_config, "pad_token_id", None)
+        # A copy of the tokenizers.Tokenizer underneath: right padding, truncation per call.
+        self._backend = text.prepare_tokenizer(tokenizer.backend_tokenizer, pad_id=pad or 0)
+        # Token types only where the model has an embedding for them: GPT-2's forward accepts
+        # token_type_ids and adds its *word* embedding of them, changing every hidden state.
+        self._token_types = int(getattr(hf_config, "type_vocab_size", 0) or 0) > 0 and (
+            "token_type_ids" in inspect.signature(model.forward).parameters
+        )
+        layers, heads, causal = self._probe()
+        self.causal = causal
+        self.config = HFTextConfig(
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            hidden_size=int(_first(hf_config, ("hidden_size", "d_model", "n_embd", "dim")) or 0),
+            model_type=str(getattr(hf_config, "model_type", type(model).__name__)),
+        )
+
+    def _probe(self) -> tuple[int, int, bool]:
+        """One short forward under capture: (layers called, heads per layer, causal)."""
+        from multihead.observe.recorder import capture
+        from multihead.observe.rows import attention_modules
+
+        sites = attention_modules(self)  # refuses a family the interface does not route
+        with warnings.catch_warnings():  # a model shorter than the probe: its start is enough
+            warnings.simplefilter("ignore", text.TruncationWarning)
+            batch = self.tokenize(_PROBE)
+            if batch.input_ids.shape[1] < 2:  # causality shows only between two tokens
+                batch = self.tokenize(" ".join([_PROBE] * 4))
+        with torch.no_grad(), capture(self, device="cpu") as rec:
+            self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        called = [r.layer for r in rec.records]
+        family = getattr(self.model.config, "model_type", type(self.model).__name__)
+        if called != list(range(len(sites))):
+            raise ValueError(
+                f"{family} ({type(self.model).__name__}): one forward called its {len(sites)} "
+                f"attention modules in the order {called}, not each once in module order; its "
+                f"layers cannot be numbered"
+            )
+        counts = [r.weights.shape[1] for r in rec.records]
+        if len(set(counts)) != 1:
+            raise ValueError(
+                f"{family} ({type(self.model).__name__}): its layers have different head counts "
+                f"({', '.join(f'layer {i}: {h}' for i, h in enumerate(counts))}); multihead "
+                f"explain needs the same number of heads in every layer"
+            )
+        causal = all(bool((w[0].triu(1) == 0).all()) for w in rec.weights)  # (H, T, T)
+        return len(counts), counts[0], causal
+
+    # -- text in ----------------------------------------------------------------------------
+
+    def tokenize(self, texts: str | Sequence[str]) -> BertBatch:
+        """Tokenise texts, padded on the right to the longest, cut at ``max_seq_length``.
+
+        ``tokens`` are display strings: the text each token covers (byte-level "Ġthe" and
+        SentencePiece "▁the" read "the"), the tokenizer's own strings for special tokens.
+        ``offsets`` exclude the whitespace a token carries, so words are found by their letters
+        (a token of whitespace alone, shown as "␣", gets the empty span where the next text
+        starts).
+
+        Raises:
+            ValueError: ``texts`` empty or not valid Unicode.
+
+        Warns:
+            TruncationWarning: (a UserWarning) a text was longer than ``max_seq_length`` tokens.
+        """
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        batch = text.tokenize(
+            self._backend, texts, max_seq_length=self.max_seq_length, device=device, stacklevel=3
+        )
+        items = [texts] if isinstance(texts, str) else list(texts)
+        for i, source in enumerate(items):
+            special = batch.special_mask[i].tolist()
+            tokens, spans = [], []
+            for j, (tok, (s, e)) in enumerate(zip(batch.tokens[i], batch.offsets[i], strict=True)):
+                start, end = _trim(source, s, e)
+                shown = source[start:end] or source[s:e].translate(_BLANKS)
+                tokens.append(tok if special[j] or not shown else shown)
+                spans.append((start, end))
+            batch.tokens[i], batch.offsets[i] = tokens, spans
+        return batch
+
+    # -- tensors out ------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Any:
+        """The model's output for (B, T) ids; ``.last_hidden_state`` is (B, T, E)."""
+        extra = {"token_type_ids": token_type_ids} if self._token_types else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+
+    def sentence_embedding(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
+        """(B, E) unit-length: the last real token's state for causal models (what the next-token
+        prediction reads), else the mean over real tokens (:meth:`mean_pool`).
+
+        Args:
+            hidden: (B, T, E), right padded.
+            attention_mask: (B, T), 1 = a real token.
+        """
+        if not self.causal:
+            return self.mean_pool(hidden, attention_mask)
+        last = attention_mask.long().sum(1).clamp(min=1) - 1  # (B,)
+        states = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, E)
+        return F.normalize(states, p=2, dim=1)
+
+    mean_pool = staticmethod(text.mean_pool)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"name={self.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
+            f"causal={self.causal}, max_seq_length={self.max_seq_length}"
+        )
+
+
+def _trim(source: str, start: int, end: int) -> tuple[int, int]:
+    """(start, end) without the whitespace at either end; (end, end) for whitespace alone, so
+    that a word's text never starts with the space its first token carries."""
+    piece = source[start:end]
+    core = piece.strip()
+    if not core:
+        return end, end
+    s = start + piece.index(core)
+    return s, s + len(core)
+
+
+def _first(obj: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _max_length(config: Any, tokenizer: Any) -> int:
+    limits = [
+        v
+        for v in (
+            _first(config, ("max_position_embeddings", "n_positions", "n_ctx")),
+            getattr(tokenizer, "model_max_length", None),
+        )
+        if isinstance(v, int) and 1 < v < _NO_LIMIT
+    ]
+    return min(limits, default=_FALLBACK_MAX_LENGTH)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None) -> HFTextModel:
+    """Load a Hugging Face text model and its fast tokenizer from local files only.
+
+    Never downloads: a directory is read as it is, a name is looked up in the local Hugging
+    Face cache only (``HF_HOME`` / ``HF_HUB_CACHE``, or ``cache_dir``). The model runs on
+    ``attn_implementation="multihead"``, in eval mode.
+
+    Args:
+        dir_or_name: a directory with ``config.json``, the weights and ``tokenizer.json``; or a
+            model name such as ``"gpt2"`` already in the local cache.
+        cache_dir: the cache to look names up in; default transformers' own.
+
+    Returns:
+        An :class:`HFTextModel` (its encoder only for encoder-decoder models).
+
+    Raises:
+        FileNotFoundError: no such directory, a name not in the local cache, or a directory
+            without ``config.json``.
+        ValueError: no fast tokenizer (``tokenizer.json``); a config transformers cannot read;
+            a family not routed through transformers' AttentionInterface; layers with
+            different head counts.
+        TypeError: ``dir_or_name`` is not a str or path.
+        ImportError: transformers (>= 5) is not installed.
+
+    Warns:
+        UserWarning: weights the model needs are missing from the files (initialised at random).
+    """
+    if not isinstance(dir_or_name, (str, os.PathLike)):
+        raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
+    given = os.fspath(dir_or_name)
+    if not given:
+        raise ValueError("model must be a directory or a model name, got ''")
+    local = _local_directory(given)  # its mistakes are told before transformers is needed
+    try:
+        import transformers
+    except ImportError as e:
+        where = "" if local else f"model {given!r} is not a directory, and "
+        raise ImportError(
+            f"{where}a Hugging Face model needs transformers>=5: pip install 'multihead[hf]'"
+        ) from e
+    import multihead.hf  # noqa: F401  (registers "multihead" in transformers)
+
+    directory = local or _from_cache(given, cache_dir)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {given!r} has no config.json: expected a Hugging Face model directory "
+            f"(config.json, the weights, tokenizer.json)"
+        )
+    with _quiet(transformers):
+        try:
+            config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        except (ValueError, KeyError, OSError) as e:
+            raise ValueError(
+                f"model {given!r}: transformers cannot read its config.json: {e}"
+            ) from None
+        tokenizer = _tokenizer(transformers, directory, given)
+        # Loaded on transformers' default implementation and switched after the check: a family
+        # without the interface fails inside from_pretrained with a bare KeyError otherwise.
+        model, info = transformers.AutoModel.from_pretrained(
+            directory, config=config, local_files_only=True, output_loading_info=True
+        )
+    # transformers initialises weights missing from the files at random, and says so only in a
+    # log line we silenced: say it as a warning (BERT's pooler is never read here).
+    missing = [k for k in info.get("missing_keys", ()) if not k.startswith("pooler.")]
+    if missing:
+        warnings.warn(
+            f"model {given!r}: {len(missing)} weights are not in its files and were initialised "
+            f"at random ({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''})",
+            UserWarning,
+            stacklevel=2,
+        )
+    from multihead.hf.sites import attention_sites
+
+    attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
+    model.set_attn_implementation(multihead.hf.NAME)
+    name = local.resolve().name if local else given
+    return HFTextModel(model.eval(), tokenizer, name=name)
+
+
+def _looks_like_path(given: str) -> bool:
+    # Hub names are "name" or "owner/name"; anything else can only be a path.
+    return (
+        given.startswith((".", "/", "~"))
+        or given.count("/") > 1
+        or os.sep in given.replace("/", "")
+        or bool(set(given) - set(string.ascii_letters + string.digits + "-_./"))
+    )
+
+
+def _local_directory(given: str) -> Path | None:
+    """``given`` as a directory; None for what can only be a model name."""
+    path = Path(given).expanduser()
+    try:
+        exists = path.exists()
+    except OSError as e:  # a name too long, ...
+        raise ValueError(f"model path {given!r} cannot be used: {e.strerror or e}") from None
+    if exists:
+        if not path.is_dir():
+            raise NotADirectoryError(
+                f"model must be a directory or a model name, got {given!r} (not a directory)"
+            )
+        return path
+    if _looks_like_path(given):
+        raise FileNotFoundError(f"model directory {given!r} does not exist")
+    return None
+
+
+def _from_cache(given: str, cache_dir: str | None) -> Path:
+    """The snapshot directory of the model named ``given`` in the local cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(given, "config.json", cache_dir=cache_dir)
+    except ValueError:  # not a valid repo id
+        found = None
+    if not isinstance(found, str):
+        raise FileNotFoundError(
+            f"model {given!r} is neither a directory nor a model in the local Hugging Face "
+            f"cache; multihead never downloads: fetch it first (hf download {given}) or pass "
+            f"its directory"
+        )
+    return Path(found).parent
+
+
+def _tokenizer(transformers: Any, directory: Path, given: str) -> Any:
+    need = (
+        f"model {given!r} needs a fast tokenizer (tokenizer.json) to read text, got "
+        f"{{}} in {str(directory)!r}"
+    )
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(need.format("no tokenizer.json"))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise ValueError(need.format(f"a tokenizer transformers cannot load ({e})")) from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(need.format(f"a slow tokenizer ({type(tokenizer).__name__})"))
+    return tokenizer
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """transformers' progress bars and config notes off while loading (the caller's terminal
+    is the CLI's); both come back as they were."""
+    logging = transformers.utils.logging
+    bars = logging.is_progress_bar_enabled()
+    verbosity = logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
