@@ -29,6 +29,8 @@ __all__ = ["run_corpus", "read_corpus", "STATISTICS_FILE"]
 STATISTICS_FILE = "head_statistics.json"
 # The flags that are about one text; --corpus refuses them rather than ignoring them.
 _SINGLE_TEXT = (("text", "TEXT"), ("focus", "--focus"), ("focus_index", "--focus-index"))
+# Heads printed per role (the strongest); the rest are counted.
+_SHOWN = 16
 # Per layer, the mean of these (metric, column) in the printed summary.
 _SUMMARY = (
     ("entropy", "entropy"),
@@ -171,7 +173,9 @@ def _print_summary(stats: HeadStatistics, name: str, num_texts: int, paths: list
         "Heads by dominant role (strongest first; score = the role's mean weight, broad: entropy):"
     )
     for role, members in role_members(stats).items():
-        cells = ", ".join(f"L{layer}H{head} {score:.2f}" for layer, head, score in members)
+        cells = ", ".join(f"L{layer}H{head} {score:.2f}" for layer, head, score in members[:_SHOWN])
+        if len(members) > _SHOWN:  # the JSON file has them all
+            cells += f", … {len(members) - _SHOWN} more"
         print(f"  {role + f' ({len(members)})':22s}{cells}")
     print()
     print("Per layer, mean over heads (entropy in nats; others: mean weight):")

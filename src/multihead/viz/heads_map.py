@@ -25,6 +25,23 @@ __all__ = ["heads_map_figure", "heads_map_labels", "save_heads_map", "HEADS_MAP"
 
 # The file name, without its suffix (heads_map.png, heads_map.svg).
 HEADS_MAP = "heads_map"
+# role -> marker: the shape says the role where labels crowd each other, the colour the layer.
+_MARKERS = {
+    "self": "o",
+    "previous token": "<",
+    "next token": ">",
+    "[CLS]": "s",
+    "[SEP]": "D",
+    "punctuation": "P",
+    "induction": "^",
+    "duplicate token": "v",
+    "broad": "*",
+}
+
+
+def _role_order(role: str) -> int:
+    order = list(_MARKERS)
+    return order.index(role) if role in order else len(order)
 
 
 def heads_map_labels(
@@ -78,15 +95,24 @@ def heads_map_figure(
     xy = positions.detach().to("cpu", torch.float64).numpy()
     mpl = _matplotlib()
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     fig = Figure(figsize=(11, 9))
     ax = fig.add_subplot()
     cmap = mpl.colormaps["viridis"]
-    h = len(heads)
-    for i, layer in enumerate(layers):
-        colour = cmap(i / max(1, len(layers) - 1))
-        pts = xy[i * h : (i + 1) * h]
-        ax.scatter(pts[:, 0], pts[:, 1], color=colour, s=36, label=f"layer {layer}", zorder=2)
+    colours = [cmap(i / max(1, len(layers) - 1)) for i in range(len(layers))]
+    flat_roles = [role for row in roles for role in row]  # layer-major, as the positions
+    for n, ((x, y), role) in enumerate(zip(xy, flat_roles, strict=True)):
+        marker = _MARKERS.get(role, "o")
+        ax.scatter([x], [y], color=colours[n // len(heads)], marker=marker, s=40, zorder=2)
+    handles = [
+        Line2D([], [], color=c, marker="o", linestyle="", label=f"layer {layer}")
+        for c, layer in zip(colours, layers, strict=True)
+    ]
+    handles += [
+        Line2D([], [], color="grey", marker=_MARKERS.get(role, "o"), linestyle="", label=role)
+        for role in dict.fromkeys(sorted(flat_roles, key=_role_order))
+    ]
     # Labels offset a little from their points; small type, since 72 heads share the plot.
     span = float(max(xy.max(0) - xy.min(0))) or 1.0
     for (x, y), text in zip(xy, labels, strict=True):
@@ -94,7 +120,7 @@ def heads_map_figure(
     ax.set_xlabel("MDS axis 1")
     ax.set_ylabel("MDS axis 2")
     ax.set_aspect("equal", adjustable="datalim")
-    ax.legend(loc="best", fontsize=8, title="layer colour", title_fontsize=8)
+    ax.legend(handles=handles, loc="best", fontsize=8, title="colour: layer; shape: role")
     ax.set_title(
         title
         or "Heads placed by the Jensen–Shannon distance between their attention (classical MDS)",
