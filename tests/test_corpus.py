@@ -131,6 +131,22 @@ def test_corpus_statistics_nan_only_when_nan_for_every_text(model: Any) -> None:
     assert_matches(part, per_text_mean(model, TEXTS, layers=[1], heads=[3, 0]))
 
 
+def test_corpus_truncation_is_one_warning_naming_corpus_lines(model: Any) -> None:
+    from multihead.models.text import TruncationWarning
+
+    long = " ".join(["the cat sat on the mat ."] * 3)  # 21 words: over the 12 positions
+    texts = ["a dog sat .", long, "the cat", long, "mat ."]
+    for batch_size in (1, 2, 5):
+        with pytest.warns(TruncationWarning) as caught:
+            stats = corpus_statistics(model, texts, batch_size=batch_size)
+        assert len(caught) == 1, [str(w.message) for w in caught]
+        assert "2 of 5 texts" in str(caught[0].message)
+        assert "lines [2, 4]" in str(caught[0].message)
+    with pytest.warns(TruncationWarning):  # the reference truncates each text alike
+        want = per_text_mean(model, texts)
+    assert_matches(stats, want)
+
+
 @pytest.mark.parametrize(
     ("texts", "error", "match"),
     [

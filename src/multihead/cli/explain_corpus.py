@@ -10,6 +10,7 @@ check (flags, the file, the output directory) runs before anything is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -98,30 +99,43 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
     out = check_output_dir("--out", args.out, files)
     texts = read_corpus(args.corpus)
 
-    model, name = load_model(args.model)
+    with _status("Loading the model…"):
+        model, name = load_model(args.model)
     from multihead.observe.corpus import corpus_statistics
     from multihead.observe.head_distance import head_distances
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stats = corpus_statistics(model, texts, layers=args.layer, heads=args.head)
-        head_map = head_distances(model, texts, layers=args.layer, heads=args.head)
+        with _status(f"Head statistics over {len(texts)} texts…"):
+            stats = corpus_statistics(model, texts, layers=args.layer, heads=args.head)
+        with _status("Distances between heads…"):
+            head_map = head_distances(model, texts, layers=args.layer, heads=args.head)
     for message in dict.fromkeys(str(w.message) for w in caught):  # once each, not per batch
         print(f"warning: {message}", file=sys.stderr)
 
-    from multihead.viz.heads_map import heads_map_figure, save_heads_map
+    with _status("Drawing the head map…"):
+        from multihead.viz.heads_map import heads_map_figure, save_heads_map
 
-    title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
-    fig = heads_map_figure(
-        head_map.positions, head_map.layers, head_map.heads, stats.roles(), title=title
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    paths = save_heads_map(fig, out, formats)
+        title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
+        fig = heads_map_figure(
+            head_map.positions, head_map.layers, head_map.heads, stats.roles(), title=title
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        paths = save_heads_map(fig, out, formats)
     json_path = out / STATISTICS_FILE
     json_path.write_text(json.dumps(_report(stats, head_map, name, len(texts)), indent=1) + "\n")
     paths.append(json_path)
     _print_summary(stats, name, len(texts), paths)
     return 0
+
+
+def _status(message: str) -> Any:
+    """A spinner on stderr while ``message``'s step runs (nothing without rich)."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return contextlib.nullcontext()
+    return Console(stderr=True).status(message, spinner="dots")
 
 
 def _report(stats: HeadStatistics, head_map: HeadMap, name: str, num_texts: int) -> dict[str, Any]:

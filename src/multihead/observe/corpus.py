@@ -13,6 +13,7 @@ Shapes: N texts, L' layers, H' heads, T a batch's padded length.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_positive_int, describe
+from multihead.models.text import TruncationWarning
 from multihead.observe.head_metrics import METRICS
 from multihead.observe.statistics import HeadStatistics, accumulate_statistics
 
@@ -59,15 +61,38 @@ def check_texts(name: str, texts: Any) -> list[str]:
 
 
 def text_batches(model: nn.Module, texts: Sequence[str], batch_size: int) -> Iterator[Any]:
-    """``model.tokenize`` of ``batch_size`` texts at a time, in order (the last batch smaller)."""
+    """``model.tokenize`` of ``batch_size`` texts at a time, in order (the last batch smaller).
+
+    Warns:
+        TruncationWarning: once, at the end, when texts were truncated: the tokenizer's own warning
+            would name a text by its place in its batch, this one names its line in the corpus
+            (when the batch says which texts were truncated, as ``BertBatch.truncated`` does).
+    """
     tokenize = getattr(model, "tokenize", None)
     if not callable(tokenize):
         raise TypeError(
             f"model must have a tokenize(texts) method returning a tokenized batch, got "
             f"{type(model).__name__}"
         )
+    truncated: list[int] = []  # 1-based lines
     for start in range(0, len(texts), batch_size):
-        yield tokenize(list(texts[start : start + batch_size]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch = tokenize(list(texts[start : start + batch_size]))
+        flags = getattr(batch, "truncated", None)
+        for w in caught:
+            if flags is None or not issubclass(w.category, TruncationWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if flags is not None and caught:
+            truncated += [start + i + 1 for i, cut in enumerate(flags) if cut]
+        yield batch
+    if truncated:
+        warnings.warn(
+            f"{len(truncated)} of {len(texts)} texts are longer than the model takes and were "
+            f"truncated (lines {truncated[:10]}{', ...' if len(truncated) > 10 else ''})",
+            TruncationWarning,
+            stacklevel=2,
+        )
 
 
 def corpus_statistics(

@@ -154,8 +154,9 @@ def head_distances(
 
     Each batch of ``batch_size`` texts is tokenized by ``model.tokenize`` and run once inside
     :func:`~multihead.observe.capture` (every chosen head's weights of that batch, on the CPU:
-    O(L'·B·H'·T²) memory); its real queries' pairwise distances are added to an (N, N) sum and
-    the weights dropped before the next batch. Padding is neither a query nor a key.
+    O(L'·B·H'·T²) memory, so lower ``batch_size`` for long texts); its real queries' pairwise
+    distances are added to an (N, N) sum and the weights dropped before the next batch. Padding
+    is neither a query nor a key. Time: O(N²·Q·S) for Q real queries.
 
     Args:
         model: a model with ``tokenize(texts) -> BertBatch`` and observable attention layers.
@@ -197,8 +198,12 @@ def _batch_weights(
     if not rec.records:
         raise ValueError("the model's forward called none of the chosen attention layers")
     chosen = list(dict.fromkeys(rec.layers))
-    w = torch.stack([r.weights for r in rec.records[: len(chosen)]])  # (L', B, H', T, S)
-    n_layers, b, h, t, s = w.shape
-    w = w.permute(1, 3, 0, 2, 4).reshape(b, t, n_layers * h, s)  # (B, T, N, S)
+    head_ids = list(rec.records[0].heads)
     real = batch.attention_mask.bool().cpu()  # (B, T)
-    return w[real], chosen, list(rec.records[0].heads)  # (Q, N, S)
+    # Layer by layer into the real queries' rows, dropping each record as it is copied, so the
+    # batch's weights are held about once, not in a second stacked copy.
+    per_layer = []
+    for record in rec.records[: len(chosen)]:
+        per_layer.append(record.weights.transpose(1, 2)[real])  # (B, H', T, S) -> (Q, H', S)
+    rec.clear()
+    return torch.cat(per_layer, dim=1), chosen, head_ids  # (Q, N, S), layer-major
