@@ -216,7 +216,9 @@ def test_pairwise_js_sums_reference_and_properties() -> None:
             assert float(sums[i, j]) == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert torch.equal(sums, sums.T)
     assert torch.equal(sums.diagonal(), torch.zeros(4, dtype=torch.float64))
-    assert float(sums[1, 3]) == 0.0
+    # identical heads: 0 up to rounding (the divergence is a difference of equal sums, ~1e-16,
+    # and the distance its square root)
+    assert float(sums[1, 3]) <= 1e-7
     with pytest.raises(ValueError, match=r"\(Q, N, S\)"):
         pairwise_js_sums(w[0])
 
