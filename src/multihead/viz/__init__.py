@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "head_figure": "multihead.viz.plots",
     "save_figure": "multihead.viz.plots",
     "heads_map_figure": "multihead.viz.heads_map",
+    "save_heads_map": "multihead.viz.heads_map",
     "render_page": "multihead.viz.page",
     "write_page": "multihead.viz.page",
     "encode_weights": "multihead.viz.page",
