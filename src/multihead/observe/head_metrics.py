@@ -120,6 +120,17 @@ def _check_mask(name: str, m: Tensor | None, batch: int, length: int) -> None:
         )
 
 
+# metric -> the queries it averages over (default "all": every real query)
+_COUNT_OF = {
+    "previous_token": "prev",
+    "next_token": "next",
+    "induction": "repeat",
+    "duplicate_token": "repeat",
+    "sep_to_sep": "sep",
+    "cls_entropy": "cls",
+}
+
+
 class StatsAccumulator:
     """Running sums of the head statistics, fed one chunk of query rows at a time.
 
@@ -180,11 +191,13 @@ class StatsAccumulator:
                 "punctuation": punct.to(device) & self.valid,
             }
         self.shape = (batch, length)
-        z = torch.zeros(num_slots, num_heads, dtype=torch.float64, device=device)
-        self.sums = {name: z.clone() for name in METRICS}
-        # The queries each metric averages over (counted once: every slot sees the same rows).
-        self.counts = {
-            name: torch.zeros((), dtype=torch.float64, device=device)
+        # Kept per sequence, so that a corpus can weight each text equally (per_sequence_means).
+        z = torch.zeros(num_slots, batch, num_heads, dtype=torch.float64, device=device)
+        self.seq_sums = {name: z.clone() for name in METRICS}  # (L', B, H')
+        # The queries each metric averages over, (B,) (counted once: every slot sees the same
+        # rows).
+        self.seq_counts = {
+            name: torch.zeros(batch, dtype=torch.float64, device=device)
             for name in ("all", "prev", "next", "repeat", "sep", "cls")
         }
         # (slot, B, H, S): summed weight each key receives from real queries
@@ -249,33 +262,50 @@ class StatsAccumulator:
             scores["cls_entropy"] = (entropy, cls_q)
             counts["sep"], counts["cls"] = sep_q, cls_q
         for name, (values, queries) in scores.items():
-            self.sums[name][slot] += (values * queries[:, None, :]).sum(dim=(0, 2))
+            self.seq_sums[name][slot] += (values * queries[:, None, :]).sum(dim=2)
         if slot == 0:
             for name, queries in counts.items():
-                self.counts[name] += queries.sum()
+                self.seq_counts[name] += queries.sum(1)
         self.received[slot] += (w * vq[:, None, :, None]).sum(2)  # (B, H, S)
         self.slot_counts[slot] += vq.sum()
 
+    @property
+    def counts(self) -> dict[str, Tensor]:
+        """The number of queries each kind of metric averages over, () float64, whole batch."""
+        return {name: c.sum() for name, c in self.seq_counts.items()}
+
+    def _known(self, name: str) -> bool:
+        return (name not in ID_METRICS or self.ids is not None) and (
+            name not in ROLE_METRICS or self.roles is not None
+        )
+
     def means(self) -> dict[str, Tensor]:
-        """Each metric (L', H') float32 on the CPU; NaN where its inputs or queries are missing."""
-        count_of = {
-            "previous_token": "prev",
-            "next_token": "next",
-            "induction": "repeat",
-            "duplicate_token": "repeat",
-            "sep_to_sep": "sep",
-            "cls_entropy": "cls",
-        }
+        """Each metric (L', H') float32 on the CPU, a mean over the batch's queries (a longer
+        sequence weighs more); NaN where its inputs or queries are missing."""
+        counts = self.counts
         out = {}
-        for name, total in self.sums.items():
-            count = self.counts[count_of.get(name, "all")]
-            known = (name not in ID_METRICS or self.ids is not None) and (
-                name not in ROLE_METRICS or self.roles is not None
-            )
-            if name in (*ID_METRICS, *ROLE_METRICS) and (not known or count == 0):
+        for name, per_seq in self.seq_sums.items():
+            total = per_seq.sum(1)  # (L', H')
+            count = counts[_COUNT_OF.get(name, "all")]
+            if name in (*ID_METRICS, *ROLE_METRICS) and (not self._known(name) or count == 0):
                 out[name] = torch.full(total.shape, float("nan"))
             else:
                 out[name] = (total / count.clamp(min=1)).float().cpu()
+        return out
+
+    def per_sequence_means(self) -> dict[str, Tensor]:
+        """Each metric per sequence, (B, L', H') float64 on the CPU: the mean over that
+        sequence's own queries; NaN where its inputs are unknown or the sequence has no query
+        the metric applies to (no repeated token, no [SEP] query, ...), and for the queries-free
+        metrics of a sequence without real tokens."""
+        out = {}
+        for name, per_seq in self.seq_sums.items():
+            count = self.seq_counts[_COUNT_OF.get(name, "all")]  # (B,)
+            mean = per_seq / count.clamp(min=1)[None, :, None]  # (L', B, H')
+            mean = mean.masked_fill((count == 0)[None, :, None], float("nan"))
+            if not self._known(name):
+                mean = torch.full_like(mean, float("nan"))
+            out[name] = mean.transpose(0, 1).cpu()
         return out
 
     def most_attended(self) -> tuple[Tensor, Tensor]:

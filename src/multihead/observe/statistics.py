@@ -316,6 +316,40 @@ def head_statistics(
     Returns:
         A :class:`HeadStatistics` over the chosen layers and heads.
     """
+    acc, chosen, head_ids, tokens = accumulate_statistics(
+        model,
+        inputs,
+        valid_mask=valid_mask,
+        special_mask=special_mask,
+        token_ids=token_ids,
+        tokens=tokens,
+        layers=layers,
+        heads=heads,
+        chunk_size=chunk_size,
+        **forward_kwargs,
+    )
+    return _result(acc, chosen, head_ids, tokens)
+
+
+def accumulate_statistics(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    valid_mask: Tensor | None = None,
+    special_mask: Tensor | None = None,
+    token_ids: Tensor | None = None,
+    tokens: list[list[str]] | None = None,
+    layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    chunk_size: int = 128,
+    **forward_kwargs: Any,
+) -> tuple[StatsAccumulator, list[int], list[int], list[list[str]] | None]:
+    """:func:`head_statistics`' forward pass, returning its running sums (for callers that
+    need them per sequence, as :func:`multihead.observe.corpus.corpus_statistics` does).
+
+    Returns:
+        (the accumulator, the layer indices, the head indices, the tokens used).
+    """
     check_positive_int("chunk_size", chunk_size)
     if hasattr(inputs, "input_ids"):
         ids = inputs.input_ids
@@ -381,7 +415,7 @@ def head_statistics(
             run()
     if not bool(acc.slot_counts.gt(0).all()) and bool(acc.valid.any()):
         raise ValueError("some chosen attention layers were not called by the model's forward")
-    return _result(acc, chosen, head_ids if head_ids is not None else list(range(h)), tokens)
+    return acc, chosen, head_ids if head_ids is not None else list(range(h)), tokens
 
 
 def _result(

@@ -16,6 +16,8 @@ _LAZY: dict[str, str] = {
     "grid_figure": "multihead.viz.plots",
     "head_figure": "multihead.viz.plots",
     "save_figure": "multihead.viz.plots",
+    "heads_map_figure": "multihead.viz.heads_map",
+    "save_heads_map": "multihead.viz.heads_map",
     "render_page": "multihead.viz.page",
     "write_page": "multihead.viz.page",
     "encode_weights": "multihead.viz.page",

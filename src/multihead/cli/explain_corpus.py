@@ -1,0 +1,203 @@
+"""``multihead explain --corpus FILE``: what every head does over many texts, and the head map.
+
+Reads one text a line (blank lines skipped; ``-`` reads standard input), runs
+:func:`multihead.observe.corpus.corpus_statistics` and
+:func:`multihead.observe.head_distance.head_distances`, prints the heads of each role and a
+per-layer summary, and writes ``heads_map.png``/``.svg`` and ``head_statistics.json``. Every
+check (flags, the file, the output directory) runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from multihead.cli.common import CLIError, printable
+from multihead.viz.formats import FIGURE_FORMATS, check_formats, check_output_dir
+
+if TYPE_CHECKING:
+    from multihead.observe.head_distance import HeadMap
+    from multihead.observe.statistics import HeadStatistics
+
+__all__ = ["run_corpus", "read_corpus", "STATISTICS_FILE"]
+
+STATISTICS_FILE = "head_statistics.json"
+# The flags that are about one text; --corpus refuses them rather than ignoring them.
+_SINGLE_TEXT = (("text", "TEXT"), ("focus", "--focus"), ("focus_index", "--focus-index"))
+# Heads printed per role (the strongest); the rest are counted.
+_SHOWN = 16
+# Per layer, the mean of these (metric, column) in the printed summary.
+_SUMMARY = (
+    ("entropy", "entropy"),
+    ("identity", "self"),
+    ("previous_token", "prev"),
+    ("next_token", "next"),
+    ("to_cls", "[CLS]"),
+    ("to_sep", "[SEP]"),
+    ("to_punctuation", "punct"),
+)
+
+
+def read_corpus(path: str) -> list[str]:
+    """The texts of a file (or ``-``: standard input), one a line, blank lines skipped.
+
+    Raises:
+        CLIError: the file is missing, unreadable, not UTF-8 (naming the line) or holds no text.
+    """
+    shown = "standard input" if path == "-" else repr(printable(path))
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CLIError(f"--corpus {shown}: no such file") from None
+    except IsADirectoryError:
+        raise CLIError(f"--corpus {shown} is a directory, expected a file of texts") from None
+    except OSError as e:
+        raise CLIError(f"--corpus {shown} cannot be read: {e.strerror or e}") from None
+    texts = []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CLIError(
+                f"--corpus {shown}: line {number} is not UTF-8 text (byte {e.start + 1} of the "
+                f"line)"
+            ) from None
+        if number == 1:
+            line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the text
+        if line.strip():
+            texts.append(line.strip())
+    if not texts:
+        raise CLIError(f"--corpus {shown} holds no text (one text a line; blank lines skipped)")
+    return texts
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for attr, flag in _SINGLE_TEXT:
+        if getattr(args, attr, None) is not None:
+            raise CLIError(f"--corpus cannot be combined with {flag}: it explains one text")
+    if getattr(args, "ablate", None):
+        raise CLIError("--corpus cannot be combined with --ablate: it explains one text")
+    if args.layer is not None and args.head is not None:
+        raise CLIError("--corpus maps heads against each other: give --layer or --head, not both")
+
+
+def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
+    """Run ``multihead explain --corpus``; ``load_model(directory) -> (model, name)`` is the
+    single-text path's loader (so ``--model`` means the same). Returns the exit code."""
+    _check_flags(args)
+    formats = [f for f in check_formats("--format", args.format) if f in FIGURE_FORMATS]
+    files = [f"heads_map.{f}" for f in formats] + [STATISTICS_FILE]
+    out = check_output_dir("--out", args.out, files)
+    texts = read_corpus(args.corpus)
+
+    with _status("Loading the model…"):
+        model, name = load_model(args.model)
+    from multihead.observe.corpus import corpus_statistics
+    from multihead.observe.head_distance import head_distances
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _status(f"Head statistics over {len(texts)} texts…"):
+            stats = corpus_statistics(model, texts, layers=args.layer, heads=args.head)
+        with _status("Distances between heads…"):
+            head_map = head_distances(model, texts, layers=args.layer, heads=args.head)
+    for message in dict.fromkeys(str(w.message) for w in caught):  # once each, not per batch
+        print(f"warning: {message}", file=sys.stderr)
+
+    with _status("Drawing the head map…"):
+        from multihead.viz.heads_map import heads_map_figure, save_heads_map
+
+        title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
+        fig = heads_map_figure(
+            head_map.positions, head_map.layers, head_map.heads, stats.roles(), title=title
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        paths = save_heads_map(fig, out, formats)
+    json_path = out / STATISTICS_FILE
+    json_path.write_text(json.dumps(_report(stats, head_map, name, len(texts)), indent=1) + "\n")
+    paths.append(json_path)
+    _print_summary(stats, name, len(texts), paths)
+    return 0
+
+
+def _status(message: str) -> Any:
+    """A spinner on stderr while ``message``'s step runs (nothing without rich)."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return contextlib.nullcontext()
+    return Console(stderr=True).status(message, spinner="dots")
+
+
+def _report(stats: HeadStatistics, head_map: HeadMap, name: str, num_texts: int) -> dict[str, Any]:
+    data = stats.to_dict()
+    # most-attended positions are per text; over a corpus they mean nothing as one table
+    del data["most_attended"], data["most_attended_weight"]
+    names = head_map.names()
+    data.update(
+        model=name,
+        num_texts=num_texts,
+        averaging="each metric: the mean over texts of the per-text mean over its queries",
+        positions={
+            n: [round(float(v), 5) for v in xy]
+            for n, xy in zip(names, head_map.positions, strict=True)
+        },
+        js_distance={
+            "unit": "mean over real queries of the Jensen-Shannon distance, base 2",
+            "heads": names,
+            "matrix": [[round(float(v), 4) for v in row] for row in head_map.distances],
+        },
+    )
+    return data
+
+
+def role_members(stats: HeadStatistics) -> dict[str, list[tuple[int, int, float]]]:
+    """Per role, the heads whose dominant role it is as (layer, head, score), strongest first
+    (score: the role's metric; for "broad" heads, their entropy)."""
+    from multihead.observe.head_metrics import BROAD, ROLES
+
+    roles = stats.roles()
+    members: dict[str, list[tuple[int, int, float]]] = {}
+    for i, layer in enumerate(stats.layers):
+        for j, head in enumerate(stats.heads):
+            role = roles[i][j]
+            metric = "entropy" if role == BROAD else ROLES[role]
+            score = float(getattr(stats, metric)[i, j])
+            members.setdefault(role, []).append((layer, head, score))
+    order = [*ROLES, BROAD]
+    return {
+        role: sorted(members[role], key=lambda m: -m[2])
+        for role in sorted(members, key=order.index)
+    }
+
+
+def _print_summary(stats: HeadStatistics, name: str, num_texts: int, paths: list[Path]) -> None:
+    print(f"{name}: {num_texts} texts, {stats.num_queries} tokens")
+    print()
+    print(
+        "Heads by dominant role (strongest first; score = the role's mean weight, broad: entropy):"
+    )
+    for role, members in role_members(stats).items():
+        cells = ", ".join(f"L{layer}H{head} {score:.2f}" for layer, head, score in members[:_SHOWN])
+        if len(members) > _SHOWN:  # the JSON file has them all
+            cells += f", … {len(members) - _SHOWN} more"
+        print(f"  {role + f' ({len(members)})':22s}{cells}")
+    print()
+    print("Per layer, mean over heads (entropy in nats; others: mean weight):")
+    print("  layer " + "".join(f"{column:>9s}" for _, column in _SUMMARY))
+    for i, layer in enumerate(stats.layers):
+        means = [getattr(stats, metric)[i].nanmean() for metric, _ in _SUMMARY]
+        print(f"  {layer:5d} " + "".join(f"{float(v):9.2f}" for v in means))
+    print()
+    print("Wrote:")
+    for p in paths:
+        print(f"  {printable(os.fspath(p))}")

@@ -1,0 +1,172 @@
+"""Head statistics over a corpus: many texts, batched, each text weighing the same.
+
+:func:`corpus_statistics` tokenizes the texts ``batch_size`` at a time with the model's own
+``tokenize``, runs :func:`~multihead.observe.statistics.head_statistics`' forward on each batch
+(chunked as always: no head's (T, T) matrix is held), and averages each metric over the texts.
+It needs only ``model.tokenize(texts) -> BertBatch`` (``input_ids``, ``attention_mask``,
+``token_type_ids``, ``tokens``, ``special_mask``) and observable attention layers, so it serves
+:class:`~multihead.models.bert.BertModel` and a wrapped Hugging Face model alike.
+
+Shapes: N texts, L' layers, H' heads, T a batch's padded length.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import check_positive_int, describe
+from multihead.models.text import TruncationWarning
+from multihead.observe.head_metrics import METRICS
+from multihead.observe.statistics import HeadStatistics, accumulate_statistics
+
+__all__ = ["corpus_statistics", "check_texts", "text_batches"]
+
+
+def check_texts(name: str, texts: Any) -> list[str]:
+    """``texts`` must be a non-empty sequence of non-empty, valid Unicode strings.
+
+    Returns:
+        The texts as a list.
+
+    Raises:
+        TypeError: not a sequence (a single str counts as not one), or an item not a str.
+        ValueError: no texts, or a text that is empty, blank or not valid Unicode (bytes that
+            are not UTF-8); the message names the text's index (0-based) and line (1-based).
+    """
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise TypeError(f"{name} must be a sequence of str (one text each), got {describe(texts)}")
+    items = list(texts)
+    if not items:
+        raise ValueError(f"{name} must hold at least one text, got none")
+    for i, text in enumerate(items):
+        where = f"{name}[{i}] (line {i + 1})"
+        if not isinstance(text, str):
+            raise TypeError(f"{where} must be a str, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError(f"{where} must be a non-empty text, got {text!r}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where} must be valid Unicode text, got an undecodable character at position "
+                f"{e.start} (bytes that are not UTF-8?)"
+            ) from None
+    return items
+
+
+def text_batches(model: nn.Module, texts: Sequence[str], batch_size: int) -> Iterator[Any]:
+    """``model.tokenize`` of ``batch_size`` texts at a time, in order (the last batch smaller).
+
+    Warns:
+        TruncationWarning: once, at the end, when texts were truncated: the tokenizer's own warning
+            would name a text by its place in its batch, this one names its line in the corpus
+            (when the batch says which texts were truncated, as ``BertBatch.truncated`` does).
+    """
+    tokenize = getattr(model, "tokenize", None)
+    if not callable(tokenize):
+        raise TypeError(
+            f"model must have a tokenize(texts) method returning a tokenized batch, got "
+            f"{type(model).__name__}"
+        )
+    truncated: list[int] = []  # 1-based lines
+    for start in range(0, len(texts), batch_size):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch = tokenize(list(texts[start : start + batch_size]))
+        flags = getattr(batch, "truncated", None)
+        for w in caught:
+            if flags is None or not issubclass(w.category, TruncationWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if flags is not None and caught:
+            truncated += [start + i + 1 for i, cut in enumerate(flags) if cut]
+        yield batch
+    if truncated:
+        warnings.warn(
+            f"{len(truncated)} of {len(texts)} texts are longer than the model takes and were "
+            f"truncated (lines {truncated[:10]}{', ...' if len(truncated) > 10 else ''})",
+            TruncationWarning,
+            stacklevel=2,
+        )
+
+
+def corpus_statistics(
+    model: nn.Module,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 32,
+    layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    chunk_size: int = 128,
+) -> HeadStatistics:
+    """What each head does over many texts: each metric is the mean over texts of that text's
+    :func:`~multihead.observe.statistics.head_statistics` value.
+
+    Exactly what is averaged: for a text n and a metric m, ``head_statistics(model,
+    model.tokenize([text_n]))``'s m is a mean over that text's own queries (its real tokens, or
+    the subset m applies to: tokens with a previous token, repeated tokens, [SEP], ...). The
+    result is the plain mean of those per-text values over the texts, each text weighing the
+    same whatever its length. A text whose value is NaN (no query m applies to: no repeated
+    token for ``induction``; or m unknown) is left out of m's mean; m is NaN only when it is NaN
+    for every text. Padding never counts: a batch's padding tokens are neither queries nor keys.
+
+    Args:
+        model: a model with ``tokenize(texts) -> BertBatch`` (``BertModel``, a wrapped Hugging
+            Face model) whose attention layers are observable.
+        texts: N non-empty texts.
+        batch_size: texts per forward pass (memory grows with it; the result does not change).
+        layers, heads: which to summarise (as for :func:`~multihead.observe.capture`).
+        chunk_size: query rows per step inside each forward.
+
+    Returns:
+        A :class:`HeadStatistics` whose metrics are (L', H') means over the texts;
+        ``most_attended``/``most_attended_weight`` are (N, L', H'), per text as for one batch
+        (positions index each text's tokens); ``num_queries`` counts every real token of the
+        corpus; ``tokens`` holds each text's tokens.
+
+    Raises:
+        TypeError, ValueError: bad ``texts`` (naming the line), ``batch_size``, indices.
+    """
+    items = check_texts("texts", texts)
+    check_positive_int("batch_size", batch_size)
+    sums: dict[str, Tensor] = {}  # metric -> (L', H') float64 sum over texts where known
+    known: dict[str, Tensor] = {}  # metric -> (L', H') how many texts were summed
+    top_pos: list[Tensor] = []
+    top_weight: list[Tensor] = []
+    tokens: list[list[str]] = []
+    num_queries = 0
+    chosen: list[int] = []
+    head_ids: list[int] = []
+    for batch in text_batches(model, items, batch_size):
+        acc, chosen, head_ids, batch_tokens = accumulate_statistics(
+            model, batch, layers=layers, heads=heads, chunk_size=chunk_size
+        )
+        for name, per_text in acc.per_sequence_means().items():  # (B, L', H')
+            seen = ~per_text.isnan()
+            sums[name] = sums.get(name, 0) + per_text.nan_to_num(nan=0.0).sum(0)
+            known[name] = known.get(name, 0) + seen.sum(0)
+        pos, weight = acc.most_attended()
+        top_pos.append(pos)
+        top_weight.append(weight)
+        tokens.extend(batch_tokens or [[] for _ in range(pos.shape[0])])
+        num_queries += int(acc.counts["all"].item())
+    means = {
+        name: (sums[name] / known[name].clamp(min=1))
+        .masked_fill(known[name] == 0, math.nan)
+        .float()
+        for name in METRICS
+    }
+    return HeadStatistics(
+        layers=chosen,
+        heads=head_ids,
+        **means,
+        most_attended=torch.cat(top_pos),
+        most_attended_weight=torch.cat(top_weight),
+        num_queries=num_queries,
+        tokens=tokens if any(tokens) else None,
+    )
