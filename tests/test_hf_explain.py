@@ -566,3 +566,51 @@ def test_cli_without_transformers_names_the_extra(
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     err = fails(capsys, ["explain", "--model", str(saved["gpt2"]), "--out", str(tmp_path / "o")])
     assert "pip install 'multihead[hf]'" in err
+
+
+# -- over a corpus -------------------------------------------------------------------------------
+
+CORPUS = [
+    "The cat sat on the mat.",
+    "A dog, a cat and a bird met at the river bank.",
+    "It rained again, so the game was moved to Sunday.",
+    "Why did the model attend to the last word?",
+]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_corpus_statistics_of_a_hf_model_are_the_mean_of_per_text_statistics(
+    name: str, loaded: dict[str, HFTextModel]
+) -> None:
+    from multihead.observe import corpus_statistics, head_statistics
+
+    model = loaded[name]
+    together = corpus_statistics(model, CORPUS, batch_size=3)  # a padded batch, then one text
+    alone = [head_statistics(model, model.tokenize([text])) for text in CORPUS]
+    for metric in ("entropy", "previous_token", "identity", "to_punctuation"):
+        mean = torch.stack([getattr(s, metric) for s in alone]).mean(0)
+        torch.testing.assert_close(getattr(together, metric), mean, atol=1e-5, rtol=1e-4)
+
+
+def test_cli_explains_a_gpt2_corpus(saved: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    import json
+
+    corpus = tmp_path / "texts.txt"
+    corpus.write_text("\n".join(CORPUS) + "\n", encoding="utf-8")
+    out = tmp_path / "heads"
+    argv = ["explain", "--corpus", str(corpus), "--model", str(saved["gpt2"]), "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert {p.name for p in out.iterdir()} == {
+        "heads_map.png",
+        "heads_map.svg",
+        "head_statistics.json",
+    }
+    data = json.loads((out / "head_statistics.json").read_text(encoding="utf-8"))
+    config = loaded_config(saved["gpt2"])
+    assert len(data["role"]) == config.n_layer and len(data["role"][0]) == config.n_head
+
+
+def loaded_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
