@@ -559,9 +559,11 @@ def test_bench_script_quick(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     payload = json.loads((tmp_path / "hf_quick.json").read_text(encoding="utf-8"))
     modes = {row["mode"]: row for row in payload["rows"]}
-    assert set(modes) == {"sdpa", "multihead", "capture"}
+    assert set(modes) == {"sdpa", "multihead", "capture", "eager"}
     # one row of every head of every layer: 2 layers x 8 heads x 256 keys, nothing more
     assert modes["capture"]["recorded_elements"] == 2 * 8 * 256
+    # eager's output_attentions: every head's T x T weights of every layer
+    assert modes["eager"]["recorded_elements"] == 2 * 8 * 256 * 256
     assert all(row["seconds"] > 0 and row["peak_rss"] > 0 for row in payload["rows"])
 
 

@@ -570,7 +570,7 @@ def test_cli_without_transformers_names_the_extra(
 
 # -- over a corpus -------------------------------------------------------------------------------
 
-CORPUS = [
+MANY_TEXTS = [
     "The cat sat on the mat.",
     "A dog, a cat and a bird met at the river bank.",
     "It rained again, so the game was moved to Sunday.",
@@ -585,8 +585,8 @@ def test_corpus_statistics_of_a_hf_model_are_the_mean_of_per_text_statistics(
     from multihead.observe import corpus_statistics, head_statistics
 
     model = loaded[name]
-    together = corpus_statistics(model, CORPUS, batch_size=3)  # a padded batch, then one text
-    alone = [head_statistics(model, model.tokenize([text])) for text in CORPUS]
+    together = corpus_statistics(model, MANY_TEXTS, batch_size=3)  # a padded batch, then one text
+    alone = [head_statistics(model, model.tokenize([text])) for text in MANY_TEXTS]
     for metric in ("entropy", "previous_token", "identity", "to_punctuation"):
         mean = torch.stack([getattr(s, metric) for s in alone]).mean(0)
         torch.testing.assert_close(getattr(together, metric), mean, atol=1e-5, rtol=1e-4)
@@ -596,7 +596,7 @@ def test_cli_explains_a_gpt2_corpus(saved: dict[str, Path], tmp_path: Path, caps
     import json
 
     corpus = tmp_path / "texts.txt"
-    corpus.write_text("\n".join(CORPUS) + "\n", encoding="utf-8")
+    corpus.write_text("\n".join(MANY_TEXTS) + "\n", encoding="utf-8")
     out = tmp_path / "heads"
     argv = ["explain", "--corpus", str(corpus), "--model", str(saved["gpt2"]), "--out", str(out)]
     assert main(argv) == 0, capsys.readouterr().err
