@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_positive_int, describe
-from multihead.models.text import TruncationWarning
+from multihead.models.text import TruncationWarning, check_text
 from multihead.observe.head_metrics import METRICS
 from multihead.observe.statistics import HeadStatistics, accumulate_statistics
 
@@ -48,15 +48,9 @@ def check_texts(name: str, texts: Any) -> list[str]:
         where = f"{name}[{i}] (line {i + 1})"
         if not isinstance(text, str):
             raise TypeError(f"{where} must be a str, got {type(text).__name__}")
+        check_text(where, text)
         if not text.strip():
             raise ValueError(f"{where} must be a non-empty text, got {text!r}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"{where} must be valid Unicode text, got an undecodable character at position "
-                f"{e.start} (bytes that are not UTF-8?)"
-            ) from None
     return items
 
 
