@@ -113,10 +113,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The CPU flags that change which kernels torch runs (and so every ratio): vector widths, the
+# bfloat16/int8 dot products and AMX tiles.
+_SPEED_FLAGS = ("avx", "fma", "avx2", "avx512", "avx_vnni", "amx")
+
+
+def cpu_flags() -> list[str]:
+    """The speed-relevant flags of /proc/cpuinfo (``_SPEED_FLAGS`` prefixes), sorted."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(x for x in flags if x.startswith(_SPEED_FLAGS))
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict[str, Any]:
     """What to print beside any published number: machine, software, threads and command."""
     return {
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
