@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported lazily, on first access)
 _LAZY: dict[str, str] = {
-    "FeedForward": "multihead.layers",
+    "FeedForward": "multihead.layer_parts",
     "TransformerEncoderLayer": "multihead.layers",
     "TransformerEncoder": "multihead.layers",
     "TransformerDecoderLayer": "multihead.layers",

@@ -1,7 +1,8 @@
 """MultiHeadAttention: project, split heads, attend, let observers see each head, merge.
 
-The math itself is in :mod:`multihead.functional`; ragged batches without padding in
-:mod:`multihead.packing`; conversion to and from torch.nn in :mod:`multihead.interop`.
+The math is in :mod:`multihead.functional`, the argument checks in
+:mod:`multihead.attention_checks`, the unpadded path (``packing=``) in
+:mod:`multihead.attention_packed`, conversion to and from torch.nn in :mod:`multihead.interop`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from multihead._checks import (
     check_probability,
 )
 from multihead.attention_checks import check_call, check_packed_call, combined_mask
+from multihead.attention_packed import attend_packed
 from multihead.observers import AttentionCall, AttentionObserver, run_observers
 from multihead.packing import PackedBatch
 
@@ -308,7 +310,9 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if packing is not None:
             check_packed_call(self, query, key, value, mask, key_mask, need_weights, cache, packing)
-            return self._attend_packed(query, packing, is_causal, scale, dropout_p)
+            return attend_packed(
+                self, query, packing, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+            )
         check_call(self, query, key, value, key_mask)
         unbatched = query.dim() == 2
         if unbatched:
@@ -349,52 +353,6 @@ class MultiHeadAttention(nn.Module):
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return (out, weights) if need_weights and weights is not None else out
-
-    def _attend_packed(
-        self, x: Tensor, packing: PackedBatch, is_causal: bool, scale: float, dropout_p: float
-    ) -> Tensor:
-        """Self-attention over the N real tokens (N, E) of ``packing``'s batch -> (N, out_dim).
-
-        The projections run on the real tokens only; attention runs in the sorted (B, T) layout,
-        bucket by bucket (:meth:`PackedBatch.attend`). Observers see batch order.
-        """
-        assert self.qkv_proj is not None
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # (N, (H + 2·Hk)·D)
-        # (B, T, ·) each, rows sorted longest first, zeros at the padding
-        q, k, v = packing.unpack(qkv, sorted=True).split([h * d, hk * d, hk * d], -1)
-        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
-        out = packing.attend(
-            q,
-            k,
-            v,
-            is_causal=is_causal,
-            scale=scale,
-            dropout_p=dropout_p,
-            zero_fill=bool(self._observers),
-        )
-        if self._observers:
-
-            def heads() -> tuple[Tensor, Tensor, Tensor]:
-                return (
-                    packing.to_batch_order(q),
-                    packing.to_batch_order(k),
-                    packing.to_batch_order(v),
-                )
-
-            call = AttentionCall(
-                self,
-                heads,
-                packing.attn_mask,
-                is_causal,
-                scale,
-                packing.key_mask,
-            )
-            out = run_observers(self._observers.values(), call, packing.to_batch_order(out))
-            out = packing.pack(out)  # (N, H, Dv)
-        else:
-            out = packing.gather_sorted(out)  # (N, H, Dv)
-        return self.out_proj(out.flatten(1))  # (N, H·Dv) -> (N, out_dim)
 
     # -- conversion (see multihead.interop) -----------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Transformer layers around MultiHeadAttention: the feed-forward network, encoder and decoder
-layers, and a stack of layers.
+"""Transformer layers around MultiHeadAttention: the encoder and decoder layers, and a stack of
+layers. What they are built from (:class:`FeedForward`, ``ACTIVATIONS``, the shared constructor)
+is in :mod:`multihead.layer_parts`; both names are importable from here too.
 
 Each ``forward`` reads like its equation. With sublayer(x) attention or the feed-forward network:
 
@@ -11,15 +12,14 @@ Layers return the new x only; attention weights come from :func:`multihead.captu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead._checks import check_choice, check_probability, check_tensor
 from multihead.attention import AttentionCache, MultiHeadAttention
+from multihead.layer_parts import ACTIVATIONS, FeedForward, build_parts, check_layer_input
 from multihead.packing import PackedBatch
 
 __all__ = [
@@ -30,67 +30,11 @@ __all__ = [
     "TransformerDecoderLayer",
 ]
 
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": F.gelu,  # exact (erf) GELU, as BERT and torch use it
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
-
 
 class LayerCaches(Protocol):
     """A cache for a stack of layers: ``caches[i]`` is layer i's :class:`AttentionCache`."""
 
     def __getitem__(self, index: int) -> AttentionCache: ...
-
-
-def _check_x(x: Tensor, embed_dim: int, packing: PackedBatch | None) -> None:
-    """x must be (B, T, E), unbatched (T, E) or packed (N, E), checked before LayerNorm."""
-    check_tensor("x", x)
-    if packing is not None and (x.dim() != 2 or x.shape[-1] != embed_dim):
-        raise ValueError(
-            f"x must be the packed tokens (N, E) with E={embed_dim}, got shape {tuple(x.shape)}"
-        )
-    if x.dim() not in (2, 3) or x.shape[-1] != embed_dim:
-        raise ValueError(
-            f"x must be (B, T, E) or (T, E) with E={embed_dim}, got shape {tuple(x.shape)}"
-        )
-
-
-class FeedForward(nn.Module):
-    """The position-wise feed-forward network: linear2(dropout(activation(linear1(x)))).
-
-    Args:
-        embed_dim: E, input and output width.
-        ff_dim: F, the hidden width (4·E in most models).
-        dropout: dropout on the hidden activations, in training mode.
-        activation: "gelu" (exact), "gelu_tanh", "relu" or "silu".
-        bias: whether the two linear layers have biases.
-
-    Shapes: (..., E) -> (..., E).
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        ff_dim: int,
-        *,
-        dropout: float = 0.0,
-        activation: str = "gelu",
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.activation_name = check_choice("activation", activation, ACTIVATIONS)
-        self.activation = ACTIVATIONS[activation]
-        self.linear1 = nn.Linear(embed_dim, ff_dim, bias=bias, device=device, dtype=dtype)
-        self.linear2 = nn.Linear(ff_dim, embed_dim, bias=bias, device=device, dtype=dtype)
-        self.dropout = nn.Dropout(check_probability("dropout", dropout))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """(..., E) -> (..., F) -> (..., E)."""
-        return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
 
 class TransformerEncoderLayer(nn.Module):
@@ -148,7 +92,7 @@ class TransformerEncoderLayer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _build_parts(
+        build_parts(
             self,
             embed_dim,
             num_heads,
@@ -189,7 +133,7 @@ class TransformerEncoderLayer(nn.Module):
         Returns:
             x, shaped as given.
         """
-        _check_x(x, self.self_attn.embed_dim, packing)
+        check_layer_input(x, self.self_attn.embed_dim, packing)
         kw: dict[str, Any] = {
             "mask": mask,
             "key_mask": key_mask,
@@ -264,7 +208,7 @@ class TransformerDecoderLayer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        attn_kwargs = _build_parts(
+        attn_kwargs = build_parts(
             self,
             embed_dim,
             num_heads,
@@ -307,7 +251,7 @@ class TransformerDecoderLayer(nn.Module):
         Returns:
             x (B, T, E).
         """
-        _check_x(x, self.self_attn.embed_dim, None)
+        check_layer_input(x, self.self_attn.embed_dim, None)
         if not isinstance(memory, Tensor) or memory.dim() != x.dim():
             got = tuple(memory.shape) if isinstance(memory, Tensor) else type(memory).__name__
             raise ValueError(f"memory must be (B, S, memory_dim) like x is (B, T, E), got {got}")
@@ -326,49 +270,6 @@ class TransformerDecoderLayer(nn.Module):
             x = self.norm2(x + self.dropout2(self.cross_attn(x, memory, key_mask=memory_key_mask)))
             x = self.norm3(x + self.dropout3(self.ff(x)))
         return x
-
-
-def _build_parts(
-    layer: Any,
-    embed_dim: int,
-    num_heads: int,
-    ff_dim: int,
-    *,
-    sublayers: int,
-    num_kv_heads: int | None,
-    head_dim: int | None,
-    dropout: float,
-    norm_first: bool,
-    norm_eps: float,
-    activation: str,
-    bias: bool,
-    device: torch.device | str | None,
-    dtype: torch.dtype | None,
-) -> dict[str, Any]:
-    """Give ``layer`` what every transformer layer has: ``norm_first``, ``self_attn``, ``ff``,
-    and a LayerNorm ``norm{i}`` and a Dropout ``dropout{i}`` per sublayer i = 1..``sublayers``.
-
-    Returns the keyword arguments ``self_attn`` was built with (heads, dropout, bias, device,
-    dtype), for further attention modules of the layer.
-    """
-    factory: dict[str, Any] = {"device": device, "dtype": dtype}
-    dropout = check_probability("dropout", dropout)
-    attn_kwargs: dict[str, Any] = {
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "dropout": dropout,
-        "bias": bias,
-        **factory,
-    }
-    layer.norm_first = norm_first
-    layer.self_attn = MultiHeadAttention(embed_dim, num_heads, **attn_kwargs)
-    layer.ff = FeedForward(
-        embed_dim, ff_dim, dropout=dropout, activation=activation, bias=bias, **factory
-    )
-    for i in range(1, sublayers + 1):
-        layer.add_module(f"norm{i}", nn.LayerNorm(embed_dim, eps=norm_eps, bias=bias, **factory))
-        layer.add_module(f"dropout{i}", nn.Dropout(dropout))
-    return attn_kwargs
 
 
 class TransformerEncoder(nn.Module):

@@ -8,7 +8,7 @@ from multihead._lazy import lazy_getattr
 
 _LAZY: dict[str, str] = {
     "BertModel": "multihead.models.bert",
-    "BertConfig": "multihead.models.bert",
+    "BertConfig": "multihead.models.bert_config",
     "BertBatch": "multihead.models.text",
     "TransformerLM": "multihead.models.lm",
     "LMConfig": "multihead.models.lm",

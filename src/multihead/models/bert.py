@@ -14,6 +14,9 @@ passed down the layers as ``packing=``); only attention sees the (B, T) layout, 
 mask. Hugging Face's BertModel computes all B·T positions everywhere. The result on real tokens
 is the padded computation's; the padding positions of ``last_hidden_state`` hold zeros on every
 path. Observers, :func:`multihead.capture` and forward hooks see both paths alike.
+
+The hyperparameters, :class:`BertConfig`, live in :mod:`multihead.models.bert_config` (and are
+importable from here).
 """
 
 from __future__ import annotations
@@ -25,17 +28,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import (
-    check_choice,
-    check_finite_float,
-    check_positive_int,
-    check_probability,
-    check_tensor,
-    describe,
-    is_int,
-)
-from multihead.layers import ACTIVATIONS, TransformerEncoder, TransformerEncoderLayer
+from multihead._checks import check_tensor, is_int
+from multihead.layers import TransformerEncoder, TransformerEncoderLayer
 from multihead.models import text
+from multihead.models.bert_config import BertConfig
 from multihead.models.text import BertBatch
 from multihead.packing import PackedBatch
 from multihead.positions import LearnedPositionalEmbedding
@@ -47,79 +43,6 @@ __all__ = ["BertConfig", "BertModel", "BertOutput", "BertEmbeddings"]
 
 # Token ids index embeddings: torch takes int32 and int64; narrower ints would wrap silently.
 _ID_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclass(frozen=True)
-class BertConfig:
-    """The hyperparameters of a BERT encoder.
-
-    :func:`multihead.pretrained.bert_config_from_dict` reads one from a Hugging Face
-    ``config.json`` (its names, its activation names, its other architectures rejected).
-
-    Attributes:
-        vocab_size: V, rows of the word embedding.
-        hidden_size: E.
-        num_hidden_layers: the number of encoder layers.
-        num_attention_heads: H (E must be divisible by it).
-        intermediate_size: the feed-forward hidden width.
-        max_position_embeddings: the longest input, in tokens.
-        type_vocab_size: rows of the token-type (segment) embedding.
-        layer_norm_eps: epsilon of every LayerNorm (> 0).
-        activation: the feed-forward activation, a :data:`multihead.layers.ACTIVATIONS` name:
-            "gelu" (exact), "gelu_tanh", "relu" or "silu".
-        pad_token_id: the id of [PAD], in [0, vocab_size).
-        hidden_dropout_prob: dropout on embeddings and residual branches (training only).
-        attention_probs_dropout_prob: dropout on attention weights (training only).
-
-    Raises:
-        ValueError: a size that is not a positive int, E not divisible by H, an unknown
-            activation, a pad_token_id out of range, a dropout outside [0, 1).
-        TypeError: a pad_token_id that is not an int.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    type_vocab_size: int
-    layer_norm_eps: float
-    activation: str
-    pad_token_id: int = 0
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "type_vocab_size",
-        ):
-            check_positive_int(f"config {name}", getattr(self, name))
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"config hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        check_choice("config activation", self.activation, ACTIVATIONS)
-        if check_finite_float("config layer_norm_eps", self.layer_norm_eps) <= 0:
-            raise ValueError(f"config layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
-        if not is_int(self.pad_token_id):
-            raise TypeError(
-                f"config pad_token_id must be an int, got {describe(self.pad_token_id)}"
-            )
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(
-                f"config pad_token_id must be a token id in [0, vocab_size={self.vocab_size}), "
-                f"got {self.pad_token_id}"
-            )
-        check_probability("config hidden_dropout_prob", self.hidden_dropout_prob)
-        check_probability("config attention_probs_dropout_prob", self.attention_probs_dropout_prob)
 
 
 @dataclass
@@ -139,7 +62,7 @@ class BertEmbeddings(nn.Module):
     """word[ids] + token_type[types] + position[positions], then LayerNorm and dropout.
 
     Submodules: ``word`` (V, E), ``token_type`` (type_vocab_size, E), ``position``
-    (:class:`~multihead.layers.LearnedPositionalEmbedding`, max_position_embeddings × E),
+    (:class:`~multihead.positions.LearnedPositionalEmbedding`, max_position_embeddings × E),
     ``norm``.
 
     Shapes: ids, types and positions share a shape (...), e.g. (B, T) or packed (N,);
