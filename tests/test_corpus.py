@@ -392,6 +392,7 @@ def test_cli_explain_corpus_from_stdin(
         ("ok", ["--ablate", "0:1"], "--corpus cannot be combined with --ablate"),
         ("ok", ["--layer", "0", "--head", "1"], "give --layer or --head, not both"),
         ("ok", ["--format", "gif"], "--format must be some of"),
+        ("ok", ["--format", "html"], "--format must name one of them, got 'html'"),
         ("ok", ["--layer", "7"], "layers"),
     ],
 )

@@ -94,18 +94,24 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
     """Run ``multihead explain --corpus``; ``load_model(directory) -> (model, name)`` is the
     single-text path's loader (so ``--model`` means the same). Returns the exit code."""
     _check_flags(args)
-    formats = [f for f in check_formats("--format", args.format) if f in FIGURE_FORMATS]
+    asked = check_formats("--format", args.format)
+    formats = [f for f in asked if f in FIGURE_FORMATS]
+    if not formats:  # the page is one text's; over a corpus the map is the picture
+        raise CLIError(
+            f"--corpus draws the head map as {' or '.join(FIGURE_FORMATS)}: --format must name "
+            f"one of them, got {','.join(asked)!r}"
+        )
     files = [f"heads_map.{f}" for f in formats] + [STATISTICS_FILE]
     out = check_output_dir("--out", args.out, files)
     texts = read_corpus(args.corpus)
 
-    with _status("Loading the model…"):
-        model, name = load_model(args.model)
     from multihead.observe.corpus import corpus_statistics
     from multihead.observe.head_distance import head_distances
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        with _status("Loading the model…"):
+            model, name = load_model(args.model)
         with _status(f"Head statistics over {len(texts)} texts…"):
             stats = corpus_statistics(model, texts, layers=args.layer, heads=args.head)
         with _status("Distances between heads…"):
@@ -125,7 +131,8 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
     json_path = out / STATISTICS_FILE
     json_path.write_text(json.dumps(_report(stats, head_map, name, len(texts)), indent=1) + "\n")
     paths.append(json_path)
-    _print_summary(stats, name, len(texts), paths)
+    causal = bool(getattr(model, "causal", False))
+    _print_summary(stats, name, len(texts), paths, causal=causal)
     return 0
 
 
@@ -180,7 +187,9 @@ def role_members(stats: HeadStatistics) -> dict[str, list[tuple[int, int, float]
     }
 
 
-def _print_summary(stats: HeadStatistics, name: str, num_texts: int, paths: list[Path]) -> None:
+def _print_summary(
+    stats: HeadStatistics, name: str, num_texts: int, paths: list[Path], *, causal: bool
+) -> None:
     print(f"{name}: {num_texts} texts, {stats.num_queries} tokens")
     print()
     print(
@@ -193,9 +202,11 @@ def _print_summary(stats: HeadStatistics, name: str, num_texts: int, paths: list
         print(f"  {role + f' ({len(members)})':22s}{cells}")
     print()
     print("Per layer, mean over heads (entropy in nats; others: mean weight):")
-    print("  layer " + "".join(f"{column:>9s}" for _, column in _SUMMARY))
+    # a causal model's query never sees the next token: that column would be zeros
+    summary = [(m, c) for m, c in _SUMMARY if not (causal and m == "next_token")]
+    print("  layer " + "".join(f"{column:>9s}" for _, column in summary))
     for i, layer in enumerate(stats.layers):
-        means = [getattr(stats, metric)[i].nanmean() for metric, _ in _SUMMARY]
+        means = [getattr(stats, metric)[i].nanmean() for metric, _ in summary]
         print(f"  {layer:5d} " + "".join(f"{float(v):9.2f}" for v in means))
     print()
     print("Wrote:")
