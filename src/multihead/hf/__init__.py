@@ -26,7 +26,8 @@ attention-logit softcapping (Gemma-2, ...), attention sinks (GPT-OSS, ...), page
 families whose attention is not routed through the interface.
 
 :func:`load_hf` / :class:`HFTextModel` (:mod:`multihead.hf.text`) present a model and its fast
-tokenizer as :func:`multihead.explain` reads multihead's own BERT (``multihead explain --model``).
+tokenizer as :func:`multihead.explain` reads multihead's own BERT (``multihead explain --model``);
+:mod:`multihead.hf.loading` reads them from local files for ``load_hf``.
 """
 
 from __future__ import annotations

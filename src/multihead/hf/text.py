@@ -19,26 +19,26 @@ Layers are the routed attention modules the forward actually calls, in module or
 :func:`multihead.capture` numbers them); a probe forward at construction counts them and their
 heads, and tells causal models from the weights (every weight above the diagonal exactly 0).
 
+:func:`load_hf` reads the files through :mod:`multihead.hf.loading` (local files only, its
+refusals) and wraps what it read here.
+
 Shapes: B texts, T tokens, E hidden width, L layers, H heads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
-import string
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead._checks import describe
+from multihead.hf.loading import load_model_and_tokenizer
 from multihead.models import text
 from multihead.models.text import BertBatch
 
@@ -266,7 +266,7 @@ def _max_length(config: Any, tokenizer: Any) -> int:
     return min(limits, default=_FALLBACK_MAX_LENGTH)
 
 
-# -- loading ----------------------------------------------------------------------------------
+# -- loading (the files are read by multihead.hf.loading) -------------------------------------
 
 
 def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None) -> HFTextModel:
@@ -296,131 +296,5 @@ def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
     Warns:
         UserWarning: weights the model needs are missing from the files (initialised at random).
     """
-    if not isinstance(dir_or_name, (str, os.PathLike)):
-        raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
-    given = os.fspath(dir_or_name)
-    if not given:
-        raise ValueError("model must be a directory or a model name, got ''")
-    local = _local_directory(given)  # its mistakes are told before transformers is needed
-    try:
-        import transformers
-    except ImportError as e:
-        where = "" if local else f"model {given!r} is not a directory, and "
-        raise ImportError(
-            f"{where}a Hugging Face model needs transformers>=5: pip install 'multihead[hf]'"
-        ) from e
-    import multihead.hf  # noqa: F401  (registers "multihead" in transformers)
-
-    directory = local or _from_cache(given, cache_dir)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {given!r} has no config.json: expected a Hugging Face model directory "
-            f"(config.json, the weights, tokenizer.json)"
-        )
-    with _quiet(transformers):
-        try:
-            config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-        except (ValueError, KeyError, OSError) as e:
-            raise ValueError(
-                f"model {given!r}: transformers cannot read its config.json: {e}"
-            ) from None
-        tokenizer = _tokenizer(transformers, directory, given)
-        # Loaded on transformers' default implementation and switched after the check: a family
-        # without the interface fails inside from_pretrained with a bare KeyError otherwise.
-        model, info = transformers.AutoModel.from_pretrained(
-            directory, config=config, local_files_only=True, output_loading_info=True
-        )
-    # transformers initialises weights missing from the files at random, and says so only in a
-    # log line we silenced: say it as a warning (BERT's pooler is never read here).
-    missing = [k for k in info.get("missing_keys", ()) if not k.startswith("pooler.")]
-    if missing:
-        warnings.warn(
-            f"model {given!r}: {len(missing)} weights are not in its files and were initialised "
-            f"at random ({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''})",
-            UserWarning,
-            stacklevel=2,
-        )
-    from multihead.hf.sites import attention_sites
-
-    attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
-    model.set_attn_implementation(multihead.hf.NAME)
-    name = local.resolve().name if local else given
-    return HFTextModel(model.eval(), tokenizer, name=name)
-
-
-def _looks_like_path(given: str) -> bool:
-    # Hub names are "name" or "owner/name"; anything else can only be a path.
-    return (
-        given.startswith((".", "/", "~"))
-        or given.count("/") > 1
-        or os.sep in given.replace("/", "")
-        or bool(set(given) - set(string.ascii_letters + string.digits + "-_./"))
-    )
-
-
-def _local_directory(given: str) -> Path | None:
-    """``given`` as a directory; None for what can only be a model name."""
-    path = Path(given).expanduser()
-    try:
-        exists = path.exists()
-    except OSError as e:  # a name too long, ...
-        raise ValueError(f"model path {given!r} cannot be used: {e.strerror or e}") from None
-    if exists:
-        if not path.is_dir():
-            raise NotADirectoryError(
-                f"model must be a directory or a model name, got {given!r} (not a directory)"
-            )
-        return path
-    if _looks_like_path(given):
-        raise FileNotFoundError(f"model directory {given!r} does not exist")
-    return None
-
-
-def _from_cache(given: str, cache_dir: str | None) -> Path:
-    """The snapshot directory of the model named ``given`` in the local cache."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        found = try_to_load_from_cache(given, "config.json", cache_dir=cache_dir)
-    except ValueError:  # not a valid repo id
-        found = None
-    if not isinstance(found, str):
-        raise FileNotFoundError(
-            f"model {given!r} is neither a directory nor a model in the local Hugging Face "
-            f"cache; multihead never downloads: fetch it first (hf download {given}) or pass "
-            f"its directory"
-        )
-    return Path(found).parent
-
-
-def _tokenizer(transformers: Any, directory: Path, given: str) -> Any:
-    need = (
-        f"model {given!r} needs a fast tokenizer (tokenizer.json) to read text, got "
-        f"{{}} in {str(directory)!r}"
-    )
-    if not (directory / "tokenizer.json").is_file():
-        raise ValueError(need.format("no tokenizer.json"))
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (ValueError, OSError, KeyError, TypeError) as e:
-        raise ValueError(need.format(f"a tokenizer transformers cannot load ({e})")) from None
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(need.format(f"a slow tokenizer ({type(tokenizer).__name__})"))
-    return tokenizer
-
-
-@contextlib.contextmanager
-def _quiet(transformers: Any) -> Iterator[None]:
-    """transformers' progress bars and config notes off while loading (the caller's terminal
-    is the CLI's); both come back as they were."""
-    logging = transformers.utils.logging
-    bars = logging.is_progress_bar_enabled()
-    verbosity = logging.get_verbosity()
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
+    model, tokenizer, name = load_model_and_tokenizer(dir_or_name, cache_dir=cache_dir)
+    return HFTextModel(model, tokenizer, name=name)

@@ -1,0 +1,243 @@
+"""The result of :func:`multihead.explain`: the :class:`Explanation` dataclass (one text's
+attention in every layer and head, around a focus token) and what it shows: the pictures
+(matplotlib, the ``viz`` extra), the interactive page, the files :meth:`Explanation.save` writes,
+the plain-text summary, and the notebook view.
+
+:mod:`multihead.explanation` computes it (and exports it under its own name); nothing here runs
+a model.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from multihead._checks import check_index
+from multihead.focus import LayerFocus
+from multihead.head_effects import Ablation
+from multihead.observe.statistics import HeadStatistics
+from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["Explanation"]
+
+
+@dataclass
+class Explanation:
+    """One text's attention in every layer and head, with a focus token.
+
+    Attributes:
+        text: the input text (cut to what the model read when it was truncated).
+        tokens: the T tokens, special tokens ([CLS], [SEP], <s>, ...) included.
+        weights: (L, H, T, T) float32 on the CPU, every layer and head.
+        statistics: :class:`~multihead.observe.statistics.HeadStatistics` of every layer and head.
+        focus_index: the focus token's position in ``tokens``.
+        focus_token: that token.
+        focus_word: the word it starts (the whole word when the tokenizer split it).
+        layers: the layers the pictures and ``top_words`` cover.
+        heads: the heads they cover (``top_words`` averages over these).
+        top_words: per covered layer, the words the focus token attends to most.
+        special: per token, whether it is a special token.
+        word_ids: per token, the index of its word (None for special tokens).
+        model_name: a name for the model, for titles.
+        truncated: whether the text was longer than the model takes and was cut.
+        importance: (L, H) how far the sentence embedding moves (cosine distance) when each
+            head is zeroed (see :mod:`multihead.head_effects`), or None when not computed.
+        ablation: the run with the ``ablate`` heads zeroed, or None.
+        ablated_top_words: per covered layer, the focus token's top words in that run.
+        causal: the model is a decoder: each token attends only to itself and earlier tokens
+            (every weight above the diagonal is 0); pictures and the page draw lower triangles.
+    """
+
+    text: str
+    tokens: list[str]
+    weights: Tensor
+    statistics: HeadStatistics
+    focus_index: int
+    focus_token: str
+    focus_word: str
+    layers: list[int]
+    heads: list[int]
+    top_words: list[LayerFocus]
+    special: list[bool]
+    word_ids: list[int | None] = field(repr=False)
+    model_name: str = "model"
+    truncated: bool = False
+    importance: Tensor | None = None
+    ablation: Ablation | None = None
+    ablated_top_words: list[LayerFocus] | None = None
+    causal: bool = False
+
+    @property
+    def focus_head(self) -> tuple[int, int]:
+        """The (layer, head) most worth a large picture: in the deepest covered layer where the
+        focus token's top words include another word, the head attending most to the first of
+        them (deeper layers are where words meet their referents)."""
+        for lf in reversed(self.top_words):
+            for word in lf.words:
+                if not word.is_focus:
+                    return lf.layer, word.head
+        return self.layers[-1], self.heads[0]
+
+    # -- pictures -------------------------------------------------------------------------------
+
+    def grid_figure(self) -> Figure:
+        """The covered layers × heads heatmaps (matplotlib; needs the ``viz`` extra)."""
+        from multihead.viz.plots import grid_figure
+
+        return grid_figure(
+            self.weights[self.layers][:, self.heads],
+            self.tokens,
+            layers=self.layers,
+            heads=self.heads,
+            focus=self.focus_index,
+            causal=self.causal,
+            title=f"Attention in {self.model_name} (rows: queries, columns: keys; "
+            f"focus: {self.focus_token!r}, token {self.focus_index})",
+        )
+
+    def head_figure(self, layer: int | None = None, head: int | None = None) -> Figure:
+        """A large view of one head (default :attr:`focus_head`)."""
+        from multihead.viz.plots import head_figure
+
+        default_layer, default_head = self.focus_head
+        n_layers, n_heads = self.weights.shape[:2]
+        layer = default_layer if layer is None else check_index("layer", layer, n_layers, "layers")
+        head = default_head if head is None else check_index("head", head, n_heads, "heads")
+        return head_figure(
+            self.weights[layer, head],
+            self.tokens,
+            layer=layer,
+            head=head,
+            focus=self.focus_index,
+            causal=self.causal,
+            title=f"{self.model_name}: layer {layer}, head {head}",
+        )
+
+    def html(self) -> str:
+        """The interactive page (one self-contained HTML document)."""
+        from multihead.viz.page import render_page
+
+        layer, head = self.focus_head
+        return render_page(
+            self.weights[self.layers][:, self.heads],
+            self.tokens,
+            special=self.special,
+            layers=self.layers,
+            heads=self.heads,
+            statistics=self.statistics,
+            importance=self.importance,
+            focus=self.focus_index,
+            initial=(self.layers.index(layer), self.heads.index(head)),
+            title=f"Attention in {self.model_name}",
+            subtitle=self.text if len(self.text) <= 300 else self.text[:300] + "…",
+            causal=self.causal,
+        )
+
+    def save_png(self, path: str | Path) -> Path:
+        """Save the heatmap grid as PNG."""
+        return self._save_figure(self.grid_figure(), path, ".png")
+
+    def save_svg(self, path: str | Path) -> Path:
+        """Save the heatmap grid as SVG."""
+        return self._save_figure(self.grid_figure(), path, ".svg")
+
+    def save_html(self, path: str | Path) -> Path:
+        """Save the interactive page."""
+        path = Path(path)
+        path.write_text(self.html(), encoding="utf-8")
+        return path
+
+    @staticmethod
+    def _save_figure(fig: Figure, path: str | Path, suffix: str) -> Path:
+        from multihead.viz.plots import save_figure
+
+        path = Path(path)
+        if path.suffix.lower() != suffix:
+            raise ValueError(f"path must end in {suffix}, got {str(path)!r}")
+        return save_figure(fig, path)
+
+    def file_names(self, formats: Sequence[str] = FORMATS) -> list[str]:
+        """The names :meth:`save` writes for ``formats``, in its order."""
+        formats = check_formats("formats", formats)
+        layer, head = self.focus_head
+        figures = [f for f in FIGURE_FORMATS if f in formats]
+        names = [f"attention_grid.{f}" for f in figures]
+        names += [f"head_L{layer}_H{head}.{f}" for f in figures]
+        if self.importance is not None:
+            names += [f"head_importance.{f}" for f in figures]
+        return names + (["attention.html"] if "html" in formats else [])
+
+    def save(self, directory: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
+        """Write the pictures and the page into ``directory`` (created if needed).
+
+        Files: ``attention_grid.{png,svg}`` (layers × heads), ``head_L{l}_H{h}.{png,svg}`` (the
+        :attr:`focus_head`, large) and ``attention.html`` (the interactive page). Every check
+        runs before the first file is written: a failure leaves the disk as it was.
+
+        Args:
+            directory: where to write.
+            formats: any of "png", "svg", "html" (a sequence, or one comma-separated str).
+
+        Returns:
+            The paths written, in :meth:`file_names` order.
+
+        Raises:
+            ValueError / TypeError: unknown formats; a ``directory`` that is a file, or that
+                holds a directory where a file goes.
+            PermissionError: ``directory`` or a file in it is not writable.
+        """
+        names = self.file_names(formats)
+        directory = check_output_dir("directory", directory, names)
+        figures: dict[str, Figure] = {}
+        if any(not name.endswith(".html") for name in names):  # drawn before the disk changes
+            from multihead.viz.plots import save_figure
+
+            layer, head = self.focus_head
+            figures = {
+                "attention_grid": self.grid_figure(),
+                f"head_L{layer}_H{head}": self.head_figure(layer, head),
+            }
+            if self.importance is not None:
+                from multihead.viz.plots import importance_figure
+
+                figures["head_importance"] = importance_figure(
+                    self.importance,
+                    title=f"{self.model_name}: head importance (cosine distance of the sentence "
+                    f"embedding with the head zeroed)",
+                    label="cosine distance",
+                )
+        directory.mkdir(parents=True, exist_ok=True)
+        written: list[Path] = []
+        for name in names:
+            stem, _, fmt = name.rpartition(".")
+            path = directory / name
+            written.append(
+                self.save_html(path) if fmt == "html" else save_figure(figures[stem], path)
+            )
+        return written
+
+    def _repr_html_(self) -> str:
+        # An iframe keeps the page's script and style apart from the notebook's.
+        return (
+            f'<iframe srcdoc="{html.escape(self.html(), quote=True)}" '
+            f'style="width: 100%; height: 760px; border: 1px solid #d9dee7;" '
+            f'title="attention of {html.escape(self.model_name)}"></iframe>'
+        )
+
+    def summary(self) -> str:
+        """Plain text: the focus token, then per covered layer its top words (earlier words for a
+        causal model) and the special tokens apart."""
+        lines = [f"focus: {self.focus_token!r} (token {self.focus_index})"]
+        for lf in self.top_words:
+            words = ", ".join(f"{w.word} {w.weight:.2f} (head {w.head})" for w in lf.words)
+            special = ", ".join(f"{k} {v:.2f}" for k, v in lf.special.items())
+            lines.append(f"layer {lf.layer}: {words}" + (f"; {special}" if special else ""))
+        return "\n".join(lines)
