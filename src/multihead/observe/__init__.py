@@ -16,7 +16,7 @@ _LAZY: dict[str, str] = {
     "Recorder": "multihead.observe.recorder",
     "CapturedAttention": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
-    "HeadStatistics": "multihead.observe.statistics",
+    "HeadStatistics": "multihead.observe.head_summary",
     "METRICS": "multihead.observe.statistics",
     "corpus_statistics": "multihead.observe.corpus",
     "head_distances": "multihead.observe.head_distance",

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from multihead._checks import check_positive_int, describe
 from multihead.models.text import TruncationWarning, check_text
 from multihead.observe.head_metrics import METRICS
-from multihead.observe.statistics import HeadStatistics, accumulate_statistics
+from multihead.observe.head_summary import HeadStatistics
+from multihead.observe.statistics import accumulate_statistics
 
 __all__ = ["corpus_statistics", "check_texts", "text_batches"]
 
