@@ -614,3 +614,152 @@ def loaded_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+# -- words, padding, limits ------------------------------------------------------------------------
+
+
+def llama2_layout_tokenizer() -> Any:
+    """A Llama-2-style tokenizer.json: the "▁" is added by the normalizer and there is no
+    pre-tokenizer, so the tokenizer's own word_ids see one word in a whole sentence."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # trained word by word, as SentencePiece splits by whitespace: no piece spans two words
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=250, special_tokens=specials))
+    tok.pre_tokenizer = None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>"
+    )
+
+
+@pytest.fixture(scope="module")
+def llama2_layout(saved: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama2")
+    tokenizer = llama2_layout_tokenizer()
+    torch.manual_seed(0)
+    BY_NAME["llama"].build(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_words_come_from_the_text_whatever_the_pre_tokenizer(llama2_layout: Path) -> None:
+    model = load_hf(llama2_layout)
+    text = "The cat sat on the mat."
+    raw = model.tokenizer(text)
+    assert len({w for w in raw.word_ids() if w is not None}) == 1  # the trap: one "word"
+    batch = model.tokenize(text)
+    # the reference: each real token's word is the whitespace/punctuation-split word its
+    # first character falls in, found here by counting in the text itself
+    words = [(m.start(), m.end()) for m in re.finditer(r"\w+|[^\w\s]", text)]
+    for tok, (s, e), w in zip(batch.tokens[0], batch.offsets[0], batch.word_ids[0], strict=True):
+        if w is None:
+            assert e == s or tok in ("<s>",)
+        else:
+            assert words[w][0] <= s < words[w][1] and e <= words[w][1], (tok, s, e, w)
+    ex = explain(text, model=model, importance=False)
+    assert ex.focus_word == "mat"  # the last word, not the final "." nor the whole sentence
+    assert all(
+        w.word in text.split() or w.word in ("mat", ".") for lf in ex.top_words for w in lf.words
+    )
+    ex = explain(text, focus="sat", model=model, importance=False)
+    assert ex.focus_word == "sat"
+
+
+def test_a_marker_only_piece_shows_as_a_blank(llama2_layout: Path) -> None:
+    model = load_hf(llama2_layout)
+    batch = model.tokenize("Hello world")  # "Hello" is not in the corpus: "▁" then letters
+    pieces = model.tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    assert "▁" in pieces  # the case under test: a marker-only piece, its offsets on "H"
+    for piece, shown, (s, e) in zip(pieces, batch.tokens[0], batch.offsets[0], strict=True):
+        if piece == "▁":
+            assert shown == "␣" and s == e
+    assert "".join(t for t in batch.tokens[0] if t not in ("<s>", "␣")) == "Helloworld"
+
+
+def test_decoder_embedding_reads_the_last_real_token_on_either_padding_side(
+    loaded: dict[str, HFTextModel],
+) -> None:
+    model = loaded["gpt2"]
+    texts = ["The cat sat.", TEXT]
+    right = model.tokenize(texts)
+    # the same ids padded on the left, by hand
+    lengths = right.attention_mask.sum(1).tolist()
+    t = right.input_ids.shape[1]
+    left_ids = torch.zeros_like(right.input_ids)
+    left_mask = torch.zeros_like(right.attention_mask)
+    for i, n in enumerate(lengths):
+        left_ids[i, t - n :] = right.input_ids[i, :n]
+        left_mask[i, t - n :] = 1
+    with torch.no_grad():
+        hidden_right = model(right.input_ids, right.attention_mask).last_hidden_state
+        a = model.sentence_embedding(hidden_right, right.attention_mask)
+        hidden = model(left_ids, left_mask).last_hidden_state
+        b = model.sentence_embedding(hidden, left_mask)
+    # the references: a right-padded row's last real token is at its length - 1; a left-padded
+    # row's at the last position (GPT-2 numbers positions from the left edge, padding included,
+    # so the two paddings' states differ: each is checked against its own)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(a[i], F.normalize(hidden_right[i, n - 1], dim=0))
+    torch.testing.assert_close(b, F.normalize(hidden[:, -1], dim=1))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1, 65, 2.5, "x", True])
+def test_max_seq_length_is_checked(saved: dict[str, Path], bad: Any) -> None:
+    model = load_hf(saved["gpt2"])  # 64 positions
+    with pytest.raises(ValueError, match=r"max_seq_length must be an int in 2\.\.64"):
+        HFTextModel(model.model, model.tokenizer, max_seq_length=bad)
+    assert HFTextModel(model.model, model.tokenizer, max_seq_length=64).max_seq_length == 64
+
+
+def test_roberta_positions_reserve_padding_idx_plus_one(tmp_path: Path) -> None:
+    tokenizer = wordpiece()
+    config = transformers.RobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=20,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    transformers.RobertaModel(config).save_pretrained(tmp_path)
+    tokenizer.model_max_length = int(1e30)  # the tokenizer sets no limit
+    tokenizer.save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    assert model.max_seq_length == 20 - (0 + 1)  # positions start at padding_idx + 1
+    with pytest.warns(TruncationWarning):
+        ex = explain(" ".join(["the cat sat on the mat"] * 6), model=model, importance=False)
+    assert len(ex.tokens) == 19
+
+
+def test_a_config_that_builds_no_model_is_one_line(
+    saved: dict[str, Path], tmp_path: Path, capsys: Any
+) -> None:
+    import json
+
+    broken = tmp_path / "broken"
+    shutil.copytree(saved["gpt2"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["n_head"] = 0
+    (broken / "config.json").write_text(json.dumps(config))
+    before = snapshot(tmp_path)
+    message = fails(capsys, ["explain", "--model", str(broken), "--out", str(tmp_path / "o")])
+    assert "cannot" in message and "broken" in message
+    assert snapshot(tmp_path) == before

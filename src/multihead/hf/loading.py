@@ -53,16 +53,23 @@ def load_model_and_tokenizer(
     with _quiet(transformers):
         try:
             config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-        except (ValueError, KeyError, OSError) as e:
+        except Exception as e:  # transformers' config validation raises several kinds
             raise ValueError(
-                f"model {given!r}: transformers cannot read its config.json: {e}"
+                f"model {given!r}: transformers cannot read its config.json: "
+                f"{type(e).__name__}: {e}"
             ) from None
         tokenizer = _tokenizer(transformers, directory, given)
         # Loaded on transformers' default implementation and switched after the check: a family
         # without the interface fails inside from_pretrained with a bare KeyError otherwise.
-        model, info = transformers.AutoModel.from_pretrained(
-            directory, config=config, local_files_only=True, output_loading_info=True
-        )
+        try:
+            model, info = transformers.AutoModel.from_pretrained(
+                directory, config=config, local_files_only=True, output_loading_info=True
+            )
+        except Exception as e:  # a config that builds no model (0 heads, ...), bad weights
+            raise ValueError(
+                f"model {given!r}: transformers cannot build it from its files: "
+                f"{type(e).__name__}: {e}"
+            ) from None
     # transformers initialises weights missing from the files at random, and says so only in a
     # log line we silenced: say it as a warning (BERT's pooler is never read here).
     missing = [k for k in info.get("missing_keys", ()) if not k.startswith("pooler.")]

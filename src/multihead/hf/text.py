@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead._checks import describe, is_int
 from multihead.hf.loading import load_model_and_tokenizer
 from multihead.models import text
 from multihead.models.text import BertBatch
@@ -52,6 +54,8 @@ _NO_LIMIT = 10**9
 _PROBE = "The cat sat on the mat, and then it slept."
 # How whitespace-only tokens are shown (a label of blanks reads as nothing).
 _BLANKS = str.maketrans({" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"})
+# Word-boundary markers of SentencePiece ("▁") and byte-level BPE ("Ġ", "Ċ" for a newline).
+_MARKERS = "▁ĠĊ"
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,15 @@ class HFTextModel(nn.Module):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or str(getattr(hf_config, "name_or_path", "") or type(model).__name__)
-        self.max_seq_length = max_seq_length or _max_length(hf_config, tokenizer)
+        limit = _max_length(model, tokenizer)
+        if max_seq_length is not None and not (
+            is_int(max_seq_length) and 1 < max_seq_length <= limit
+        ):
+            raise ValueError(
+                f"max_seq_length must be an int in 2..{limit} (the most positions this model "
+                f"and tokenizer take), got {describe(max_seq_length)}"
+            )
+        self.max_seq_length = int(max_seq_length) if max_seq_length is not None else limit
         pad = tokenizer.pad_token_id
         pad = pad if pad is not None else getattr(hf_config, "pad_token_id", None)
         # A copy of the tokenizers.Tokenizer underneath: right padding, truncation per call.
@@ -175,7 +187,10 @@ class HFTextModel(nn.Module):
         SentencePiece "▁the" read "the"), the tokenizer's own strings for special tokens.
         ``offsets`` exclude the whitespace a token carries, so words are found by their letters
         (a token of whitespace alone, shown as "␣", gets the empty span where the next text
-        starts).
+        starts). ``word_ids`` come from the text, not the tokenizer (whose pre-tokenizer may
+        see one "word" in a whole sentence, as SentencePiece's without splitting does): a word
+        is a run of characters between whitespace, each punctuation character a word of its
+        own, as BERT's pre-tokenizer splits them; whitespace-only pieces belong to no word.
 
         Raises:
             ValueError: ``texts`` empty or not valid Unicode.
@@ -190,13 +205,28 @@ class HFTextModel(nn.Module):
         items = [texts] if isinstance(texts, str) else list(texts)
         for i, source in enumerate(items):
             special = batch.special_mask[i].tolist()
-            tokens, spans = [], []
+            words = _word_of_each_character(source)
+            tokens: list[str] = []
+            spans: list[tuple[int, int]] = []
+            word_ids: list[int | None] = []
             for j, (tok, (s, e)) in enumerate(zip(batch.tokens[i], batch.offsets[i], strict=True)):
-                start, end = _trim(source, s, e)
-                shown = source[start:end] or source[s:e].translate(_BLANKS)
-                tokens.append(tok if special[j] or not shown else shown)
+                if special[j]:
+                    tokens.append(tok)
+                    spans.append((s, e))
+                    word_ids.append(None)
+                    continue
+                # A piece that is only a word-boundary marker ("▁", "Ġ") is whitespace, whatever
+                # characters its offsets point at (SentencePiece maps a prepended "▁" onto the
+                # first letter).
+                marker_only = not tok.strip(_MARKERS + " ")
+                start, end = (s, s) if marker_only else _trim(source, s, e)
+                shown = source[start:end] or (source[s:e] or " ").translate(_BLANKS)
+                if marker_only:
+                    shown = "␣"
+                tokens.append(shown)
                 spans.append((start, end))
-            batch.tokens[i], batch.offsets[i] = tokens, spans
+                word_ids.append(words[start] if end > start else None)
+            batch.tokens[i], batch.offsets[i], batch.word_ids[i] = tokens, spans, word_ids
         return batch
 
     # -- tensors out ------------------------------------------------------------------------
@@ -216,12 +246,13 @@ class HFTextModel(nn.Module):
         prediction reads), else the mean over real tokens (:meth:`mean_pool`).
 
         Args:
-            hidden: (B, T, E), right padded.
+            hidden: (B, T, E), padded on either side.
             attention_mask: (B, T), 1 = a real token.
         """
         if not self.causal:
             return self.mean_pool(hidden, attention_mask)
-        last = attention_mask.long().sum(1).clamp(min=1) - 1  # (B,)
+        t = attention_mask.shape[1]
+        last = t - 1 - attention_mask.long().flip(1).argmax(1)  # (B,) the last 1, either padding
         states = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, E)
         return F.normalize(states, p=2, dim=1)
 
@@ -254,16 +285,40 @@ def _first(obj: object, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _max_length(config: Any, tokenizer: Any) -> int:
+def _max_length(model: nn.Module, tokenizer: Any) -> int:
+    """The most tokens a text may keep: the config's position limit (less the positions a
+    RoBERTa-style embedding reserves: it numbers positions from padding_idx + 1) and the
+    tokenizer's ``model_max_length``, whichever is smaller."""
+    positions = _first(model.config, ("max_position_embeddings", "n_positions", "n_ctx"))
+    table = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
+    reserved = getattr(table, "padding_idx", None)
+    if positions is not None and isinstance(reserved, int):
+        positions -= reserved + 1
     limits = [
         v
-        for v in (
-            _first(config, ("max_position_embeddings", "n_positions", "n_ctx")),
-            getattr(tokenizer, "model_max_length", None),
-        )
+        for v in (positions, getattr(tokenizer, "model_max_length", None))
         if isinstance(v, int) and 1 < v < _NO_LIMIT
     ]
     return min(limits, default=_FALLBACK_MAX_LENGTH)
+
+
+def _word_of_each_character(source: str) -> list[int | None]:
+    """Per character of ``source``, the index of its word (None for whitespace): words are runs
+    of characters between whitespace, each punctuation character a word of its own."""
+    words: list[int | None] = []
+    count, inside = 0, False
+    for ch in source:
+        if ch.isspace():
+            words.append(None)
+            inside = False
+        elif unicodedata.category(ch).startswith("P"):
+            words.append(count)
+            count, inside = count + 1, False
+        else:
+            if not inside:
+                count, inside = count + 1, True
+            words.append(count - 1)
+    return words
 
 
 # -- loading (the files are read by multihead.hf.loading) -------------------------------------
