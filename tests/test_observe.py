@@ -499,3 +499,34 @@ def test_roles_of_hand_built_heads() -> None:
     # which is the next token only for the query before it, so nothing reaches 0.3
     assert HeadStatistics.from_weights(weights).roles() == [["previous token", "broad", "broad"]]
     assert "previous token" in str(stats)
+
+
+def test_roles_measure_heads_above_chance_in_a_causal_model() -> None:
+    # A causal head that reads every visible key alike: query i gives 1/(i+1) to each of its
+    # i+1 keys. Its raw identity, mean over i of 1/(i+1), is 0.41 at T=6 (above the 0.3 floor),
+    # yet it does nothing but spread: it must be "broad". A causal previous-token head (query 0
+    # reads itself) stays "previous token".
+    t = 6
+    even = torch.tril(torch.ones(t, t))
+    even = even / even.sum(-1, keepdim=True)
+    prev = torch.zeros(t, t)
+    prev[0, 0] = 1.0
+    prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
+    weights = torch.stack([even, prev])[None, None]  # (L=1, B=1, H=2, T, T)
+    stats = HeadStatistics.from_weights(weights)
+    harmonic = sum(1 / (i + 1) for i in range(t)) / t  # the reference, by hand
+    assert stats.identity[0, 0].item() == pytest.approx(harmonic)
+    assert stats.identity[0, 0].item() > 0.3
+    assert stats.chance is not None
+    assert stats.chance["identity"][0, 0].item() == pytest.approx(harmonic)
+    assert stats.roles() == [["broad", "previous token"]]
+
+
+def test_weight_on_a_token_the_text_lacks_is_unknown() -> None:
+    # a text with [CLS] but no [SEP] and no punctuation: to_sep and to_punctuation are NaN,
+    # not 0; to_cls is measured
+    t = 4
+    weights = torch.full((1, 1, 1, t, t), 1.0 / t)
+    stats = HeadStatistics.from_weights(weights, tokens=[["[CLS]", "a", "b", "c"]])
+    assert stats.to_cls[0, 0].item() == pytest.approx(1 / t)
+    assert math.isnan(stats.to_sep[0, 0].item()) and math.isnan(stats.to_punctuation[0, 0].item())

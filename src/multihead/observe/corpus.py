@@ -22,8 +22,7 @@ from torch import Tensor, nn
 
 from multihead._checks import check_positive_int, describe
 from multihead.models.text import TruncationWarning, check_text
-from multihead.observe.head_metrics import METRICS
-from multihead.observe.head_summary import HeadStatistics
+from multihead.observe.head_summary import HeadStatistics, split_chance
 from multihead.observe.statistics import accumulate_statistics
 
 __all__ = ["corpus_statistics", "check_texts", "text_batches"]
@@ -150,15 +149,18 @@ def corpus_statistics(
         top_weight.append(weight)
         tokens.extend(batch_tokens or [[] for _ in range(pos.shape[0])])
         num_queries += int(acc.counts["all"].item())
-    means = {
-        name: (sums[name] / known[name].clamp(min=1))
-        .masked_fill(known[name] == 0, math.nan)
-        .float()
-        for name in METRICS
-    }
+    means, chance = split_chance(
+        {
+            name: (sums[name] / known[name].clamp(min=1))
+            .masked_fill(known[name] == 0, math.nan)
+            .float()
+            for name in sums
+        }
+    )
     return HeadStatistics(
         layers=chosen,
         heads=head_ids,
+        chance=chance,
         **means,
         most_attended=torch.cat(top_pos),
         most_attended_weight=torch.cat(top_weight),

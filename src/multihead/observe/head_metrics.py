@@ -26,6 +26,7 @@ __all__ = [
     "ID_METRICS",
     "ROLE_METRICS",
     "ROLES",
+    "CHANCE",
     "BROAD",
     "BROAD_BELOW",
     "token_roles",
@@ -120,15 +121,27 @@ def _check_mask(name: str, m: Tensor | None, batch: int, length: int) -> None:
         )
 
 
-# metric -> the queries it averages over (default "all": every real query)
+# metric -> the queries it averages over (default "all": every real query). The weight on
+# [CLS], [SEP] or punctuation is unknown, not 0, for a text that has none (GPT-2 has no [CLS]).
 _COUNT_OF = {
     "previous_token": "prev",
     "next_token": "next",
     "induction": "repeat",
     "duplicate_token": "repeat",
+    "to_cls": "has_cls",
+    "to_sep": "has_sep",
+    "to_punctuation": "has_punctuation",
     "sep_to_sep": "sep",
     "cls_entropy": "cls",
 }
+# The score of the same metric for a head that spreads its weight evenly over the keys each
+# query can see (its chance level), kept as CHANCE + metric: a causal model's first query sees
+# itself alone, so identity 1 there says nothing about the head.
+CHANCE = "chance_"
+
+
+def _base(name: str) -> str:
+    return name.removeprefix(CHANCE)
 
 
 class StatsAccumulator:
@@ -194,11 +207,13 @@ class StatsAccumulator:
         # Kept per sequence, so that a corpus can weight each text equally (per_sequence_means).
         z = torch.zeros(num_slots, batch, num_heads, dtype=torch.float64, device=device)
         self.seq_sums = {name: z.clone() for name in METRICS}  # (L', B, H')
+        for name in ROLES.values():  # chance levels: the same for every head, kept per head
+            self.seq_sums[CHANCE + name] = z.clone()
         # The queries each metric averages over, (B,) (counted once: every slot sees the same
         # rows).
         self.seq_counts = {
             name: torch.zeros(batch, dtype=torch.float64, device=device)
-            for name in ("all", "prev", "next", "repeat", "sep", "cls")
+            for name in (*{"all", *_COUNT_OF.values()},)
         }
         # (slot, B, H, S): summed weight each key receives from real queries
         self.received = torch.zeros(
@@ -241,6 +256,17 @@ class StatsAccumulator:
             "next_token": (w.gather(-1, (own + 1).clamp(max=s - 1)).squeeze(-1), next_q),
         }
         counts = {"all": vq, "prev": prev_q, "next": next_q}
+        # the keys each query can see: those some head gives weight (masked keys get exactly
+        # 0 from every head); a head reading them evenly is the chance level
+        seen = (w > 0).any(1) & self.valid[:, None, :]  # (B, R, S)
+        even = seen.to(w.dtype) / seen.sum(-1, keepdim=True).clamp(min=1).to(w.dtype)
+        chance_w = even[:, None]  # (B, 1, R, S)
+        ar = torch.arange(r, device=w.device)
+        chance: dict[str, Tensor] = {
+            "identity": chance_w[..., ar, rows],
+            "previous_token": chance_w[..., ar, (rows - 1).clamp(min=0)],
+            "next_token": chance_w[..., ar, (rows + 1).clamp(max=s - 1)],
+        }  # (B, 1, R) each
         if self.ids is not None:
             keys = torch.arange(s, device=w.device)
             earlier = self.ids[:, None, :] == self.ids[:, rows, None]  # (B, R, S): same token
@@ -250,17 +276,24 @@ class StatsAccumulator:
             repeat_q = vq * earlier.any(-1).to(w.dtype)  # (B, R): the token occurred before
             scores["induction"] = (mass(after), repeat_q)
             scores["duplicate_token"] = (mass(earlier), repeat_q)
+            chance["induction"] = (chance_w * after[:, None]).sum(-1)
+            chance["duplicate_token"] = (chance_w * earlier[:, None]).sum(-1)
             counts["repeat"] = repeat_q
         if self.roles is not None:
             cls_q = self.roles["cls"][:, rows].to(w.dtype)  # (B, R)
             sep_q = self.roles["sep"][:, rows].to(w.dtype)
             to_sep = mass(self.roles["sep"])
-            scores["to_cls"] = (mass(self.roles["cls"]), vq)
-            scores["to_sep"] = (to_sep, vq)
-            scores["to_punctuation"] = (mass(self.roles["punctuation"]), vq)
+            for kind in ("cls", "sep", "punctuation"):
+                metric, keys_of = f"to_{kind}", self.roles[kind]  # (B, S)
+                has = vq * keys_of.any(1, keepdim=True).to(w.dtype)  # (B, R): texts with one
+                scores[metric] = (to_sep if kind == "sep" else mass(keys_of), has)
+                chance[metric] = (chance_w * keys_of[:, None, None, :]).sum(-1)
+                counts[f"has_{kind}"] = has
             scores["sep_to_sep"] = (to_sep, sep_q)
             scores["cls_entropy"] = (entropy, cls_q)
             counts["sep"], counts["cls"] = sep_q, cls_q
+        for name, values in chance.items():
+            scores[CHANCE + name] = (values.expand(b, h, r), scores[name][1])
         for name, (values, queries) in scores.items():
             self.seq_sums[name][slot] += (values * queries[:, None, :]).sum(dim=2)
         if slot == 0:
@@ -275,6 +308,7 @@ class StatsAccumulator:
         return {name: c.sum() for name, c in self.seq_counts.items()}
 
     def _known(self, name: str) -> bool:
+        name = _base(name)
         return (name not in ID_METRICS or self.ids is not None) and (
             name not in ROLE_METRICS or self.roles is not None
         )
@@ -286,8 +320,10 @@ class StatsAccumulator:
         out = {}
         for name, per_seq in self.seq_sums.items():
             total = per_seq.sum(1)  # (L', H')
-            count = counts[_COUNT_OF.get(name, "all")]
-            if name in (*ID_METRICS, *ROLE_METRICS) and (not self._known(name) or count == 0):
+            count = counts[_COUNT_OF.get(_base(name), "all")]
+            if _base(name) in (*ID_METRICS, *ROLE_METRICS) and (
+                not self._known(name) or count == 0
+            ):
                 out[name] = torch.full(total.shape, float("nan"))
             else:
                 out[name] = (total / count.clamp(min=1)).float().cpu()
@@ -300,7 +336,7 @@ class StatsAccumulator:
         metrics of a sequence without real tokens."""
         out = {}
         for name, per_seq in self.seq_sums.items():
-            count = self.seq_counts[_COUNT_OF.get(name, "all")]  # (B,)
+            count = self.seq_counts[_COUNT_OF.get(_base(name), "all")]  # (B,)
             mean = per_seq / count.clamp(min=1)[None, :, None]  # (L', B, H')
             mean = mean.masked_fill((count == 0)[None, :, None], float("nan"))
             if not self._known(name):

@@ -20,6 +20,7 @@ from torch import Tensor
 from multihead.observe.head_metrics import (
     BROAD,
     BROAD_BELOW,
+    CHANCE,
     ID_METRICS,
     METRICS,
     ROLES,
@@ -29,7 +30,16 @@ from multihead.observe.head_metrics import (
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["HeadStatistics"]
+__all__ = ["HeadStatistics", "split_chance"]
+
+
+def split_chance(means: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """An accumulator's means split into the metrics and their chance levels (keys without the
+    ``CHANCE`` prefix)."""
+    metrics = {k: v for k, v in means.items() if not k.startswith(CHANCE)}
+    chance = {k.removeprefix(CHANCE): v for k, v in means.items() if k.startswith(CHANCE)}
+    return metrics, chance
+
 
 # metric -> table column ("-" where a metric is unknown for the inputs)
 _COLUMNS = {
@@ -71,7 +81,8 @@ class HeadStatistics:
     two, when the batch holds no such query):
 
     - ``to_cls``, ``to_sep``, ``to_punctuation``: the weight on [CLS], on [SEP], on tokens made
-      of punctuation characters;
+      of punctuation characters, over the queries of texts that have such a token (a model
+      without [CLS], as GPT-2, leaves ``to_cls`` NaN rather than 0);
     - ``sep_to_sep``: over [SEP] queries, the weight on [SEP];
     - ``cls_entropy``: the entropy of [CLS]'s row, in nats.
 
@@ -86,6 +97,11 @@ class HeadStatistics:
         most_attended_weight: (B, L', H') that mean weight.
         num_queries: the number of (real) queries averaged over.
         tokens: the tokens of each sequence, when known, to label positions.
+        chance: per role metric (the values of :data:`~multihead.observe.head_metrics.ROLES`),
+            (L', H') the score a head would get by spreading its weight evenly over the keys
+            each query can see: 1/T-sized for a bidirectional model, far more for a causal
+            model's early queries (the first sees only itself). :meth:`roles` measures heads
+            above it.
     """
 
     layers: list[int]
@@ -106,6 +122,7 @@ class HeadStatistics:
     most_attended_weight: Tensor
     num_queries: int
     tokens: list[list[str]] | None = None
+    chance: dict[str, Tensor] | None = None
 
     @classmethod
     def from_weights(
@@ -177,14 +194,16 @@ class HeadStatistics:
     ) -> HeadStatistics:
         """The statistics of an accumulator's running sums (its means over every query)."""
         top_pos, top_weight = acc.most_attended()
+        metrics, chance = split_chance(acc.means())
         return cls(
             layers=layers,
             heads=heads,
-            **acc.means(),
+            **metrics,
             most_attended=top_pos,
             most_attended_weight=top_weight,
             num_queries=int(acc.counts["all"].item()),
             tokens=tokens,
+            chance=chance,
         )
 
     def top(self, metric: str, k: int = 3) -> list[tuple[int, int, float]]:
@@ -214,11 +233,17 @@ class HeadStatistics:
 
     def roles(self) -> list[list[str]]:
         """Each head's dominant role, (L', H') labels: the :data:`~multihead.observe.head_metrics.
-        ROLES` label whose metric is largest ("self", "previous token", "next token", "[CLS]",
-        "[SEP]", "punctuation", "induction", "duplicate token"), or "broad" when none reaches
-        ``BROAD_BELOW`` (0.3: the head spreads its weight). Unknown (NaN) metrics don't compete.
+        ROLES` label whose metric is largest above chance ("self", "previous token", "next
+        token", "[CLS]", "[SEP]", "punctuation", "induction", "duplicate token"), or "broad" when
+        none reaches ``BROAD_BELOW`` (0.3: the head spreads its weight). Unknown (NaN) metrics
+        don't compete.
+
+        Above chance: a score s whose chance level is c (:attr:`chance`) counts as
+        (s - c) / (1 - c), the share of the weight the even spread would not put there, so
+        that a head reading every visible key alike is "broad" in a causal model too (its first
+        queries see one or two keys). Without :attr:`chance`, the scores as they are.
         """
-        scores = torch.stack([getattr(self, m) for m in ROLES.values()])  # (R, L', H')
+        scores = torch.stack([self.above_chance(m) for m in ROLES.values()])  # (R, L', H')
         best, which = scores.nan_to_num(nan=-1.0).max(dim=0)
         labels = list(ROLES)
         return [
@@ -228,6 +253,15 @@ class HeadStatistics:
             ]
             for vr, kr in zip(best, which, strict=True)
         ]
+
+    def above_chance(self, metric: str) -> Tensor:
+        """(L', H') ``metric`` measured above its chance level: (s - c) / (1 - c) (see
+        :meth:`roles`); the score itself where the chance level is unknown."""
+        score: Tensor = getattr(self, metric)
+        if self.chance is None or metric not in self.chance:
+            return score
+        c = self.chance[metric]
+        return (score - c) / (1 - c).clamp(min=1e-6)
 
     def to_dict(self, batch_index: int = 0) -> dict[str, Any]:
         """Plain lists (JSON-ready): metrics (L', H') and, for one sequence, the most-attended."""
