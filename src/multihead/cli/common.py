@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["CLIError", "printable", "one_line"]
+import contextlib
+from typing import Any
+
+__all__ = ["CLIError", "printable", "one_line", "status"]
 
 
 class CLIError(Exception):
@@ -18,3 +21,13 @@ def printable(text: str) -> str:
 def one_line(text: str) -> str:
     """``text`` on one printable line (some libraries' messages span several)."""
     return printable(" ".join(text.split()))
+
+
+def status(message: str) -> Any:
+    """A context manager: a spinner with ``message`` on stderr while a slow step runs (a nicety:
+    nothing without rich, and the command works the same)."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return contextlib.nullcontext()
+    return Console(stderr=True).status(message, spinner="dots")

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from multihead.cli.common import CLIError, printable
+from multihead.cli.common import CLIError, printable, status
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
@@ -163,14 +163,6 @@ def _is_bert_dir(given: str) -> bool:
     return not isinstance(config, dict) or config.get("model_type") == "bert"
 
 
-def _status(console: Any, message: str) -> Any:
-    if console is None:
-        import contextlib
-
-        return contextlib.nullcontext()
-    return console.status(message, spinner="dots")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead explain``; returns the exit code."""
     if args.corpus is not None:  # over many texts: its own module, the same model loading
@@ -182,14 +174,7 @@ def run(args: argparse.Namespace) -> int:
     formats = check_formats("--format", args.format)
     out = check_output_dir("--out", args.out)
 
-    try:
-        from rich.console import Console
-
-        console: Any = Console(stderr=True)
-    except ImportError:  # the status line is a nicety; the command works without rich
-        console = None
-
-    with _status(console, "Loading the model…"):
+    with status("Loading the model…"):
         import torch
 
         threads = torch.get_num_threads()
@@ -198,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             # nothing, and its spin-waits cost seconds when the CPU is shared.
             torch.set_num_threads(1)
     try:
-        ex, paths = _explain(args, formats, out, console)
+        ex, paths = _explain(args, formats, out)
     finally:
         torch.set_num_threads(threads)  # main() may run inside a longer-lived process
     _print_report(ex, paths)
@@ -206,16 +191,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explain(
-    args: argparse.Namespace, formats: list[str], out: Path, console: Any
+    args: argparse.Namespace, formats: list[str], out: Path
 ) -> tuple[Explanation, list[Path]]:
-    with _status(console, "Loading the model…"), warnings.catch_warnings(record=True) as caught:
+    with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, name = _load_model(args.model)
     _warn(caught)
 
     from multihead.explanation import explain
 
-    with _status(console, "Running the model…"), warnings.catch_warnings(record=True) as caught:
+    with status("Running the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ex = explain(
             args.text,
@@ -230,7 +215,7 @@ def _explain(
     ex.model_name = name
     _warn(caught)
 
-    with _status(console, "Drawing the pictures…"):
+    with status("Drawing the pictures…"):
         paths = ex.save(out, formats)
     return ex, paths
 

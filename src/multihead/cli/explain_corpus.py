@@ -10,7 +10,6 @@ check (flags, the file, the output directory) runs before anything is written.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from multihead.cli.common import CLIError, printable
+from multihead.cli.common import CLIError, printable, status
 from multihead.viz.formats import FIGURE_FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
@@ -110,16 +109,16 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _status("Loading the model…"):
+        with status("Loading the model…"):
             model, name = load_model(args.model)
-        with _status(f"Head statistics over {len(texts)} texts…"):
+        with status(f"Head statistics over {len(texts)} texts…"):
             stats = corpus_statistics(model, texts, layers=args.layer, heads=args.head)
-        with _status("Distances between heads…"):
+        with status("Distances between heads…"):
             head_map = head_distances(model, texts, layers=args.layer, heads=args.head)
     for message in dict.fromkeys(str(w.message) for w in caught):  # once each, not per batch
         print(f"warning: {message}", file=sys.stderr)
 
-    with _status("Drawing the head map…"):
+    with status("Drawing the head map…"):
         from multihead.viz.heads_map import heads_map_figure, save_heads_map
 
         title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
@@ -134,15 +133,6 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
     causal = bool(getattr(model, "causal", False))
     _print_summary(stats, name, len(texts), paths, causal=causal)
     return 0
-
-
-def _status(message: str) -> Any:
-    """A spinner on stderr while ``message``'s step runs (nothing without rich)."""
-    try:
-        from rich.console import Console
-    except ImportError:
-        return contextlib.nullcontext()
-    return Console(stderr=True).status(message, spinner="dots")
 
 
 def _report(stats: HeadStatistics, head_map: HeadMap, name: str, num_texts: int) -> dict[str, Any]:
