@@ -580,16 +580,30 @@ MANY_TEXTS = [
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_corpus_statistics_of_a_hf_model_are_the_mean_of_per_text_statistics(
-    name: str, loaded: dict[str, HFTextModel]
+    name: str, saved: dict[str, Path], loaded: dict[str, HFTextModel]
 ) -> None:
-    from multihead.observe import corpus_statistics, head_statistics
+    from multihead.observe import corpus_statistics
 
     model = loaded[name]
     together = corpus_statistics(model, MANY_TEXTS, batch_size=3)  # a padded batch, then one text
-    alone = [head_statistics(model, model.tokenize([text])) for text in MANY_TEXTS]
-    for metric in ("entropy", "previous_token", "identity", "to_punctuation"):
-        mean = torch.stack([getattr(s, metric) for s in alone]).mean(0)
-        torch.testing.assert_close(getattr(together, metric), mean, atol=1e-5, rtol=1e-4)
+    # the reference: transformers' own eager weights of each text alone, summarised by hand
+    ref = eager(saved[name])
+    per_text: dict[str, list[torch.Tensor]] = {"entropy": [], "identity": [], "previous_token": []}
+    for text in MANY_TEXTS:
+        batch = model.tokenize([text])
+        with torch.no_grad():
+            weights = torch.stack(
+                ref(batch.input_ids, output_attentions=True).attentions
+            )  # (L, 1, H, T, T)
+        w = weights[:, 0].double()  # (L, H, T, T)
+        t = w.shape[-1]
+        per_text["entropy"].append(-torch.special.xlogy(w, w).sum(-1).mean(-1))
+        per_text["identity"].append(w.diagonal(dim1=-2, dim2=-1).mean(-1))
+        per_text["previous_token"].append(w.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1))
+        assert t > 1
+    for metric, values in per_text.items():
+        expected = torch.stack(values).mean(0).float()  # the mean over texts, each alike
+        torch.testing.assert_close(getattr(together, metric), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_cli_explains_a_gpt2_corpus(saved: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
