@@ -758,6 +758,9 @@ def test_roberta_positions_reserve_padding_idx_plus_one(tmp_path: Path) -> None:
     tokenizer.save_pretrained(tmp_path)
     model = load_hf(tmp_path)
     assert model.max_seq_length == 20 - (0 + 1)  # positions start at padding_idx + 1
+    # a task-head wrapper reserves the same positions (its embeddings sit in base_model)
+    with_head = HFTextModel(transformers.RobertaForMaskedLM(config), model.tokenizer)
+    assert with_head.max_seq_length == 19
     with pytest.warns(TruncationWarning):
         ex = explain(" ".join(["the cat sat on the mat"] * 6), model=model, importance=False)
     assert len(ex.tokens) == 19
@@ -777,3 +780,12 @@ def test_a_config_that_builds_no_model_is_one_line(
     message = fails(capsys, ["explain", "--model", str(broken), "--out", str(tmp_path / "o")])
     assert "cannot" in message and "broken" in message
     assert snapshot(tmp_path) == before
+
+
+def test_a_newline_piece_shows_as_a_newline(loaded: dict[str, HFTextModel]) -> None:
+    model = loaded["gpt2"]
+    batch = model.tokenize("one cat.\nThe dog")
+    pieces = model.tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    shown = dict(zip(pieces, batch.tokens[0], strict=True))
+    assert "Ċ" in pieces  # byte-level BPE's newline, a piece of its own
+    assert all(shown[p] == "⏎" for p in pieces if p == "Ċ")

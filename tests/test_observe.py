@@ -513,7 +513,7 @@ def test_roles_measure_heads_above_chance_in_a_causal_model() -> None:
     prev[0, 0] = 1.0
     prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
     weights = torch.stack([even, prev])[None, None]  # (L=1, B=1, H=2, T, T)
-    stats = HeadStatistics.from_weights(weights)
+    stats = HeadStatistics.from_weights(weights, causal=True)
     harmonic = sum(1 / (i + 1) for i in range(t)) / t  # the reference, by hand
     assert stats.identity[0, 0].item() == pytest.approx(harmonic)
     assert stats.identity[0, 0].item() > 0.3
@@ -530,3 +530,38 @@ def test_weight_on_a_token_the_text_lacks_is_unknown() -> None:
     stats = HeadStatistics.from_weights(weights, tokens=[["[CLS]", "a", "b", "c"]])
     assert stats.to_cls[0, 0].item() == pytest.approx(1 / t)
     assert math.isnan(stats.to_sep[0, 0].item()) and math.isnan(stats.to_punctuation[0, 0].item())
+
+
+def test_chance_does_not_depend_on_the_heads_chosen() -> None:
+    # head 0 reads the token before (one-hot: every other key gets exactly 0); alone or beside
+    # other heads, its chance level is 1/T over the T keys it may see, and its role the same
+    t = 10
+    prev = torch.zeros(t, t)
+    prev[0, 0] = 1.0
+    prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
+    sep = torch.zeros(t, t)
+    sep[:, t - 1] = 1.0
+    both = torch.stack([prev, sep])[None, None]  # (1, 1, 2, T, T)
+    tokens = [["[CLS]", *"abcdefgh", "[SEP]"]]
+    alone = HeadStatistics.from_weights(both[:, :, :1], tokens=tokens)
+    pair = HeadStatistics.from_weights(both, tokens=tokens)
+    assert alone.chance is not None and pair.chance is not None
+    assert alone.chance["previous_token"][0, 0].item() == pytest.approx(1 / t)
+    assert pair.chance["previous_token"][0, 0].item() == pytest.approx(1 / t)
+    assert alone.roles() == [["previous token"]]
+    assert pair.roles() == [["previous token", "[SEP]"]]
+
+
+def test_chance_of_a_model_counts_the_keys_its_mask_allows() -> None:
+    # a causal encoder through head_statistics: the chance level of identity is the mean over
+    # queries of 1/(i+1), whichever heads are chosen (the reference, by hand)
+    torch.manual_seed(0)
+    t = 7
+    layer = TransformerEncoderLayer(16, 4, 32)
+    x = torch.randn(2, t, 16)
+    expected = sum(1 / (i + 1) for i in range(t)) / t
+    for heads in (None, [2], [0, 3]):
+        stats = head_statistics(layer, x, heads=heads, is_causal=True)
+        assert stats.chance is not None
+        got = stats.chance["identity"]
+        torch.testing.assert_close(got, torch.full_like(got, expected))

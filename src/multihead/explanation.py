@@ -174,6 +174,8 @@ def explain(
         [weights.unsqueeze(0)[:, i] for i in range(weights.shape[0])],  # L × (1, H, T, T)
         special_mask=torch.tensor([special]),  # (1, T)
         tokens=[tokens],
+        token_ids=batch.input_ids.cpu(),  # (1, T): induction and duplicate-token scores
+        causal=causal,
     )
 
     groups = word_groups(word_ids, special)

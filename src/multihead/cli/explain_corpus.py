@@ -159,7 +159,8 @@ def _report(stats: HeadStatistics, head_map: HeadMap, name: str, num_texts: int)
 
 def role_members(stats: HeadStatistics) -> dict[str, list[tuple[int, int, float]]]:
     """Per role, the heads whose dominant role it is as (layer, head, score), strongest first
-    (score: the role's metric; for "broad" heads, their entropy)."""
+    (score: the role's metric above chance, as roles() chose it; for "broad" heads, their
+    entropy)."""
     from multihead.observe.head_metrics import BROAD, ROLES
 
     roles = stats.roles()
@@ -167,8 +168,10 @@ def role_members(stats: HeadStatistics) -> dict[str, list[tuple[int, int, float]
     for i, layer in enumerate(stats.layers):
         for j, head in enumerate(stats.heads):
             role = roles[i][j]
-            metric = "entropy" if role == BROAD else ROLES[role]
-            score = float(getattr(stats, metric)[i, j])
+            # broad: entropy; else the role's score above chance, what the role was chosen by
+            score = float(
+                stats.entropy[i, j] if role == BROAD else stats.above_chance(ROLES[role])[i, j]
+            )
             members.setdefault(role, []).append((layer, head, score))
     order = [*ROLES, BROAD]
     return {
@@ -183,7 +186,8 @@ def _print_summary(
     print(f"{name}: {num_texts} texts, {stats.num_queries} tokens")
     print()
     print(
-        "Heads by dominant role (strongest first; score = the role's mean weight, broad: entropy):"
+        "Heads by dominant role (strongest first; score: the role's weight above chance, "
+        "(s - c) / (1 - c); broad: entropy):"
     )
     for role, members in role_members(stats).items():
         cells = ", ".join(f"L{layer}H{head} {score:.2f}" for layer, head, score in members[:_SHOWN])
@@ -193,7 +197,12 @@ def _print_summary(
     print()
     print("Per layer, mean over heads (entropy in nats; others: mean weight):")
     # a causal model's query never sees the next token: that column would be zeros
-    summary = [(m, c) for m, c in _SUMMARY if not (causal and m == "next_token")]
+    # nor columns the model has nothing for (GPT-2 has no [CLS] or [SEP]: NaN for every head)
+    summary = [
+        (m, c)
+        for m, c in _SUMMARY
+        if not (causal and m == "next_token") and not bool(getattr(stats, m).isnan().all())
+    ]
     print("  layer " + "".join(f"{column:>9s}" for _, column in summary))
     for i, layer in enumerate(stats.layers):
         means = [getattr(stats, metric)[i].nanmean() for metric, _ in summary]

@@ -53,6 +53,8 @@ def load_model_and_tokenizer(
     with _quiet(transformers):
         try:
             config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        except MemoryError:
+            raise
         except Exception as e:  # transformers' config validation raises several kinds
             raise ValueError(
                 f"model {given!r}: transformers cannot read its config.json: "
@@ -65,6 +67,8 @@ def load_model_and_tokenizer(
             model, info = transformers.AutoModel.from_pretrained(
                 directory, config=config, local_files_only=True, output_loading_info=True
             )
+        except MemoryError:
+            raise
         except Exception as e:  # a config that builds no model (0 heads, ...), bad weights
             raise ValueError(
                 f"model {given!r}: transformers cannot build it from its files: "

@@ -54,8 +54,9 @@ _NO_LIMIT = 10**9
 _PROBE = "The cat sat on the mat, and then it slept."
 # How whitespace-only tokens are shown (a label of blanks reads as nothing).
 _BLANKS = str.maketrans({" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"})
-# Word-boundary markers of SentencePiece ("▁") and byte-level BPE ("Ġ", "Ċ" for a newline).
-_MARKERS = "▁ĠĊ"
+# Word-boundary markers of SentencePiece ("▁") and byte-level BPE ("Ġ", a space); a newline
+# ("Ċ") is whitespace of its own, shown as such through _BLANKS.
+_MARKERS = "▁Ġ"
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,8 @@ def _max_length(model: nn.Module, tokenizer: Any) -> int:
     RoBERTa-style embedding reserves: it numbers positions from padding_idx + 1) and the
     tokenizer's ``model_max_length``, whichever is smaller."""
     positions = _first(model.config, ("max_position_embeddings", "n_positions", "n_ctx"))
-    table = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
+    base = getattr(model, "base_model", model)  # RobertaForMaskedLM -> its RobertaModel
+    table = getattr(getattr(base, "embeddings", None), "position_embeddings", None)
     reserved = getattr(table, "padding_idx", None)
     if positions is not None and isinstance(reserved, int):
         positions -= reserved + 1

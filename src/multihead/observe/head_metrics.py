@@ -221,8 +221,9 @@ class StatsAccumulator:
         )
         self.slot_counts = torch.zeros(num_slots, dtype=torch.float64, device=device)
 
-    def add(self, slot: int, rows: Tensor, w: Tensor, t: int) -> None:
-        """Fold in weights (B, H', R, S) of query rows ``rows`` (R,) of a (T, S) problem."""
+    def add(self, slot: int, rows: Tensor, w: Tensor, t: int, visible: Tensor) -> None:
+        """Fold in weights (B, H', R, S) of query rows ``rows`` (R,) of a (T, S) problem, whose
+        queries may attend to the keys ``visible`` (B or 1, R, S) bool (for the chance levels)."""
         b, h, r, s = w.shape
         if (b, t) != self.shape or s != t:
             raise ValueError(
@@ -256,9 +257,8 @@ class StatsAccumulator:
             "next_token": (w.gather(-1, (own + 1).clamp(max=s - 1)).squeeze(-1), next_q),
         }
         counts = {"all": vq, "prev": prev_q, "next": next_q}
-        # the keys each query can see: those some head gives weight (masked keys get exactly
-        # 0 from every head); a head reading them evenly is the chance level
-        seen = (w > 0).any(1) & self.valid[:, None, :]  # (B, R, S)
+        # a head reading evenly the real keys each query may see is the chance level
+        seen = visible.to(w.device) & self.valid[:, None, :]  # (B, R, S)
         even = seen.to(w.dtype) / seen.sum(-1, keepdim=True).clamp(min=1).to(w.dtype)
         chance_w = even[:, None]  # (B, 1, R, S)
         ar = torch.arange(r, device=w.device)

@@ -136,6 +136,7 @@ class HeadStatistics:
         tokens: list[list[str]] | None = None,
         token_ids: Tensor | None = None,
         chunk_size: int | None = None,
+        causal: bool = False,
     ) -> HeadStatistics:
         """Statistics of weights already computed.
 
@@ -149,7 +150,11 @@ class HeadStatistics:
             token_ids: (B, T) integer ids, for ``induction`` and ``duplicate_token`` (NaN
                 without them).
             chunk_size: rows per step (bounds temporaries).
+            causal: the weights are a causal model's (query i may see keys 0..i): for the chance
+                levels (:attr:`chance`), which count the keys each query may see.
         """
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         if isinstance(weights, Tensor):
             if weights.dim() != 5:
                 raise ValueError(
@@ -173,10 +178,13 @@ class HeadStatistics:
             len(per_layer), h, b, t, first.device, valid_mask, special_mask, token_ids, tokens
         )
         step = chunk_size or t
+        keys = torch.arange(t, device=first.device)
         for slot, w in enumerate(per_layer):
             for start in range(0, t, step):
                 rows = torch.arange(start, min(start + step, t), device=w.device)
-                acc.add(slot, rows, w[:, :, start : start + step], t)
+                # every (real) key, or with causal the keys up to the query: (1, R, S)
+                visible = (keys <= rows[:, None] if causal else keys >= 0).expand(len(rows), t)
+                acc.add(slot, rows, w[:, :, start : start + step], t, visible[None])
         return cls.from_accumulator(
             acc,
             list(layers) if layers is not None else list(range(len(per_layer))),
@@ -272,6 +280,11 @@ class HeadStatistics:
                 for row in getattr(self, name)
             ]
         out["role"] = self.roles()
+        if self.chance is not None:  # what roles() measured the scores against
+            out["chance"] = {
+                name: [[None if x != x else round(float(x), 4) for x in row] for row in value]
+                for name, value in self.chance.items()
+            }
         out["most_attended"] = self.most_attended[batch_index].tolist()
         out["most_attended_weight"] = [
             [round(float(x), 4) for x in row] for row in self.most_attended_weight[batch_index]

@@ -133,7 +133,7 @@ def capture(
     slots: list[tuple[int, str, list[int] | None]] = []
     pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
-    def consume(slot: int, row_ids: Tensor, w: Tensor, t: int) -> None:
+    def consume(slot: int, row_ids: Tensor, w: Tensor, t: int, visible: Tensor) -> None:
         pending.setdefault(slot, []).append((row_ids, w if device is None else w.to(device)))
         done = sum(len(r) for r, _ in pending[slot])
         expected = len(resolve_rows(rows, t, row_ids.device))

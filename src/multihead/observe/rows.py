@@ -122,8 +122,28 @@ def row_weights(call: AttentionCall, heads: Tensor | None, rows: Tensor) -> Tens
     return weights  # (B, H', R, S)
 
 
-# consumer(slot, rows (R,), weights (B, H', R, S), T) for one chunk of one attention call
-Consumer = Callable[[int, Tensor, Tensor, int], None]
+def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:
+    """(B or 1, R, S) bool: the keys each chosen query row may attend to, by the call's mask
+    and causality (a key allowed to any head counts)."""
+    t, s = call.q.shape[2], call.k.shape[2]
+    allowed: Tensor | None = None
+    mask = call.mask
+    if mask is not None:
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, T|1, S|1)
+        if m.shape[2] != 1:
+            m = m.index_select(2, rows)
+        allowed = (m if m.dtype == torch.bool else m != float("-inf")).any(1)  # (B|1, R|1, S|1)
+    if call.is_causal:
+        causal = torch.arange(s, device=rows.device) <= (rows + (s - t))[:, None]  # (R, S)
+        allowed = causal[None] if allowed is None else allowed & causal
+    if allowed is None:
+        return torch.ones(1, len(rows), s, dtype=torch.bool, device=rows.device)
+    return allowed.expand(allowed.shape[0], len(rows), s)
+
+
+# consumer(slot, rows (R,), weights (B, H', R, S), T, visible (B or 1, R, S) bool) for one
+# chunk of one attention call
+Consumer = Callable[[int, Tensor, Tensor, int, Tensor], None]
 
 
 @contextlib.contextmanager
@@ -175,7 +195,7 @@ def observe_rows(
                 for start in range(0, len(row_ids), step):
                     chunk = row_ids[start : start + step]
                     w = row_weights(call, head_ids, chunk)
-                    consume(slot, chunk, w, t)
+                    consume(slot, chunk, w, t, visible_keys(call, chunk))
 
         return observer
 
