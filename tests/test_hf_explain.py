@@ -789,3 +789,17 @@ def test_a_newline_piece_shows_as_a_newline(loaded: dict[str, HFTextModel]) -> N
     shown = dict(zip(pieces, batch.tokens[0], strict=True))
     assert "Ċ" in pieces  # byte-level BPE's newline, a piece of its own
     assert all(shown[p] == "⏎" for p in pieces if p == "Ċ")
+
+
+def test_a_focus_word_inside_a_longer_piece_is_found(loaded: dict[str, HFTextModel]) -> None:
+    # a piece that runs past the word's edge: the word is found at the piece that holds it
+    model = loaded["llama"]
+    text = "London is a city."
+    batch = model.tokenize(text)
+    pieces = batch.tokens[0]
+    holder = next(
+        (i for i, (s, e) in enumerate(batch.offsets[0]) if s <= text.index("city") < e), None
+    )
+    assert holder is not None
+    ex = explain(text, focus="city", model=model, importance=False)
+    assert ex.focus_index == holder, pieces

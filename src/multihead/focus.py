@@ -128,9 +128,12 @@ def find_focus(
     for start, end in word_spans(text, offsets, word_ids):
         if text[start:end].casefold() != target:
             continue
-        for i, (s, e) in enumerate(offsets):
-            if word_ids[i] is not None and e > s and s >= start and e <= end:
-                return i
+        real = [i for i, (s, e) in enumerate(offsets) if word_ids[i] is not None and e > s]
+        inside = [i for i in real if offsets[i][0] >= start and offsets[i][1] <= end]
+        # else a token that runs past the word's edge ("city." as one piece, "n't" in "didn't")
+        overlapping = [i for i in real if offsets[i][0] < end and offsets[i][1] > start]
+        if inside or overlapping:
+            return (inside or overlapping)[0]
     if cut_from is not None and any(
         cut_from[s:e].casefold() == target for s, e in _plain_words(cut_from)
     ):
