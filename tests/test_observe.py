@@ -480,15 +480,27 @@ def test_a_tokenized_batch_gives_ids_and_tokens_chunked_equals_full() -> None:
         torch.testing.assert_close(getattr(got, name), getattr(want, name))
 
 
+def previous_token_map(t: int) -> torch.Tensor:
+    """(T, T) one-hot: each query reads the token before it, the first reads itself."""
+    prev = torch.zeros(t, t)
+    prev[0, 0] = 1.0
+    prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
+    return prev
+
+
+def last_key_map(t: int) -> torch.Tensor:
+    """(T, T) one-hot: every query reads the last key ([SEP] in the tests' tokens)."""
+    sep = torch.zeros(t, t)
+    sep[:, t - 1] = 1.0
+    return sep
+
+
 def test_roles_of_hand_built_heads() -> None:
     # head 0 reads the token before (the first reads itself), head 1 reads [SEP], head 2 is
     # uniform over 10 keys (no place gets 0.3): the labels follow from the patterns alone.
     t = 10
-    prev = torch.zeros(t, t)
-    prev[0, 0] = 1.0
-    prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
-    sep = torch.zeros(t, t)
-    sep[:, t - 1] = 1.0
+    prev = previous_token_map(t)
+    sep = last_key_map(t)
     uniform = torch.full((t, t), 1.0 / t)
     weights = torch.stack([prev, sep, uniform])[None, None]  # (L=1, B=1, H=3, T, T)
     tokens = [["[CLS]", *"abcdefgh", "[SEP]"]]
@@ -509,9 +521,7 @@ def test_roles_measure_heads_above_chance_in_a_causal_model() -> None:
     t = 6
     even = torch.tril(torch.ones(t, t))
     even = even / even.sum(-1, keepdim=True)
-    prev = torch.zeros(t, t)
-    prev[0, 0] = 1.0
-    prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
+    prev = previous_token_map(t)
     weights = torch.stack([even, prev])[None, None]  # (L=1, B=1, H=2, T, T)
     stats = HeadStatistics.from_weights(weights, causal=True)
     harmonic = sum(1 / (i + 1) for i in range(t)) / t  # the reference, by hand
@@ -536,11 +546,8 @@ def test_chance_does_not_depend_on_the_heads_chosen() -> None:
     # head 0 reads the token before (one-hot: every other key gets exactly 0); alone or beside
     # other heads, its chance level is 1/T over the T keys it may see, and its role the same
     t = 10
-    prev = torch.zeros(t, t)
-    prev[0, 0] = 1.0
-    prev[torch.arange(1, t), torch.arange(t - 1)] = 1.0
-    sep = torch.zeros(t, t)
-    sep[:, t - 1] = 1.0
+    prev = previous_token_map(t)
+    sep = last_key_map(t)
     both = torch.stack([prev, sep])[None, None]  # (1, 1, 2, T, T)
     tokens = [["[CLS]", *"abcdefgh", "[SEP]"]]
     alone = HeadStatistics.from_weights(both[:, :, :1], tokens=tokens)
