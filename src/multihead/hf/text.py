@@ -191,7 +191,8 @@ class HFTextModel(nn.Module):
         starts). ``word_ids`` come from the text, not the tokenizer (whose pre-tokenizer may
         see one "word" in a whole sentence, as SentencePiece's without splitting does): a word
         is a run of characters between whitespace, each punctuation character a word of its
-        own, as BERT's pre-tokenizer splits them; whitespace-only pieces belong to no word.
+        own (Unicode category P; BERT's pre-tokenizer also splits symbols such as "$" and "+",
+        which stay inside their word here); whitespace-only pieces belong to no word.
 
         Raises:
             ValueError: ``texts`` empty or not valid Unicode.
