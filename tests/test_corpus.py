@@ -354,8 +354,15 @@ def test_cli_explain_corpus_end_to_end(
     # --format png only; --layer keeps one layer's heads
     out2 = tmp_path / "out2"
     argv = ["explain", "--corpus", str(corpus), "--model", str(model_dir), "--out", str(out2)]
+    capsys.readouterr()
     assert main([*argv, "--format", "png", "--layer", "1"]) == 0
+    assert "writes no page" not in capsys.readouterr().err  # html not asked for
     assert sorted(os.listdir(out2)) == ["head_statistics.json", "heads_map.png"]
+    out3 = tmp_path / "out3"
+    argv = ["explain", "--corpus", str(corpus), "--model", str(model_dir), "--out", str(out3)]
+    assert main([*argv, "--format", "html,svg"]) == 0
+    assert "note: --corpus writes no page (html)" in capsys.readouterr().err
+    assert sorted(os.listdir(out3)) == ["head_statistics.json", "heads_map.svg"]
     assert json.loads((out2 / "head_statistics.json").read_text())["layers"] == [1]
 
 

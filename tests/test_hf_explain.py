@@ -803,3 +803,14 @@ def test_a_focus_word_inside_a_longer_piece_is_found(loaded: dict[str, HFTextMod
     assert holder is not None
     ex = explain(text, focus="city", model=model, importance=False)
     assert ex.focus_index == holder, pieces
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_a_named_focus_is_reported_as_written(name: str, loaded: dict[str, HFTextModel]) -> None:
+    text = "The well-known animal didn't cross."
+    for focus in ("well-known", "didn't", "Animal"):
+        ex = explain(text, focus=focus, model=loaded[name], importance=False)
+        assert ex.focus_word.casefold() == focus.casefold()  # whole, as written in the text
+        # the focus token is the one where that word starts (BERT lower-cases its pieces)
+        start = text.casefold().index(focus.casefold())
+        assert ex.tokens[ex.focus_index].casefold()[0] == text[start].casefold()

@@ -33,6 +33,7 @@ from multihead.focus import (
     LayerFocus,
     choose_focus,
     layer_focus,
+    named_word,
     word_groups,
     word_text,
 )
@@ -195,7 +196,9 @@ def explain(
         statistics=statistics,
         focus_index=focus_at,
         focus_token=tokens[focus_at],
-        focus_word=word_text(text, tokens, offsets, own),
+        # the word as the user named it, else the tokens' word
+        focus_word=(focus is not None and named_word(text, focus, focus_at, offsets, word_ids))
+        or word_text(text, tokens, offsets, own),
         layers=layer_list,
         heads=head_list,
         top_words=tops(weights),

@@ -40,7 +40,9 @@ class Explanation:
         statistics: :class:`~multihead.observe.statistics.HeadStatistics` of every layer and head.
         focus_index: the focus token's position in ``tokens``.
         focus_token: that token.
-        focus_word: the word it starts (the whole word when the tokenizer split it).
+        focus_word: the word it starts (the whole word when the tokenizer split it); for a
+            ``focus`` given by name, that word as written in the text ("well-known" whole, where
+            the tokens split it at the hyphen).
         layers: the layers the pictures and ``top_words`` cover.
         heads: the heads they cover (``top_words`` averages over these).
         top_words: per covered layer, the words the focus token attends to most.

@@ -22,6 +22,7 @@ __all__ = [
     "choose_focus",
     "default_focus",
     "find_focus",
+    "named_word",
     "layer_focus",
     "word_groups",
     "word_spans",
@@ -95,6 +96,24 @@ def _plain_words(text: str) -> list[tuple[int, int]]:
             start = m.start() + chunk.index(core)
             found.append((start, start + len(core)))
     return found
+
+
+def named_word(
+    text: str,
+    focus: str,
+    at: int,
+    offsets: list[tuple[int, int]],
+    word_ids: list[int | None],
+) -> str | None:
+    """The word ``focus`` as written in ``text`` at the focus token ``at`` ("well-known" where
+    the tokens split it into "well", "-", "known"), or None when no candidate word there
+    matches it."""
+    target = focus.strip().casefold()
+    start, end = offsets[at]
+    for s, e in word_spans(text, offsets, word_ids):
+        if s < max(end, start + 1) and e > start and text[s:e].casefold() == target:
+            return text[s:e]
+    return None
 
 
 def find_focus(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multihead.cli.common import CLIError, printable, status
-from multihead.viz.formats import FIGURE_FORMATS, check_formats, check_output_dir
+from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
     from multihead.observe.head_distance import HeadMap
@@ -100,6 +100,8 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
             f"--corpus draws the head map as {' or '.join(FIGURE_FORMATS)}: --format must name "
             f"one of them, got {','.join(asked)!r}"
         )
+    if "html" in asked and args.format != ",".join(FORMATS):  # asked for, not the default
+        print("note: --corpus writes no page (html): the page shows one text", file=sys.stderr)
     files = [f"heads_map.{f}" for f in formats] + [STATISTICS_FILE]
     out = check_output_dir("--out", args.out, files)
     texts = read_corpus(args.corpus)

@@ -11,7 +11,7 @@ _LAZY: dict[str, str] = {
     "BertConfig": "multihead.models.bert_config",
     "BertBatch": "multihead.models.text",
     "TransformerLM": "multihead.models.lm",
-    "LMConfig": "multihead.models.lm",
+    "LMConfig": "multihead.models.lm_config",
 }
 
 __all__ = list(_LAZY)
