@@ -289,6 +289,31 @@ def test_zero_ablation_equals_zeroed_projection(fam: Family, saved: dict[str, Pa
     torch.testing.assert_close(ablated[real], reference[real], atol=1e-5, rtol=0)
 
 
+MEAN_FAMILIES = [f for f in FAMILIES if f.name in ("bert", "llama", "mistral", "t5")]
+
+
+@pytest.mark.parametrize("fam", MEAN_FAMILIES, ids=[f.name for f in MEAN_FAMILIES])
+def test_mean_ablation_averages_over_real_tokens_only(fam: Family, saved: dict[str, Path]) -> None:
+    inputs = batch(fam)  # the second sequence padded (left for decoders, right for encoders)
+    layer, head = 0, 1
+    model = load(fam, saved[fam.name], "sdpa")
+    with torch.no_grad():
+        with multihead.record_heads(model, [(layer, head)]) as rec:
+            model(**inputs)
+        out = rec[(layer, head)]  # (B, T, Dv), the clean run
+        # the reference: the mean over the real tokens of the input the layer reads, by hand
+        # (an encoder-decoder's layer 0 is its encoder's first self-attention)
+        real = inputs["attention_mask"].bool()
+        mean = out[real].double().mean(0).float()  # (Dv,)
+        assert (mean - out.double().mean((0, 1)).float()).abs().max() > 1e-4  # padding differs
+        with multihead.intervene(model, {(layer, head): "mean"}):
+            got = last_hidden(model, inputs)
+        with multihead.intervene(model, {(layer, head): mean.expand_as(out).clone()}):
+            want = last_hidden(model, inputs)
+    rows = real if fam.kind != "seq2seq" else slice(None)
+    torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=0)
+
+
 DECODERS = [f for f in FAMILIES if f.kind == "decoder"]
 
 

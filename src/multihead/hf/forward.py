@@ -164,7 +164,7 @@ def attention_forward(
         site.check_call(query, value)
         k, v = key, value
         call = AttentionCall(
-            site, lambda: (query, k, v), mask, causal, _scale(scaling, query), None
+            site, lambda: (query, k, v), mask, causal, _scale(scaling, query), _real_queries(mask)
         )
         out = run_observers(site._observers.values(), call, out)
     return out.contiguous(), weights
@@ -239,6 +239,19 @@ def _with_sink(
     key = torch.cat([key, zeros_k], dim=2)
     value = torch.cat([value, zeros_v], dim=2)
     return key, value, torch.cat([scores, column], dim=-1)
+
+
+def _real_queries(mask: Tensor | None) -> Tensor | None:
+    """(B or 1, T) bool, True at real (not padding) queries, read off the mask's diagonal: a
+    padding token's key is masked for every query, itself included, and a real token always
+    sees itself (causal, bidirectional or windowed alike). None where that does not hold: no
+    mask (no padding), or a KV cache (T != S: the diagonal is not the query's own key)."""
+    if mask is None or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        return None
+    diagonal = mask.diagonal(dim1=-2, dim2=-1)  # (B|1, H|1, T)
+    if diagonal.dtype != torch.bool:  # additive: eager's masks use the dtype's minimum
+        diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
+    return diagonal.any(1)
 
 
 def _carries_data(value: object) -> bool:
