@@ -814,3 +814,18 @@ def test_a_named_focus_is_reported_as_written(name: str, loaded: dict[str, HFTex
         # the focus token is the one where that word starts (BERT lower-cases its pieces)
         start = text.casefold().index(focus.casefold())
         assert ex.tokens[ex.focus_index].casefold()[0] == text[start].casefold()
+
+
+def test_the_bytes_of_one_character_are_numbered(loaded: dict[str, HFTextModel]) -> None:
+    model = loaded["gpt2"]  # byte-level BPE: a character outside its merges splits into bytes
+    text = "a 東 b"
+    batch = model.tokenize(text)
+    pieces = model.tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    # the reference: how many bytes UTF-8 gives the character, and so how many pieces
+    count = len("東".encode())
+    assert len(pieces) == 3 + count  # "a", "Ġ", the bytes, "Ġb"
+    assert [t for t in batch.tokens[0] if t.startswith("東")] == [
+        f"東{k}/{count}" for k in range(1, count + 1)
+    ]
+    ex = explain(text, focus="東", model=model, importance=False)
+    assert ex.focus_word == "東" and ex.tokens[ex.focus_index] == f"東1/{count}"

@@ -228,6 +228,7 @@ class HFTextModel(nn.Module):
                 tokens.append(shown)
                 spans.append((start, end))
                 word_ids.append(words[start] if end > start else None)
+            _number_byte_pieces(tokens, spans)
             batch.tokens[i], batch.offsets[i], batch.word_ids[i] = tokens, spans, word_ids
         return batch
 
@@ -303,6 +304,21 @@ def _max_length(model: nn.Module, tokenizer: Any) -> int:
         if isinstance(v, int) and 1 < v < _NO_LIMIT
     ]
     return min(limits, default=_FALLBACK_MAX_LENGTH)
+
+
+def _number_byte_pieces(tokens: list[str], spans: list[tuple[int, int]]) -> None:
+    """Label in place the pieces of a character that byte-level BPE split ("東" as three
+    bytes, each piece spanning the whole character): "東1/3", "東2/3", "東3/3", so that a
+    picture does not show one character three times over."""
+    i = 0
+    while i < len(tokens):
+        j = i
+        while j + 1 < len(tokens) and spans[j + 1] == spans[i] and spans[i][1] > spans[i][0]:
+            j += 1
+        if j > i:
+            for k in range(i, j + 1):
+                tokens[k] = f"{tokens[k]}{k - i + 1}/{j - i + 1}"
+        i = j + 1
 
 
 def _word_of_each_character(source: str) -> list[int | None]:
