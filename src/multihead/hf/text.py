@@ -185,7 +185,8 @@ class HFTextModel(nn.Module):
         """Tokenise texts, padded on the right to the longest, cut at ``max_seq_length``.
 
         ``tokens`` are display strings: the text each token covers (byte-level "Ġthe" and
-        SentencePiece "▁the" read "the"), the tokenizer's own strings for special tokens.
+        SentencePiece "▁the" read "the"; the byte pieces of one character are numbered,
+        "東1/3" ...), the tokenizer's own strings for special tokens.
         ``offsets`` exclude the whitespace a token carries, so words are found by their letters
         (a token of whitespace alone, shown as "␣", gets the empty span where the next text
         starts). ``word_ids`` come from the text, not the tokenizer (whose pre-tokenizer may
