@@ -207,10 +207,13 @@ def _batch_weights(
     chosen = list(dict.fromkeys(rec.layers))
     head_ids = list(rec.records[0].heads)
     real = batch.attention_mask.bool().cpu()  # (B, T)
-    # Layer by layer into the real queries' rows, dropping each record as it is copied, so the
-    # batch's weights are held about once, not in a second stacked copy.
-    per_layer = []
-    for record in rec.records[: len(chosen)]:
-        per_layer.append(record.weights.transpose(1, 2)[real])  # (B, H', T, S) -> (Q, H', S)
+    # Layer by layer into the real queries' rows, dropping each record once it is copied, so
+    # the batch's weights are not held twice over.
+    records = rec.records[: len(chosen)]
     rec.clear()
+    per_layer = []
+    while records:
+        record = records.pop(0)
+        per_layer.append(record.weights.transpose(1, 2)[real])  # (B, H', T, S) -> (Q, H', S)
+        del record
     return torch.cat(per_layer, dim=1), chosen, head_ids  # (Q, N, S), layer-major

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.observe.rows import Rows, observe_rows, resolve_rows
+from multihead.observers import AttentionCall
 
 __all__ = ["capture", "Recorder", "CapturedAttention"]
 
@@ -133,7 +134,7 @@ def capture(
     slots: list[tuple[int, str, list[int] | None]] = []
     pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
-    def consume(slot: int, row_ids: Tensor, w: Tensor, t: int, visible: Tensor) -> None:
+    def consume(slot: int, row_ids: Tensor, w: Tensor, t: int, call: AttentionCall) -> None:
         pending.setdefault(slot, []).append((row_ids, w if device is None else w.to(device)))
         done = sum(len(r) for r, _ in pending[slot])
         expected = len(resolve_rows(rows, t, row_ids.device))

@@ -141,9 +141,10 @@ def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:
     return allowed.expand(allowed.shape[0], len(rows), s)
 
 
-# consumer(slot, rows (R,), weights (B, H', R, S), T, visible (B or 1, R, S) bool) for one
-# chunk of one attention call
-Consumer = Callable[[int, Tensor, Tensor, int, Tensor], None]
+# consumer(slot, rows (R,), weights (B, H', R, S), T, call) for one chunk of one attention call
+# (the call for what a consumer may need beyond the weights, e.g. visible_keys; capture needs
+# nothing more, so nothing more is computed for it)
+Consumer = Callable[[int, Tensor, Tensor, int, AttentionCall], None]
 
 
 @contextlib.contextmanager
@@ -195,7 +196,7 @@ def observe_rows(
                 for start in range(0, len(row_ids), step):
                     chunk = row_ids[start : start + step]
                     w = row_weights(call, head_ids, chunk)
-                    consume(slot, chunk, w, t, visible_keys(call, chunk))
+                    consume(slot, chunk, w, t, call)
 
         return observer
 

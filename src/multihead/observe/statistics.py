@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from multihead._checks import check_indices, check_positive_int
 from multihead.observe.head_metrics import METRICS, StatsAccumulator
 from multihead.observe.head_summary import HeadStatistics
-from multihead.observe.rows import attention_modules, observe_rows
+from multihead.observe.rows import attention_modules, observe_rows, visible_keys
 
 __all__ = ["head_statistics", "HeadStatistics", "METRICS"]
 
@@ -159,7 +159,7 @@ def accumulate_statistics(
         heads=heads,
         rows=None,
         chunk_size=chunk_size,
-        consume=acc.add,
+        consume=lambda slot, rows, w, t, call: acc.add(slot, rows, w, t, visible_keys(call, rows)),
     ):
         with torch.no_grad():
             run()

@@ -42,6 +42,21 @@ def _label(token: str) -> str:
     return token.replace("$", r"\$")
 
 
+def _numbers(
+    layers: Sequence[int] | None,
+    heads: Sequence[int] | None,
+    n_layers: int,
+    n_heads: int,
+    what: str,
+) -> tuple[list[int], list[int]]:
+    """The layer and head numbers to label L × H cells with (default 0..L-1, 0..H-1)."""
+    layers = list(range(n_layers)) if layers is None else list(layers)
+    heads = list(range(n_heads)) if heads is None else list(heads)
+    if len(layers) != n_layers or len(heads) != n_heads:
+        raise ValueError(f"layers and heads must label {what}, got {len(layers)} and {len(heads)}")
+    return layers, heads
+
+
 def _check_weights(weights: Tensor, dims: int, what: str) -> Tensor:
     if not isinstance(weights, Tensor):
         raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
@@ -99,13 +114,9 @@ def grid_figure(
     _check_tokens(tokens, t, s)
     if causal:
         w = _blank_future(w)
-    layers = list(range(n_layers)) if layers is None else list(layers)
-    heads = list(range(n_heads)) if heads is None else list(heads)
-    if len(layers) != n_layers or len(heads) != n_heads:
-        raise ValueError(
-            f"layers and heads must label the weights' {n_layers} layers and {n_heads} heads, "
-            f"got {len(layers)} and {len(heads)}"
-        )
+    layers, heads = _numbers(
+        layers, heads, n_layers, n_heads, f"the weights' {n_layers} layers and {n_heads} heads"
+    )
     _matplotlib()
     from matplotlib.figure import Figure
 
@@ -298,13 +309,7 @@ def importance_figure(
     """
     w = _check_weights(importance, 2, "(L, H)")
     n_layers, n_heads = w.shape
-    layers = list(range(n_layers)) if layers is None else list(layers)
-    heads = list(range(n_heads)) if heads is None else list(heads)
-    if len(layers) != n_layers or len(heads) != n_heads:
-        raise ValueError(
-            f"layers and heads must label the {n_layers} × {n_heads} scores, got {len(layers)} "
-            f"and {len(heads)}"
-        )
+    layers, heads = _numbers(layers, heads, n_layers, n_heads, f"the {n_layers} × {n_heads} scores")
     _matplotlib()
     from matplotlib.figure import Figure
 
