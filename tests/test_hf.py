@@ -488,10 +488,11 @@ def test_softcapping_is_refused_naming_the_family(tmp_path: Path) -> None:
         model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
-def test_family_not_routed_through_the_interface_is_named(tmp_path: Path) -> None:
-    config = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, rotary_dim=4)
-    model = transformers.GPTJForCausalLM(config)
-    with pytest.raises(ValueError, match=r"gptj .*does not route its attention"):
+def test_family_not_routed_through_the_interface_is_named() -> None:
+    from unrouted_model import MODEL_TYPE, UnroutedConfig, UnroutedModel
+
+    model = UnroutedModel(UnroutedConfig())
+    with pytest.raises(ValueError, match=rf"{MODEL_TYPE} \(UnroutedModel\) does not route its"):
         with multihead.capture(model):
             pass
 
@@ -573,9 +574,22 @@ def test_coverage_script_sorts_families(tmp_path: Path) -> None:
     done = _script("hf_coverage.py", "--only", "bert,gptj", "--results-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     payload = json.loads((tmp_path / "hf_coverage.json").read_text(encoding="utf-8"))
-    status = {row["family"]: row["status"] for row in payload["rows"]}
-    assert status == {"bert": "supported", "gptj": "refused"}
+    rows = {row["family"]: row for row in payload["rows"]}
+    assert set(rows) == {"bert", "gptj"}
     assert payload["counts"]["mismatch"] == 0
+    # whether GPT-J is routed depends on the installed transformers (unrouted before 5.24): the
+    # expectation is read from its source, as the script's classification must be
+    gptj = transformers.GPTJModel(
+        transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, rotary_dim=4)
+    )
+    bert = transformers.BertModel(_bert_like("BertConfig")())
+    for family, model in (("bert", bert), ("gptj", gptj)):
+        is_routed = any(hf.routed(type(m)) for m in model.modules())
+        row = rows[family]
+        if is_routed:
+            assert row["status"] in ("supported", "forward only"), row
+        else:
+            assert row["status"] == "refused" and "does not route" in row["reason"], row
 
 
 @pytest.mark.slow

@@ -512,16 +512,12 @@ def _without(saved: Path, tmp_path: Path, name: str) -> Path:
     return copy
 
 
-def _gptj(tmp_path: Path) -> Path:
+def _unrouted(tmp_path: Path) -> Path:
     """A family whose attention is not routed through transformers' AttentionInterface."""
-    path = tmp_path / "gptj"
+    from unrouted_model import save_unrouted
+
     tokenizer = byte_level_bpe()
-    config = transformers.GPTJConfig(
-        vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64
-    )
-    transformers.GPTJModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_unrouted(tmp_path / "unrouted", vocab_size=len(tokenizer), tokenizer=tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -529,7 +525,7 @@ def _gptj(tmp_path: Path) -> Path:
     [
         ("missing", r"model directory '.*nowhere' does not exist"),
         ("no tokenizer", r"needs a fast tokenizer \(tokenizer\.json\) to read text, got no"),
-        ("not routed", r"gptj \(GPTJModel\) does not route its attention"),
+        ("not routed", r"multihead_test_unrouted \(UnroutedModel\) does not route its"),
         (
             "uncached name",
             r"'nobody/no-such-model' is neither a directory nor a model in the local",
@@ -547,7 +543,7 @@ def test_cli_errors_are_one_line_and_write_nothing(
     model = {
         "missing": lambda: str(tmp_path / "nowhere"),
         "no tokenizer": lambda: str(_without(saved["gpt2"], tmp_path, "tokenizer.json")),
-        "not routed": lambda: str(_gptj(tmp_path)),
+        "not routed": lambda: str(_unrouted(tmp_path)),
         "uncached name": lambda: "nobody/no-such-model",
     }[case]()
     _no_network(monkeypatch)

@@ -43,8 +43,12 @@ def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]
 
 
 def _holds_transformers(model: nn.Module) -> bool:
-    """Whether a transformers model is inside (checked without importing transformers)."""
-    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
+    """Whether a transformers model is inside (checked without importing transformers): a
+    module whose class or a base of it comes from transformers (a user's own or remote-code
+    ``PreTrainedModel`` subclass lives in another module)."""
+    return any(
+        c.__module__.startswith("transformers.") for m in model.modules() for c in type(m).__mro__
+    )
 
 
 def resolve_rows(rows: Rows, t: int, device: torch.device) -> Tensor:
