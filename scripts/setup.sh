@@ -1,21 +1,48 @@
 #!/usr/bin/env bash
-# Set up a fresh machine (Python 3.10+, pip, gcc): a virtual environment in .venv with multihead
-# and everything its tests need, plus Debian's headless Chromium for the page tests.
+# Set up a fresh machine (Python 3.11+, pip, gcc): a virtual environment with multihead and
+# everything its tests need, plus Debian's headless Chromium for the page tests.
+#
+# Usage: bash scripts/setup.sh [tested|newest|oldest]
+#   tested (default)  .venv         the versions the suite last passed with
+#                                   (requirements/tested.txt, the constraints CI installs)
+#   newest            .venv-newest  no constraints: what `pip install multihead[all]` gets today
+#   oldest            .venv-oldest  every dependency at the minimum pyproject.toml declares
 # Idempotent and quick on a second run (a stamp records what was installed).
-# Usage: bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-stamp=.venv/.multihead-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+mode=${1:-tested}
+case "$mode" in
+  tested) venv=.venv ;;
+  newest) venv=.venv-newest ;;
+  oldest) venv=.venv-oldest ;;
+  *) echo "setup: unknown mode '$mode' (expected tested, newest or oldest)" >&2; exit 2 ;;
+esac
+
+stamp=$venv/.multihead-setup
+want=$(cat pyproject.toml scripts/setup.sh scripts/deps.py requirements/tested.txt | sha256sum | cut -d' ' -f1)
+if [ "$mode" = newest ]; then want="$want $(date +%F)"; fi  # newest: a new day may bring releases
+
+quiet() { grep -v "^WARNING: Location" || true; }
 
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing into .venv (torch 2.13.0 CPU first, then multihead[all,test])" >&2
-  python3 -m venv .venv
-  . .venv/bin/activate
-  # Torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
-  python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-  python -m pip install -q -e ".[all,test]" 2>&1 | grep -v "^WARNING: Location" || true
+  echo "setup: installing into $venv ($mode dependencies)" >&2
+  python3 -m venv "$venv"
+  . "$venv/bin/activate"
+  python -m pip install -q --upgrade pip 2>&1 | quiet
+  constraints=()
+  case "$mode" in
+    tested) constraints=(-c requirements/tested.txt) ;;
+    oldest)
+      python scripts/deps.py oldest > "$venv/oldest.txt"
+      # the linters are tools, not dependencies: their tested versions
+      grep -E "^(ruff|mypy)==" requirements/tested.txt >> "$venv/oldest.txt"
+      constraints=(-c "$venv/oldest.txt") ;;
+  esac
+  # Torch first: an unconstrained torch can pull a multi-GB CUDA build, so tested pins the CPU
+  # build this machine keeps on disk; newest and oldest take what pip resolves.
+  python -m pip install -q "${constraints[@]}" torch 2>&1 | quiet
+  python -m pip install -q "${constraints[@]}" -e ".[all,test]" 2>&1 | quiet
   python -c "import multihead, torch, transformers, tokenizers, safetensors, matplotlib, nbclient, ipykernel" \
     || { echo "setup: installation failed" >&2; exit 1; }
   echo "$want" > "$stamp"

@@ -650,3 +650,25 @@ def test_keywords_that_could_change_the_result_are_refused() -> None:
     torch.testing.assert_close(out, expected)
     with pytest.raises(NotImplementedError, match=r"keyword argument\(s\) indices.*llama"):
         hf.attention_forward(module, q, k, v, None, indices=torch.zeros(3, dtype=torch.long))
+
+
+def test_the_declared_minimum_is_the_one_the_code_checks() -> None:
+    import tomllib
+
+    from multihead.hf.forward import MIN_TRANSFORMERS
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    assert f"transformers>={MIN_TRANSFORMERS}" in extras["hf"]
+    assert f"transformers>={MIN_TRANSFORMERS}" in extras["test"]
+
+
+def test_an_older_transformers_is_named_with_the_minimum() -> None:
+    from multihead.hf.forward import MIN_TRANSFORMERS, check_transformers_version
+
+    with pytest.raises(ImportError, match=rf"transformers>={MIN_TRANSFORMERS}, but 5\.0\.0 is"):
+        check_transformers_version("5.0.0")
+    check_transformers_version(MIN_TRANSFORMERS)  # the minimum itself passes
+    check_transformers_version("6.0.0")

@@ -143,12 +143,15 @@ def _cpu_flash_available() -> bool:
 def _cpu_flash_groups_heads() -> bool:
     """Whether this torch's CPU flash kernel takes fewer key/value heads than query heads."""
     q = torch.zeros(1, 2, 1, 1)
+    # One key/value head viewed out of two: a kernel that ignores the head count (torch 2.5 does,
+    # with no error) reads the second from memory that exists, and shows it by its value.
+    kv = torch.tensor([1.0, 2.0]).view(1, 2, 1, 1)
     try:
         # private API: only a call tells if this torch's kernel groups heads; fallback: repeat k, v
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q[:, :1], q[:, :1])
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kv[:, :1], kv[:, :1])[0]
     except RuntimeError:
         return False
-    return True
+    return bool(out.eq(1.0).all())  # both query heads read key/value head 0
 
 
 def _unit_last_stride(x: Tensor) -> Tensor:

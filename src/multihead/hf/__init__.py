@@ -1,6 +1,6 @@
 """Any Hugging Face model: see and steer its heads through transformers' attention interface.
 
-transformers (>= 5) routes the attention of most model families through one function table,
+transformers (>= 5.15) routes the attention of most model families through one function table,
 ``transformers.AttentionInterface``. Importing this module registers the implementation
 ``"multihead"`` there (with transformers' sdpa mask function under the same name, so padding
 reaches it), so that::

@@ -19,14 +19,32 @@ from multihead.observers import AttentionCall, run_observers
 if TYPE_CHECKING:
     from multihead.hf.sites import AttentionSite
 
+# The oldest transformers the bridge is tested on (pyproject.toml's hf extra says the same;
+# a test holds them equal). Older 5.x releases route fewer families (T5 from 5.15) and lack
+# helpers the bridge reads.
+MIN_TRANSFORMERS = "5.15"
+
+
+def check_transformers_version(installed: str) -> None:
+    """Raise ImportError naming ``installed`` and the minimum when it is too old."""
+    from packaging.version import Version  # a dependency of transformers
+
+    if Version(installed) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"multihead.hf needs transformers>={MIN_TRANSFORMERS}, but {installed} is installed: "
+            f"pip install -U 'multihead[hf]'"
+        )
+
+
 try:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import create_position_bias_mask
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-except ImportError as error:  # pragma: no cover - depends on the environment
+    import transformers
+except ImportError as error:
     raise ImportError(
-        "multihead.hf needs transformers>=5 (its AttentionInterface): pip install 'multihead[hf]'"
+        f"multihead.hf needs transformers>={MIN_TRANSFORMERS}: pip install 'multihead[hf]'"
     ) from error
+check_transformers_version(transformers.__version__)
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: E402
 
 try:  # which outputs the running forward collects (families that drop output_attentions)
     from transformers.utils import output_capturing as _capturing
@@ -130,8 +148,15 @@ def attention_forward(
             position_bias = position_bias[..., :q_length]
     mask = attention_mask
     if position_bias is not None:
-        mask = create_position_bias_mask(position_bias, attention_mask, causal, query, key)
-        causal = False
+        # The bias becomes the additive mask, as transformers' sdpa path builds it
+        # (create_position_bias_mask, which older transformers lack); causality, if any, stays
+        # a flag (the mask was None, so S == T here and bottom-right equals top-left).
+        if attention_mask is None:
+            mask = position_bias
+        elif attention_mask.dtype == torch.bool:
+            mask = position_bias.masked_fill(~attention_mask, torch.finfo(position_bias.dtype).min)
+        else:
+            mask = position_bias + attention_mask
     want_weights = _weights_requested(kwargs)
     site: AttentionSite | None = getattr(module, SITE, None)
     if sink is not None:

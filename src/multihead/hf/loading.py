@@ -37,12 +37,11 @@ def load_model_and_tokenizer(
     local = _local_directory(given)  # its mistakes are told before transformers is needed
     try:
         import transformers
-    except ImportError as e:
+
+        import multihead.hf  # noqa: F401  (registers "multihead" in transformers)
+    except ImportError as e:  # missing, or older than multihead.hf supports (the error says)
         where = "" if local else f"model {given!r} is not a directory, and "
-        raise ImportError(
-            f"{where}a Hugging Face model needs transformers>=5: pip install 'multihead[hf]'"
-        ) from e
-    import multihead.hf  # noqa: F401  (registers "multihead" in transformers)
+        raise ImportError(f"{where}a Hugging Face model: {e}") from e
 
     directory = local or _from_cache(given, cache_dir)
     if not (directory / "config.json").is_file():

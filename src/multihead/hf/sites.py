@@ -77,11 +77,11 @@ class _Switch:
         if self.count == 0:
             self.previous = self.model.config._attn_implementation
             if self.previous != NAME:
-                self.model.set_attn_implementation(NAME)
+                self._set(NAME)
             stuck = [s for s in self.sites if _implementation(s.module) != NAME]
             if stuck:
                 if self.previous != NAME:
-                    self.model.set_attn_implementation(self.previous)
+                    self._set(self.previous)
                 raise ValueError(
                     f"{type(self.model).__name__}: transformers would not switch the attention "
                     f"of {family_name(stuck[0].module)} to {NAME!r} (it stays on "
@@ -92,7 +92,15 @@ class _Switch:
     def release(self) -> None:
         self.count -= 1
         if self.count == 0 and self.previous != NAME:
-            self.model.set_attn_implementation(self.previous)
+            self._set(self.previous)
+
+    def _set(self, implementation: Any) -> None:
+        self.model.set_attn_implementation(implementation)
+        # transformers before 5.20 leaves the config copies of sub-models (T5's encoder and
+        # decoder stacks) on the old implementation: switch each one that stayed behind
+        for m in self.model.modules():
+            if isinstance(m, PreTrainedModel) and _implementation(m) != implementation:
+                m.set_attn_implementation(implementation)
 
 
 def _implementation(module: nn.Module) -> Any:
