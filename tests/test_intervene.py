@@ -571,6 +571,44 @@ def test_edit_errors_name_the_head_and_what_was_expected() -> None:
         assert _observers(enc) == 0
 
 
+def test_edits_the_head_dtype_cannot_hold_are_refused_before_anything_is_registered() -> None:
+    half, single = _encoder(dtype=torch.float16), _encoder()
+    where = r"edits\[\(1, 2\)\]"
+    cases: list[tuple[nn.Module, object, str]] = [
+        # float16's largest is 65504: the factor itself would be inf, the output NaN
+        (
+            half,
+            1e5,
+            rf"{where}: the scale 100000\.0 does not fit the model's dtype "
+            r"torch\.float16 \(it would be inf there\)",
+        ),
+        (half, -7e4, rf"{where}: the scale -70000\.0 does not fit .*float16 \(.* -inf there"),
+        (half, 1e-9, rf"{where}: the scale 1e-09 does not fit .*float16 \(it would be 0\.0"),
+        (single, 1e308, rf"{where}: the scale 1e\+308 does not fit .*float32 \(.* inf there"),
+        (single, 10**400, rf"{where} must be .*got an int too large for a float: 10000"),
+        (
+            single,
+            torch.zeros(B, T, D, device="meta"),
+            rf"{where}: a patch must hold values, got a tensor on the meta device \(the model "
+            r"is on cpu\)",
+        ),
+    ]
+    for model, edit, match in cases:
+        with pytest.raises(ValueError, match=match):
+            with intervene(model, {(0, 0): 0.5, (1, 2): edit}):  # type: ignore[dict-item]
+                pass
+        assert _observers(model) == 0
+    # what the dtype holds is accepted: float16's large and subnormal scales, a large int
+    for model, scale in ((half, 6e4), (half, 1e-6), (single, 10**30)):
+        with intervene(model, {(1, 2): scale}):
+            assert _observers(model) == 1
+    x = torch.randn(B, T, E)
+    with intervene(single, {(1, 2): 10**3}):
+        by_int = single(x)
+    with intervene(single, {(1, 2): 1e3}):
+        torch.testing.assert_close(single(x), by_int, rtol=0, atol=0)
+
+
 def test_errors_at_run_time_and_for_models_and_recordings() -> None:
     enc = _encoder()
     with pytest.raises(ValueError, match=r"contains no multihead.MultiHeadAttention"):

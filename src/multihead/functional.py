@@ -6,11 +6,13 @@ T query length, S key length, D head dim, Dv value head dim, E width.
     attention(q, k, v) = softmax(q kᵀ · scale + mask) · v,   scale = 1 / sqrt(D)
 
 Masks follow the convention of ``F.scaled_dot_product_attention``: a bool mask is True where a
-query *may* attend to a key; a float mask is added to the scores (``-inf`` removes a key; any
-finite value, however negative, is an ordinary addend in every dtype). Causal masking is aligned
-bottom-right: query i sees keys j <= i + (S - T), which stays right when cached keys make S > T.
-A query row that may attend to no key at all gives zeros (and zero weights), never NaN, with
-finite gradients. NaN in the inputs propagates to the rows it touches, on every backend.
+query *may* attend to a key; a float mask is added to the scores (``-inf``, or at most half the
+mask dtype's lowest value as in eager-style ``finfo.min`` masks, removes a key; any other finite
+value, however negative, is an ordinary addend in every dtype: :func:`multihead.kernels.allowed`
+is the rule). Causal masking is aligned bottom-right: query i sees keys j <= i + (S - T), which
+stays right when cached keys make S > T. A query row that may attend to no key at all gives zeros
+(and zero weights), never NaN, with finite gradients. NaN in the inputs propagates to the rows it
+touches, on every backend.
 
 Backends:
 
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead._checks import check_choice, check_mask, check_probability
-from multihead.kernels import math_attention
+from multihead.kernels import allowed, math_attention
 
 __all__ = ["attention", "causal_mask", "combine_masks", "BACKENDS"]
 
@@ -160,8 +162,8 @@ def _prepare_mask(
         return causal, None  # a bottom-right causal mask alone empties a row only when T > S
     mask = combine_masks(mask, causal)
     assert mask is not None
-    allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
-    keep = allowed.any(dim=-1, keepdim=True)
+    seen = allowed(mask)
+    keep = seen.any(dim=-1, keepdim=True)
     # Reopen empty rows (uniform attention), then zero their output: finite values and gradients
     # on every kernel and device, with no data-dependent branch for torch.compile to break on.
     if mask.dtype == torch.bool:
@@ -172,7 +174,7 @@ def _prepare_mask(
         if torch.finfo(mask.dtype).min < low:
             # A finite addend stays finite in q's dtype (float16 would turn -1e9 into -inf and
             # empty the row); -inf stays -inf.
-            mask = torch.where(allowed | ~keep, mask.clamp(min=low), float("-inf"))
+            mask = torch.where(seen | ~keep, mask.clamp(min=low), float("-inf"))
         mask = mask.to(q.dtype)
     return mask, keep
 

@@ -23,12 +23,34 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "allowed",
     "math_attention",
     "softmax_",
     "block_attention",
     "block_attention_backward",
     "merge_block",
 ]
+
+
+def allowed(mask: Tensor) -> Tensor:
+    """Where a mask lets a query see a key: the one rule by which every mask is read.
+
+    A bool mask is True where allowed. A float mask (added to the scores) hides a key where it
+    is -inf or at most half its dtype's lowest value: eager-style masks write
+    ``torch.finfo(dtype).min`` there, which gives the key exactly zero weight beside any key
+    the rule allows. Other finite values, however negative (-1e9), are ordinary addends, and NaN
+    is allowed (it propagates). A row with no allowed key is empty
+    (:func:`multihead.functional.attention` gives it zeros).
+
+    Args:
+        mask: bool or floating point, any shape.
+
+    Returns:
+        A bool tensor of ``mask``'s shape.
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    return ~(mask <= torch.finfo(mask.dtype).min / 2)
 
 
 def softmax_(scores: Tensor) -> Tensor:

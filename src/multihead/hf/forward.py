@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from multihead import functional
+from multihead import functional, kernels
 from multihead.observers import AttentionCall, run_observers
 
 if TYPE_CHECKING:
@@ -274,9 +274,7 @@ def _real_queries(mask: Tensor | None) -> Tensor | None:
     if mask is None or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
         return None
     diagonal = mask.diagonal(dim1=-2, dim2=-1)  # (B|1, H|1, T)
-    if diagonal.dtype != torch.bool:  # additive: eager's masks use the dtype's minimum
-        diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
-    return diagonal.any(1)
+    return kernels.allowed(diagonal).any(1)
 
 
 def _carries_data(value: object) -> bool:

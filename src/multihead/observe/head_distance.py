@@ -69,7 +69,7 @@ def pairwise_js_sums(weights: Tensor) -> Tensor:
     if weights.dim() != 3:
         raise ValueError(f"weights must be (Q, N, S), got shape {tuple(weights.shape)}")
     q, n, s = weights.shape
-    sums = torch.zeros(n, n, dtype=torch.float64)
+    sums = torch.zeros(n, n, dtype=torch.float64, device=weights.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, n * s))
     for start in range(0, q, step):
         w = weights[start : start + step].double()  # (Qc, N, S)
@@ -82,7 +82,7 @@ def pairwise_js_sums(weights: Tensor) -> Tensor:
             own = (neg_entropy[:, i : i + 1] + neg_entropy[:, i + 1 :]) / 2
             divergence = (own - torch.special.xlogy(m, m).sum(-1)) / math.log(2)
             # rounding can leave -1e-17 where two heads agree
-            sums[i, i + 1 :] += divergence.clamp(min=0.0).sqrt().sum(0).cpu()
+            sums[i, i + 1 :] += divergence.clamp(min=0.0).sqrt().sum(0)
     return sums + sums.T
 
 

@@ -84,13 +84,17 @@ def _is_punctuation(token: str) -> bool:
 
 
 def token_roles(
-    tokens: Sequence[Sequence[str]], batch: int, length: int
+    tokens: Sequence[Sequence[str]],
+    batch: int,
+    length: int,
+    device: torch.device | str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Bool masks (B, T) of the [CLS], [SEP] and punctuation tokens.
 
     Args:
         tokens: per sequence its tokens from position 0 (padding after them may be left out).
         batch, length: B and T.
+        device: where to build the masks (one copy from the host).
 
     Raises:
         ValueError: not B sequences, or a sequence longer than T.
@@ -101,12 +105,14 @@ def token_roles(
             f"tokens must hold B={batch} sequences of at most T={length} tokens, got lengths "
             f"{lengths[:8]}"
         )
-    masks = torch.zeros(3, batch, length, dtype=torch.bool)
+    # built in Python and copied once: one write per token would be one copy each on a GPU
+    kinds = [[[False] * length for _ in range(batch)] for _ in range(3)]
     for i, seq in enumerate(tokens):
         for j, tok in enumerate(seq):
-            masks[0, i, j] = tok in CLS_TOKENS
-            masks[1, i, j] = tok in SEP_TOKENS
-            masks[2, i, j] = _is_punctuation(tok)
+            kinds[0][i][j] = tok in CLS_TOKENS
+            kinds[1][i][j] = tok in SEP_TOKENS
+            kinds[2][i][j] = _is_punctuation(tok)
+    masks = torch.tensor(kinds, dtype=torch.bool, device=device)  # (3, B, T)
     return masks[0], masks[1], masks[2]
 
 
@@ -197,11 +203,11 @@ class StatsAccumulator:
         self.ids = token_ids.to(device) if token_ids is not None else None  # (B, T)
         self.roles: dict[str, Tensor] | None = None
         if tokens is not None:
-            cls, sep, punct = token_roles(tokens, batch, length)
+            cls, sep, punct = token_roles(tokens, batch, length, device)
             self.roles = {
-                "cls": cls.to(device) & self.valid,
-                "sep": sep.to(device) & self.valid,
-                "punctuation": punct.to(device) & self.valid,
+                "cls": cls & self.valid,
+                "sep": sep & self.valid,
+                "punctuation": punct & self.valid,
             }
         self.shape = (batch, length)
         # Kept per sequence, so that a corpus can weight each text equally (per_sequence_means).
@@ -321,12 +327,12 @@ class StatsAccumulator:
         for name, per_seq in self.seq_sums.items():
             total = per_seq.sum(1)  # (L', H')
             count = counts[_COUNT_OF.get(_base(name), "all")]
-            if _base(name) in (*ID_METRICS, *ROLE_METRICS) and (
-                not self._known(name) or count == 0
-            ):
-                out[name] = torch.full(total.shape, float("nan"))
-            else:
-                out[name] = (total / count.clamp(min=1)).float().cpu()
+            mean = total / count.clamp(min=1)
+            if not self._known(name):
+                mean = torch.full_like(mean, float("nan"))
+            elif _base(name) in (*ID_METRICS, *ROLE_METRICS):
+                mean = mean.masked_fill(count == 0, float("nan"))  # no query it applies to
+            out[name] = mean.float().cpu()  # every table on the CPU, whatever the default device
         return out
 
     def per_sequence_means(self) -> dict[str, Tensor]:

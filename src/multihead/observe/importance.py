@@ -19,6 +19,7 @@ Shapes: L attention modules (layers), H heads (the most any layer has).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -32,6 +33,8 @@ from multihead.observe.steering import intervene, model_heads
 from multihead.observers import ObservableAttention
 
 __all__ = ["head_importance", "METHODS"]
+
+logger = logging.getLogger(__name__)  # also prefix_reuse's: the reasons for full forwards
 
 METHODS = ("ablation", "gradient")
 
@@ -74,6 +77,9 @@ def head_importance(
     outputs from one recorded clean run instead of running. A block is skipped only when its
     arguments equal, bit for bit, those of the recorded call, it carries no cache, observer or
     hook, and it has no active dropout; a check run must reproduce the clean metric exactly.
+    The argument values are compared on the device and read back once per run, after it (no
+    forward waits for the host); a run whose arguments differed (``metric()``'s inputs depend on
+    the ablation, e.g. a generated text) is run again, and later runs compare before reusing.
     Otherwise every ablation runs the full forward, and the reason is logged on
     ``multihead.observe.importance``. Results are the same either way.
 
@@ -169,8 +175,21 @@ def _ablation_importance(
         scores = _table(found, clean)
         for layer, (_, mha) in enumerate(found):
             for head in range(mha.num_heads):
+                what = f"head ({layer}, {head}) ablated"
                 skipping = contextlib.nullcontext() if prefix is None else prefix.skipping(layer)
                 with skipping, intervene(model, {(layer, head): 0.0}):
-                    ablated = _scalar(metric, f"head ({layer}, {head}) ablated")
+                    ablated = _scalar(metric, what)
+                if prefix is not None and not prefix.agreed():
+                    # the run reused outputs recorded for other arguments (metric()'s inputs
+                    # depend on the ablation): run it again, comparing before reusing
+                    logger.debug(
+                        "head_importance: a reused layer's arguments differed from the recorded "
+                        "run's in the ablation of head (%d, %d): compared before reuse from now on",
+                        layer,
+                        head,
+                    )
+                    prefix.compare_first = True
+                    with prefix.skipping(layer), intervene(model, {(layer, head): 0.0}):
+                        ablated = _scalar(metric, what)
                 scores[layer, head] = ablated.to(scores.dtype) - clean
     return scores

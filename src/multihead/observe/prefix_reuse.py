@@ -8,6 +8,13 @@ arguments equal the recorded ones bit for bit. A "block" is a multihead
 (:func:`_blocks`); its forward is replaced on the instance for the duration of a run
 (:class:`_patched`), so ``nn.Module.__call__`` and its hooks still run.
 
+Nothing inside a forward waits for the device: a call whose arguments have the recorded kinds,
+shapes, dtypes and devices hands back the recorded output at once, and the values of its
+tensors are compared on the device; :meth:`PrefixCache.agreed` reads the comparisons back
+once, after the run. A run whose arguments differed (a metric whose inputs depend on the
+ablation, as a generated text does) is run again, and from then on values are compared before
+a call is reused (``compare_first``), as they must be for such a metric.
+
 :func:`multihead.observe.importance.head_importance` is the one user; the reasons for running
 full forwards instead are logged on its logger, ``multihead.observe.importance``.
 """
@@ -51,19 +58,24 @@ class _Call:
         self.output: Any = None
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether two block arguments are equal, bit for bit; unknown kinds never are."""
+def _same(a: Any, b: Any, equal: list[Tensor] | None) -> bool:
+    """Whether two block arguments may be equal, bit for bit; unknown kinds never are.
+
+    Tensors of one shape, dtype and device may be: whether they are is appended to ``equal``
+    as a () bool on their device, computed there (no wait for the device here); without
+    ``equal``, they are compared now.
+    """
     if a is None or b is None:
         return a is None and b is None
     if isinstance(a, Tensor) and isinstance(b, Tensor):
-        return (
-            a.shape == b.shape
-            and a.dtype == b.dtype
-            and a.device == b.device
-            and bool(torch.equal(a, b))
-        )
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return False
+        if equal is None:
+            return bool(torch.equal(a, b))
+        equal.append(torch.eq(a, b).all())  # torch.equal's answer, left on the device
+        return True
     if isinstance(a, PackedBatch) and isinstance(b, PackedBatch):
-        return _same(a.key_mask, b.key_mask)
+        return _same(a.key_mask, b.key_mask, equal)
     if type(a) is type(b) and isinstance(a, (bool, int, float, str)):
         return bool(a == b)
     return False  # a cache or anything else: the call may have state or side effects
@@ -97,7 +109,8 @@ class PrefixCache:
     For ablating layer l, the blocks "before" it are those whose first call in the clean run
     came before the first call of the earliest block holding layer l's module. On an ablation
     run such a block's forward is replaced: its k-th call returns (a copy of) its k-th recorded
-    output when the arguments equal the recorded ones, and runs for real otherwise.
+    output when the arguments may equal the recorded ones (:func:`_same`), and runs for real
+    otherwise; :meth:`agreed` tells after the run whether they did.
     """
 
     def __init__(self, blocks: list[nn.Module], holders: list[list[int]]) -> None:
@@ -107,6 +120,9 @@ class PrefixCache:
         self.order: dict[int, int] = {}  # block index -> rank of its first call
         self.clean = torch.zeros(())
         self.skipped = 0
+        # per reused call of the running run, whether its tensors equalled the recorded ones
+        self.equal: list[Tensor] = []
+        self.compare_first = False  # compare values before reusing a call (and wait for them)
 
     @classmethod
     def build(
@@ -149,6 +165,8 @@ class PrefixCache:
         else:
             if cache.skipped == 0:
                 reason = "no layer's arguments matched the recorded run"
+            elif not cache.agreed():
+                reason = "a reused layer's arguments differed from the recorded run's"
             elif not torch.equal(check, cache.clean):
                 reason = f"the check run gave {check.item()!r}, the clean {cache.clean.item()!r}"
             else:
@@ -180,6 +198,15 @@ class PrefixCache:
         with _patched(self.blocks, make_forward):
             return run("clean run")
 
+    def agreed(self) -> bool:
+        """Whether every reused call since the last ``agreed()`` had the recorded arguments
+        (the one read from the device, once per run, after it)."""
+        equal, self.equal = self.equal, []
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for flag in equal:
+            by_device.setdefault(flag.device, []).append(flag)
+        return all(bool(torch.stack(flags).all()) for flags in by_device.values())
+
     def skipping(self, layer: int) -> Any:
         """Within the block: one ablation run of ``layer`` reuses the blocks before its own."""
         # the first call of a block holding the layer; a layer outside every block (or never
@@ -203,12 +230,14 @@ class PrefixCache:
                 counts[index] = k + 1
                 if k < len(recorded) and not _observed(block):
                     call = recorded[k]
+                    equal: list[Tensor] | None = None if self.compare_first else []
                     if (
                         len(args) == len(call.args)
                         and kwargs.keys() == call.kwargs.keys()
-                        and all(_same(a, b) for a, b in zip(args, call.args, strict=True))
-                        and all(_same(v, call.kwargs[n]) for n, v in kwargs.items())
+                        and all(_same(a, b, equal) for a, b in zip(args, call.args, strict=True))
+                        and all(_same(v, call.kwargs[n], equal) for n, v in kwargs.items())
                     ):
+                        self.equal.extend(equal or ())
                         self.skipped += 1
                         # a copy: whoever receives it may modify it in place
                         return call.output.clone()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from multihead.observe.rows import Rows, observe_rows, resolve_rows
+from multihead.observe.rows import Rows, observe_rows, row_values
 from multihead.observers import AttentionCall
 
 __all__ = ["capture", "Recorder", "CapturedAttention"]
@@ -132,14 +132,18 @@ def capture(
     """
     recorder = Recorder()
     slots: list[tuple[int, str, list[int] | None]] = []
-    pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
+    pending: dict[int, list[Tensor]] = {}
+    # T -> the chosen rows as ints: recorded from Python, never read back from the device
+    row_values_of: dict[int, tuple[int, ...]] = {}
 
     def consume(slot: int, row_ids: Tensor, w: Tensor, t: int, call: AttentionCall) -> None:
-        pending.setdefault(slot, []).append((row_ids, w if device is None else w.to(device)))
-        done = sum(len(r) for r, _ in pending[slot])
-        expected = len(resolve_rows(rows, t, row_ids.device))
-        if done == expected:
-            parts = pending.pop(slot)
+        parts = pending.setdefault(slot, [])
+        parts.append(w if device is None else w.to(device))
+        if t not in row_values_of:
+            row_values_of[t] = tuple(row_values(rows, t))
+        chosen = row_values_of[t]
+        if sum(p.shape[2] for p in parts) == len(chosen):
+            del pending[slot]
             layer, name, head_list = slots[slot]
             all_heads = range(w.shape[1]) if head_list is None else head_list
             recorder.records.append(
@@ -147,8 +151,8 @@ def capture(
                     layer=layer,
                     name=name,
                     heads=tuple(all_heads),
-                    rows=tuple(int(r) for p, _ in parts for r in p.tolist()),
-                    weights=torch.cat([p for _, p in parts], dim=2),
+                    rows=chosen,
+                    weights=parts[0] if len(parts) == 1 else torch.cat(parts, dim=2),
                 )
             )
 

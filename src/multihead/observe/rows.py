@@ -12,14 +12,27 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from multihead import functional
+from multihead import functional, kernels
 from multihead._checks import check_indices, check_optional_positive_int
 from multihead.attention import AttentionCall, AttentionObserver, MultiHeadAttention
 from multihead.observers import ObservableAttention
 
-__all__ = ["attention_modules", "observe_rows", "resolve_rows", "row_weights", "Rows"]
+__all__ = [
+    "attention_modules",
+    "observe_rows",
+    "resolve_rows",
+    "row_values",
+    "row_weights",
+    "RowIndex",
+    "Rows",
+]
 
 Rows = int | Sequence[int] | slice | range | None
+
+
+def _device_of(site: ObservableAttention) -> torch.device | None:
+    """Where a site's parameters live (None without any)."""
+    return next((p.device for p in site.parameters()), None)
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
@@ -51,19 +64,78 @@ def _holds_transformers(model: nn.Module) -> bool:
     )
 
 
+def row_values(rows: Rows, t: int) -> list[int]:
+    """The query rows chosen by ``rows`` for a query length T, as ints in [0, T), in order."""
+    return RowIndex(rows).values(t)
+
+
 def resolve_rows(rows: Rows, t: int, device: torch.device) -> Tensor:
     """The query rows (R,) int64 chosen by ``rows`` for a query length T."""
-    if rows is None:
-        return torch.arange(t, device=device)
-    if isinstance(rows, slice):
-        return torch.arange(t, device=device)[rows]
-    items = [rows] if isinstance(rows, int) else list(rows)
-    for r in items:
-        if not isinstance(r, int) or isinstance(r, bool):
-            raise TypeError(f"rows must be ints, got {r!r} ({type(r).__name__})")
-        if not -t <= r < t:
-            raise ValueError(f"rows: row {r} is out of range for a query length of {t}")
-    return torch.tensor([r % t for r in items], dtype=torch.long, device=device)
+    return RowIndex(rows)(t, device)
+
+
+class RowIndex:
+    """The query rows ``rows`` chooses (an int, ints, a slice, or None for all), for any query
+    length.
+
+    The chosen ints are checked once and copied to a device once (:meth:`to`, before a forward);
+    a call then builds the (R,) index with device operations only, so that a forward never waits
+    for the host.
+
+    Raises:
+        TypeError: ``rows`` of another kind, or a row that is not an int.
+    """
+
+    def __init__(self, rows: Rows) -> None:
+        check_rows_type(rows)
+        self.rows = rows
+        self.items: list[int] | None = None  # the ints asked for (None: every row or a slice)
+        if rows is not None and not isinstance(rows, slice):
+            self.items = [rows] if isinstance(rows, int) else list(rows)
+            for r in self.items:
+                if not isinstance(r, int) or isinstance(r, bool):
+                    raise TypeError(f"rows must be ints, got {r!r} ({type(r).__name__})")
+        # the ints asked for lie in low..high: a query length T holds them when -T <= low and
+        # high < T
+        self.low = min(self.items or [0])
+        self.high = max(self.items or [-1])
+        self._on: dict[torch.device, Tensor] = {}  # device -> the ints asked for, (R,) int64
+
+    def values(self, t: int) -> list[int]:
+        """The chosen rows of a query length T as ints in [0, T), in order.
+
+        Raises:
+            ValueError: a row out of range for T.
+        """
+        if self.items is None:
+            every = range(t)
+            return list(every[self.rows] if isinstance(self.rows, slice) else every)
+        for r in self.items:
+            if not -t <= r < t:
+                raise ValueError(f"rows: row {r} is out of range for a query length of {t}")
+        return [r % t for r in self.items]
+
+    def to(self, device: torch.device) -> None:
+        """Copy the chosen ints to ``device`` now (a host-to-device copy, outside any forward)."""
+        if self.items is not None and device not in self._on:
+            self._on[device] = torch.tensor(self.items, dtype=torch.long, device=device)
+
+    def __call__(self, t: int, device: torch.device) -> Tensor:
+        """(R,) int64 on ``device``: the chosen rows of a query length T, in [0, T)."""
+        if self.items is None:
+            every = torch.arange(t, device=device)
+            return every if self.rows is None else every[self.rows]  # a slice: a view
+        if not (-t <= self.low and self.high < t):
+            self.values(t)  # raises, naming the row
+        self.to(device)
+        ids = self._on[device]
+        return ids % t if self.low < 0 else ids  # negative rows count from the end
+
+    def count(self, t: int) -> int:
+        """R, the number of rows chosen for a query length T."""
+        if self.items is not None:
+            return len(self.items)
+        return len(range(t)[self.rows]) if isinstance(self.rows, slice) else t
 
 
 def check_rows_type(rows: Rows) -> None:
@@ -136,7 +208,7 @@ def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, T|1, S|1)
         if m.shape[2] != 1:
             m = m.index_select(2, rows)
-        allowed = (m if m.dtype == torch.bool else m != float("-inf")).any(1)  # (B|1, R|1, S|1)
+        allowed = kernels.allowed(m).any(1)  # (B|1, R|1, S|1)
     if call.is_causal:
         causal = torch.arange(s, device=rows.device) <= (rows + (s - t))[:, None]  # (R, S)
         allowed = causal[None] if allowed is None else allowed & causal
@@ -167,7 +239,7 @@ def observe_rows(
     The observers are removed on exit, even when the body raised.
     """
     check_optional_positive_int("chunk_size", chunk_size)
-    check_rows_type(rows)
+    row_index = RowIndex(rows)
     found = attention_modules(model)
     if not found:
         raise ValueError(
@@ -183,31 +255,45 @@ def observe_rows(
         name, mha = found[layer]
         slots.append((layer, name, check_indices("heads", heads, mha.num_heads, "heads")))
 
-    def make_observer(slot: int, head_list: list[int] | None) -> AttentionObserver:
+    def make_observer(
+        slot: int, site: ObservableAttention, head_list: list[int] | None
+    ) -> AttentionObserver:
+        # the head indices (H',) per device, made before the forward (on the module's device)
+        # or at its first call on another: no host-to-device copy inside later forwards
+        head_ids: dict[torch.device, Tensor] = {}
+
+        def heads_on(device: torch.device) -> Tensor | None:
+            if head_list is None:
+                return None
+            if device not in head_ids:
+                head_ids[device] = torch.tensor(head_list, dtype=torch.long, device=device)
+            return head_ids[device]
+
         def observer(call: AttentionCall, out: Tensor) -> None:
             q = call.q
             t = q.shape[2]
-            row_ids = resolve_rows(rows, t, q.device)
-            if len(row_ids) == 0:
+            if row_index.count(t) == 0:
                 raise ValueError(f"rows selects no query row of a query length of {t}: {rows!r}")
-            head_ids = (
-                None
-                if head_list is None
-                else torch.tensor(head_list, dtype=torch.long, device=q.device)
-            )
+            row_ids = row_index(t, q.device)
+            chosen_heads = heads_on(q.device)
             step = chunk_size or len(row_ids)
             with torch.no_grad():
                 for start in range(0, len(row_ids), step):
                     chunk = row_ids[start : start + step]
-                    w = row_weights(call, head_ids, chunk)
+                    w = row_weights(call, chosen_heads, chunk)
                     consume(slot, chunk, w, t, call)
 
+        device = _device_of(site)
+        if device is not None:
+            heads_on(device)
+            row_index.to(device)
         return observer
 
     handles = []
     try:
         for slot, (layer, _, head_list) in enumerate(slots):
-            handles.append(found[layer][1].register_observer(make_observer(slot, head_list)))
+            site = found[layer][1]
+            handles.append(site.register_observer(make_observer(slot, site, head_list)))
         yield slots
     finally:
         for handle in handles:

@@ -87,14 +87,29 @@ def _module_device(mha: ObservableAttention) -> torch.device:
 
 
 def _check_edit(key: HeadKey, edit: object, mha: ObservableAttention) -> float | str | Tensor:
-    """One edit, checked; a number comes back as a float, a patch on the module's device."""
+    """One edit, checked against the head it edits (its dtype, its device); a number comes back
+    as a float, a patch on the module's device."""
     where = f"edits[{key}]"
     if isinstance(edit, bool):
         raise TypeError(f"{where} must be {_EDIT_KINDS}, got the bool {edit!r}")
     if isinstance(edit, (int, float)):
-        if not math.isfinite(edit):
+        try:
+            scale = float(edit)
+        except OverflowError:  # an int beyond any float (10**400)
+            raise ValueError(
+                f"{where} must be {_EDIT_KINDS}, got an int too large for a float: {describe(edit)}"
+            ) from None
+        if not math.isfinite(scale):
             raise ValueError(f"{where} must be {_EDIT_KINDS}, got {edit!r}")
-        return float(edit)
+        dtype = _module_dtype(mha)
+        held = torch.tensor(scale, dtype=torch.float64).to(dtype).item()
+        if not math.isfinite(held) or (held == 0.0) != (scale == 0.0):
+            # the factor itself would be inf or 0 in the head's dtype (1e5 in float16)
+            raise ValueError(
+                f"{where}: the scale {scale!r} does not fit the model's dtype {dtype} (it "
+                f"would be {held!r} there); scale by a number {dtype} can hold"
+            )
+        return scale
     if isinstance(edit, str):
         if edit != "mean":
             raise ValueError(
@@ -102,7 +117,7 @@ def _check_edit(key: HeadKey, edit: object, mha: ObservableAttention) -> float |
             )
         return edit
     if isinstance(edit, Tensor):
-        dv, dtype = mha.head_dim, _module_dtype(mha)
+        dv, dtype, device = mha.head_dim, _module_dtype(mha), _module_device(mha)
         if edit.dim() != 3 or edit.shape[-1] != dv:
             raise ValueError(
                 f"{where}: a patch must be the head's output (B, T, Dv) with Dv={dv}, got shape "
@@ -112,7 +127,12 @@ def _check_edit(key: HeadKey, edit: object, mha: ObservableAttention) -> float |
             raise TypeError(
                 f"{where}: a patch must have the model's dtype {dtype}, got {edit.dtype}"
             )
-        return edit.to(_module_device(mha))
+        if edit.is_meta and device.type != "meta":
+            raise ValueError(
+                f"{where}: a patch must hold values, got a tensor on the meta device (the model "
+                f"is on {device})"
+            )
+        return edit.to(device)
     raise TypeError(f"{where} must be {_EDIT_KINDS}, got {type(edit).__name__} {describe(edit)}")
 
 
@@ -221,8 +241,9 @@ def intervene(model: nn.Module, edits: Mapping[HeadKey, Edit]) -> Iterator[None]
 
     Raises:
         ValueError: no attention module in the model, a layer or head out of range, the same
-            head twice, a non-finite number, a string other than ``"mean"``, a patch of the wrong
-            shape; at run time, a patch whose (B, T) differs from the call's.
+            head twice, a non-finite number or one the head's dtype cannot hold (1e5 in
+            float16: inf there), a string other than ``"mean"``, a patch of the wrong shape or
+            on the meta device; at run time, a patch whose (B, T) differs from the call's.
         TypeError: a key that is not a ``(layer, head)`` pair of ints, a bool or another kind of
             edit, a patch of the wrong dtype.
         All are raised before anything is registered.
