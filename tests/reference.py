@@ -22,14 +22,16 @@ def reference_attention(
 ) -> tuple[Tensor, Tensor]:
     """softmax(q kᵀ·scale + mask)·v in float64 for q (B, H, T, D), k/v (B, Hk, S, D).
 
-    Fully masked rows give zero output and zero weights. Returns (out, weights) in float64.
+    Fully masked rows give zero output and zero weights. Returns (out, weights) in float64, on the
+    inputs' device; computed on the CPU whatever that device.
     """
-    q, k, v = q.detach().double(), k.detach().double(), v.detach().double()
+    device = q.device
+    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if mask is not None:
-        mask = mask.expand(b, h, t, s)
+        mask = mask.cpu().expand(b, h, t, s)
     out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
     weights = torch.zeros(b, h, t, s, dtype=torch.float64)
     for bi in range(b):
@@ -57,7 +59,7 @@ def reference_attention(
                 p = p / p.sum()
                 weights[bi, hi, i] = p
                 out[bi, hi, i] = p @ v[bi, kv]
-    return out, weights
+    return out.to(device), weights.to(device)
 
 
 def bert_attentions(
@@ -67,7 +69,7 @@ def bert_attentions(
     attention module's own ``need_weights=True`` (where weights are born), the padded
     computation stepped through layer by layer; independent of ``multihead.capture``."""
     key_mask = attention_mask.bool()
-    positions = torch.arange(input_ids.shape[1])
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     with torch.no_grad():
         x = model.embeddings(input_ids, token_type_ids, positions)  # (B, T, E)
         weights = []

@@ -15,8 +15,8 @@ from multihead import MultiHeadAttention
 B, T, S, E, H = 2, 5, 7, 24, 3
 
 
-def _torch_pair(**kwargs) -> tuple[nn.MultiheadAttention, MultiHeadAttention]:
-    ref = nn.MultiheadAttention(E, H, batch_first=True, **kwargs).eval()
+def _torch_pair(device: torch.device, **kwargs) -> tuple[nn.MultiheadAttention, MultiHeadAttention]:
+    ref = nn.MultiheadAttention(E, H, batch_first=True, **kwargs).to(device).eval()
     with torch.no_grad():  # torch zeroes biases at init: give them values worth comparing
         for name, p in ref.named_parameters():
             if "bias" in name:
@@ -26,16 +26,18 @@ def _torch_pair(**kwargs) -> tuple[nn.MultiheadAttention, MultiHeadAttention]:
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kv_dims", [None, (11, 13)])
-def test_matches_torch_multihead_attention(bias: bool, kv_dims: tuple[int, int] | None) -> None:
+def test_matches_torch_multihead_attention(
+    bias: bool, kv_dims: tuple[int, int] | None, device: torch.device
+) -> None:
     kdim, vdim = kv_dims or (None, None)
-    ref, ours = _torch_pair(bias=bias, kdim=kdim, vdim=vdim)
+    ref, ours = _torch_pair(device, bias=bias, kdim=kdim, vdim=vdim)
     assert ours.packed == (kv_dims is None)
-    x = torch.randn(B, T, E)
-    key = torch.randn(B, S, kdim or E)
-    value = torch.randn(B, S, vdim or E)
-    pad = torch.zeros(B, S, dtype=torch.bool)
+    x = torch.randn(B, T, E, device=device)
+    key = torch.randn(B, S, kdim or E, device=device)
+    value = torch.randn(B, S, vdim or E, device=device)
+    pad = torch.zeros(B, S, dtype=torch.bool, device=device)
     pad[1, 4:] = True
-    attn_mask = torch.rand(T, S) > 0.8  # torch: True = NOT allowed
+    attn_mask = torch.rand(T, S, device=device) > 0.8  # torch: True = NOT allowed
     attn_mask[:, 0] = False
     expected, expected_w = ref(
         x, key, value, key_padding_mask=pad, attn_mask=attn_mask, average_attn_weights=False
@@ -47,21 +49,29 @@ def test_matches_torch_multihead_attention(bias: bool, kv_dims: tuple[int, int] 
     torch.testing.assert_close(ours(x, key, value, key_mask=~pad, mask=~attn_mask), out)
 
 
-def test_self_attention_and_explicit_key_agree() -> None:
-    ref, ours = _torch_pair()
-    x = torch.randn(B, T, E)
+def test_self_attention_and_explicit_key_agree(device: torch.device) -> None:
+    ref, ours = _torch_pair(device)
+    x = torch.randn(B, T, E, device=device)
     expected, _ = ref(
-        x, x, x, is_causal=True, attn_mask=nn.Transformer.generate_square_subsequent_mask(T)
+        x,
+        x,
+        x,
+        is_causal=True,
+        attn_mask=nn.Transformer.generate_square_subsequent_mask(T, device=device),
     )
     torch.testing.assert_close(ours(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours(x, x, is_causal=True), ours(x, is_causal=True))
     torch.testing.assert_close(ours(x, x, x), ours(x))
 
 
-def test_from_torch_sequence_first_and_to_torch_round_trip() -> None:
-    ref = nn.MultiheadAttention(E, H, kdim=11, vdim=13).eval()  # (T, B, E) layout
+def test_from_torch_sequence_first_and_to_torch_round_trip(device: torch.device) -> None:
+    ref = nn.MultiheadAttention(E, H, kdim=11, vdim=13).to(device).eval()  # (T, B, E) layout
     ours = MultiHeadAttention.from_torch(ref).eval()
-    x, key, value = torch.randn(T, B, E), torch.randn(S, B, 11), torch.randn(S, B, 13)
+    x, key, value = (
+        torch.randn(T, B, E, device=device),
+        torch.randn(S, B, 11, device=device),
+        torch.randn(S, B, 13, device=device),
+    )
     expected, _ = ref(x, key, value)
     out = ours(x.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
     torch.testing.assert_close(out.transpose(0, 1), expected, atol=1e-5, rtol=1e-5)
@@ -107,15 +117,15 @@ def _manual(m: MultiHeadAttention, x: torch.Tensor, y: torch.Tensor, **kw) -> to
         {"head_dim": 5, "out_dim": 9},
     ],
 )
-def test_head_layouts_match_reference(kwargs: dict) -> None:
+def test_head_layouts_match_reference(kwargs: dict, device: torch.device) -> None:
     kwargs = {"num_heads": H, **kwargs}
-    m = MultiHeadAttention(E, kwargs.pop("num_heads"), **kwargs)
+    m = MultiHeadAttention(E, kwargs.pop("num_heads"), **kwargs).to(device)
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 1:
                 p.normal_()
-    x = torch.randn(B, T, E)
-    key_mask = torch.ones(B, T, dtype=torch.bool)
+    x = torch.randn(B, T, E, device=device)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
     key_mask[0, 3:] = False
     out, w = m(x, key_mask=key_mask, is_causal=True, need_weights=True)
     assert w.shape == (B, m.num_heads, T, T)
@@ -123,11 +133,11 @@ def test_head_layouts_match_reference(kwargs: dict) -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_unbatched_input_matches_batched() -> None:
-    m = MultiHeadAttention(E, H).eval()
-    x, mem = torch.randn(T, E), torch.randn(S, E)
-    key_mask = torch.tensor([True] * 5 + [False] * 2)
-    head_mask = torch.rand(H, T, S) > 0.2
+def test_unbatched_input_matches_batched(device: torch.device) -> None:
+    m = MultiHeadAttention(E, H).to(device).eval()
+    x, mem = torch.randn(T, E, device=device), torch.randn(S, E, device=device)
+    key_mask = torch.tensor([True] * 5 + [False] * 2, device=device)
+    head_mask = torch.rand(H, T, S, device=device) > 0.2
     out, w = m(x, mem, key_mask=key_mask, mask=head_mask, need_weights=True)
     assert out.shape == (T, E) and w.shape == (H, T, S)
     out_b, w_b = m(
@@ -137,23 +147,23 @@ def test_unbatched_input_matches_batched() -> None:
     torch.testing.assert_close(w, w_b[0])
 
 
-def test_mask_shapes_are_equivalent() -> None:
-    m = MultiHeadAttention(E, H).eval()
-    x = torch.randn(B, T, E)
-    mask = torch.rand(T, T) > 0.3
+def test_mask_shapes_are_equivalent(device: torch.device) -> None:
+    m = MultiHeadAttention(E, H).to(device).eval()
+    x = torch.randn(B, T, E, device=device)
+    mask = torch.rand(T, T, device=device) > 0.3
     mask.fill_diagonal_(True)
     out = m(x, mask=mask)
     torch.testing.assert_close(m(x, mask=mask.expand(B, T, T)), out)
     torch.testing.assert_close(m(x, mask=mask.expand(B, H, T, T)), out)
-    float_mask = torch.zeros(T, T).masked_fill(~mask, float("-inf"))
+    float_mask = torch.zeros(T, T, device=device).masked_fill(~mask, float("-inf"))
     torch.testing.assert_close(m(x, mask=float_mask), out)
 
 
-def test_padding_rows_are_zero_not_nan_with_weights() -> None:
+def test_padding_rows_are_zero_not_nan_with_weights(device: torch.device) -> None:
     # torch.nn.MultiheadAttention gives NaN here with need_weights=True; we give zeros.
-    m = MultiHeadAttention(E, H).eval()
-    x = torch.randn(B, T, E, requires_grad=True)
-    mask = torch.ones(T, T, dtype=torch.bool)
+    m = MultiHeadAttention(E, H).to(device).eval()
+    x = torch.randn(B, T, E, requires_grad=True, device=device)
+    mask = torch.ones(T, T, dtype=torch.bool, device=device)
     mask[2] = False
     out, w = m(x, mask=mask, need_weights=True)
     assert not out.isnan().any() and not w.isnan().any()
@@ -162,19 +172,19 @@ def test_padding_rows_are_zero_not_nan_with_weights() -> None:
     assert x.grad is not None and x.grad.isfinite().all()
 
 
-def test_dropout_only_in_training() -> None:
-    m = MultiHeadAttention(E, H, dropout=0.5)
-    x = torch.randn(B, T, E)
+def test_dropout_only_in_training(device: torch.device) -> None:
+    m = MultiHeadAttention(E, H, dropout=0.5).to(device)
+    x = torch.randn(B, T, E, device=device)
     m.eval()
     torch.testing.assert_close(m(x), m(x))
     m.train()
     assert not torch.allclose(m(x), m(x))
 
 
-def test_device_dtype_and_reset_parameters() -> None:
-    m = MultiHeadAttention(E, H, dtype=torch.float64, device="cpu")
+def test_device_dtype_and_reset_parameters(device: torch.device) -> None:
+    m = MultiHeadAttention(E, H, dtype=torch.float64, device=device)
     assert all(p.dtype == torch.float64 for p in m.parameters())
-    assert m(torch.randn(B, T, E, dtype=torch.float64)).dtype == torch.float64
+    assert m(torch.randn(B, T, E, dtype=torch.float64, device=device)).dtype == torch.float64
     for w, b in m._qkv_blocks():
         bound = math.sqrt(6.0 / (w.shape[0] + w.shape[1]))  # Xavier-uniform, per block
         assert w.abs().max() <= bound and w.abs().max() > 0.5 * bound
@@ -200,10 +210,11 @@ def test_parameter_layout_is_packed_q_k_v() -> None:
     }
 
 
-def test_gradcheck_module_float64() -> None:
-    m = MultiHeadAttention(6, 2, num_kv_heads=1, dtype=torch.float64)
-    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
-    key_mask = torch.tensor([[True, True, True], [False, False, False]])  # a fully masked row
+def test_gradcheck_module_float64(device: torch.device) -> None:
+    m = MultiHeadAttention(6, 2, num_kv_heads=1, dtype=torch.float64).to(device)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True, device=device)
+    # The second batch row is fully masked.
+    key_mask = torch.tensor([[True, True, True], [False, False, False]], device=device)
     assert torch.autograd.gradcheck(lambda x: m(x, key_mask=key_mask, is_causal=True), (x,))
     assert torch.autograd.gradcheck(lambda x: m(x, key_mask=key_mask, need_weights=True)[1], (x,))
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Benchmark subprocesses on the CPU; scripts/gpu_check.sh runs them on a GPU.
+pytestmark = pytest.mark.cpu_only
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

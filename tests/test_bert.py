@@ -39,20 +39,20 @@ LONG = " ".join(["Transformers attend to every token of their input at once."] *
 VERY_LONG = " ".join(["Multi-head attention splits the width into heads."] * 40)
 
 
-def hf_load(directory: Path, cls: type | None = None) -> torch.nn.Module:
+def hf_load(directory: Path, device: torch.device, cls: type | None = None) -> torch.nn.Module:
     cls = transformers.BertModel if cls is None else cls
     model = cls.from_pretrained(str(directory), attn_implementation="eager")
-    return model.eval()
+    return model.to(device).eval()
 
 
 @pytest.fixture(scope="module")
-def ours() -> BertModel:
-    return minilm()
+def ours(device: torch.device) -> BertModel:
+    return minilm(device=device)
 
 
 @pytest.fixture(scope="module")
-def hf() -> torch.nn.Module:
-    return hf_load(MINILM_DIR)
+def hf(device: torch.device) -> torch.nn.Module:
+    return hf_load(MINILM_DIR, device)
 
 
 def assert_matches_hf(
@@ -63,7 +63,11 @@ def assert_matches_hf(
     token_type_ids: torch.Tensor | None = None,
 ) -> None:
     """last_hidden_state (both paths) and every layer's captured weights equal HF's on real
-    tokens."""
+    tokens. The inputs (tokenized on the CPU) go to the model's device."""
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    attention_mask = None if attention_mask is None else attention_mask.to(device)
+    token_type_ids = None if token_type_ids is None else token_type_ids.to(device)
     with torch.no_grad():
         ref = reference(
             input_ids=input_ids,
@@ -100,7 +104,7 @@ def assert_matches_hf(
 # -- all-MiniLM-L6-v2 ------------------------------------------------------------------------
 
 
-def test_minilm_is_the_contract(ours: BertModel) -> None:
+def test_minilm_is_the_contract(ours: BertModel, device: torch.device) -> None:
     assert isinstance(ours, BertModel) and not ours.training
     assert ours.config.num_hidden_layers == 6 and ours.config.num_attention_heads == 12
     assert ours.config.hidden_size == 384 and ours.config.layer_norm_eps == 1e-12
@@ -109,7 +113,7 @@ def test_minilm_is_the_contract(ours: BertModel) -> None:
     assert all(isinstance(layer.self_attn, MultiHeadAttention) for layer in ours.encoder.layers)
     assert all(not layer.norm_first for layer in ours.encoder.layers)
     p = next(ours.parameters())
-    assert p.dtype == torch.float32 and p.device.type == "cpu"
+    assert p.dtype == torch.float32 and p.device == device  # minilm(device=device)
 
 
 def test_minilm_padded_batch_matches_hf(ours: BertModel, hf: torch.nn.Module) -> None:
@@ -143,7 +147,7 @@ def test_minilm_long_input_matches_hf(ours: BertModel, hf: torch.nn.Module) -> N
     assert_matches_hf(ours, hf, batch.input_ids, batch.attention_mask, batch.token_type_ids)
 
 
-def test_encode_matches_sentence_transformers(ours: BertModel) -> None:
+def test_encode_matches_sentence_transformers(ours: BertModel, device: torch.device) -> None:
     st = pytest.importorskip("sentence_transformers")
     reference = st.SentenceTransformer(str(MINILM_DIR), device="cpu")
     assert reference.max_seq_length == ours.max_seq_length == 256
@@ -153,6 +157,8 @@ def test_encode_matches_sentence_transformers(ours: BertModel) -> None:
         ours.tokenize(VERY_LONG)
     with pytest.warns(UserWarning, match="max_seq_length=256"):
         emb = ours.encode(texts, batch_size=3)
+    assert emb.device == device  # on the model's device, as documented
+    emb = emb.cpu()  # the reference ran on the CPU
     ref = torch.from_numpy(reference.encode(texts, batch_size=3))
     assert emb.shape == ref.shape == (len(texts), 384)
     assert emb.dtype == torch.float32
@@ -160,7 +166,7 @@ def test_encode_matches_sentence_transformers(ours: BertModel) -> None:
     assert cosine.min().item() >= 0.99999, cosine
     assert torch.allclose(emb.norm(dim=1), torch.ones(len(texts)), atol=1e-6)
     # One text, other batchings: the same vectors.
-    single = ours.encode(SENTENCES[1])
+    single = ours.encode(SENTENCES[1]).cpu()
     assert single.shape == (1, 384)
     torch.testing.assert_close(single[0], emb[1], atol=1e-6, rtol=0)
 
@@ -189,8 +195,8 @@ def test_tokenize_contract(ours: BertModel) -> None:
     assert long.tokens[0][-1] == "[SEP]"
 
 
-def test_unpadded_path_equals_padded_path(ours: BertModel) -> None:
-    batch = ours.tokenize(SENTENCES)
+def test_unpadded_path_equals_padded_path(ours: BertModel, device: torch.device) -> None:
+    batch = ours.tokenize(SENTENCES).to(device)
     seen: list[tuple[int, ...]] = []  # the first layer's input shape, by a torch forward hook
     handle = ours.encoder.layers[0].register_forward_pre_hook(
         lambda module, args: seen.append(tuple(args[0].shape))
@@ -212,8 +218,10 @@ def test_unpadded_path_equals_padded_path(ours: BertModel) -> None:
     assert padded[batch.attention_mask == 0].abs().max().item() == 0.0
 
 
-def test_observer_sees_every_layer_on_the_unpadded_path(ours: BertModel) -> None:
-    batch = ours.tokenize(SENTENCES[:2])
+def test_observer_sees_every_layer_on_the_unpadded_path(
+    ours: BertModel, device: torch.device
+) -> None:
+    batch = ours.tokenize(SENTENCES[:2]).to(device)
     seen: list[tuple[int, ...]] = []
 
     def observer(call, out) -> None:  # type: ignore[no-untyped-def]
@@ -232,10 +240,10 @@ def test_observer_sees_every_layer_on_the_unpadded_path(ours: BertModel) -> None
     assert seen == [(b, 12, t, 32)] * 6
 
 
-def test_model_input_errors(ours: BertModel) -> None:
-    ids = torch.ones(2, 5, dtype=torch.int64)
+def test_model_input_errors(ours: BertModel, device: torch.device) -> None:
+    ids = torch.ones(2, 5, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match=r"600 tokens per sequence.*max_position_embeddings=512"):
-        ours(torch.ones(1, 600, dtype=torch.int64))
+        ours(torch.ones(1, 600, dtype=torch.int64, device=device))
     with pytest.raises(
         ValueError, match=r"input_ids must be 2-D \(B, T\) with T >= 1, got shape \(5,\); add a"
     ):
@@ -251,17 +259,17 @@ def test_model_input_errors(ours: BertModel) -> None:
         ):
             ours(ids.to(dtype))
     with pytest.raises(TypeError, match="token_type_ids must have dtype torch.int32, torch.int64"):
-        ours(ids, None, torch.zeros(2, 5, dtype=torch.int8))
+        ours(ids, None, torch.zeros(2, 5, dtype=torch.int8, device=device))
     with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size=30522\)"):
         ours(ids * 40000)
     with pytest.raises(TypeError, match="attention_mask must be int or bool"):
-        ours(ids, torch.ones(2, 5))
+        ours(ids, torch.ones(2, 5, device=device))
     with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids"):
-        ours(ids, torch.ones(2, 4, dtype=torch.int64))
+        ours(ids, torch.ones(2, 4, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match=r"token_type_ids must have shape \(B, T\) = \(2, 5\)"):
-        ours(ids, None, torch.zeros(2, 4, dtype=torch.int64))
+        ours(ids, None, torch.zeros(2, 4, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match=r"token_type_ids must be in \[0, type_vocab_size=2\)"):
-        ours(ids, None, torch.full((2, 5), 2))
+        ours(ids, None, torch.full((2, 5), 2, device=device))
     with pytest.raises(ValueError, match="texts must hold at least one text"):
         ours.tokenize([])
     with pytest.raises(TypeError, match=r"texts\[1\] must be a str, got int"):
@@ -278,8 +286,8 @@ def test_model_input_errors(ours: BertModel) -> None:
         ours.encode(["a"], batch_size=0)
 
 
-def test_int32_ids_give_the_int64_result(ours: BertModel) -> None:
-    batch = ours.tokenize(SENTENCES[:2])
+def test_int32_ids_give_the_int64_result(ours: BertModel, device: torch.device) -> None:
+    batch = ours.tokenize(SENTENCES[:2]).to(device)
     with torch.no_grad():
         want = ours(batch.input_ids, batch.attention_mask, batch.token_type_ids)
         got = ours(batch.input_ids.int(), batch.attention_mask.int(), batch.token_type_ids.int())
@@ -332,7 +340,7 @@ def randomise_layernorms(model: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])
-def test_random_bert_round_trip(tmp_path: Path, hidden_act: str) -> None:
+def test_random_bert_round_trip(tmp_path: Path, hidden_act: str, device: torch.device) -> None:
     torch.manual_seed(3)
     reference = transformers.BertModel(
         random_hf_config(hidden_act=hidden_act), add_pooling_layer=True
@@ -341,16 +349,16 @@ def test_random_bert_round_trip(tmp_path: Path, hidden_act: str) -> None:
     reference.save_pretrained(tmp_path, safe_serialization=True)
     assert (tmp_path / "model.safetensors").is_file()
     assert not (tmp_path / "tokenizer.json").exists()
-    model = load_bert(tmp_path)  # the pooler in the file is skipped
+    model = load_bert(tmp_path, device=device)  # the pooler in the file is skipped
     assert model.config.hidden_size == 48 and model.config.num_attention_heads == 4
     assert model.max_seq_length == 40 and model.tokenizer is None
-    reference = hf_load(tmp_path)
+    reference = hf_load(tmp_path, device)
     assert_matches_hf(model, reference, *random_batch())
     with pytest.raises(ValueError, match="this model has no tokenizer"):
         model.tokenize("text")
 
 
-def test_random_bert_with_prefix_and_heads(tmp_path: Path) -> None:
+def test_random_bert_with_prefix_and_heads(tmp_path: Path, device: torch.device) -> None:
     """BertForPreTraining saves bert.* plus the pooler and cls.* heads: the encoder still loads."""
     torch.manual_seed(4)
     pretraining = transformers.BertForPreTraining(random_hf_config())
@@ -362,21 +370,21 @@ def test_random_bert_with_prefix_and_heads(tmp_path: Path) -> None:
         names = list(f.keys())
     assert any(n.startswith("bert.encoder.") for n in names)
     assert any(n.startswith("cls.") for n in names) and any("pooler" in n for n in names)
-    model = load_bert(tmp_path)
-    reference = pretraining.bert.eval()
+    model = load_bert(tmp_path, device=device)
+    reference = pretraining.bert.to(device).eval()
     reference.set_attn_implementation("eager")
     assert_matches_hf(model, reference, *random_batch())
 
 
-def test_load_bert_options_and_training_mode(tmp_path: Path) -> None:
+def test_load_bert_options_and_training_mode(tmp_path: Path, device: torch.device) -> None:
     torch.manual_seed(5)
     transformers.BertModel(random_hf_config()).save_pretrained(tmp_path)
-    model = load_bert(tmp_path, dtype=torch.float64)
+    model = load_bert(tmp_path, dtype=torch.float64, device=device)
     assert all(p.dtype == torch.float64 for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters())
     # Trainable: gradients flow through the unpadded path to every parameter.
     model.train()
-    ids, mask, types = random_batch()
+    ids, mask, types = (x.to(device) for x in random_batch())
     model(ids, mask, types).last_hidden_state.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
 

@@ -20,6 +20,8 @@ from multihead.cli import main
 from multihead.models import TransformerLM
 from multihead.training import load_checkpoint
 
+pytestmark = pytest.mark.cpu_only  # the training CLI's checkpoints
+
 STEP = "step-00000002"
 FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "state.json")
 QUIET = ["--quiet", "--no-plots", "--eval-size", "0"]

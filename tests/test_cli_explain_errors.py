@@ -31,6 +31,8 @@ import multihead  # noqa: E402
 import multihead.cli.explain as cmd  # noqa: E402
 from multihead.cli import main  # noqa: E402
 
+pytestmark = pytest.mark.cpu_only  # the CLI's errors and files
+
 LONG = " ".join(["the animal was tired"] * 100)  # 400 word pieces: cut at 256
 UNDECODABLE = b"caf\xff au lait".decode("utf-8", "surrogateescape")  # as sys.argv holds it
 HUGE = str(10**30)

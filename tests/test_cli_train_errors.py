@@ -18,6 +18,8 @@ from cli_support import copy_run, fails, snapshot, train_tiny
 
 from multihead.cli import main
 
+pytestmark = pytest.mark.cpu_only  # the training CLI's errors and files
+
 TINY = ["--embed-dim", "32", "--num-heads", "2", "--ff-dim", "48", "--threads", "1"]
 SMALL = ["--task", "sort", "--seq-len", "4", "--steps", "2", "--batch-size", "8", *TINY]
 QUIET = ["--quiet", "--no-plots", "--eval-size", "0"]

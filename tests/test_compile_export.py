@@ -20,8 +20,8 @@ from multihead import MultiHeadAttention
 B, T, E, H = 2, 5, 12, 3
 
 
-def _module() -> MultiHeadAttention:
-    mha = MultiHeadAttention(E, H).eval()
+def _module(device: torch.device) -> MultiHeadAttention:
+    mha = MultiHeadAttention(E, H).to(device).eval()
     with torch.no_grad():  # biases start at zero: give them values worth comparing
         for name, p in mha.named_parameters():
             if "bias" in name:
@@ -29,8 +29,8 @@ def _module() -> MultiHeadAttention:
     return mha
 
 
-def _key_mask() -> torch.Tensor:
-    key_mask = torch.ones(B, T, dtype=torch.bool)
+def _key_mask(device: torch.device) -> torch.Tensor:
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
     key_mask[1, 3:] = False  # padding at the end of the second example
     key_mask[0, 0] = False  # with is_causal, query 0 of example 0 sees no key: a fully masked row
     return key_mask
@@ -44,8 +44,8 @@ CASES = [
 ]
 
 
-def _kwargs(case: dict) -> dict:
-    return {**case, "key_mask": _key_mask()} if case.get("key_mask") else dict(case)
+def _kwargs(case: dict, device: torch.device) -> dict:
+    return {**case, "key_mask": _key_mask(device)} if case.get("key_mask") else dict(case)
 
 
 def _assert_same(got: object, expected: object) -> None:
@@ -59,21 +59,21 @@ def _assert_same(got: object, expected: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled() -> tuple[MultiHeadAttention, Callable[..., Any]]:
+def compiled(device: torch.device) -> tuple[MultiHeadAttention, Callable[..., Any]]:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    mha = _module()
+    mha = _module(device)
     return mha, torch.compile(mha, fullgraph=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_compile_fullgraph_matches_eager(
-    compiled: tuple[MultiHeadAttention, Callable[..., Any]], case: dict
+    compiled: tuple[MultiHeadAttention, Callable[..., Any]], case: dict, device: torch.device
 ) -> None:
     mha, compiled_mha = compiled
-    x = torch.randn(B, T, E)
-    kwargs = _kwargs(case)
+    x = torch.randn(B, T, E, device=device)
+    kwargs = _kwargs(case, device)
     with torch.no_grad():
         expected = mha(x, **kwargs)
         got = compiled_mha(x, **kwargs)
@@ -84,13 +84,13 @@ def test_compile_fullgraph_matches_eager(
         torch.testing.assert_close(out[0, 0], mha.out_proj.bias)  # the empty row: bias only
 
 
-def test_compile_fullgraph_backward_matches_eager() -> None:
+def test_compile_fullgraph_backward_matches_eager(device: torch.device) -> None:
     """Training-mode forward and backward compile as one graph too (aot_eager: no codegen)."""
     torch._dynamo.reset()
-    mha = _module().train()
+    mha = _module(device).train()
     compiled_mha = torch.compile(mha, fullgraph=True, backend="aot_eager")
-    x = torch.randn(B, T, E, requires_grad=True)
-    kwargs = {"key_mask": _key_mask(), "is_causal": True}
+    x = torch.randn(B, T, E, requires_grad=True, device=device)
+    kwargs = {"key_mask": _key_mask(device), "is_causal": True}
     expected = mha(x, **kwargs)
     (expected_grad,) = torch.autograd.grad(expected.sum(), x)
     got = compiled_mha(x, **kwargs)
@@ -101,23 +101,23 @@ def test_compile_fullgraph_backward_matches_eager() -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_export_matches_eager(case: dict) -> None:
-    mha = _module()
-    x = torch.randn(B, T, E)
-    kwargs = _kwargs(case)
+def test_export_matches_eager(case: dict, device: torch.device) -> None:
+    mha = _module(device)
+    x = torch.randn(B, T, E, device=device)
+    kwargs = _kwargs(case, device)
     program = torch.export.export(mha, (x,), kwargs=kwargs)
-    x2 = torch.randn(B, T, E)  # new data, same shapes
+    x2 = torch.randn(B, T, E, device=device)  # new data, same shapes
     with torch.no_grad():
         expected = mha(x2, **kwargs)
     _assert_same(program.module()(x2, **kwargs), expected)
 
 
-def test_export_with_dynamic_batch_and_length() -> None:
-    mha = _module()
+def test_export_with_dynamic_batch_and_length(device: torch.device) -> None:
+    mha = _module(device)
     batch, length = torch.export.Dim("batch"), torch.export.Dim("length", min=2, max=64)
-    x = torch.randn(B, T, E)
+    x = torch.randn(B, T, E, device=device)
     program = torch.export.export(mha, (x,), dynamic_shapes=({0: batch, 1: length},))
-    x2 = torch.randn(B + 1, T + 6, E)  # another batch size and length than traced
+    x2 = torch.randn(B + 1, T + 6, E, device=device)  # another batch size and length than traced
     with torch.no_grad():
         expected = mha(x2)
     _assert_same(program.module()(x2), expected)

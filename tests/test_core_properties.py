@@ -52,19 +52,23 @@ def test_permutations_move_every_position() -> None:
         assert not (perm == torch.arange(n)).any()
 
 
-def _mask(kind: str | None) -> Tensor | None:
+def _mask(kind: str | None, device: torch.device) -> Tensor | None:
     """A mask broadcastable to (B, H, T, S) with a per-batch, per-query and per-key pattern."""
     if kind is None:
         return None
-    allowed = torch.rand(B, 1, T, S) > 0.3
+    allowed = torch.rand(B, 1, T, S, device=device) > 0.3
     allowed[0, 0, 2] = False  # batch 0, query 2: an emptied row travels with its query
     if kind == "bool":
         return allowed
-    return torch.randn(B, H, T, S).masked_fill(~allowed, -math.inf)
+    return torch.randn(B, H, T, S, device=device).masked_fill(~allowed, -math.inf)
 
 
-def _qkv() -> tuple[Tensor, Tensor, Tensor]:
-    return torch.randn(B, H, T, D), torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+def _qkv(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    return (
+        torch.randn(B, H, T, D, device=device),
+        torch.randn(B, H, S, D, device=device),
+        torch.randn(B, H, S, D, device=device),
+    )
 
 
 # -- permutation equivariance: the core --------------------------------------------------------
@@ -73,10 +77,10 @@ def _qkv() -> tuple[Tensor, Tensor, Tensor]:
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"], ids=["no-mask", "bool", "float"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_permuting_keys_and_values_together_changes_nothing(
-    backend: str, mask_kind: str | None
+    backend: str, mask_kind: str | None, device: torch.device
 ) -> None:
-    q, k, v = _qkv()
-    mask = _mask(mask_kind)
+    q, k, v = _qkv(device)
+    mask = _mask(mask_kind, device)
     out = attention(q, k, v, mask=mask, backend=backend)
     ref_out, _ = reference_attention(q, k, v, mask)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
@@ -92,9 +96,11 @@ def test_permuting_keys_and_values_together_changes_nothing(
 
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"], ids=["no-mask", "bool", "float"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_permuting_queries_permutes_outputs(backend: str, mask_kind: str | None) -> None:
-    q, k, v = _qkv()
-    mask = _mask(mask_kind)
+def test_permuting_queries_permutes_outputs(
+    backend: str, mask_kind: str | None, device: torch.device
+) -> None:
+    q, k, v = _qkv(device)
+    mask = _mask(mask_kind, device)
     out = attention(q, k, v, mask=mask, backend=backend)
     permuted_mask = None if mask is None else mask[..., QUERY_PERM, :]
     out_p = attention(q[..., QUERY_PERM, :], k, v, mask=permuted_mask, backend=backend)
@@ -103,9 +109,11 @@ def test_permuting_queries_permutes_outputs(backend: str, mask_kind: str | None)
 
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"], ids=["no-mask", "bool", "float"])
 @pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
-def test_permutations_move_the_weights_with_them(backend: str, mask_kind: str | None) -> None:
-    q, k, v = _qkv()
-    mask = _mask(mask_kind)
+def test_permutations_move_the_weights_with_them(
+    backend: str, mask_kind: str | None, device: torch.device
+) -> None:
+    q, k, v = _qkv(device)
+    mask = _mask(mask_kind, device)
     _, w = attention(q, k, v, mask=mask, need_weights=True, backend=backend)
     _, ref_w = reference_attention(q, k, v, mask)
     torch.testing.assert_close(w.double(), ref_w, atol=1e-5, rtol=1e-5)
@@ -126,16 +134,20 @@ def test_permutations_move_the_weights_with_them(backend: str, mask_kind: str | 
     torch.testing.assert_close(w_queries, w[..., QUERY_PERM, :])
 
 
-def test_causal_mask_is_bottom_right_and_moves_with_the_queries() -> None:
+def test_causal_mask_is_bottom_right_and_moves_with_the_queries(device: torch.device) -> None:
     """``causal_mask`` is the rule j <= i + (S - T), written out here independently; handing the
     permuted rule over as a mask gives the permuted causal result."""
     expected = [[j <= i + (S - T) for j in range(S)] for i in range(T)]
     assert causal_mask(T, S).tolist() == expected
-    q, k, v = _qkv()
+    q, k, v = _qkv(device)
     for backend in BACKENDS:
         out = attention(q, k, v, is_causal=True, backend=backend)
         out_p = attention(
-            q[..., QUERY_PERM, :], k, v, mask=causal_mask(T, S)[QUERY_PERM], backend=backend
+            q[..., QUERY_PERM, :],
+            k,
+            v,
+            mask=causal_mask(T, S, device=device)[QUERY_PERM],
+            backend=backend,
         )
         torch.testing.assert_close(out_p, out[..., QUERY_PERM, :])
 
@@ -143,22 +155,26 @@ def test_causal_mask_is_bottom_right_and_moves_with_the_queries() -> None:
 # -- permutation equivariance: the module with key/value inputs -------------------------------
 
 
-def _cross_module(packed: bool) -> MultiHeadAttention:
+def _cross_module(packed: bool, device: torch.device) -> MultiHeadAttention:
     """Cross-attention: the packed layout (key and value as wide as the query) or q/k/v_proj."""
     if packed:
-        return MultiHeadAttention(E, H)
-    return MultiHeadAttention(E, H, kdim=KDIM, vdim=VDIM)
+        return MultiHeadAttention(E, H).to(device)
+    return MultiHeadAttention(E, H, kdim=KDIM, vdim=VDIM).to(device)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "kdim-vdim"])
-def test_module_key_value_permutation(packed: bool) -> None:
-    mha = _cross_module(packed)
+def test_module_key_value_permutation(packed: bool, device: torch.device) -> None:
+    mha = _cross_module(packed, device)
     kdim, vdim = (E, E) if packed else (KDIM, VDIM)
-    query, key, value = torch.randn(B, T, E), torch.randn(B, S, kdim), torch.randn(B, S, vdim)
-    key_mask = torch.ones(B, S, dtype=torch.bool)
+    query, key, value = (
+        torch.randn(B, T, E, device=device),
+        torch.randn(B, S, kdim, device=device),
+        torch.randn(B, S, vdim, device=device),
+    )
+    key_mask = torch.ones(B, S, dtype=torch.bool, device=device)
     key_mask[0, [1, 4]] = False  # batch 0: keys 1 and 4 are padding
     key_mask[1, 6] = False
-    mask = torch.rand(B, T, S) > 0.25  # (B, T, S)
+    mask = torch.rand(B, T, S, device=device) > 0.25  # (B, T, S)
     mask[:, :, 0] = True
     out, w = mha(query, key, value, mask=mask, key_mask=key_mask, need_weights=True)
     assert out.shape == (B, T, E) and w.shape == (B, H, T, S)
@@ -211,10 +227,12 @@ def test_module_key_value_permutation(packed: bool) -> None:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"], ids=["no-mask", "bool", "float"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_batch_rows_are_independent(backend: str, mask_kind: str | None, causal: bool) -> None:
-    q, k, v = (x.requires_grad_() for x in _qkv())
-    mask = _mask(mask_kind)
-    grad_out = torch.randn(B, H, T, D)
+def test_batch_rows_are_independent(
+    backend: str, mask_kind: str | None, causal: bool, device: torch.device
+) -> None:
+    q, k, v = (x.requires_grad_() for x in _qkv(device))
+    mask = _mask(mask_kind, device)
+    grad_out = torch.randn(B, H, T, D, device=device)
     out = attention(q, k, v, mask=mask, is_causal=causal, backend=backend)
     (out * grad_out).sum().backward()
     for b in range(B):
@@ -230,7 +248,11 @@ def test_batch_rows_are_independent(backend: str, mask_kind: str | None, causal:
 
     # Changing every input of row 1 leaves row 0 exactly as it was.
     q2, k2, v2 = (x.detach().clone() for x in (q, k, v))
-    q2[1], k2[1], v2[1] = torch.randn(H, T, D), torch.randn(H, S, D), torch.randn(H, S, D)
+    q2[1], k2[1], v2[1] = (
+        torch.randn(H, T, D, device=device),
+        torch.randn(H, S, D, device=device),
+        torch.randn(H, S, D, device=device),
+    )
     mask2 = mask
     if mask is not None:
         mask2 = mask.clone()
@@ -241,14 +263,14 @@ def test_batch_rows_are_independent(backend: str, mask_kind: str | None, causal:
 
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
-def test_module_batch_rows_are_independent(need_weights: bool) -> None:
-    mha = MultiHeadAttention(E, H, kdim=KDIM, vdim=VDIM)
-    query = torch.randn(B, T, E, requires_grad=True)
-    key = torch.randn(B, S, KDIM, requires_grad=True)
-    value = torch.randn(B, S, VDIM, requires_grad=True)
-    key_mask = torch.ones(B, S, dtype=torch.bool)
+def test_module_batch_rows_are_independent(need_weights: bool, device: torch.device) -> None:
+    mha = MultiHeadAttention(E, H, kdim=KDIM, vdim=VDIM).to(device)
+    query = torch.randn(B, T, E, requires_grad=True, device=device)
+    key = torch.randn(B, S, KDIM, requires_grad=True, device=device)
+    value = torch.randn(B, S, VDIM, requires_grad=True, device=device)
+    key_mask = torch.ones(B, S, dtype=torch.bool, device=device)
     key_mask[1, 3:] = False
-    grad_out = torch.randn(B, T, E)
+    grad_out = torch.randn(B, T, E, device=device)
 
     def run(q: Tensor, k: Tensor, v: Tensor, km: Tensor) -> Tensor:
         result = mha(q, k, v, key_mask=km, is_causal=True, need_weights=need_weights)
@@ -267,7 +289,11 @@ def test_module_batch_rows_are_independent(need_weights: bool) -> None:
             torch.testing.assert_close(whole.grad[row], alone.grad)
     # A changed row 1 leaves row 0 exactly as it was.
     query2, key2, value2 = (x.detach().clone() for x in (query, key, value))
-    query2[1], key2[1], value2[1] = torch.randn(T, E), torch.randn(S, KDIM), torch.randn(S, VDIM)
+    query2[1], key2[1], value2[1] = (
+        torch.randn(T, E, device=device),
+        torch.randn(S, KDIM, device=device),
+        torch.randn(S, VDIM, device=device),
+    )
     with torch.no_grad():
         out2 = run(query2, key2, value2, key_mask)
     assert torch.equal(out2[0], out.detach()[0])
@@ -325,24 +351,39 @@ HAND_CASES = {
 
 @pytest.mark.parametrize("case", list(HAND_CASES))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_hand_computed(backend: str, case: str) -> None:
+def test_hand_computed(backend: str, case: str, device: torch.device) -> None:
     q, mask, causal, weights, expected = HAND_CASES[case]
-    out = attention(q, HAND_K, HAND_V, mask=mask, is_causal=causal, backend=backend)
-    torch.testing.assert_close(out[0, 0], torch.tensor(expected), atol=1e-6, rtol=1e-6)
+    q, k, v = (x.to(device) for x in (q, HAND_K, HAND_V))
+    mask = None if mask is None else mask.to(device)
+    out = attention(q, k, v, mask=mask, is_causal=causal, backend=backend)
+    torch.testing.assert_close(
+        out[0, 0], torch.tensor(expected, device=device), atol=1e-6, rtol=1e-6
+    )
     if backend in WEIGHT_BACKENDS:
         out_w, w = attention(
-            q, HAND_K, HAND_V, mask=mask, is_causal=causal, need_weights=True, backend=backend
+            q, k, v, mask=mask, is_causal=causal, need_weights=True, backend=backend
         )
-        torch.testing.assert_close(w[0, 0], torch.tensor(weights), atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(out_w[0, 0], torch.tensor(expected), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            w[0, 0], torch.tensor(weights, device=device), atol=1e-6, rtol=1e-6
+        )
+        torch.testing.assert_close(
+            out_w[0, 0], torch.tensor(expected, device=device), atol=1e-6, rtol=1e-6
+        )
 
 
-def test_hand_computed_explicit_scale() -> None:
+def test_hand_computed_explicit_scale(device: torch.device) -> None:
     """The scale multiplies the scores: with scale 2 row 1's scores are [0, 2 ln 3] = [0, ln 9],
     so its weights are [1/10, 9/10] and its output 1/10·[4, 0] + 9/10·[8, 4] = [7.6, 3.6]."""
+    q, k, v = (x.to(device) for x in (HAND_Q, HAND_K, HAND_V))
     for backend in WEIGHT_BACKENDS:
-        out, w = attention(HAND_Q, HAND_K, HAND_V, scale=2.0, need_weights=True, backend=backend)
-        torch.testing.assert_close(w[0, 0, 1], torch.tensor([0.1, 0.9]), atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(out[0, 0, 1], torch.tensor([7.6, 3.6]), atol=1e-6, rtol=1e-6)
-    out = attention(HAND_Q, HAND_K, HAND_V, scale=2.0, backend="sdpa")
-    torch.testing.assert_close(out[0, 0, 1], torch.tensor([7.6, 3.6]), atol=1e-6, rtol=1e-6)
+        out, w = attention(q, k, v, scale=2.0, need_weights=True, backend=backend)
+        torch.testing.assert_close(
+            w[0, 0, 1], torch.tensor([0.1, 0.9], device=device), atol=1e-6, rtol=1e-6
+        )
+        torch.testing.assert_close(
+            out[0, 0, 1], torch.tensor([7.6, 3.6], device=device), atol=1e-6, rtol=1e-6
+        )
+    out = attention(q, k, v, scale=2.0, backend="sdpa")
+    torch.testing.assert_close(
+        out[0, 0, 1], torch.tensor([7.6, 3.6], device=device), atol=1e-6, rtol=1e-6
+    )

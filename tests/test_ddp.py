@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 from multihead.models import TransformerLM
 from multihead.training import DivergenceError, TrainConfig, latest_checkpoint, train
 
+pytestmark = pytest.mark.cpu_only  # gloo process groups on the CPU
+
 WORLD = 2
 TIMEOUT = 120.0
 

@@ -35,6 +35,8 @@ from multihead.distributed import (
     unshard_sequence,
 )
 
+pytestmark = pytest.mark.cpu_only  # gloo process groups on the CPU
+
 TIMEOUT_S = 120.0  # for one spawned group, start-up included
 # The groups the error cases run on time out this fast, so a case that leaves a rank waiting
 # shows up as a RuntimeError in seconds, not as a hung test.

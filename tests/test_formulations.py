@@ -91,19 +91,21 @@ class Seed000(nn.Module):
         return self.mixing_proj(attention), p
 
 
-def test_seed_000_unbatched_separate_projections() -> None:
+def test_seed_000_unbatched_separate_projections(device: torch.device) -> None:
     seed = Seed000(IN, H, E)
     ours = MultiHeadAttention(IN, H, head_dim=E // H, out_dim=E)
     _load_packed(ours, *_linears(seed.q, seed.k, seed.v))
     _load_linear(ours.out_proj, seed.mixing_proj)
-    x = torch.randn(T, IN)
+    seed.to(device)
+    ours.to(device)
+    x = torch.randn(T, IN, device=device)
     expected, expected_w = seed(x)
     out, w = ours(x, need_weights=True)
     assert out.shape == (T, E) and w.shape == (H, T, T)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(w, expected_w, atol=ATOL, rtol=RTOL)
     # Batched input is the same computation per example; the seed could only do one at a time.
-    xb = torch.randn(B, T, IN)
+    xb = torch.randn(B, T, IN, device=device)
     batched = ours(xb)
     for i in range(B):
         torch.testing.assert_close(batched[i], seed(xb[i])[0], atol=ATOL, rtol=RTOL)
@@ -159,7 +161,7 @@ class Seed001(nn.Module):
         return self.output_linear(x)
 
 
-def test_seed_001_module_list_of_heads() -> None:
+def test_seed_001_module_list_of_heads(device: torch.device) -> None:
     seed = Seed001(SimpleNamespace(hidden_size=E, num_attention_heads=H))
     ours = MultiHeadAttention(E, H)
     # Head h's projections are rows h·D:(h+1)·D of each of our q, k and v blocks.
@@ -168,7 +170,9 @@ def test_seed_001_module_list_of_heads() -> None:
     biases = [torch.cat([getattr(h, part).bias for h in heads]) for part in "qkv"]
     _load_packed(ours, weights, biases)
     _load_linear(ours.out_proj, seed.output_linear)
-    x = torch.randn(B, T, E)
+    seed.to(device)
+    ours.to(device)
+    x = torch.randn(B, T, E, device=device)
     torch.testing.assert_close(ours(x), seed(x), atol=ATOL, rtol=RTOL)
 
 
@@ -219,16 +223,18 @@ class Seed002MultiHeadAttention(nn.Module):
         return self.out(concat)
 
 
-def test_seed_002_single_head() -> None:
+def test_seed_002_single_head(device: torch.device) -> None:
     seed = Seed002Attention(IN, D)
     # One head of width attention_dim; the seed has no output projection, so ours is the identity.
     ours = MultiHeadAttention(IN, 1, head_dim=D, out_dim=D)
     _load_packed(ours, *_linears(seed.query_t, seed.key_t, seed.value_t))
     with torch.no_grad():
-        ours.out_proj.weight.copy_(torch.eye(D))
+        ours.out_proj.weight.copy_(torch.eye(D, device=device))
         assert ours.out_proj.bias is not None
         ours.out_proj.bias.zero_()
-    x = torch.randn(B, T, IN)
+    seed.to(device)
+    ours.to(device)
+    x = torch.randn(B, T, IN, device=device)
     expected = seed(x)
     torch.testing.assert_close(ours(x), expected, atol=ATOL, rtol=RTOL)
     # The same without touching out_proj: project, attend, drop the head axis.
@@ -237,12 +243,14 @@ def test_seed_002_single_head() -> None:
     torch.testing.assert_close(out.squeeze(1), expected, atol=ATOL, rtol=RTOL)
 
 
-def test_seed_002_multi_head() -> None:
+def test_seed_002_multi_head(device: torch.device) -> None:
     seed = Seed002MultiHeadAttention(H, E)
     ours = MultiHeadAttention(E, H)  # note the order: seed 002 takes (num_heads, model_dim)
     _load_packed(ours, *_linears(seed.query_t, seed.key_t, seed.value_t))
     _load_linear(ours.out_proj, seed.out)
-    x = torch.randn(B, T, E)
+    seed.to(device)
+    ours.to(device)
+    x = torch.randn(B, T, E, device=device)
     torch.testing.assert_close(ours(x), seed(x), atol=ATOL, rtol=RTOL)
 
 
@@ -296,9 +304,9 @@ class Seed003(nn.Module):
         return self.linear_layer(values), attention
 
 
-def seed003_causal_mask(size: torch.Size) -> Tensor:
+def seed003_causal_mask(size: torch.Size, device: torch.device) -> Tensor:
     """The seed's additive causal mask: -inf above the diagonal."""
-    return torch.triu(torch.full(size, float("-inf")), diagonal=1)
+    return torch.triu(torch.full(size, float("-inf"), device=device), diagonal=1)
 
 
 def per_head_to_packed(num_heads: int, head_dim: int) -> Tensor:
@@ -310,7 +318,7 @@ def per_head_to_packed(num_heads: int, head_dim: int) -> Tensor:
     return torch.arange(3 * num_heads * head_dim).view(num_heads, 3, head_dim).transpose(0, 1)
 
 
-def _seed003_pair() -> tuple[Seed003, MultiHeadAttention]:
+def _seed003_pair(device: torch.device) -> tuple[Seed003, MultiHeadAttention]:
     seed = Seed003(IN, E, H)
     ours = MultiHeadAttention(IN, H, head_dim=D, out_dim=E)
     perm = per_head_to_packed(H, D).reshape(-1)
@@ -319,21 +327,21 @@ def _seed003_pair() -> tuple[Seed003, MultiHeadAttention]:
         ours.qkv_proj.weight.copy_(seed.qkv_layer.weight[perm])
         ours.qkv_proj.bias.copy_(seed.qkv_layer.bias[perm])
     _load_linear(ours.out_proj, seed.linear_layer)
-    return seed, ours
+    return seed.to(device), ours.to(device)
 
 
-def test_seed_003_permutation_maps_each_head() -> None:
-    seed, ours = _seed003_pair()
-    x = torch.randn(B, T, IN)
+def test_seed_003_permutation_maps_each_head(device: torch.device) -> None:
+    seed, ours = _seed003_pair(device)
+    x = torch.randn(B, T, IN, device=device)
     for theirs, mine in zip(seed.heads(x), ours.project(x), strict=True):
         torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_seed_003_per_head_packing(causal: bool) -> None:
-    seed, ours = _seed003_pair()
-    x = torch.randn(B, T, IN)
-    mask = seed003_causal_mask(torch.Size((B, H, T, T))) if causal else None
+def test_seed_003_per_head_packing(causal: bool, device: torch.device) -> None:
+    seed, ours = _seed003_pair(device)
+    x = torch.randn(B, T, IN, device=device)
+    mask = seed003_causal_mask(torch.Size((B, H, T, T)), device) if causal else None
     expected, expected_w = seed(x, mask)
     out, w = ours(x, is_causal=causal, need_weights=True)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
@@ -343,14 +351,14 @@ def test_seed_003_per_head_packing(causal: bool) -> None:
         torch.testing.assert_close(ours(x, mask=mask), expected, atol=ATOL, rtol=RTOL)
 
 
-def test_seed_003_bugs_change_the_result() -> None:
-    seed, ours = _seed003_pair()
-    x = torch.randn(B, T, IN)
+def test_seed_003_bugs_change_the_result(device: torch.device) -> None:
+    seed, ours = _seed003_pair(device)
+    x = torch.randn(B, T, IN, device=device)
     # The published reshape without moving the head axis back mixes heads and positions.
     published, _ = seed(x, permute_back=False)
     assert not torch.allclose(published, ours(x), atol=1e-3)
     # The published `if mask:` cannot even run with a mask tensor.
-    mask = seed003_causal_mask(torch.Size((B, H, T, T)))
+    mask = seed003_causal_mask(torch.Size((B, H, T, T)), device)
     with pytest.raises(RuntimeError, match="ambiguous"):
         if mask:
             pass
@@ -406,8 +414,8 @@ class Seed004SelfAttention(nn.Module):
         return self.unifyheads(out)
 
 
-def test_seed_004_parameter_free_self_attention() -> None:
-    x = torch.randn(B, T, D)
+def test_seed_004_parameter_free_self_attention(device: torch.device) -> None:
+    x = torch.randn(B, T, D, device=device)
     heads = x.unsqueeze(1)  # (B, 1, T, D): one head, q = k = v = x
     # The seed does not scale the scores: scale=1, not the default 1/sqrt(D).
     out = functional.attention(heads, heads, heads, scale=1.0).squeeze(1)
@@ -416,7 +424,7 @@ def test_seed_004_parameter_free_self_attention() -> None:
     assert not torch.allclose(scaled, out, atol=1e-3)
 
 
-def _seed004_pair() -> tuple[Seed004SelfAttention, MultiHeadAttention]:
+def _seed004_pair(device: torch.device) -> tuple[Seed004SelfAttention, MultiHeadAttention]:
     k = D
     seed = Seed004SelfAttention(k, n_heads=H)
     # Wide heads: head_dim = k, so the heads are H·k wide together; out_proj maps H·k -> k.
@@ -424,13 +432,13 @@ def _seed004_pair() -> tuple[Seed004SelfAttention, MultiHeadAttention]:
     # Bias-free q/k/v (zero biases), but a biased output projection.
     _load_packed(ours, [seed.toqueries.weight, seed.tokeys.weight, seed.tovalues.weight], None)
     _load_linear(ours.out_proj, seed.unifyheads)
-    return seed, ours
+    return seed.to(device), ours.to(device)
 
 
-def test_seed_004_wide_heads() -> None:
-    seed, ours = _seed004_pair()
+def test_seed_004_wide_heads(device: torch.device) -> None:
+    seed, ours = _seed004_pair(device)
     assert ours.head_dim == D and ours.out_proj.in_features == H * D
-    x = torch.randn(B, T, D)
+    x = torch.randn(B, T, D, device=device)
     expected = seed(x)
     torch.testing.assert_close(ours(x), expected, atol=ATOL, rtol=RTOL)
     out, w = ours(x, need_weights=True)
@@ -440,7 +448,7 @@ def test_seed_004_wide_heads() -> None:
     assert not torch.allclose(seed(x, published_bug=True), expected, atol=1e-3)
 
 
-def test_seed_004_published_class_has_no_forward() -> None:
+def test_seed_004_published_class_has_no_forward(device: torch.device) -> None:
     """As published, seed 004's SelfAttention defines ``forward`` inside ``__init__`` (a local
     function, never bound), so calling the module fails. Its layers are built all the same, and
     MultiHeadAttention loaded from them runs the computation the seed meant."""
@@ -458,8 +466,8 @@ def test_seed_004_published_class_has_no_forward() -> None:
             def forward(self: nn.Module, x: Tensor) -> Tensor:  # local, never bound
                 return x
 
-    published = Published(D, n_heads=H)
-    x = torch.randn(B, T, D)
+    published = Published(D, n_heads=H).to(device)
+    x = torch.randn(B, T, D, device=device)
     with pytest.raises(NotImplementedError, match="forward"):
         published(x)
     assert not hasattr(nn, "module")  # `nn.module` (lower case) is an AttributeError
@@ -472,6 +480,8 @@ def test_seed_004_published_class_has_no_forward() -> None:
     _load_linear(ours.out_proj, published.unifyheads)
     fixed = Seed004SelfAttention(D, n_heads=H)
     fixed.load_state_dict(published.state_dict())
+    ours.to(device)
+    fixed.to(device)
     out = ours(x)
     assert out.shape == (B, T, D)
     torch.testing.assert_close(out, fixed(x), atol=ATOL, rtol=RTOL)

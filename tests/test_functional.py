@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import chosen_device, generator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_attention
@@ -25,18 +26,21 @@ def problems(draw: st.DrawFn) -> dict:
     mask_kind = draw(st.sampled_from(["none", "bool", "key", "float"]))
     causal = draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, t, d, generator=g)
-    k = torch.randn(b, hk, s, d, generator=g)
-    v = torch.randn(b, hk, s, dv, generator=g)
+    device = chosen_device()
+    g = generator(seed, device)
+    q = torch.randn(b, h, t, d, generator=g, device=device)
+    k = torch.randn(b, hk, s, d, generator=g, device=device)
+    v = torch.randn(b, hk, s, dv, generator=g, device=device)
     mask = None
     if mask_kind == "bool":
-        mask = torch.rand(b, 1, t, s, generator=g) > 0.3
+        mask = torch.rand(b, 1, t, s, generator=g, device=device) > 0.3
     elif mask_kind == "key":
-        mask = torch.rand(b, 1, 1, s, generator=g) > 0.3
+        mask = torch.rand(b, 1, 1, s, generator=g, device=device) > 0.3
     elif mask_kind == "float":
-        mask = torch.randn(b, h, t, s, generator=g)
-        mask = mask.masked_fill(torch.rand(b, h, t, s, generator=g) < 0.3, float("-inf"))
+        mask = torch.randn(b, h, t, s, generator=g, device=device)
+        mask = mask.masked_fill(
+            torch.rand(b, h, t, s, generator=g, device=device) < 0.3, float("-inf")
+        )
     return {"q": q, "k": k, "v": v, "mask": mask, "is_causal": causal}
 
 
@@ -55,27 +59,29 @@ def test_matches_float64_reference(p: dict, backend: str) -> None:
         torch.testing.assert_close(out2, out)
 
 
-def test_causal_is_bottom_right() -> None:
+def test_causal_is_bottom_right(device: torch.device) -> None:
     assert causal_mask(2, 4).tolist() == [[True, True, True, False], [True, True, True, True]]
     assert causal_mask(3, 2).tolist() == [[False, False], [True, False], [True, True]]
     # The last query of a cached decode step sees every key.
-    q, k = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 5, 4)
-    v = torch.randn(1, 1, 5, 4)
+    q, k = torch.randn(1, 1, 1, 4, device=device), torch.randn(1, 1, 5, 4, device=device)
+    v = torch.randn(1, 1, 5, 4, device=device)
     torch.testing.assert_close(attention(q, k, v, is_causal=True), attention(q, k, v))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["bool", "float", "causal"])
-def test_fully_masked_rows_give_zeros_and_finite_gradients(backend: str, kind: str) -> None:
-    q = torch.randn(2, 3, 4, 8, requires_grad=True)
-    k = torch.randn(2, 3, 3 if kind == "causal" else 6, 8, requires_grad=True)
+def test_fully_masked_rows_give_zeros_and_finite_gradients(
+    backend: str, kind: str, device: torch.device
+) -> None:
+    q = torch.randn(2, 3, 4, 8, requires_grad=True, device=device)
+    k = torch.randn(2, 3, 3 if kind == "causal" else 6, 8, requires_grad=True, device=device)
     v = torch.randn_like(k, requires_grad=True)
     mask = None
     if kind == "bool":
-        mask = torch.ones(2, 1, 4, 6, dtype=torch.bool)
+        mask = torch.ones(2, 1, 4, 6, dtype=torch.bool, device=device)
         mask[0, 0, 1] = False
     elif kind == "float":
-        mask = torch.zeros(2, 1, 4, 6)
+        mask = torch.zeros(2, 1, 4, 6, device=device)
         mask[0, 0, 1] = float("-inf")
     out = attention(q, k, v, mask=mask, is_causal=kind == "causal", backend=backend)
     empty = (0, slice(None), 1) if kind != "causal" else (slice(None), slice(None), 0)
@@ -92,8 +98,8 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients(backend: str, kind: s
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_softmax_in_float32(dtype: torch.dtype) -> None:
-    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+def test_half_precision_softmax_in_float32(dtype: torch.dtype, device: torch.device) -> None:
+    q, k, v = (torch.randn(2, 4, 16, 32, device=device) for _ in range(3))
     ref_out, ref_w = reference_attention(q, k, v, is_causal=True)
     for backend in BACKENDS:
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, backend=backend)
@@ -104,9 +110,9 @@ def test_half_precision_softmax_in_float32(dtype: torch.dtype) -> None:
     torch.testing.assert_close(w.double(), ref_w, atol=1e-2, rtol=0)
 
 
-def test_scale_and_value_dim() -> None:
-    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
-    v = torch.randn(1, 2, 5, 7)
+def test_scale_and_value_dim(device: torch.device) -> None:
+    q, k = torch.randn(1, 2, 3, 4, device=device), torch.randn(1, 2, 5, 4, device=device)
+    v = torch.randn(1, 2, 5, 7, device=device)
     ref, _ = reference_attention(q, k, v, scale=0.3)
     for backend in BACKENDS:
         out = attention(q, k, v, scale=0.3, backend=backend)
@@ -114,32 +120,32 @@ def test_scale_and_value_dim() -> None:
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_extra_leading_dims_and_three_dims() -> None:
-    q = torch.randn(2, 3, 2, 5, 4)  # (B1, B2, H, T, D)
+def test_extra_leading_dims_and_three_dims(device: torch.device) -> None:
+    q = torch.randn(2, 3, 2, 5, 4, device=device)  # (B1, B2, H, T, D)
     out = attention(q, q, q)
     flat = attention(q.flatten(0, 1), q.flatten(0, 1), q.flatten(0, 1))
     torch.testing.assert_close(out, flat.view_as(out))
-    x = torch.randn(2, 5, 4)  # (H, T, D), no batch
+    x = torch.randn(2, 5, 4, device=device)  # (H, T, D), no batch
     torch.testing.assert_close(attention(x, x, x), attention(x[None], x[None], x[None])[0])
 
 
-def test_dropout_applies_to_weights_after_they_are_returned() -> None:
-    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+def test_dropout_applies_to_weights_after_they_are_returned(device: torch.device) -> None:
+    q, k, v = (torch.randn(1, 2, 6, 8, device=device) for _ in range(3))
     out, w = attention(q, k, v, dropout_p=0.5, need_weights=True)
-    torch.testing.assert_close(w.sum(-1), torch.ones(1, 2, 6))  # before dropout
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 2, 6, device=device))  # before dropout
     clean = attention(q, k, v)
     assert not torch.allclose(out, clean)
     assert not torch.allclose(attention(q, k, v, dropout_p=0.5), clean)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gradcheck_float64_with_masks(backend: str) -> None:
-    q = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 1, 5, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 1, 5, 2, dtype=torch.float64, requires_grad=True)
-    bool_mask = torch.rand(1, 2, 4, 5) > 0.3
+def test_gradcheck_float64_with_masks(backend: str, device: torch.device) -> None:
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True, device=device)
+    k = torch.randn(1, 1, 5, 3, dtype=torch.float64, requires_grad=True, device=device)
+    v = torch.randn(1, 1, 5, 2, dtype=torch.float64, requires_grad=True, device=device)
+    bool_mask = torch.rand(1, 2, 4, 5, device=device) > 0.3
     bool_mask[0, 1, 2] = False  # a fully masked row
-    float_mask = torch.randn(1, 2, 4, 5, dtype=torch.float64)
+    float_mask = torch.randn(1, 2, 4, 5, dtype=torch.float64, device=device)
     for mask, causal in ((bool_mask, False), (float_mask, True), (None, True)):
         assert torch.autograd.gradcheck(
             lambda q, k, v, m=mask, c=causal: attention(
@@ -149,11 +155,11 @@ def test_gradcheck_float64_with_masks(backend: str) -> None:
         )
 
 
-def test_gradcheck_weights_float64() -> None:
-    q = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
-    mask = torch.ones(1, 1, 3, 4, dtype=torch.bool)
+def test_gradcheck_weights_float64(device: torch.device) -> None:
+    q = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True, device=device)
+    k = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True, device=device)
+    v = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True, device=device)
+    mask = torch.ones(1, 1, 3, 4, dtype=torch.bool, device=device)
     mask[..., 0, :] = False
     assert torch.autograd.gradcheck(
         lambda q, k, v: attention(q, k, v, mask=mask, need_weights=True)[1], (q, k, v)

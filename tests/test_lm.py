@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import generator
 
 import multihead
 from multihead.models import LMConfig, TransformerLM
@@ -14,13 +15,13 @@ from multihead.models import LMConfig, TransformerLM
 V, E, H, L, F, MAX = 13, 24, 6, 2, 40, 20
 
 
-def _lm(**kwargs) -> TransformerLM:
-    return TransformerLM(V, E, H, L, F, MAX, **kwargs).eval()
+def _lm(device: torch.device | str = "cpu", **kwargs) -> TransformerLM:
+    return TransformerLM(V, E, H, L, F, MAX, **kwargs).to(device).eval()
 
 
-def test_forward_is_causal_and_returns_per_layer_weights() -> None:
-    lm = _lm()
-    ids = torch.randint(V, (2, 7))
+def test_forward_is_causal_and_returns_per_layer_weights(device: torch.device) -> None:
+    lm = _lm(device)
+    ids = torch.randint(V, (2, 7), device=device)
     with multihead.capture(lm) as rec:
         logits = lm(ids)
     weights = rec.weights
@@ -34,9 +35,9 @@ def test_forward_is_causal_and_returns_per_layer_weights() -> None:
 
 
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
-def test_cached_forward_equals_full_forward(num_kv_heads: int | None) -> None:
-    lm = _lm(num_kv_heads=num_kv_heads)
-    ids = torch.randint(V, (3, 9))
+def test_cached_forward_equals_full_forward(num_kv_heads: int | None, device: torch.device) -> None:
+    lm = _lm(device, num_kv_heads=num_kv_heads)
+    ids = torch.randint(V, (3, 9), device=device)
     with torch.no_grad():
         full = lm(ids)
         cache = lm.make_cache(3)
@@ -47,9 +48,11 @@ def test_cached_forward_equals_full_forward(num_kv_heads: int | None) -> None:
 
 
 @pytest.mark.parametrize("num_kv_heads", [None, 3])
-def test_generate_with_and_without_cache_agree(num_kv_heads: int | None) -> None:
-    lm = _lm(num_kv_heads=num_kv_heads)
-    ids = torch.randint(V, (2, 5))
+def test_generate_with_and_without_cache_agree(
+    num_kv_heads: int | None, device: torch.device
+) -> None:
+    lm = _lm(device, num_kv_heads=num_kv_heads)
+    ids = torch.randint(V, (2, 5), device=device)
     with_cache = lm.generate(ids, 10)
     assert with_cache.shape == (2, 15) and torch.equal(with_cache[:, :5], ids)
     assert torch.equal(with_cache, lm.generate(ids, 10, use_cache=False))
@@ -59,12 +62,14 @@ def test_generate_with_and_without_cache_agree(num_kv_heads: int | None) -> None
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_left_padded_batch_generates_as_each_row_alone(use_cache: bool) -> None:
-    lm = _lm(num_kv_heads=2)
-    prompts = [torch.randint(V, (n,)) for n in (2, 6, 4)]
+def test_left_padded_batch_generates_as_each_row_alone(
+    use_cache: bool, device: torch.device
+) -> None:
+    lm = _lm(device, num_kv_heads=2)
+    prompts = [torch.randint(V, (n,), device=device) for n in (2, 6, 4)]
     width = 6
-    ids = torch.zeros(3, width, dtype=torch.long)
-    key_mask = torch.zeros(3, width, dtype=torch.bool)
+    ids = torch.zeros(3, width, dtype=torch.long, device=device)
+    key_mask = torch.zeros(3, width, dtype=torch.bool, device=device)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = p
         key_mask[i, width - len(p) :] = True
@@ -74,13 +79,13 @@ def test_left_padded_batch_generates_as_each_row_alone(use_cache: bool) -> None:
         assert torch.equal(batch[i, width:], alone[0, len(p) :])
 
 
-def test_sampling_top_k_and_reproducibility() -> None:
-    lm = _lm()
-    ids = torch.randint(V, (4, 3))
+def test_sampling_top_k_and_reproducibility(device: torch.device) -> None:
+    lm = _lm(device)
+    ids = torch.randint(V, (4, 3), device=device)
     greedy = lm.generate(ids, 6)
     assert torch.equal(lm.generate(ids, 6, temperature=1.5, top_k=1), greedy)
-    a = lm.generate(ids, 6, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    b = lm.generate(ids, 6, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    a = lm.generate(ids, 6, temperature=1.0, generator=generator(1, device))
+    b = lm.generate(ids, 6, temperature=1.0, generator=generator(1, device))
     assert torch.equal(a, b)
     # With top_k=2 every sampled token is one of the two most likely at its step.
     sampled = lm.generate(ids, 6, temperature=5.0, top_k=2)
@@ -88,9 +93,9 @@ def test_sampling_top_k_and_reproducibility() -> None:
     assert (top2 == sampled[:, 3:, None]).any(-1).all()
 
 
-def test_eos_stops_generation() -> None:
-    lm = _lm()
-    ids = torch.randint(V, (2, 3))
+def test_eos_stops_generation(device: torch.device) -> None:
+    lm = _lm(device)
+    ids = torch.randint(V, (2, 3), device=device)
     free = lm.generate(ids, 8)
     eos = int(free[0, 4])  # the second token row 0 generates
     out = lm.generate(ids, 8, eos_id=eos)
@@ -102,17 +107,17 @@ def test_eos_stops_generation() -> None:
     assert torch.equal(out[0, :5], free[0, :5])
 
 
-def test_save_load_round_trip(tmp_path: Path) -> None:
-    lm = _lm(num_kv_heads=3)
+def test_save_load_round_trip(tmp_path: Path, device: torch.device) -> None:
+    lm = _lm(device, num_kv_heads=3)
     lm.save(tmp_path, extra={"task": {"name": "sort"}})
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model"] == LMConfig(V, E, H, L, F, MAX, num_kv_heads=3).to_dict()
     assert config["task"] == {"name": "sort"}
-    loaded = TransformerLM.load(tmp_path)
+    loaded = TransformerLM.load(tmp_path, device=device)
     assert loaded.config == lm.config
     for (name, a), (_, b) in zip(lm.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    ids = torch.randint(V, (2, 5))
+    ids = torch.randint(V, (2, 5), device=device)
     assert torch.equal(loaded.generate(ids, 4), lm.generate(ids, 4))
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -176,11 +181,13 @@ def test_input_errors() -> None:
         TransformerLM(V, E, 5, L, F, MAX)
 
 
-def test_weights_saved_under_the_old_encoder_names_still_load(tmp_path: Path) -> None:
+def test_weights_saved_under_the_old_encoder_names_still_load(
+    tmp_path: Path, device: torch.device
+) -> None:
     """Before 'blocks'/'norm' the LM's stack was a TransformerEncoder named 'layers'."""
     from multihead.models.lm_io import _safetensors_bytes
 
-    lm = _lm()
+    lm = _lm(device)
     lm.save(tmp_path)
     old = {}
     for name, value in lm.state_dict().items():
@@ -191,8 +198,8 @@ def test_weights_saved_under_the_old_encoder_names_still_load(tmp_path: Path) ->
         old[name] = value.contiguous()
     assert "layers.layers.1.ff.linear1.weight" in old and "layers.norm.weight" in old
     (tmp_path / "model.safetensors").write_bytes(_safetensors_bytes(old, {"format": "pt"}))
-    loaded = TransformerLM.load(tmp_path)
-    ids = torch.randint(V, (2, 6))
+    loaded = TransformerLM.load(tmp_path, device=device)
+    ids = torch.randint(V, (2, 6), device=device)
     torch.testing.assert_close(loaded(ids), lm(ids), rtol=0, atol=0)
 
 
@@ -205,14 +212,14 @@ def test_blocks_and_final_norm_are_named_as_what_they_are() -> None:
     assert _lm(norm_first=False).norm is None
 
 
-def test_attn_only_has_no_feed_forward_and_decodes_like_its_forward() -> None:
-    lm = _lm(attn_only=True)
+def test_attn_only_has_no_feed_forward_and_decodes_like_its_forward(device: torch.device) -> None:
+    lm = _lm(device, attn_only=True)
     names = [n for n, _ in lm.named_parameters()]
     assert not any(".ff." in n or ".norm2." in n for n in names)
-    full = _lm()
+    full = _lm(device)
     per_block = (E * F + F) + (F * E + E) + 2 * E  # ff.linear1, ff.linear2 and norm2
     assert full.num_parameters() - lm.num_parameters() == L * per_block
-    ids = torch.randint(V, (2, 8))
+    ids = torch.randint(V, (2, 8), device=device)
     with multihead.capture(lm) as rec:
         logits = lm(ids)
     assert len(rec.weights) == L and all(torch.all(w.triu(1) == 0) for w in rec.weights)

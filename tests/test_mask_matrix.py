@@ -111,13 +111,14 @@ def _eighths(shape: tuple[int, ...], g: torch.Generator) -> Tensor:
 
 @functools.cache
 def _problem(
-    rank: int, kind: str, alignment: str, empty: bool
+    rank: int, kind: str, alignment: str, empty: bool, device: torch.device
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Inputs and the float64 reference for one cell, shared by its backends and dtypes.
 
     Returns q, k, v and the mask in float64 (all exact in every dtype under test), the reference
     output and weights, and ``empty_rows`` (B, H, T): where no key is allowed, from the mask and
-    the bottom-right causal rule alone.
+    the bottom-right causal rule alone. Drawn on the CPU, so that every device gets the same
+    cells, then moved to ``device``.
     """
     causal, t, s = ALIGNMENTS[alignment]
     g = torch.Generator().manual_seed(zlib.crc32(f"{rank}{kind}{alignment}{empty}".encode()))
@@ -134,6 +135,9 @@ def _problem(
         j = torch.arange(s)[None, :]
         full = full & (j <= i + (s - t))  # bottom-right: query i sees key j <= i + (S - T)
     empty_rows = ~full.any(-1)
+    q, k, v, mask, ref_out, ref_w, empty_rows = (
+        x.to(device) for x in (q, k, v, mask, ref_out, ref_w, empty_rows)
+    )
     return q, k, v, mask, ref_out, ref_w, empty_rows
 
 
@@ -145,8 +149,9 @@ def _check_call(
     alignment: str,
     empty: bool,
     dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
-    q64, k64, v64, mask, ref_out, ref_w, empty_rows = _problem(rank, kind, alignment, empty)
+    q64, k64, v64, mask, ref_out, ref_w, empty_rows = _problem(rank, kind, alignment, empty, device)
     causal, t, s = ALIGNMENTS[alignment]
     atol, rtol = TOLERANCES[dtype]
     q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in (q64, k64, v64))
@@ -167,11 +172,12 @@ def _check_call(
         assert (weights[empty_rows] == 0).all(), "an empty row must have zero weights"
         torch.testing.assert_close(weights.double(), ref_w, atol=atol, rtol=rtol)
 
-    # Backward runs on CPU for every dtype here; gradients are finite, and zero for the queries
-    # of empty rows (their output is the constant zero).
-    loss = (out.double() * torch.linspace(-1, 1, D, dtype=torch.float64)).sum()
+    # Backward runs on the test device for every dtype here; gradients are finite, and zero for
+    # the queries of empty rows (their output is the constant zero).
+    loss = (out.double() * torch.linspace(-1, 1, D, dtype=torch.float64, device=device)).sum()
     if weights is not None:
-        loss = loss + (weights.double() * torch.linspace(1, 2, s, dtype=torch.float64)).sum()
+        ramp = torch.linspace(1, 2, s, dtype=torch.float64, device=device)
+        loss = loss + (weights.double() * ramp).sum()
     loss.backward()
     for name, x in (("q", q), ("k", k), ("v", v)):
         assert x.grad is not None and x.grad.isfinite().all(), f"non-finite gradient for {name}"
@@ -184,29 +190,35 @@ def _check_call(
 @pytest.mark.parametrize("rank", RANKS, ids=[f"rank{r}" for r in RANKS])
 @pytest.mark.parametrize(("backend", "need_weights"), CALLS, ids=CALL_IDS)
 def test_matrix(
-    backend: str, need_weights: bool, rank: int, kind: str, alignment: str, empty: bool
+    backend: str,
+    need_weights: bool,
+    rank: int,
+    kind: str,
+    alignment: str,
+    empty: bool,
+    device: torch.device,
 ) -> None:
     """One cell, all four dtypes; the failure message names every dtype that failed, and why."""
     failures = []
     for name, dtype in DTYPES.items():
         try:
-            _check_call(backend, need_weights, rank, kind, alignment, empty, dtype)
+            _check_call(backend, need_weights, rank, kind, alignment, empty, dtype, device)
         except Exception as exc:  # report every dtype, not just the first
             first_line = (str(exc).strip().splitlines() or [""])[0]
             failures.append(f"{name}: {type(exc).__name__}: {first_line}")
     assert not failures, "\n".join(failures)
 
 
-def test_matrix_covers_the_three_causal_alignments() -> None:
+def test_matrix_covers_the_three_causal_alignments(device: torch.device) -> None:
     """The lengths above exercise bottom-right alignment where it differs from top-left."""
     # T < S: query 0 sees keys 0..3 of 7 (top-left would give key 0 only).
-    *_, empty_rows = _problem(2, "bool", "causal-T4-S7", False)
+    *_, empty_rows = _problem(2, "bool", "causal-T4-S7", False, device)
     assert not empty_rows.any()
     # T > S: queries 0..2 of 7 see no key (top-left would give each at least key 0).
-    *_, empty_rows = _problem(2, "bool", "causal-T7-S4", False)
+    *_, empty_rows = _problem(2, "bool", "causal-T7-S4", False, device)
     assert empty_rows[..., :3].all() and not empty_rows[..., 3:].any()
     # And the data really is exact in the half dtypes.
-    q, k, v, mask, *_ = _problem(4, "float", "full-T4-S7", False)
+    q, k, v, mask, *_ = _problem(4, "float", "full-T4-S7", False, device)
     for x in (q, k, v, mask):
         for dtype in (torch.bfloat16, torch.float16):
             assert torch.equal(x.to(dtype).double(), x)
@@ -216,15 +228,17 @@ def test_matrix_covers_the_three_causal_alignments() -> None:
 
 
 @pytest.mark.parametrize("backend", ["math", "auto"])
-def test_rank2_mask_with_causal_and_an_emptied_row_gives_zeros_not_nan(backend: str) -> None:
-    q = torch.randn(1, 2, 3, 4)
-    k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
-    mask = torch.ones(3, 5, dtype=torch.bool)
+def test_rank2_mask_with_causal_and_an_emptied_row_gives_zeros_not_nan(
+    backend: str, device: torch.device
+) -> None:
+    q = torch.randn(1, 2, 3, 4, device=device)
+    k, v = torch.randn(1, 2, 5, 4, device=device), torch.randn(1, 2, 5, 4, device=device)
+    mask = torch.ones(3, 5, dtype=torch.bool, device=device)
     mask[0] = False  # query 0 may attend to nothing
     out, w = attention(q, k, v, mask=mask, is_causal=True, need_weights=True, backend=backend)
     assert not out.isnan().any() and not w.isnan().any()
-    assert torch.equal(out[:, :, 0], torch.zeros(1, 2, 4))
-    assert torch.equal(w[:, :, 0], torch.zeros(1, 2, 5))
+    assert torch.equal(out[:, :, 0], torch.zeros(1, 2, 4, device=device))
+    assert torch.equal(w[:, :, 0], torch.zeros(1, 2, 5, device=device))
     ref_out, ref_w = reference_attention(q, k, v, mask, is_causal=True)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w.double(), ref_w, atol=1e-5, rtol=1e-5)
@@ -246,19 +260,24 @@ NAN_FORMS = {  # mask form: (mask kind, is_causal, T, S)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize(("backend", "need_weights"), CALLS, ids=CALL_IDS)
 def test_nan_in_a_query_row_propagates_to_that_output_row(
-    backend: str, need_weights: bool, dtype_name: str, form: str
+    backend: str, need_weights: bool, dtype_name: str, form: str, device: torch.device
 ) -> None:
     """NaN in is NaN out, on every backend: only a row emptied by the mask gives zeros."""
     dtype = DTYPES[dtype_name]
     kind, causal, t, s = NAN_FORMS[form]
-    q = torch.randn(B, H, t, D).to(dtype)
-    k, v = torch.randn(B, H, s, D).to(dtype), torch.randn(B, H, s, D).to(dtype)
+    q = torch.randn(B, H, t, D, device=device).to(dtype)
+    k, v = (
+        torch.randn(B, H, s, D, device=device).to(dtype),
+        torch.randn(B, H, s, D, device=device).to(dtype),
+    )
     mask = None
     if kind is not None:
-        allowed = torch.rand(B, 1, t, s) > 0.3
+        allowed = torch.rand(B, 1, t, s, device=device) > 0.3
         allowed[..., 0] = True  # no row emptied: a zero could only come from swallowing the NaN
         mask = (
-            allowed if kind == "bool" else torch.randn(B, 1, t, s).masked_fill(~allowed, -math.inf)
+            allowed
+            if kind == "bool"
+            else torch.randn(B, 1, t, s, device=device).masked_fill(~allowed, -math.inf)
         )
         mask = mask.to(dtype) if kind == "float" else mask
     ref_out, _ = reference_attention(q, k, v, mask, is_causal=causal)
@@ -268,7 +287,7 @@ def test_nan_in_a_query_row_propagates_to_that_output_row(
     )
     out = result[0] if need_weights else result
     assert out[1, 2, 3].isnan().all(), f"expected NaN in the poisoned row, got {out[1, 2, 3]}"
-    others = torch.ones(B, H, t, dtype=torch.bool)
+    others = torch.ones(B, H, t, dtype=torch.bool, device=device)
     others[1, 2, 3] = False
     assert out[others].isfinite().all()
     atol, rtol = TOLERANCES[dtype]
@@ -293,17 +312,20 @@ MINUS_1E9_DTYPES = [(name, "float32") for name in DTYPES] + [
 )
 @pytest.mark.parametrize(("backend", "need_weights"), CALLS, ids=CALL_IDS)
 def test_float_mask_of_minus_1e9_is_finite_in_every_dtype(
-    backend: str, need_weights: bool, dtype_name: str, mask_dtype_name: str
+    backend: str, need_weights: bool, dtype_name: str, mask_dtype_name: str, device: torch.device
 ) -> None:
     """-1e9 is a very negative addend, not -inf: a row whose every key gets it keeps uniform
     weights (the mean of v), in float16 too; only -inf removes a key."""
     dtype, mask_dtype = DTYPES[dtype_name], DTYPES[mask_dtype_name]
-    assert torch.tensor(-1e9, dtype=mask_dtype).isfinite()
+    assert torch.tensor(-1e9, dtype=mask_dtype, device=device).isfinite()
     t, s = 4, 7
-    q = torch.randn(B, H, t, D).to(dtype)
-    k, v = torch.randn(B, H, s, D).to(dtype), torch.randn(B, H, s, D).to(dtype)
+    q = torch.randn(B, H, t, D, device=device).to(dtype)
+    k, v = (
+        torch.randn(B, H, s, D, device=device).to(dtype),
+        torch.randn(B, H, s, D, device=device).to(dtype),
+    )
     q[:, :, 0] = 0  # query 0 scores 0 against every key: softmax(c, c, ...) is uniform for any c
-    mask = torch.zeros(t, s, dtype=torch.float64)
+    mask = torch.zeros(t, s, dtype=torch.float64, device=device)
     mask[0] = -1e9  # query 0: every key gets -1e9, so its weights stay uniform
     mask[1, 2:] = -1e9  # query 1: keys 2.. are pushed out, keys 0 and 1 remain
     mask[2, 1] = float("-inf")  # query 2: -inf removes key 1
@@ -318,7 +340,7 @@ def test_float_mask_of_minus_1e9_is_finite_in_every_dtype(
     if w is not None:
         torch.testing.assert_close(
             w[:, :, 0].double(),
-            torch.full((B, H, s), 1 / s, dtype=torch.float64),
+            torch.full((B, H, s), 1 / s, dtype=torch.float64, device=device),
             atol=atol,
             rtol=0,
         )
@@ -358,19 +380,19 @@ def test_empty_head_dim_or_no_heads_raise_value_error(
 # -- double backward ----------------------------------------------------------------------------
 
 
-def _small_problem() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    q = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 1, 4, 3, dtype=torch.float64, requires_grad=True)
-    mask = torch.rand(1, 2, 3, 4) > 0.3
+def _small_problem(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True, device=device)
+    k = torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True, device=device)
+    v = torch.randn(1, 1, 4, 3, dtype=torch.float64, requires_grad=True, device=device)
+    mask = torch.rand(1, 2, 3, 4, device=device) > 0.3
     mask[..., 0] = True
     mask[0, 1, 2] = False  # head 1, query 2: an emptied row
     return q, k, v, mask
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_double_backward_math(causal: bool) -> None:
-    q, k, v, mask = _small_problem()
+def test_double_backward_math(causal: bool, device: torch.device) -> None:
+    q, k, v, mask = _small_problem(device)
 
     def f(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attention(q, k, v, mask=mask, is_causal=causal, backend="math")
@@ -389,16 +411,20 @@ def test_double_backward_math(causal: bool) -> None:
     "case",
     ["float64-mask", "float32-no-mask", "float32-causal"],
 )
-def test_double_backward_default_works_or_points_to_math(case: str) -> None:
+def test_double_backward_default_works_or_points_to_math(case: str, device: torch.device) -> None:
     """The default path may not support a second derivative (torch's fused CPU kernels don't):
     then torch raises, and attention()'s documentation says to use backend='math' (torch's error
     cannot be reworded from inside a forward that can't know a second derivative will come);
     where it works, it must be right."""
-    q, k, v, mask = _small_problem()
+    q, k, v, mask = _small_problem(device)
     causal = case.endswith("causal")
     if case.startswith("float32"):  # what torch's fused kernel takes: H == Hk, Dv == D
         s = 3 if causal else 4  # the plain causal case has T == S
-        q, k, v = torch.randn(1, 2, 3, 2), torch.randn(1, 2, s, 2), torch.randn(1, 2, s, 2)
+        q, k, v = (
+            torch.randn(1, 2, 3, 2, device=device),
+            torch.randn(1, 2, s, 2, device=device),
+            torch.randn(1, 2, s, 2, device=device),
+        )
         mask = None
 
     def second_derivative(backend: str) -> tuple[Tensor, ...]:
@@ -419,12 +445,12 @@ def test_double_backward_default_works_or_points_to_math(case: str) -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_large_finite_float16_queries_give_no_nan() -> None:
+def test_large_finite_float16_queries_give_no_nan(device: torch.device) -> None:
     """A float16 query row whose sum overflows float16 (here 128 × 600 = 76,800 > 65,504) is
     still finite input: the output must be finite (the NaN guard must not invent a NaN)."""
-    q = torch.full((1, 1, 2, 128), 600.0, dtype=torch.float16)
-    k = torch.randn(1, 1, 3, 128).half() * 0.01
-    v = torch.randn(1, 1, 3, 128).half()
+    q = torch.full((1, 1, 2, 128), 600.0, dtype=torch.float16, device=device)
+    k = torch.randn(1, 1, 3, 128, device=device).half() * 0.01
+    v = torch.randn(1, 1, 3, 128, device=device).half()
     out = attention(q, k, v)
     assert torch.isfinite(out).all()
     ref, _ = reference_attention(q, k, v)

@@ -49,7 +49,7 @@ print({REPORT!r} + json.dumps({{
 }}))
 """
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # a notebook in a kernel
 
 
 def _kernelspec(directory: Path, tmp: Path) -> Path:

@@ -16,10 +16,16 @@ from multihead.observe import HeadStatistics, attention_modules, capture, head_s
 B, T, E, H = 2, 7, 24, 6
 
 
-def _encoder(num_kv_heads: int | None = None, layers: int = 3) -> TransformerEncoder:
-    return TransformerEncoder(
-        [TransformerEncoderLayer(E, H, 40, num_kv_heads=num_kv_heads) for _ in range(layers)]
-    ).eval()
+def _encoder(
+    num_kv_heads: int | None = None, layers: int = 3, device: torch.device | str = "cpu"
+) -> TransformerEncoder:
+    return (
+        TransformerEncoder(
+            [TransformerEncoderLayer(E, H, 40, num_kv_heads=num_kv_heads) for _ in range(layers)]
+        )
+        .to(device)
+        .eval()
+    )
 
 
 def _weights_by_need_weights(
@@ -36,17 +42,19 @@ def _weights_by_need_weights(
     return x, weights
 
 
-def _key_mask() -> torch.Tensor:
-    km = torch.ones(B, T, dtype=torch.bool)
+def _key_mask(device: torch.device) -> torch.Tensor:
+    km = torch.ones(B, T, dtype=torch.bool, device=device)
     km[1, 4:] = False  # the second sequence has 3 padding tokens
     return km
 
 
 @pytest.mark.parametrize("num_kv_heads", [None, 3, 1])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_capture_equals_need_weights(num_kv_heads: int | None, is_causal: bool) -> None:
-    enc = _encoder(num_kv_heads)
-    x, km = torch.randn(B, T, E), _key_mask()
+def test_capture_equals_need_weights(
+    num_kv_heads: int | None, is_causal: bool, device: torch.device
+) -> None:
+    enc = _encoder(num_kv_heads, device=device)
+    x, km = torch.randn(B, T, E, device=device), _key_mask(device)
     with torch.no_grad():
         ref_out, ref = _weights_by_need_weights(enc, x, key_mask=km, is_causal=is_causal)
         with capture(enc) as rec:
@@ -60,9 +68,9 @@ def test_capture_equals_need_weights(num_kv_heads: int | None, is_causal: bool) 
 
 
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
-def test_capture_selects_layers_heads_rows(num_kv_heads: int | None) -> None:
-    enc = _encoder(num_kv_heads)
-    x, km = torch.randn(B, T, E), _key_mask()
+def test_capture_selects_layers_heads_rows(num_kv_heads: int | None, device: torch.device) -> None:
+    enc = _encoder(num_kv_heads, device=device)
+    x, km = torch.randn(B, T, E, device=device), _key_mask(device)
     heads, rows = [5, 0, 3], [6, 1, -1]
     with torch.no_grad():
         _, ref = _weights_by_need_weights(enc, x, key_mask=km, is_causal=True)
@@ -78,14 +86,18 @@ def test_capture_selects_layers_heads_rows(num_kv_heads: int | None) -> None:
         torch.testing.assert_close(record.weights, want, rtol=1e-5, atol=1e-6)
 
 
-def test_capture_float_mask_and_cross_attention_bottom_right() -> None:
+def test_capture_float_mask_and_cross_attention_bottom_right(device: torch.device) -> None:
     # S > T (cached or cross keys): the causal mask is bottom-right aligned over the full
     # problem, so a row subset must not be re-aligned as its own (R, S) problem.
-    mha = MultiHeadAttention(E, H, num_kv_heads=2, kdim=10, vdim=12).eval()
+    mha = MultiHeadAttention(E, H, num_kv_heads=2, kdim=10, vdim=12).to(device).eval()
     s = 11
-    q, k, v = torch.randn(B, T, E), torch.randn(B, s, 10), torch.randn(B, s, 12)
-    float_mask = torch.randn(T, s)
-    km = torch.ones(B, s, dtype=torch.bool)
+    q, k, v = (
+        torch.randn(B, T, E, device=device),
+        torch.randn(B, s, 10, device=device),
+        torch.randn(B, s, 12, device=device),
+    )
+    float_mask = torch.randn(T, s, device=device)
+    km = torch.ones(B, s, dtype=torch.bool, device=device)
     km[0, :3] = False
     with torch.no_grad():
         _, ref = mha(q, k, v, mask=float_mask, key_mask=km, is_causal=True, need_weights=True)
@@ -97,20 +109,22 @@ def test_capture_float_mask_and_cross_attention_bottom_right() -> None:
     assert w[:, :, 0, 5:].abs().max() == 0
 
 
-def test_capture_fully_masked_row_gives_zeros() -> None:
-    mha = MultiHeadAttention(E, H).eval()
-    mask = torch.ones(T, T, dtype=torch.bool)
+def test_capture_fully_masked_row_gives_zeros(device: torch.device) -> None:
+    mha = MultiHeadAttention(E, H).to(device).eval()
+    mask = torch.ones(T, T, dtype=torch.bool, device=device)
     mask[2] = False
     with capture(mha, rows=[2, 3]) as rec:
-        mha(torch.randn(B, T, E), mask=mask)
+        mha(torch.randn(B, T, E, device=device), mask=mask)
     w = rec.weights[0]
     assert torch.isfinite(w).all()
     assert w[:, :, 0].abs().max() == 0
-    torch.testing.assert_close(w[:, :, 1].sum(-1), torch.ones(B, H))
+    torch.testing.assert_close(w[:, :, 1].sum(-1), torch.ones(B, H, device=device))
 
 
-def test_one_row_of_a_long_input_stays_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    mha = MultiHeadAttention(32, 4).eval()
+def test_one_row_of_a_long_input_stays_linear(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    mha = MultiHeadAttention(32, 4).to(device).eval()
     computed: list[tuple[int, ...]] = []
     real = functional.attention
 
@@ -122,14 +136,14 @@ def test_one_row_of_a_long_input_stays_linear(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(functional, "attention", spy)
     with torch.no_grad(), capture(mha, rows=[1000]) as rec:
-        mha(torch.randn(1, 4096, 32))
+        mha(torch.randn(1, 4096, 32, device=device))
     assert rec.weights[0].shape == (1, 4, 1, 4096)
     assert computed == [(1, 4, 1, 4096)]  # no (4096, 4096) matrix anywhere
-    torch.testing.assert_close(rec.weights[0].sum(-1), torch.ones(1, 4, 1))
+    torch.testing.assert_close(rec.weights[0].sum(-1), torch.ones(1, 4, 1, device=device))
 
     # the same row on a smaller input equals the full weights' row
     monkeypatch.setattr(functional, "attention", real)
-    x = torch.randn(1, 300, 32)
+    x = torch.randn(1, 300, 32, device=device)
     with torch.no_grad():
         _, full = mha(x, is_causal=True, need_weights=True)
         with capture(mha, rows=[123]) as rec:
@@ -137,9 +151,9 @@ def test_one_row_of_a_long_input_stays_linear(monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(rec.weights[0], full[:, :, 123:124], rtol=1e-5, atol=1e-6)
 
 
-def test_capture_chunked_rows_device_and_detached() -> None:
-    mha = MultiHeadAttention(E, H)
-    x = torch.randn(B, T, E, requires_grad=True)
+def test_capture_chunked_rows_device_and_detached(device: torch.device) -> None:
+    mha = MultiHeadAttention(E, H).to(device)
+    x = torch.randn(B, T, E, requires_grad=True, device=device)
     _, ref = mha(x, need_weights=True)
     with capture(mha, rows=slice(1, None), chunk_size=2, device="cpu") as rec:
         mha(x).sum().backward()  # the forward still trains
@@ -147,27 +161,27 @@ def test_capture_chunked_rows_device_and_detached() -> None:
     assert record.rows == tuple(range(1, T))
     assert not record.weights.requires_grad
     assert record.weights.device == torch.device("cpu")
-    torch.testing.assert_close(record.weights, ref[:, :, 1:].detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(record.weights, ref[:, :, 1:].detach().cpu(), rtol=1e-5, atol=1e-6)
     assert x.grad is not None
 
 
-def test_capture_records_every_call_and_stacks() -> None:
-    enc = _encoder(layers=2)
+def test_capture_records_every_call_and_stacks(device: torch.device) -> None:
+    enc = _encoder(layers=2, device=device)
     with torch.no_grad(), capture(enc, heads=0, rows=0) as rec:
-        enc(torch.randn(B, T, E))
-        enc(torch.randn(B, T, E))
+        enc(torch.randn(B, T, E, device=device))
+        enc(torch.randn(B, T, E, device=device))
     assert rec.layers == [0, 1, 0, 1]
     assert rec.stack().shape == (4, B, 1, 1, T)
     with torch.no_grad(), capture(enc, layers=[1, 1, -1]) as twice:
-        enc(torch.randn(B, T, E))
+        enc(torch.randn(B, T, E, device=device))
     assert twice.layers == [1]  # a layer named twice is recorded once
     rec.clear()
     with pytest.raises(ValueError, match="nothing was recorded"):
         rec.stack()
 
 
-def test_observer_removed_after_exit_and_after_error() -> None:
-    enc = _encoder(layers=2)
+def test_observer_removed_after_exit_and_after_error(device: torch.device) -> None:
+    enc = _encoder(layers=2, device=device)
     modules = [m for _, m in attention_modules(enc)]
     with capture(enc):
         assert all(len(m._observers) == 1 for m in modules)
@@ -180,17 +194,17 @@ def test_observer_removed_after_exit_and_after_error() -> None:
     # an error raised inside the observer (a row past the end) also leaves nothing behind
     with pytest.raises(ValueError, match=r"rows: row 50 is out of range for a query length of 7"):
         with capture(enc, rows=[50]):
-            enc(torch.randn(B, T, E))
+            enc(torch.randn(B, T, E, device=device))
     assert all(len(m._observers) == 0 for m in modules)
 
 
-def test_nested_captures_both_record_and_restore() -> None:
-    mha = MultiHeadAttention(E, H)
+def test_nested_captures_both_record_and_restore(device: torch.device) -> None:
+    mha = MultiHeadAttention(E, H).to(device)
     with capture(mha, heads=[0]) as outer:
         with capture(mha, heads=[1]) as inner:
-            mha(torch.randn(B, T, E))
+            mha(torch.randn(B, T, E, device=device))
         assert len(mha._observers) == 1  # the outer one stays
-        mha(torch.randn(B, T, E))
+        mha(torch.randn(B, T, E, device=device))
     assert len(mha._observers) == 0
     assert len(inner.records) == 1 and len(outer.records) == 2
 
@@ -223,7 +237,9 @@ def test_capture_errors() -> None:
 # -- statistics on heads whose answer is known ----------------------------------------------------
 
 
-def _positional_head(kind: str, t: int = 8) -> tuple[MultiHeadAttention, torch.Tensor]:
+def _positional_head(
+    kind: str, device: torch.device, t: int = 8
+) -> tuple[MultiHeadAttention, torch.Tensor]:
     """A one-head MHA on one-hot inputs whose keys are shifted so that query i reads key
     i (identity), i - 1 (previous) or i + 1 (next), with softmax weight ~1."""
     mha = MultiHeadAttention(t, 1, bias=False).eval()
@@ -238,15 +254,16 @@ def _positional_head(kind: str, t: int = 8) -> tuple[MultiHeadAttention, torch.T
     assert mha.qkv_proj is not None
     with torch.no_grad():
         mha.qkv_proj.weight.copy_(torch.cat([eye, wk, eye]))
-    return mha, 10.0 * eye[None]  # (1, T, E): scores 100/sqrt(T) on the match
+    x = 10.0 * eye[None]  # (1, T, E): scores 100/sqrt(T) on the match
+    return mha.to(device), x.to(device)
 
 
 @pytest.mark.parametrize(
     ("kind", "metric"),
     [("identity", "identity"), ("previous", "previous_token"), ("next", "next_token")],
 )
-def test_statistics_of_known_heads(kind: str, metric: str) -> None:
-    mha, x = _positional_head(kind)
+def test_statistics_of_known_heads(kind: str, metric: str, device: torch.device) -> None:
+    mha, x = _positional_head(kind, device)
     stats = head_statistics(mha, x, chunk_size=3)
     assert stats.layers == [0] and stats.heads == [0]
     others = {"identity", "previous_token", "next_token"} - {metric}
@@ -258,14 +275,14 @@ def test_statistics_of_known_heads(kind: str, metric: str) -> None:
         assert stats.entropy[0, 0] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_statistics_hand_made_weights() -> None:
+def test_statistics_hand_made_weights(device: torch.device) -> None:
     t = 5
     uniform = torch.full((1, 1, t, t), 1.0 / t)
     identity = torch.eye(t).expand(1, 1, t, t)
     column = torch.zeros(1, 1, t, t)
     column[..., 3] = 1.0  # everyone reads token 3
-    weights = torch.cat([uniform, identity, column], dim=1)  # (B=1, H=3, T, T)
-    special = torch.tensor([[True, False, False, False, True]])
+    weights = torch.cat([uniform, identity, column], dim=1).to(device)  # (B=1, H=3, T, T)
+    special = torch.tensor([[True, False, False, False, True]], device=device)
     stats = HeadStatistics.from_weights(
         [weights, weights.flip(1)],
         special_mask=special,
@@ -285,7 +302,7 @@ def test_statistics_hand_made_weights() -> None:
     assert stats.to_dict()["identity"][0] == [0.2, 1.0, 0.2]
 
 
-def test_statistics_exclude_padding() -> None:
+def test_statistics_exclude_padding(device: torch.device) -> None:
     t = 6
     # real queries (0..3) read the previous token; padding queries (4, 5) read themselves
     w = torch.zeros(1, 1, t, t)
@@ -293,8 +310,8 @@ def test_statistics_exclude_padding() -> None:
         w[0, 0, i, i - 1] = 1.0
     w[0, 0, 0, 0] = 1.0
     w[0, 0, 4, 4] = w[0, 0, 5, 5] = 1.0
-    valid = torch.tensor([[True] * 4 + [False] * 2])
-    stats = HeadStatistics.from_weights([w], valid_mask=valid)
+    valid = torch.tensor([[True] * 4 + [False] * 2], device=device)
+    stats = HeadStatistics.from_weights([w.to(device)], valid_mask=valid)
     assert stats.num_queries == 4
     assert stats.identity[0, 0] == pytest.approx(0.25)  # only query 0's self-attention counts
     assert stats.previous_token[0, 0] == pytest.approx(1.0)  # queries 1..3
@@ -303,9 +320,11 @@ def test_statistics_exclude_padding() -> None:
 
 
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
-def test_head_statistics_chunked_equals_full(num_kv_heads: int | None) -> None:
-    enc = _encoder(num_kv_heads)
-    x, km = torch.randn(B, T, E), _key_mask()
+def test_head_statistics_chunked_equals_full(
+    num_kv_heads: int | None, device: torch.device
+) -> None:
+    enc = _encoder(num_kv_heads, device=device)
+    x, km = torch.randn(B, T, E, device=device), _key_mask(device)
     with torch.no_grad():
         _, ref = _weights_by_need_weights(enc, x, key_mask=km, is_causal=True)
     want = HeadStatistics.from_weights(ref, valid_mask=km)
@@ -380,9 +399,10 @@ def _head(kind: str, ids: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def test_induction_and_duplicate_token_scores_of_hand_built_heads() -> None:
+def test_induction_and_duplicate_token_scores_of_hand_built_heads(device: torch.device) -> None:
     ids = _repeated_ids()
     heads = torch.cat([_head(k, ids) for k in ("induction", "duplicate", "previous")], dim=1)
+    ids, heads = ids.to(device), heads.to(device)
     stats = HeadStatistics.from_weights([heads], token_ids=ids, chunk_size=3)
     # three queries (7, 8, 9) have a token that occurred before
     torch.testing.assert_close(stats.induction[0], torch.tensor([1.0, 0.0, 0.0]))
@@ -390,16 +410,16 @@ def test_induction_and_duplicate_token_scores_of_hand_built_heads() -> None:
     assert stats.top("induction", 1) == [(0, 0, 1.0)]
     assert stats.top("duplicate_token", 1) == [(0, 1, 1.0)]
     # a token repeated twice: the induction target is after *each* earlier occurrence
-    ids2 = torch.tensor([[4, 6, 4, 6, 4]])
-    uniform = torch.tril(torch.ones(5, 5))
+    ids2 = torch.tensor([[4, 6, 4, 6, 4]], device=device)
+    uniform = torch.tril(torch.ones(5, 5, device=device))
     uniform = (uniform / uniform.sum(-1, keepdim=True))[None, None]
     got = HeadStatistics.from_weights([uniform], token_ids=ids2).induction[0, 0]
     # queries 2, 3, 4 (weights 1/3, 1/4, 1/5) on positions {1}, {2}, {1, 3}
     assert float(got) == pytest.approx((1 / 3 + 1 / 4 + 2 / 5) / 3)
 
 
-def test_token_metrics_are_nan_without_ids_and_top_says_why() -> None:
-    heads = _head("induction", _repeated_ids())
+def test_token_metrics_are_nan_without_ids_and_top_says_why(device: torch.device) -> None:
+    heads = _head("induction", _repeated_ids()).to(device)
     stats = HeadStatistics.from_weights([heads])
     assert bool(stats.induction.isnan().all()) and bool(stats.to_sep.isnan().all())
     assert stats.to_dict()["induction"] == [[None]]
@@ -410,15 +430,15 @@ def test_token_metrics_are_nan_without_ids_and_top_says_why() -> None:
     with pytest.raises(
         ValueError, match=r"token_ids must be an integer tensor \(B, T\) = \(1, 10\)"
     ):
-        HeadStatistics.from_weights([heads], token_ids=torch.zeros(1, 10))
+        HeadStatistics.from_weights([heads], token_ids=torch.zeros(1, 10, device=device))
 
 
-def test_head_statistics_takes_ids_from_an_integer_input_chunked() -> None:
+def test_head_statistics_takes_ids_from_an_integer_input_chunked(device: torch.device) -> None:
     """head_statistics on a model run on ids equals from_weights on the captured weights."""
     from multihead.models import TransformerLM
 
-    lm = TransformerLM(11, E, H, 2, 40, max_len=16).eval()
-    ids = torch.randint(11, (B, 12))
+    lm = TransformerLM(11, E, H, 2, 40, max_len=16).to(device).eval()
+    ids = torch.randint(11, (B, 12), device=device)
     with torch.no_grad(), capture(lm) as rec:
         lm(ids)
     want = HeadStatistics.from_weights(rec.weights, token_ids=ids)
@@ -427,16 +447,17 @@ def test_head_statistics_takes_ids_from_an_integer_input_chunked() -> None:
         torch.testing.assert_close(getattr(got, name), getattr(want, name))
     assert not bool(got.induction.isnan().any())
     # a float input (embeddings) has no token ids: NaN, as documented
-    enc = _encoder(layers=1)
-    assert bool(head_statistics(enc, torch.randn(B, T, E)).induction.isnan().all())
+    enc = _encoder(layers=1, device=device)
+    assert bool(head_statistics(enc, torch.randn(B, T, E, device=device)).induction.isnan().all())
 
 
-def test_clark_metrics_of_hand_made_weights() -> None:
+def test_clark_metrics_of_hand_made_weights(device: torch.device) -> None:
     tokens = [["[CLS]", "the", ",", "cat", ".", "[SEP]"]]
     t = len(tokens[0])
     w = torch.zeros(1, 2, t, t)
     w[0, 0, :, 5] = 1.0  # head 0: everyone reads [SEP]
     w[0, 1] = torch.full((t, t), 1 / t)  # head 1: uniform
+    w = w.to(device)
     stats = HeadStatistics.from_weights([w], tokens=tokens)
     torch.testing.assert_close(stats.to_sep[0], torch.tensor([1.0, 1 / t]))
     torch.testing.assert_close(stats.to_cls[0], torch.tensor([0.0, 1 / t]))
@@ -449,7 +470,7 @@ def test_clark_metrics_of_hand_made_weights() -> None:
     assert bool(no_sep.sep_to_sep.isnan().all()) and not bool(no_sep.to_cls.isnan().any())
 
 
-def test_a_tokenized_batch_gives_ids_and_tokens_chunked_equals_full() -> None:
+def test_a_tokenized_batch_gives_ids_and_tokens_chunked_equals_full(device: torch.device) -> None:
     """input_ids feed the token-identity metrics, tokens the [CLS]/[SEP]/punctuation ones."""
     from types import SimpleNamespace
 
@@ -463,10 +484,10 @@ def test_a_tokenized_batch_gives_ids_and_tokens_chunked_equals_full() -> None:
             return self.enc(self.embed(ids), key_mask=attention_mask.bool())
 
     tokens = [["[CLS]", "a", "b", ",", "a", "b", "[SEP]"], ["[CLS]", "c", ".", "[SEP]"]]
-    ids = torch.tensor([[1, 5, 6, 2, 5, 6, 3], [1, 7, 4, 3, 0, 0, 0]])
-    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    ids = torch.tensor([[1, 5, 6, 2, 5, 6, 3], [1, 7, 4, 3, 0, 0, 0]], device=device)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3], device=device)
     batch = SimpleNamespace(input_ids=ids, attention_mask=mask, tokens=tokens)
-    model = Tiny().eval()
+    model = Tiny().to(device).eval()
     got = head_statistics(model, batch, chunk_size=3)
     with torch.no_grad(), capture(model) as rec:
         model(ids, mask)
@@ -495,14 +516,14 @@ def last_key_map(t: int) -> torch.Tensor:
     return sep
 
 
-def test_roles_of_hand_built_heads() -> None:
+def test_roles_of_hand_built_heads(device: torch.device) -> None:
     # head 0 reads the token before (the first reads itself), head 1 reads [SEP], head 2 is
     # uniform over 10 keys (no place gets 0.3): the labels follow from the patterns alone.
     t = 10
     prev = previous_token_map(t)
     sep = last_key_map(t)
     uniform = torch.full((t, t), 1.0 / t)
-    weights = torch.stack([prev, sep, uniform])[None, None]  # (L=1, B=1, H=3, T, T)
+    weights = torch.stack([prev, sep, uniform])[None, None].to(device)  # (L=1, B=1, H=3, T, T)
     tokens = [["[CLS]", *"abcdefgh", "[SEP]"]]
     stats = HeadStatistics.from_weights(weights, tokens=tokens)
     assert stats.roles() == [["previous token", "[SEP]", "broad"]]
@@ -513,7 +534,7 @@ def test_roles_of_hand_built_heads() -> None:
     assert "previous token" in str(stats)
 
 
-def test_roles_measure_heads_above_chance_in_a_causal_model() -> None:
+def test_roles_measure_heads_above_chance_in_a_causal_model(device: torch.device) -> None:
     # A causal head that reads every visible key alike: query i gives 1/(i+1) to each of its
     # i+1 keys. Its raw identity, mean over i of 1/(i+1), is 0.41 at T=6 (above the 0.3 floor),
     # yet it does nothing but spread: it must be "broad". A causal previous-token head (query 0
@@ -522,7 +543,7 @@ def test_roles_measure_heads_above_chance_in_a_causal_model() -> None:
     even = torch.tril(torch.ones(t, t))
     even = even / even.sum(-1, keepdim=True)
     prev = previous_token_map(t)
-    weights = torch.stack([even, prev])[None, None]  # (L=1, B=1, H=2, T, T)
+    weights = torch.stack([even, prev])[None, None].to(device)  # (L=1, B=1, H=2, T, T)
     stats = HeadStatistics.from_weights(weights, causal=True)
     harmonic = sum(1 / (i + 1) for i in range(t)) / t  # the reference, by hand
     assert stats.identity[0, 0].item() == pytest.approx(harmonic)
@@ -532,23 +553,23 @@ def test_roles_measure_heads_above_chance_in_a_causal_model() -> None:
     assert stats.roles() == [["broad", "previous token"]]
 
 
-def test_weight_on_a_token_the_text_lacks_is_unknown() -> None:
+def test_weight_on_a_token_the_text_lacks_is_unknown(device: torch.device) -> None:
     # a text with [CLS] but no [SEP] and no punctuation: to_sep and to_punctuation are NaN,
     # not 0; to_cls is measured
     t = 4
-    weights = torch.full((1, 1, 1, t, t), 1.0 / t)
+    weights = torch.full((1, 1, 1, t, t), 1.0 / t, device=device)
     stats = HeadStatistics.from_weights(weights, tokens=[["[CLS]", "a", "b", "c"]])
     assert stats.to_cls[0, 0].item() == pytest.approx(1 / t)
     assert math.isnan(stats.to_sep[0, 0].item()) and math.isnan(stats.to_punctuation[0, 0].item())
 
 
-def test_chance_does_not_depend_on_the_heads_chosen() -> None:
+def test_chance_does_not_depend_on_the_heads_chosen(device: torch.device) -> None:
     # head 0 reads the token before (one-hot: every other key gets exactly 0); alone or beside
     # other heads, its chance level is 1/T over the T keys it may see, and its role the same
     t = 10
     prev = previous_token_map(t)
     sep = last_key_map(t)
-    both = torch.stack([prev, sep])[None, None]  # (1, 1, 2, T, T)
+    both = torch.stack([prev, sep])[None, None].to(device)  # (1, 1, 2, T, T)
     tokens = [["[CLS]", *"abcdefgh", "[SEP]"]]
     alone = HeadStatistics.from_weights(both[:, :, :1], tokens=tokens)
     pair = HeadStatistics.from_weights(both, tokens=tokens)
@@ -559,13 +580,13 @@ def test_chance_does_not_depend_on_the_heads_chosen() -> None:
     assert pair.roles() == [["previous token", "[SEP]"]]
 
 
-def test_chance_of_a_model_counts_the_keys_its_mask_allows() -> None:
+def test_chance_of_a_model_counts_the_keys_its_mask_allows(device: torch.device) -> None:
     # a causal encoder through head_statistics: the chance level of identity is the mean over
     # queries of 1/(i+1), whichever heads are chosen (the reference, by hand)
     torch.manual_seed(0)
     t = 7
-    layer = TransformerEncoderLayer(16, 4, 32)
-    x = torch.randn(2, t, 16)
+    layer = TransformerEncoderLayer(16, 4, 32).to(device)
+    x = torch.randn(2, t, 16, device=device)
     expected = sum(1 / (i + 1) for i in range(t)) / t
     for heads in (None, [2], [0, 3]):
         stats = head_statistics(layer, x, heads=heads, is_causal=True)

@@ -33,6 +33,8 @@ if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
 
 from selenium import webdriver  # noqa: E402  (the test extra has it; only the browser may be absent)
 
+pytestmark = pytest.mark.cpu_only  # a page in a browser
+
 TOKENS = "[CLS] the animal didn ' t cross the street because it was too tired . [SEP]".split()
 
 

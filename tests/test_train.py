@@ -30,6 +30,8 @@ from multihead.training import (
 from multihead.training import checkpoint as checkpoint_module
 from multihead.training.tasks import EOS, EQUALS, PLUS
 
+pytestmark = pytest.mark.cpu_only  # the training CLI, its tasks and checkpoints
+
 TINY = {"embed_dim": 32, "num_heads": 2, "num_layers": 2, "ff_dim": 48, "threads": 1}
 TINY_FLAGS = ["--embed-dim", "32", "--num-heads", "2", "--ff-dim", "48", "--threads", "1"]
 
