@@ -179,7 +179,7 @@ RESEALED = [
     (lambda d: _set(d, "training.steps", "abc"), "'training' entry: steps must be a positive int"),
     (lambda d: _set(d, "training", _DELETE), "has no 'training' entry"),
     (lambda d: _set(d, "training.embed_dim", 32), "its 'model' entry does not match"),
-    (lambda d: _set(d, "model.embed_dim", 2**45), "its 'model' entry does not match"),
+    (lambda d: _set(d, "model.embed_dim", 2**45), "don't match its config.json"),
     (lambda d: _set(d, "task.seq_len", 4), "its 'task' entry does not match"),
     (lambda d: _set(d, "training.seed", -5), "seed must be an int in [0, 2**64), got -5"),
 ]

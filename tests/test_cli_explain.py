@@ -240,7 +240,7 @@ def fast_model(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reuse the module's model instead of loading it for every command."""
     import multihead.cli.explain as cmd
 
-    monkeypatch.setattr(cmd, "_load_model", lambda directory: (model, "all-MiniLM-L6-v2"))
+    monkeypatch.setattr(cmd, "_load_model", lambda directory, **kw: (model, "all-MiniLM-L6-v2"))
 
 
 def test_cli_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

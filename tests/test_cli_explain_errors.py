@@ -53,7 +53,9 @@ def default_model_once(minilm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default model comes from the module's fixture; ``--model DIR`` still runs load_bert."""
     load = cmd._load_model
     monkeypatch.setattr(
-        cmd, "_load_model", lambda d: (minilm, "all-MiniLM-L6-v2") if d is None else load(d)
+        cmd,
+        "_load_model",
+        lambda d, **kw: (minilm, "all-MiniLM-L6-v2") if d is None else load(d, **kw),
     )
 
 
@@ -236,13 +238,13 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         "model-truncated-weights",
         ["--model", "m"],
         tiny_model(weights=lambda good: good[: len(good) // 2]),
-        r"model.safetensors could not be read as safetensors \(truncated or corrupt\?\)",
+        r"model.safetensors' could not be read as safetensors \(truncated or corrupt\?\)",
     ),
     (
         "model-garbage-weights",
         ["--model", "m"],
         tiny_model(weights=lambda good: b"\x00" * 8 + b"garbage"),
-        r"model.safetensors could not be read as safetensors",
+        r"model.safetensors' could not be read as safetensors",
     ),
     (
         "model-config-list",
@@ -254,7 +256,7 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         "model-config-not-json",
         ["--model", "m"],
         tiny_model(config_text="{oops"),
-        r"config.json is not valid JSON",
+        r"config.json' is not valid JSON",
     ),
     (
         "model-hidden-act-list",
@@ -292,7 +294,7 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         "model-tokenizer-beyond-vocab",
         ["the cat sat", "--model", "m"],
         tiny_model(vocab_size=5),
-        r"input_ids must be in \[0, vocab_size=5\), got values in \[2, 6\]$",
+        r"the tokenizer has ids up to 11, beyond the 5 rows of the model's token embedding",
     ),
     # argparse (an unknown flag is refused by the top-level parser: "multihead: error: ...")
     ("unknown-flag", ["--bogus"], None, r"unrecognized arguments: --bogus$"),

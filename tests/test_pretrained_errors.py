@@ -93,7 +93,7 @@ def test_corrupt_safetensors(tmp_path: Path, content, monkeypatch: pytest.Monkey
     weights.write_bytes(content(weights.read_bytes()))
     built = []
     monkeypatch.setattr(BertModel, "__init__", lambda *a, **k: built.append(1))
-    with pytest.raises(ValueError, match=r"model.safetensors could not be read as safetensors"):
+    with pytest.raises(ValueError, match=r"model.safetensors' could not be read as safetensors"):
         load_bert(path)
     assert built == []  # failed before any model was built
 
@@ -175,8 +175,11 @@ def test_config_value_of_the_wrong_kind(tmp_path: Path) -> None:
     [
         (json.dumps([CONFIG]), "config.json must hold a JSON object, got a JSON list"),
         (json.dumps("bert"), "config.json must hold a JSON object, got a JSON str"),
-        ("{oops", "config.json is not valid JSON"),
-        (b'{"vocab_size": "\xff"}', "config.json is not UTF-8 text: invalid start byte at byte 16"),
+        ("{oops", "config.json' is not valid JSON"),
+        (
+            b'{"vocab_size": "\xff"}',
+            "config.json' is not UTF-8 text: invalid start byte at byte 16",
+        ),
     ],
 )
 def test_config_file_that_is_not_a_config(
@@ -296,7 +299,7 @@ def test_integer_weight(tmp_path: Path) -> None:
     tensors = hf_tensors()
     tensors["embeddings.LayerNorm.bias"] = torch.zeros(16, dtype=torch.int64)
     with pytest.raises(
-        ValueError, match="'embeddings.LayerNorm.bias' has dtype I64, expected a floating point"
+        ValueError, match="'embeddings.LayerNorm.bias' has dtype int64, expected a floating point"
     ):
         load_bert(write_dir(tmp_path, tensors=tensors))
 

@@ -351,7 +351,7 @@ def test_cli_errors(tmp_path: Path, capsys) -> None:
     weights = out / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:50])
     err = _error(capsys, ["generate", "--checkpoint", str(out), "1 2 3 ="])
-    assert "is not a valid safetensors file" in err
+    assert "could not be read as safetensors" in err
     (out / "config.json").write_text("{")
     assert "is not valid JSON" in _error(capsys, ["generate", "--checkpoint", str(out), "1 2 3 ="])
 
@@ -539,7 +539,7 @@ def test_no_module_of_training_or_the_cli_is_too_long() -> None:
 def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> None:
     """Checkpoints written when the LM's stack was a TransformerEncoder named 'layers'
     (``layers.layers.{i}.…``, ``layers.norm.…``) resume under today's ``blocks``/``norm``."""
-    from multihead.models.lm_io import _read_safetensors, _safetensors_bytes
+    from multihead._files import checksummed_safetensors, read_header, read_tensors
 
     config = _config(tmp_path, steps=2, save_every=1)
     whole = train(_config(tmp_path / "whole", steps=3))
@@ -547,7 +547,7 @@ def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> Non
     last = latest_checkpoint(config.out)
     assert last is not None
     file = last / "model.safetensors"
-    tensors, meta = _read_safetensors(file)
+    tensors, meta = read_tensors(file), read_header(file).metadata
     old = {}
     for name, value in tensors.items():
         if name.startswith("blocks."):
@@ -557,7 +557,7 @@ def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> Non
         old[name] = value
     assert "layers.layers.0.self_attn.out_proj.weight" in old
     meta = {k: v for k, v in meta.items() if k != "sha256"}
-    file.write_bytes(_safetensors_bytes(old, meta))
+    file.write_bytes(checksummed_safetensors(old, meta))
     resumed = train(_config(tmp_path, steps=3, save_every=1, resume=True))
     assert resumed.model is not None and whole.model is not None
     for (name, a), b in zip(

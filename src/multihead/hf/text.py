@@ -133,7 +133,9 @@ class HFTextModel(nn.Module):
         pad = tokenizer.pad_token_id
         pad = pad if pad is not None else getattr(hf_config, "pad_token_id", None)
         # A copy of the tokenizers.Tokenizer underneath: right padding, truncation per call.
-        self._backend = text.prepare_tokenizer(tokenizer.backend_tokenizer, pad_id=pad or 0)
+        self._backend = text.prepare_tokenizer(
+            tokenizer.backend_tokenizer, pad_id=pad or 0, vocab_size=_embedding_rows(model)
+        )
         # Token types only where the model has an embedding for them: GPT-2's forward accepts
         # token_type_ids and adds its *word* embedding of them, changing every hidden state.
         self._token_types = int(getattr(hf_config, "type_vocab_size", 0) or 0) > 0 and (
@@ -289,6 +291,16 @@ def _first(obj: object, names: tuple[str, ...]) -> int | None:
     return None
 
 
+def _embedding_rows(model: nn.Module) -> int | None:
+    """The rows of the model's token embedding (every id must have one); None when the model
+    does not say."""
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return rows if is_int(rows) else None
+
+
 def _max_length(model: nn.Module, tokenizer: Any) -> int:
     """The most tokens a text may keep: the config's position limit (less the positions a
     RoBERTa-style embedding reserves: it numbers positions from padding_idx + 1) and the
@@ -344,7 +356,13 @@ def _word_of_each_character(source: str) -> list[int | None]:
 # -- loading (the files are read by multihead.hf.loading) -------------------------------------
 
 
-def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None) -> HFTextModel:
+def load_hf(
+    dir_or_name: str | os.PathLike[str],
+    *,
+    cache_dir: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> HFTextModel:
     """Load a Hugging Face text model and its fast tokenizer from local files only.
 
     Never downloads: a directory is read as it is, a name is looked up in the local Hugging
@@ -355,6 +373,10 @@ def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
         dir_or_name: a directory with ``config.json``, the weights and ``tokenizer.json``; or a
             model name such as ``"gpt2"`` already in the local cache.
         cache_dir: the cache to look names up in; default transformers' own.
+        device: where the model runs (``"auto"``: the GPU if any); default CPU. With accelerate
+            installed the weights are read straight onto it.
+        dtype: a floating torch.dtype or its name (``"bfloat16"``); default the one config.json
+            declares, except that half types load as float32 on the CPU.
 
     Returns:
         An :class:`HFTextModel` (its encoder only for encoder-decoder models).
@@ -362,14 +384,17 @@ def load_hf(dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
     Raises:
         FileNotFoundError: no such directory, a name not in the local cache, or a directory
             without ``config.json``.
-        ValueError: no fast tokenizer (``tokenizer.json``); a config transformers cannot read;
-            a family not routed through transformers' AttentionInterface; layers with
-            different head counts.
-        TypeError: ``dir_or_name`` is not a str or path.
+        ValueError: no fast tokenizer (``tokenizer.json``), or one with ids beyond the
+            embedding; a config transformers cannot read, or whose sizes the weights don't have
+            (checked before anything is built); a family not routed through transformers'
+            AttentionInterface; layers with different head counts; a device this machine lacks.
+        TypeError: ``dir_or_name`` is not a str or path; a bad ``dtype``.
         ImportError: transformers (>= 5) is not installed.
 
     Warns:
         UserWarning: weights the model needs are missing from the files (initialised at random).
     """
-    model, tokenizer, name = load_model_and_tokenizer(dir_or_name, cache_dir=cache_dir)
+    model, tokenizer, name = load_model_and_tokenizer(
+        dir_or_name, cache_dir=cache_dir, device=device, dtype=dtype
+    )
     return HFTextModel(model, tokenizer, name=name)

@@ -207,7 +207,9 @@ class BertModel(nn.Module):
         self._tokenizer = (
             None
             if tokenizer is None
-            else text.prepare_tokenizer(tokenizer, pad_id=self.config.pad_token_id)
+            else text.prepare_tokenizer(
+                tokenizer, pad_id=self.config.pad_token_id, vocab_size=self.config.vocab_size
+            )
         )
 
     # -- forward --------------------------------------------------------------------------------

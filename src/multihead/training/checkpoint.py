@@ -41,7 +41,10 @@ import torch
 from torch import Tensor
 
 from multihead._checks import describe, is_int
-from multihead.models.lm_io import _read_safetensors, _safetensors_bytes
+from multihead._files import checksummed_safetensors, read_header, read_json, read_tensors
+from multihead.models.lm import TransformerLM
+from multihead.models.lm_config import LMConfig
+from multihead.models.lm_io import check_weights
 
 __all__ = [
     "CHECKPOINTS",
@@ -170,8 +173,8 @@ def save_checkpoint(
             opt_tensors, opt_meta = optimizer_to_tensors(optimizer_state)
             meta = {"step": str(step)}
             config_bytes = (json.dumps(config, indent=2) + "\n").encode()
-            _write(tmp / "model.safetensors", _safetensors_bytes(tensors, meta))
-            _write(tmp / "optimizer.safetensors", _safetensors_bytes(opt_tensors, meta))
+            _write(tmp / "model.safetensors", checksummed_safetensors(tensors, meta))
+            _write(tmp / "optimizer.safetensors", checksummed_safetensors(opt_tensors, meta))
             _write(tmp / "config.json", config_bytes)
             # state.json vouches for config.json; the safetensors files carry their own checksums.
             full_state = {
@@ -249,9 +252,9 @@ def remove_checkpoints(run_dir: str | os.PathLike[str]) -> None:
 
 def _read_json(file: Path) -> dict[str, Any]:
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint file {str(file)!r} is not valid JSON ({e})") from None
+        data = read_json(file)
+    except ValueError as e:
+        raise ValueError(f"checkpoint file {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"checkpoint file {str(file)!r} must hold a JSON object, got {data!r:.40}")
     return data
@@ -295,10 +298,18 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"is not the one state.json recorded"
         )
     config = _read_json(config_file)
+    if isinstance(config.get("model"), dict):  # the model's sizes against its weights, first
+        try:
+            model_config = LMConfig.from_dict(config["model"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint file {str(config_file)!r}: {e}") from None
+        file = path / "model.safetensors"
+        check_weights(TransformerLM, model_config, read_header(file).tensors, file)
     tensors = {}
     for name in ("model.safetensors", "optimizer.safetensors"):
         file = path / name
-        tensors[name], meta = _read_safetensors(file)
+        meta = read_header(file).metadata
+        tensors[name] = read_tensors(file)
         if meta.get("step", str(step)) != str(step):
             raise ValueError(
                 f"checkpoint file {str(file)!r} holds step {meta['step']}, but state.json says "

@@ -1,5 +1,8 @@
 """Devices and data-parallel process groups for :func:`~multihead.training.train`.
 
+The device checks (:func:`check_device`, :func:`resolve_device`) live in
+:mod:`multihead.devices`, shared with the loaders; they are re-exported here.
+
 Under ``torchrun`` (the environment says ``WORLD_SIZE > 1``) every rank joins one process group,
 gloo on CPU or nccl on GPUs (one GPU per local rank). Everything a rank can check alone — the
 device string, whether that device exists, whether the run fits in its memory — is checked
@@ -10,9 +13,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from multihead.devices import check_device, resolve_device
 
 __all__ = [
     "World",
@@ -23,10 +27,6 @@ __all__ = [
     "world_size",
     "check_fits",
 ]
-
-# Device types a training run can use: real memory and autograd. ("meta" has no data.)
-_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-_DEVICE_HINT = "'auto' or a torch device such as 'cpu', 'cuda' or 'cuda:0'"
 
 
 @dataclass
@@ -42,59 +42,6 @@ class World:
 def world_size() -> int:
     """The number of data-parallel ranks, as torchrun's ``WORLD_SIZE`` says (default 1)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_device(device: object) -> str:
-    """``device`` must be ``"auto"`` or a torch device string of a type that can train.
-
-    Whether the device exists on this machine is :func:`resolve_device`'s question.
-
-    Raises:
-        TypeError: not a string.
-        ValueError: not a device string, or a device type without memory (``"meta"``).
-    """
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a str ({_DEVICE_HINT}), got {device!r}")
-    if device == "auto":
-        return device
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"device must be {_DEVICE_HINT}, got {device!r}") from None
-    if dev.type not in _DEVICE_TYPES:
-        raise ValueError(
-            f"device must be one of the types {', '.join(_DEVICE_TYPES)} (or 'auto'), got "
-            f"{device!r}"
-        )
-    return device
-
-
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """The torch device to train on; ``"auto"`` is the local rank's GPU if any, else the CPU.
-
-    Raises:
-        ValueError: the device is not available on this machine.
-    """
-    check_device(device)
-    if device == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return dev
-    backend: Any = getattr(torch, dev.type, None)
-    if dev.type == "mps":
-        available, count = torch.backends.mps.is_available(), 1
-    elif backend is None or not backend.is_available():
-        available, count = False, 0
-    else:
-        available, count = True, int(backend.device_count())
-    if not available:
-        raise ValueError(f"device {device!r} is not available on this machine (try 'cpu')")
-    if dev.index is not None and dev.index >= count:
-        raise ValueError(
-            f"device {device!r} does not exist: this machine has {count} {dev.type} device(s)"
-        )
-    return dev
 
 
 def check_threads(threads: int | None) -> None:

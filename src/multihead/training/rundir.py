@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from multihead._checks import describe, is_int
+from multihead._files import TensorInfo, few, tensor_problems
 from multihead.models.lm_config import LMConfig
 from multihead.models.lm_io import _MODEL_TYPE, CONFIG_NAME, WEIGHTS_NAME, rename_legacy_keys
 from multihead.training.checkpoint import (
@@ -137,7 +139,10 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     checkpoint = latest_checkpoint(path)
     if checkpoint is None:
         raise _no_checkpoint(path)
-    saved = _saved_config(checkpoint, load_checkpoint(checkpoint)["config"])
+    loaded = load_checkpoint(checkpoint)
+    saved = _saved_config(checkpoint, loaded["config"])
+    # Before the run is sized from it: the 'training' entry must describe the saved model.
+    _check_model_entry(checkpoint, loaded["config"], saved.model_config)
     fields = {**saved.to_dict(), "out": os.fspath(out), "resume": True, "overwrite": False}
     return TrainConfig(**{**fields, **changes})
 
@@ -183,6 +188,21 @@ def plan_run(config: TrainConfig, task: TaskLike) -> RunPlan:
     return RunPlan(out)
 
 
+def _check_model_entry(
+    checkpoint: Path, config: dict[str, Any], model_config: Callable[[], LMConfig]
+) -> None:
+    """The checkpoint's 'model' entry must be the model its training configuration builds."""
+    try:  # through LMConfig: a config written before a field existed has its default
+        same_model = LMConfig.from_dict(config.get("model", {})) == model_config()
+    except (TypeError, ValueError):
+        same_model = False
+    if not same_model:
+        raise ValueError(
+            f"checkpoint file {str(checkpoint / CONFIG_NAME)!r}: its 'model' entry does not "
+            f"match its 'training' one"
+        )
+
+
 def _check_resumable(
     config: TrainConfig, task: TaskLike, checkpoint: Path, loaded: dict[str, Any]
 ) -> None:
@@ -196,15 +216,8 @@ def _check_resumable(
                 f"--resume: the checkpoint in {str(config.out)!r} was trained with {f.name}="
                 f"{getattr(saved, f.name)!r}, got {getattr(config, f.name)!r}"
             )
+    _check_model_entry(checkpoint, loaded["config"], lambda: config.model_config(task))
     file = checkpoint / CONFIG_NAME
-    try:  # through LMConfig: a config written before a field existed has its default
-        same_model = LMConfig.from_dict(loaded["config"].get("model")) == config.model_config(task)
-    except (TypeError, ValueError):
-        same_model = False
-    if not same_model:
-        raise ValueError(
-            f"checkpoint file {str(file)!r}: its 'model' entry does not match its 'training' one"
-        )
     if loaded["config"].get("task") != task.to_dict():
         raise ValueError(
             f"checkpoint file {str(file)!r}: its 'task' entry does not match its 'training' one"
@@ -284,21 +297,15 @@ def restore(plan: RunPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -
 
 def _check_tensors(file: Path, tensors: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:
     """``tensors`` must have exactly ``expected``'s names, shapes and dtypes, and be finite."""
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    problems = []
-    if missing:
-        problems.append(f"missing {missing[:4]}")
-    if unexpected:
-        problems.append(f"unexpected {unexpected[:4]}")
-    for name in sorted(set(expected) & set(tensors)):
-        want, got = expected[name], tensors[name]
-        if not isinstance(got, torch.Tensor):
-            problems.append(f"{name} is {describe(got)}, not a tensor")
-        elif got.shape != want.shape or got.dtype != want.dtype:
-            problems.append(f"{name} is {describe(got)}, the model needs {describe(want.detach())}")
-        elif not bool(torch.isfinite(got).all()):
-            problems.append(f"{name} holds nan or inf")
+    others = sorted(name for name, t in tensors.items() if not isinstance(t, torch.Tensor))
+    problems = [f"{name} is {describe(tensors[name])}, not a tensor" for name in others[:4]]
+    found = {k: TensorInfo.of(t) for k, t in tensors.items() if k not in others}
+    want = {k: TensorInfo.of(t) for k, t in expected.items() if k not in others}
+    problems += tensor_problems(want, found)
+    if not problems:
+        bad = sorted(name for name, t in tensors.items() if not bool(torch.isfinite(t).all()))
+        if bad:
+            problems.append(f"{few(bad)} hold nan or inf")
     if problems:
         raise ValueError(
             f"checkpoint file {str(file)!r} does not fit the model: " + "; ".join(problems[:4])
