@@ -307,7 +307,13 @@ def _train(
 
                 with torch.no_grad():
                     accuracy = (logits.argmax(-1) == targets).float().mean()
-                stats = torch.stack([loss.detach(), accuracy, torch.tensor(float(stop.requested))])
+                stats = torch.stack(
+                    [
+                        loss.detach(),
+                        accuracy,
+                        torch.tensor(float(stop.requested), device=loss.device),
+                    ]
+                )
                 if world.size > 1:
                     import torch.distributed as dist
 
