@@ -80,6 +80,9 @@ BAD_TRAIN = [
     (["--weight-decay", "-1"], "--weight-decay must be >= 0.0, got -1.0"),
     (["--save-every", "-1"], "--save-every must be an int >= 0, got -1"),
     (["--eval-size", "-1"], "--eval-size must be an int >= 0, got -1"),
+    # sort at --seq-len 4 holds out about 10**4 / 10 inputs: 10**12 would evaluate for weeks
+    (["--eval-size", str(10**12)], "--eval-size must be at most 1000 (the sort task at --seq-len"),
+    (["--eval-size", "1001"], "--eval-size must be at most 1000 (the sort task at --seq-len 4"),
     (["--threads", "0"], "--threads must be a positive int or None, got 0"),
     (["--threads", str(10**6)], "--threads must be at most the"),
     (["--device", "bogus"], "--device must be 'auto' or a torch device"),

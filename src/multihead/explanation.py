@@ -18,6 +18,7 @@ ablation); the dataclass with its pictures, page and files is
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -39,11 +40,18 @@ from multihead.focus import (
 )
 from multihead.head_effects import ablated_weights, check_heads, every_head
 from multihead.head_effects import importance as head_effect_importance
+from multihead.memory_budget import (
+    DEFAULT_MEMORY_LIMIT,
+    FLOAT32_BYTES,
+    check_memory_limit,
+    format_bytes,
+)
 from multihead.models.text import TruncationWarning, check_text
 from multihead.observe.statistics import HeadStatistics
 
 if TYPE_CHECKING:
     from multihead.explain_model import TextModel
+    from multihead.models.text import BertBatch
 
 __all__ = [
     "explain",
@@ -52,10 +60,37 @@ __all__ = [
     "AttendedWord",
     "DEFAULT_TEXT",
     "DEFAULT_FOCUS",
+    "explain_peak_bytes",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 DEFAULT_FOCUS = "it"
+
+# The peak, in copies of the (L, H, T, T) float32 weights: the captured layers beside their
+# stack, then the weights beside the page's or the pictures' working copies; one more for the
+# ablated run's weights.
+_PEAK_COPIES = 3
+
+
+def explain_peak_bytes(num_layers: int, num_heads: int, num_tokens: int, *, ablate: bool) -> int:
+    """What :func:`explain` holds at its peak for T tokens, estimated from the shapes alone.
+
+    ``(3 + ablate) · 4 · L · H · T²`` bytes: every head's weights (L, H, T, T) in float32, held
+    once (twice with ``ablate``), plus up to two working copies while they are captured and
+    while the page and pictures are made from them (:meth:`Explanation.save`). The model, its
+    activations and the importance runs (one (T, E) forward at a time) are not counted: they
+    grow with T, not T².
+    """
+    copies = _PEAK_COPIES + (1 if ablate else 0)
+    return copies * FLOAT32_BYTES * num_layers * num_heads * num_tokens**2
+
+
+def _tokens_that_fit(num_layers: int, num_heads: int, limit: int, *, ablate: bool) -> int:
+    """The most tokens whose :func:`explain_peak_bytes` stays within ``limit``."""
+    t = math.isqrt(limit // explain_peak_bytes(num_layers, num_heads, 1, ablate=ablate))
+    while explain_peak_bytes(num_layers, num_heads, t + 1, ablate=ablate) <= limit:
+        t += 1  # isqrt of the floored quotient may fall one short
+    return t
 
 
 def explain(
@@ -68,6 +103,7 @@ def explain(
     heads: int | Sequence[int] | None = None,
     ablate: Sequence[tuple[int, int]] | None = None,
     importance: bool = True,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
 ) -> Explanation:
     """Run a text through a model and gather its attention around one focus token.
 
@@ -88,20 +124,25 @@ def explain(
             :attr:`Explanation.ablated_top_words` show what changes without them.
         importance: also score every head by how far zeroing it moves the sentence embedding
             (:attr:`Explanation.importance`; one extra forward per head).
+        memory_limit: bytes the weights may take at their peak (:func:`explain_peak_bytes`,
+            from L, H and the text's T; default 4 GiB). A text longer than fits is cut to the
+            tokens that fit, with a warning, before anything is captured.
 
     Returns:
         An :class:`Explanation`: every layer's and head's weights (L, H, T, T), head statistics,
         per covered layer the focus token's top words.
 
     Raises:
-        ValueError: empty text or text that is not valid Unicode; a focus word not in the text
-            (the message lists the tokens) or cut off by truncation; focus and focus_index both
+        ValueError: empty text, text that is not valid Unicode, or text with no word the
+            tokenizer keeps (only zero-width or control characters); a focus word not in the
+            text (the message lists the tokens) or cut off by truncation; a ``memory_limit``
+            too small for a single word; focus and focus_index both
             given; a layer/head/token index out of range; a model without a tokenizer.
         TypeError: an argument of the wrong type.
 
     Warns:
-        TruncationWarning: (a UserWarning) the text is longer than the model takes; the message
-            says where it was cut.
+        TruncationWarning: (a UserWarning) the text is longer than the model takes, or than
+            ``memory_limit`` allows; the message says where it was cut and why.
     """
     if text is None:
         text = DEFAULT_TEXT
@@ -130,17 +171,34 @@ def explain(
         raise TypeError(f"importance must be a bool, got {describe(importance)}")
     if focus_index is not None and not is_int(focus_index):
         raise TypeError(f"focus_index must be an int or None, got {describe(focus_index)}")
+    memory_limit = check_memory_limit("memory_limit", memory_limit)
 
     with warnings.catch_warnings():
         # Said below in explain's own words, with where the text was cut.
         warnings.simplefilter("ignore", TruncationWarning)
         batch = model.tokenize(text)
+    if all(w is None for w in batch.word_ids[0]):
+        raise ValueError(
+            f"text must hold at least one word the tokenizer keeps, got {text[:40]!r}: only "
+            f"{' '.join(batch.tokens[0])} (zero-width or control characters are dropped)"
+        )
+    cut_at = model.max_seq_length
+    over_budget = None  # (tokens, peak bytes) when the memory limit cuts the text
+    fits = _tokens_that_fit(n_layers, n_heads, memory_limit, ablate=ablate_list is not None)
+    if len(batch.tokens[0]) > fits:
+        over_budget = (
+            len(batch.tokens[0]),
+            explain_peak_bytes(
+                n_layers, n_heads, len(batch.tokens[0]), ablate=ablate_list is not None
+            ),
+        )
+        batch, cut_at = _first_tokens(model, text, batch, fits, memory_limit), fits
     tokens = batch.tokens[0]
     t = len(tokens)
     offsets = [(int(o[0]), int(o[1])) for o in batch.offsets[0]]
     word_ids = list(batch.word_ids[0])
     special = [bool(x) for x in batch.special_mask[0, :t].tolist()]
-    truncated = bool(batch.truncated[0])
+    truncated = bool(batch.truncated[0]) or over_budget is not None
     full_text = text
     if truncated:
         last = max(
@@ -158,9 +216,18 @@ def explain(
         focus_index=focus_index,
         causal=causal,
         cut_from=full_text if truncated else None,
-        max_tokens=model.max_seq_length,
+        max_tokens=cut_at,
     )
-    if truncated:
+    if over_budget is not None:
+        warnings.warn(
+            f"the text's {over_budget[0]} tokens would hold {format_bytes(over_budget[1])} of "
+            f"attention weights ({n_layers} layers × {n_heads} heads × T² × 4 bytes, with "
+            f"working copies), over memory_limit={format_bytes(memory_limit)}: only its first "
+            f"{t} tokens were read, up to {text[-40:]!r}; raise the limit to read more",
+            TruncationWarning,
+            stacklevel=2,
+        )
+    elif truncated:
         warnings.warn(
             f"the text is longer than the model takes (max_seq_length={model.max_seq_length} "
             f"tokens) and was truncated: only its start was read, up to {text[-40:]!r}",
@@ -211,3 +278,30 @@ def explain(
         ablated_top_words=None if ablation is None else tops(ablation.weights),
         causal=causal,
     )
+
+
+def _first_tokens(
+    model: TextModel, text: str, batch: BertBatch, fits: int, limit: int
+) -> BertBatch:
+    """``text`` tokenized again, cut after its first words so that at most ``fits`` tokens
+    remain, the special tokens included (the tokenizer's own truncation, at a smaller length)."""
+    word_ids = list(batch.word_ids[0])
+    offsets = [(int(s), int(e)) for s, e in batch.offsets[0]]
+    words = [i for i, w in enumerate(word_ids) if w is not None]
+    # the special tokens after the last word ([SEP]) stay when the text is cut
+    trailing = len(word_ids) - 1 - words[-1]
+    keep = fits - trailing
+    while True:
+        kept = [i for i in words if i < keep]
+        if not kept:
+            raise ValueError(
+                f"memory_limit={format_bytes(limit)} leaves room for {fits} tokens, too few for "
+                f"one word of the text: raise it"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TruncationWarning)
+            cut = model.tokenize(text[: offsets[kept[-1]][1]])
+        if len(cut.tokens[0]) <= fits:
+            return cut
+        # a prefix may tokenize into more pieces at its edge: cut that many tokens more
+        keep -= len(cut.tokens[0]) - fits

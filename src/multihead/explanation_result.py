@@ -88,6 +88,17 @@ class Explanation:
                     return lf.layer, word.head
         return self.layers[-1], self.heads[0]
 
+    def _covered(self) -> Tensor:
+        """(L', H', T, T): the weights of the covered layers and heads (the weights themselves,
+        not a copy, when every head is covered: they may be most of the memory there is)."""
+        n_layers, n_heads = self.weights.shape[:2]
+        w = self.weights
+        if self.layers != list(range(n_layers)):
+            w = w[self.layers]
+        if self.heads != list(range(n_heads)):
+            w = w[:, self.heads]
+        return w
+
     # -- pictures -------------------------------------------------------------------------------
 
     def grid_figure(self) -> Figure:
@@ -95,7 +106,7 @@ class Explanation:
         from multihead.viz.plots import grid_figure
 
         return grid_figure(
-            self.weights[self.layers][:, self.heads],
+            self._covered(),
             self.tokens,
             layers=self.layers,
             heads=self.heads,
@@ -129,7 +140,7 @@ class Explanation:
 
         layer, head = self.focus_head
         return render_page(
-            self.weights[self.layers][:, self.heads],
+            self._covered(),
             self.tokens,
             special=self.special,
             layers=self.layers,
@@ -193,11 +204,16 @@ class Explanation:
 
         Raises:
             ValueError / TypeError: unknown formats; a ``directory`` that is a file, or that
-                holds a directory where a file goes.
+                holds a directory where a file goes; a page (html) over its size limit
+                (:func:`multihead.viz.page.check_page_size`).
             PermissionError: ``directory`` or a file in it is not writable.
         """
         names = self.file_names(formats)
         directory = check_output_dir("directory", directory, names)
+        if "attention.html" in names:
+            from multihead.viz.page import check_page_size
+
+            check_page_size(len(self.layers), len(self.heads), len(self.tokens))
         figures: dict[str, Figure] = {}
         if any(not name.endswith(".html") for name in names):  # drawn before the disk changes
             from multihead.viz.plots import save_figure

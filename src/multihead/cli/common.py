@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["CLIError", "printable", "one_line", "status"]
+__all__ = ["CLIError", "printable", "one_line", "status", "print_warnings", "progress"]
+
+# On a terminal the bar is redrawn at most this often (seconds); elsewhere (a log, a pipe) a
+# line is written at most this often.
+_REDRAW_S = 0.25
+_LINE_S = 5.0
 
 
 class CLIError(Exception):
@@ -24,10 +33,117 @@ def one_line(text: str) -> str:
 
 
 def status(message: str) -> Any:
-    """A context manager: a spinner with ``message`` on stderr while a slow step runs (a nicety:
-    nothing without rich, and the command works the same)."""
+    """A context manager: ``message`` on stderr while a slow step runs, on a terminal, cleared
+    when it ends (a nicety: nothing without rich, and the command works the same). It does not
+    animate: an animating thread competes for the CPU with torch's threads, which then wait
+    for each other (a 4× slower corpus run on a shared machine)."""
     try:
         from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
     except ImportError:
         return contextlib.nullcontext()
-    return Console(stderr=True).status(message, spinner="dots")
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return contextlib.nullcontext()
+    return Live(Text(message), console=console, auto_refresh=False, transient=True)
+
+
+def print_warnings(
+    caught: Sequence[warnings.WarningMessage], rewrite: Callable[[str], str] = str
+) -> None:
+    """The library's warnings in the command's voice: one ``warning:`` line each, once each
+    however often it was raised (per batch, per picture), the pictures' missing glyphs merged
+    into one line; ``rewrite`` adapts a message to what the user gave (file line numbers)."""
+    from multihead.viz.fonts import MissingGlyphsWarning
+
+    glyphs = "".join(w.message.chars for w in caught if isinstance(w.message, MissingGlyphsWarning))
+    lines = [
+        rewrite(str(w.message)) for w in caught if not isinstance(w.message, MissingGlyphsWarning)
+    ]
+    if glyphs:
+        lines.append(str(MissingGlyphsWarning(glyphs)))
+    for line in dict.fromkeys(lines):
+        print(f"warning: {one_line(line)}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int, unit: str = "texts") -> Iterator[Callable[[int], None]]:
+    """A context giving ``update(done)``: on a terminal a bar on stderr with done/total, the
+    time elapsed and an estimate of the time left (rich); elsewhere, a plain line every few
+    seconds. Nothing runs beside the work: the bar has no refresh thread (it would compete for
+    the CPU with torch's threads) and is redrawn from ``update``, a few times a second at most.
+    """
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+    except ImportError:
+        yield _lines(description, total, unit)
+        return
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield _lines(description, total, unit)
+        return
+    bar = Progress(
+        TextColumn(description),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(f"{unit},"),
+        TimeElapsedColumn(),
+        TextColumn("elapsed, about"),
+        TimeRemainingColumn(),
+        TextColumn("left"),
+        console=console,
+        auto_refresh=False,
+    )
+    task = bar.add_task(description, total=total)
+    last = 0.0
+
+    def update(done: int) -> None:
+        nonlocal last
+        bar.update(task, completed=done)
+        now = time.monotonic()
+        if now - last >= _REDRAW_S or done >= total:
+            last = now
+            bar.refresh()
+
+    with bar:
+        bar.refresh()
+        yield update
+
+
+def _lines(description: str, total: int, unit: str) -> Callable[[int], None]:
+    """``update(done)`` writing "description: done/total unit, elapsed, about T left" to stderr
+    at most every few seconds (the first after a few seconds: a short run writes nothing)."""
+    start = last = time.monotonic()
+
+    def update(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < _LINE_S and not (done >= total and last > start):
+            return
+        last = now
+        elapsed = now - start
+        left = elapsed / done * (total - done) if done else float("nan")
+        tail = "done" if done >= total else f"about {_clock(left)} left"
+        print(
+            f"{description}: {done}/{total} {unit}, {_clock(elapsed)} elapsed, {tail}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return update
+
+
+def _clock(seconds: float) -> str:
+    if seconds != seconds:  # NaN: nothing done yet
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -12,13 +12,14 @@ import argparse
 import functools
 import json
 import os
-import sys
+import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from multihead.cli.common import CLIError, printable, status
+from multihead.cli.common import CLIError, print_warnings, printable, status
 from multihead.devices import DTYPES
+from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
@@ -111,6 +112,16 @@ def register(subparsers: Any) -> None:
         ".svg (heads placed by how alike they attend) and head_statistics.json",
     )
     p.add_argument(
+        "--memory-limit",
+        type=_size,
+        default=DEFAULT_MEMORY_LIMIT,
+        metavar="SIZE",
+        help="the most memory the attention weights may take at their peak, estimated before "
+        "anything is run: a longer text is cut to the tokens that fit, with a warning; over a "
+        "corpus, batches of long texts hold fewer texts and a text too long on its own is "
+        "refused (e.g. 512M, 16G; a bare number is GiB; default 4G)",
+    )
+    p.add_argument(
         "--out",
         default="attention",
         metavar="DIR",
@@ -139,6 +150,21 @@ def _heads(text: str) -> list[tuple[int, int]]:
                 f"expected layer:head pairs such as 5:11 or 0:2,5:11, got {text!r}"
             ) from None
     return pairs
+
+
+_UNITS = {"": 2**30, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _size(text: str) -> int:
+    """ "512M" -> 536870912; a bare number is GiB (argparse type: a ValueError becomes a
+    one-line error)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    size = float(m[1]) * _UNITS[m[2].upper()] if m else 0.0
+    if not 1 <= size < 2**63:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 512M, 16G or 2.5 (GiB), at least 1 byte, got {text!r}"
+        )
+    return int(size)
 
 
 def _load_model(
@@ -213,7 +239,7 @@ def _explain(
     with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, name = _load_model(args.model, device=args.device, dtype=args.dtype)
-    _warn(caught)
+    print_warnings(caught)
 
     from multihead.explanation import explain
 
@@ -228,19 +254,16 @@ def _explain(
             heads=args.head,
             ablate=args.ablate,
             importance=args.importance,
+            memory_limit=args.memory_limit,
         )
     ex.model_name = name
-    _warn(caught)
+    print_warnings(caught)
 
-    with status("Drawing the pictures…"):
+    with status("Drawing the pictures…"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         paths = ex.save(out, formats)
+    print_warnings(caught)
     return ex, paths
-
-
-def _warn(caught: list[warnings.WarningMessage]) -> None:
-    """The library's warnings (a truncated text, missing weights), in the command's voice."""
-    for w in caught:
-        print(f"warning: {printable(str(w.message))}", file=sys.stderr)
 
 
 def _print_report(ex: Explanation, paths: list[Path]) -> None:

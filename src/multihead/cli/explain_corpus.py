@@ -10,23 +10,42 @@ check (flags, the file, the output directory) runs before anything is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import sys
+import unicodedata
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from multihead.cli.common import CLIError, printable, status
+from multihead.cli.common import CLIError, print_warnings, printable, progress, status
+from multihead.memory_budget import format_bytes
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 
 if TYPE_CHECKING:
     from multihead.observe.head_distance import HeadMap
     from multihead.observe.statistics import HeadStatistics
 
-__all__ = ["run_corpus", "read_corpus", "STATISTICS_FILE"]
+__all__ = [
+    "run_corpus",
+    "read_corpus",
+    "read_corpus_lines",
+    "STATISTICS_FILE",
+    "MAX_LINE_BYTES",
+    "MAX_CORPUS_BYTES",
+    "MAX_TEXTS",
+]
 
 STATISTICS_FILE = "head_statistics.json"
+# The bounds of --corpus: far above a real corpus of texts one a line (a model reads at most a
+# few hundred KB of one text; 20,000 lines take minutes), far below what exhausts memory.
+MAX_LINE_BYTES = 4 * 2**20
+MAX_CORPUS_BYTES = 256 * 2**20
+MAX_TEXTS = 1_000_000
+_TEXT_AT = re.compile(r"texts\[(\d+)\] \(line \d+\)")
+_LINES = re.compile(r"lines \[(\d+(?:, \d+)*)")
 # The flags that are about one text; --corpus refuses them rather than ignoring them.
 _SINGLE_TEXT = (("text", "TEXT"), ("focus", "--focus"), ("focus_index", "--focus-index"))
 # Heads printed per role (the strongest); the rest are counted.
@@ -44,39 +63,93 @@ _SUMMARY = (
 
 
 def read_corpus(path: str) -> list[str]:
-    """The texts of a file (or ``-``: standard input), one a line, blank lines skipped.
+    """The texts of a file (or ``-``: standard input), one a line, blank lines skipped
+    (:func:`read_corpus_lines` without the line numbers)."""
+    return read_corpus_lines(path)[0]
+
+
+def read_corpus_lines(path: str) -> tuple[list[str], list[int]]:
+    """The texts of a file (or ``-``: standard input), one a line, blank lines skipped, and
+    each text's line number in the file (1-based).
+
+    Read a line at a time, within bounds (:data:`MAX_LINE_BYTES` a line,
+    :data:`MAX_CORPUS_BYTES` and :data:`MAX_TEXTS` in all), so that ``/dev/zero`` or an endless
+    pipe is refused rather than read until memory runs out. Lines with no visible character
+    (only zero-width, control or space characters) are skipped, with one note on stderr.
 
     Raises:
-        CLIError: the file is missing, unreadable, not UTF-8 (naming the line) or holds no text.
+        CLIError: the file is missing, unreadable, not UTF-8 (naming the line), over a bound,
+            or holds no text.
     """
     shown = "standard input" if path == "-" else repr(printable(path))
+    texts: list[str] = []
+    lines: list[int] = []
+    invisible: list[int] = []
     try:
-        if path == "-":
-            data = sys.stdin.buffer.read()
-        else:
-            data = Path(path).read_bytes()
+        with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
+            _read_lines(f, shown, texts, lines, invisible)
     except FileNotFoundError:
         raise CLIError(f"--corpus {shown}: no such file") from None
     except IsADirectoryError:
         raise CLIError(f"--corpus {shown} is a directory, expected a file of texts") from None
     except OSError as e:
         raise CLIError(f"--corpus {shown} cannot be read: {e.strerror or e}") from None
-    texts = []
-    for number, raw in enumerate(data.splitlines(), start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CLIError(
-                f"--corpus {shown}: line {number} is not UTF-8 text (byte {e.start + 1} of the "
-                f"line)"
-            ) from None
-        if number == 1:
-            line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the text
-        if line.strip():
-            texts.append(line.strip())
+    if invisible:
+        listed = ", ".join(map(str, invisible[:10])) + (", …" if len(invisible) > 10 else "")
+        print(
+            f"note: --corpus skipped {len(invisible)} line{'s' if len(invisible) > 1 else ''} "
+            f"with no visible character, only zero-width or control characters (line "
+            f"{listed})",
+            file=sys.stderr,
+        )
     if not texts:
         raise CLIError(f"--corpus {shown} holds no text (one text a line; blank lines skipped)")
-    return texts
+    return texts, lines
+
+
+def _read_lines(
+    f: BinaryIO, shown: str, texts: list[str], lines: list[int], invisible: list[int]
+) -> None:
+    """Append ``f``'s texts to ``texts``, their line numbers to ``lines`` and the numbers of
+    its invisible lines to ``invisible``."""
+    number = 0
+    total = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise CLIError(
+                f"--corpus {shown}: line {number + 1} is longer than "
+                f"{format_bytes(MAX_LINE_BYTES)} (no line break): expected one text a line"
+            )
+        total += len(raw)
+        if total > MAX_CORPUS_BYTES:
+            raise CLIError(
+                f"--corpus {shown} holds more than {format_bytes(MAX_CORPUS_BYTES)}: split it "
+                f"into smaller files"
+            )
+        for part in raw.splitlines():  # "\r" ends a line too
+            number += 1
+            try:
+                line = part.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CLIError(
+                    f"--corpus {shown}: line {number} is not UTF-8 text (byte {e.start + 1} of "
+                    f"the line)"
+                ) from None
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the text
+            line = line.strip()
+            if not line:
+                continue
+            if not any(unicodedata.category(ch)[0] not in "CZ" for ch in line):
+                invisible.append(number)
+                continue
+            if len(texts) == MAX_TEXTS:
+                raise CLIError(
+                    f"--corpus {shown} holds more than {MAX_TEXTS:,} texts: split it into "
+                    f"smaller files"
+                )
+            texts.append(line)
+            lines.append(number)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -104,31 +177,58 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
         print("note: --corpus writes no page (html): the page shows one text", file=sys.stderr)
     files = [f"heads_map.{f}" for f in formats] + [STATISTICS_FILE]
     out = check_output_dir("--out", args.out, files)
-    texts = read_corpus(args.corpus)
+    texts, lines = read_corpus_lines(args.corpus)
+    try:
+        return _explain_corpus(args, load_model, texts, lines, formats, out)
+    except ValueError as e:  # the library names texts by index: name them by the file's lines
+        raise CLIError(_file_lines(str(e), lines, args.corpus)) from None
+
+
+def _file_lines(message: str, lines: list[int], path: str) -> str:
+    """``message`` with the library's "texts[i] (line i+1)" and "lines [i+1, ...]" (numbered
+    among the texts) as the file's own line numbers."""
+    shown = "standard input" if path == "-" else repr(printable(path))
+    message = _TEXT_AT.sub(lambda m: f"--corpus {shown} line {lines[int(m[1])]}", message)
+    return _LINES.sub(
+        lambda m: "lines [" + ", ".join(str(lines[int(n) - 1]) for n in m[1].split(", ")),
+        message,
+    )
+
+
+def _explain_corpus(
+    args: argparse.Namespace,
+    load_model: Any,
+    texts: list[str],
+    lines: list[int],
+    formats: list[str],
+    out: Path,
+) -> int:
 
     from multihead.observe.corpus import corpus_statistics
     from multihead.observe.head_distance import head_distances
 
+    chosen = {"layers": args.layer, "heads": args.head, "memory_limit": args.memory_limit}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with status("Loading the model…"):
             model, name = load_model(args.model)
-        with status(f"Head statistics over {len(texts)} texts…"):
-            stats = corpus_statistics(model, texts, layers=args.layer, heads=args.head)
-        with status("Distances between heads…"):
-            head_map = head_distances(model, texts, layers=args.layer, heads=args.head)
-    for message in dict.fromkeys(str(w.message) for w in caught):  # once each, not per batch
-        print(f"warning: {message}", file=sys.stderr)
+        # The distances first: the heavier pass, and the one a text too long for the memory
+        # limit is refused by, before any forward.
+        with progress("Distances between heads", len(texts)) as update:
+            head_map = head_distances(model, texts, progress=lambda d, _: update(d), **chosen)
+        with progress("Head statistics", len(texts)) as update:
+            stats = corpus_statistics(model, texts, progress=lambda d, _: update(d), **chosen)
+        with status("Drawing the head map…"):
+            from multihead.viz.heads_map import heads_map_figure, save_heads_map
 
-    with status("Drawing the head map…"):
-        from multihead.viz.heads_map import heads_map_figure, save_heads_map
-
-        title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
-        fig = heads_map_figure(
-            head_map.positions, head_map.layers, head_map.heads, stats.roles(), title=title
-        )
-        out.mkdir(parents=True, exist_ok=True)
-        paths = save_heads_map(fig, out, formats)
+            title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
+            fig = heads_map_figure(
+                head_map.positions, head_map.layers, head_map.heads, stats.roles(), title=title
+            )
+            out.mkdir(parents=True, exist_ok=True)
+            paths = save_heads_map(fig, out, formats)
+    # once each, not per batch; texts named by the file's lines
+    print_warnings(caught, lambda m: _file_lines(m, lines, args.corpus))
     json_path = out / STATISTICS_FILE
     json_path.write_text(json.dumps(_report(stats, head_map, name, len(texts)), indent=1) + "\n")
     paths.append(json_path)

@@ -14,18 +14,32 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_positive_int, describe
+from multihead._checks import check_indices, check_positive_int, describe
+from multihead.memory_budget import (
+    DEFAULT_MEMORY_LIMIT,
+    FLOAT32_BYTES,
+    check_memory_limit,
+    format_bytes,
+)
 from multihead.models.text import TruncationWarning, check_text
 from multihead.observe.head_summary import HeadStatistics, split_chance
+from multihead.observe.rows import attention_modules
 from multihead.observe.statistics import accumulate_statistics
 
-__all__ = ["corpus_statistics", "check_texts", "text_batches"]
+__all__ = [
+    "corpus_statistics",
+    "check_texts",
+    "text_batches",
+    "chosen_size",
+    "BatchBytes",
+    "Progress",
+]
 
 
 def check_texts(name: str, texts: Any) -> list[str]:
@@ -54,8 +68,31 @@ def check_texts(name: str, texts: Any) -> list[str]:
     return items
 
 
-def text_batches(model: nn.Module, texts: Sequence[str], batch_size: int) -> Iterator[Any]:
+BatchBytes = Callable[[int, int], int]
+"""What a batch of B texts padded to T tokens will hold, in bytes: ``batch_bytes(B, T)``."""
+Progress = Callable[[int, int], None]
+"""Told ``(texts done, texts in all)`` after each batch."""
+
+
+def text_batches(
+    model: nn.Module,
+    texts: Sequence[str],
+    batch_size: int,
+    *,
+    batch_bytes: BatchBytes | None = None,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+) -> Iterator[Any]:
     """``model.tokenize`` of ``batch_size`` texts at a time, in order (the last batch smaller).
+
+    With ``batch_bytes``, every text is tokenized once first (tokenization only) to learn its
+    length, and a batch holds fewer texts where long ones would take more than
+    ``memory_limit``: the result does not change, only how many texts share a forward. A text
+    that alone would take more is refused before the first batch is made.
+
+    Raises:
+        ValueError: a text with no word the tokenizer keeps (only zero-width or control
+            characters: the statistics would be those of [CLS] and [SEP] alone), or a text too
+            long for ``memory_limit``; the message names its line (1-based).
 
     Warns:
         TruncationWarning: once, at the end, when texts were truncated: the tokenizer's own warning
@@ -68,11 +105,17 @@ def text_batches(model: nn.Module, texts: Sequence[str], batch_size: int) -> Ite
             f"model must have a tokenize(texts) method returning a tokenized batch, got "
             f"{type(model).__name__}"
         )
+    limit = check_memory_limit("memory_limit", memory_limit)
+    if batch_bytes is None:
+        plan = [(s, min(s + batch_size, len(texts))) for s in range(0, len(texts), batch_size)]
+    else:
+        plan = _plan(tokenize, texts, batch_size, batch_bytes, limit)
     truncated: list[int] = []  # 1-based lines
-    for start in range(0, len(texts), batch_size):
+    for start, stop in plan:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            batch = tokenize(list(texts[start : start + batch_size]))
+            batch = tokenize(list(texts[start:stop]))
+        _check_words(batch, texts, start)
         flags = getattr(batch, "truncated", None)
         for w in caught:
             if flags is None or not issubclass(w.category, TruncationWarning):
@@ -89,6 +132,68 @@ def text_batches(model: nn.Module, texts: Sequence[str], batch_size: int) -> Ite
         )
 
 
+def _check_words(batch: Any, texts: Sequence[str], start: int) -> None:
+    """Refuse a text of ``batch`` (texts from ``start``) whose tokens are all special."""
+    for i, ids in enumerate(getattr(batch, "word_ids", None) or []):
+        if all(w is None for w in ids):
+            n = start + i
+            raise ValueError(
+                f"texts[{n}] (line {n + 1}) holds no word the tokenizer keeps, got "
+                f"{texts[n][:40]!r} (only zero-width or control characters?): its statistics "
+                f"would be those of {' '.join(batch.tokens[i]) or 'no token'} alone"
+            )
+
+
+def _plan(
+    tokenize: Callable[[list[str]], Any],
+    texts: Sequence[str],
+    batch_size: int,
+    batch_bytes: BatchBytes,
+    limit: int,
+) -> list[tuple[int, int]]:
+    """(start, stop) of each batch: consecutive texts, at most ``batch_size``, fitting ``limit``."""
+    lengths: list[int] = []
+    for start in range(0, len(texts), batch_size):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TruncationWarning)  # said once, by the real pass
+            batch = tokenize(list(texts[start : start + batch_size]))
+        _check_words(batch, texts, start)
+        lengths += [int(n) for n in batch.attention_mask.sum(1).tolist()]
+    plan = []
+    start = 0
+    while start < len(texts):
+        stop, longest = start, 0
+        while stop < len(texts) and stop - start < batch_size:
+            if batch_bytes(stop - start + 1, max(longest, lengths[stop])) > limit:
+                break
+            longest = max(longest, lengths[stop])
+            stop += 1
+        if stop == start:
+            raise ValueError(
+                f"texts[{start}] (line {start + 1}) is {lengths[start]} tokens long: its "
+                f"attention weights would take {format_bytes(batch_bytes(1, lengths[start]))}, "
+                f"over memory_limit={format_bytes(limit)}; split the text or raise the limit"
+            )
+        plan.append((start, stop))
+        start = stop
+    return plan
+
+
+def chosen_size(
+    model: nn.Module, layers: int | Sequence[int] | None, heads: int | Sequence[int] | None
+) -> tuple[int, int]:
+    """(L', H'): how many attention layers and heads ``layers`` and ``heads`` choose (checked
+    as :func:`~multihead.observe.capture` checks them; (0, 0) for a model with none)."""
+    found = attention_modules(model)
+    if not found:
+        return 0, 0
+    chosen = check_indices("layers", layers, len(found), "attention layers")
+    chosen = list(dict.fromkeys(chosen)) if chosen is not None else list(range(len(found)))
+    counts = [found[i][1].num_heads for i in chosen]
+    picked = check_indices("heads", heads, min(counts), "heads")
+    return len(chosen), len(picked) if picked is not None else max(counts)
+
+
 def corpus_statistics(
     model: nn.Module,
     texts: Sequence[str],
@@ -97,6 +202,8 @@ def corpus_statistics(
     layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
     chunk_size: int = 128,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    progress: Progress | None = None,
 ) -> HeadStatistics:
     """What each head does over many texts: each metric is the mean over texts of that text's
     :func:`~multihead.observe.statistics.head_statistics` value.
@@ -116,6 +223,10 @@ def corpus_statistics(
         batch_size: texts per forward pass (memory grows with it; the result does not change).
         layers, heads: which to summarise (as for :func:`~multihead.observe.capture`).
         chunk_size: query rows per step inside each forward.
+        memory_limit: bytes one batch may hold (estimated from its shapes: a chunk's weights
+            (B, H', chunk_size, T) float32 and their working copies, and the per-text sums);
+            batches of long texts hold fewer texts (see :func:`text_batches`).
+        progress: told ``(texts done, texts in all)`` after each batch.
 
     Returns:
         A :class:`HeadStatistics` whose metrics are (L', H') means over the texts;
@@ -124,10 +235,20 @@ def corpus_statistics(
         corpus; ``tokens`` holds each text's tokens.
 
     Raises:
-        TypeError, ValueError: bad ``texts`` (naming the line), ``batch_size``, indices.
+        TypeError, ValueError: bad ``texts`` (naming the line: also a text with no word the
+            tokenizer keeps, or one too long for ``memory_limit``), ``batch_size``, indices.
     """
     items = check_texts("texts", texts)
     check_positive_int("batch_size", batch_size)
+    check_positive_int("chunk_size", chunk_size)
+    num_layers, num_heads = chosen_size(model, layers, heads)
+
+    def batch_bytes(b: int, t: int) -> int:
+        rows = min(chunk_size, t)  # a chunk's weights, ~4 working copies, its (B, R, S) masks
+        per_token = 4 * num_heads * rows + 8 * rows + 2 * num_layers * num_heads
+        return FLOAT32_BYTES * b * t * per_token  # the last: float64 sums per key (L', B, H', T)
+
+    done = 0
     sums: dict[str, Tensor] = {}  # metric -> (L', H') float64 sum over texts where known
     known: dict[str, Tensor] = {}  # metric -> (L', H') how many texts were summed
     top_pos: list[Tensor] = []
@@ -136,7 +257,9 @@ def corpus_statistics(
     num_queries = 0
     chosen: list[int] = []
     head_ids: list[int] = []
-    for batch in text_batches(model, items, batch_size):
+    for batch in text_batches(
+        model, items, batch_size, batch_bytes=batch_bytes, memory_limit=memory_limit
+    ):
         acc, chosen, head_ids, batch_tokens = accumulate_statistics(
             model, batch, layers=layers, heads=heads, chunk_size=chunk_size
         )
@@ -149,6 +272,9 @@ def corpus_statistics(
         top_weight.append(weight)
         tokens.extend(batch_tokens or [[] for _ in range(pos.shape[0])])
         num_queries += int(acc.counts["all"].item())
+        done += int(batch.input_ids.shape[0])
+        if progress is not None:
+            progress(done, len(items))
     means, chance = split_chance(
         {
             name: (sums[name] / known[name].clamp(min=1))

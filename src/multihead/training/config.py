@@ -25,7 +25,7 @@ from multihead._checks import (
 )
 from multihead.models.lm import LMConfig
 from multihead.training.ddp import check_device
-from multihead.training.tasks import TaskLike, get_task
+from multihead.training.tasks import Task, TaskLike, get_task
 
 if TYPE_CHECKING:
     from multihead.models.lm import TransformerLM
@@ -43,6 +43,9 @@ __all__ = [
 ]
 
 _SEED_LIMIT = 2**64  # torch.manual_seed and the data's hash take seeds in [0, 2**64)
+# eval_size may reach the held-out inputs of the task, or this many when they are fewer (a
+# small task's default evaluation draws some of them more than once).
+_EVAL_FLOOR = 1000
 
 
 def check_seed(name: str, value: Any) -> int:
@@ -100,7 +103,8 @@ class TrainConfig:
         weight_decay: AdamW's decoupled weight decay (not on biases, norms and embeddings); ≥ 0.
         grad_clip: clip the gradients' global norm to this (0 disables).
         save_every: checkpoint every this many steps (0: only at the end and on interrupt).
-        eval_size: held-out sequences for the final exact-match accuracy.
+        eval_size: held-out sequences for the final exact-match accuracy; at most the task's
+            held-out inputs (``Task.held_out_size``), or 1000 when those are fewer.
         threads: torch's intra-op threads, at most the CPU count (default: torch's choice).
         device: ``"auto"`` (the local GPU if any, else CPU), or a torch device string.
         plots: write loss.png and attention.png at the end.
@@ -189,6 +193,14 @@ class TrainConfig:
         check_finite_float("grad_clip", self.grad_clip, minimum=0.0)
         check_non_negative_int("save_every", self.save_every)
         check_non_negative_int("eval_size", self.eval_size)
+        if isinstance(task, Task):  # induction evaluates with its probes, not eval_size
+            most = max(_EVAL_FLOOR, task.held_out_size)
+            if self.eval_size > most:
+                raise ValueError(
+                    f"eval_size must be at most {most} (the {task.name} task at seq_len "
+                    f"{task.seq_len} holds out about {task.held_out_size} inputs; more would "
+                    f"draw the same ones again, for longer), got {self.eval_size}"
+                )
         # Whether the threads and the device exist here is train()'s question: a checkpoint
         # made on another machine must still be readable.
         check_optional_positive_int("threads", self.threads)

@@ -163,6 +163,12 @@ class Task:
         return self.prompt_len + self.answer_len
 
     @property
+    def held_out_size(self) -> int:
+        """About how many distinct inputs are held out: a tenth of the 10^digits inputs (a hash
+        chooses them). An evaluation drawing more only draws them again."""
+        return 10**self.input_digits // _HELD_OUT_EVERY
+
+    @property
     def prompt_tokens(self) -> tuple[str, ...]:
         """The tokens a prompt of this task may contain."""
         return (*VOCAB[:10], "+", "=") if self.name == "add" else (*VOCAB[:10], "=")

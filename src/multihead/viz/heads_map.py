@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from multihead.viz.fonts import drawn_with_fonts
 from multihead.viz.formats import FIGURE_FORMATS
 from multihead.viz.plots import _label, _matplotlib, save_figure
 
@@ -64,6 +65,7 @@ def heads_map_labels(
     ]
 
 
+@drawn_with_fonts
 def heads_map_figure(
     positions: Tensor,
     layers: Sequence[int],

@@ -39,10 +39,32 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from multihead.memory_budget import format_bytes
+
 if TYPE_CHECKING:
     from multihead.observe.statistics import HeadStatistics
 
-__all__ = ["encode_weights", "render_page", "write_page"]
+__all__ = ["encode_weights", "render_page", "write_page", "check_page_size", "PAGE_WEIGHTS_LIMIT"]
+
+# The most weights a page carries (one byte each once inflated): the browser inflates them and
+# draws from them, and pages much past a few hundred MB open slowly or not at all.
+PAGE_WEIGHTS_LIMIT = 256 * 2**20
+
+
+def check_page_size(num_layers: int, num_heads: int, num_tokens: int) -> None:
+    """Refuse a page of L·H·T² weights over :data:`PAGE_WEIGHTS_LIMIT`, before any is encoded.
+
+    Raises:
+        ValueError: the page would carry more; the message says how much and what to leave out.
+    """
+    size = num_layers * num_heads * num_tokens**2
+    if size > PAGE_WEIGHTS_LIMIT:
+        raise ValueError(
+            f"the page would carry {format_bytes(size)} of weights ({num_layers} layers × "
+            f"{num_heads} heads × {num_tokens}² tokens, one byte each), over its limit of "
+            f"{format_bytes(PAGE_WEIGHTS_LIMIT)} (more than a browser opens well): show fewer "
+            f"layers or heads, a shorter text, or no page (html)"
+        )
 
 
 def encode_weights(weights: Tensor) -> tuple[bytes, bytes]:
@@ -62,18 +84,24 @@ def encode_weights(weights: Tensor) -> tuple[bytes, bytes]:
     if not isinstance(weights, Tensor) or weights.dim() != 4:
         got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
         raise ValueError(f"weights must be a (L, H, T, S) tensor, got {got}")
-    w = weights.detach().to("cpu", torch.float32).clamp(min=0.0)
+    # One working copy, scaled in place: the weights may be most of the memory there is.
+    w = weights.detach().to("cpu", torch.float32).clamp(min=0.0)  # (L, H, T, S)
     scales = w.amax(dim=-1)  # (L, H, T)
-    q = torch.round(w / scales.clamp(min=1e-30).unsqueeze(-1) * 255.0).to(torch.uint8)
+    w.div_(scales.clamp(min=1e-30).unsqueeze(-1)).mul_(255.0).round_()
+    q = w.to(torch.uint8)
+    del w
     return q.numpy().tobytes(), scales.numpy().astype("<f4").tobytes()
 
 
 def _check_causal(weights: Tensor, tol: float = 1e-6) -> None:
     """Refuse ``causal=True`` for weights that put mass above the diagonal (key after query)."""
-    above = weights.detach().to(torch.float32).triu(diagonal=1).abs()  # (L, H, T, T)
-    worst = float(above.max()) if above.numel() else 0.0
-    if worst > tol:
-        layer, head, i, j = (int(x) for x in torch.nonzero(above == worst)[0])
+    # Layer by layer: a copy of all the weights at once may not fit beside them.
+    for layer, per_layer in enumerate(weights.detach()):
+        above = per_layer.to(torch.float32).triu(diagonal=1).abs()  # (H, T, T)
+        worst = float(above.max()) if above.numel() else 0.0
+        if worst <= tol:
+            continue
+        head, i, j = (int(x) for x in torch.nonzero(above == worst)[0])
         raise ValueError(
             f"causal=True but weights put {worst:.3g} above the diagonal (layer position {layer}, "
             f"head {head}, query {i} on later key {j}): these are not a causal model's weights; "
@@ -125,8 +153,9 @@ def render_page(
         A complete HTML document with no external reference.
 
     Raises:
-        ValueError: a shape or label does not match the weights, or ``causal=True`` with weights
-            above the diagonal (more than 1e-6).
+        ValueError: a shape or label does not match the weights, ``causal=True`` with weights
+            above the diagonal (more than 1e-6), or more weights than a page carries
+            (:func:`check_page_size`).
     """
     if (
         not isinstance(weights, Tensor)
@@ -135,9 +164,10 @@ def render_page(
     ):
         got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
         raise ValueError(f"weights must be a (L, H, T, T) self-attention tensor, got {got}")
+    n_layers, n_heads, t, _ = weights.shape
+    check_page_size(n_layers, n_heads, t)
     if causal:
         _check_causal(weights)
-    n_layers, n_heads, t, _ = weights.shape
     if len(tokens) != t:
         raise ValueError(f"tokens must hold T={t} tokens, got {len(tokens)}")
     if special is not None and len(special) != t:

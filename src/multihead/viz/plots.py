@@ -7,6 +7,7 @@ no display, no global state), so they are safe in scripts, servers and tests. Ro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from multihead.viz.fonts import (
+    MissingGlyphsWarning,
+    drawn_with_fonts,
+    fonts,
+    missing_glyphs,
+    quiet_glyph_warnings,
+)
 from multihead.viz.formats import FIGURE_FORMATS
 
 if TYPE_CHECKING:
@@ -24,6 +32,12 @@ __all__ = ["grid_figure", "head_figure", "importance_figure", "save_figure"]
 
 # Above this many tokens the grid's small cells drop their token labels (unreadable anyway).
 _GRID_LABEL_LIMIT = 40
+# Maps longer than this are max-pooled to it before they are drawn (a grid cell is 170 pixels
+# at 100 dpi): what matplotlib copies then grows with the figure, not with T².
+_GRID_CELLS = 256
+# The head figure labels every token up to this many; beyond, it is max-pooled to this size
+# and drawn unlabelled, at a fixed size (a labelled one would grow past what can be drawn).
+_HEAD_LABEL_LIMIT = 512
 _CMAP = "Blues"
 
 
@@ -73,6 +87,25 @@ def _blank_future(w: Tensor) -> Tensor:
     return w.masked_fill(future, float("nan"))
 
 
+def _fit(w: Tensor, size: int, causal: bool) -> Tensor:
+    """(..., T, S) weights to draw: at most ``size`` × ``size`` cells, each the maximum of the
+    weights it covers (a sharp peak stays visible); with ``causal``, the cells whose keys all
+    come after their queries drawn blank (NaN), as :func:`_blank_future` does uncut."""
+    t, s = w.shape[-2:]
+    if t <= size and s <= size:
+        return _blank_future(w) if causal else w
+    import torch.nn.functional as F
+
+    t2, s2 = min(t, size), min(s, size)
+    pooled = F.adaptive_max_pool2d(w.reshape(-1, 1, t, s), (t2, s2)).reshape(*w.shape[:-2], t2, s2)
+    if causal:  # cell (i, j) covers queries up to ceil((i+1)·T/t2) - 1 and keys from floor(j·S/s2)
+        last_query = (torch.arange(1, t2 + 1) * t + t2 - 1) // t2 - 1  # (t2,)
+        first_key = torch.arange(s2) * s // s2  # (s2,)
+        future = first_key[None, :] > last_query[:, None] + (s - t)  # (t2, s2) queries last
+        pooled = pooled.masked_fill(future, float("nan"))
+    return pooled
+
+
 def _check_tokens(tokens: Sequence[str], t: int, s: int) -> None:
     # Queries are the last T of the S positions (bottom-right, as causal masks align them).
     if len(tokens) != s or t > s:
@@ -82,6 +115,7 @@ def _check_tokens(tokens: Sequence[str], t: int, s: int) -> None:
         )
 
 
+@drawn_with_fonts
 def grid_figure(
     weights: Tensor,
     tokens: Sequence[str],
@@ -106,14 +140,17 @@ def grid_figure(
         causal: a causal model's weights: the keys after each query are drawn blank (white),
             each map a lower triangle.
 
+    Maps of more than 256 tokens are drawn max-pooled to 256 × 256 cells (each cell the
+    largest weight it covers), so the figure's memory does not grow with T².
+
     Returns:
         A matplotlib Figure; save it with :func:`save_figure`.
     """
     w = _check_weights(weights, 4, "(L, H, T, S)")
-    n_layers, n_heads, t, s = w.shape
-    _check_tokens(tokens, t, s)
-    if causal:
-        w = _blank_future(w)
+    n_layers, n_heads, full_t, full_s = w.shape
+    _check_tokens(tokens, full_t, full_s)
+    w = _fit(w, _GRID_CELLS, causal)
+    t, s = w.shape[-2:]
     layers, heads = _numbers(
         layers, heads, n_layers, n_heads, f"the weights' {n_layers} layers and {n_heads} heads"
     )
@@ -183,8 +220,9 @@ def grid_figure(
             rotation=90,
         )
     if focus is not None:
+        row = (focus - (full_s - full_t)) * t // full_t  # its cell when the maps were pooled
         for i in range(n_layers):
-            _outline_row(ax, i * (t + gap) + focus - (s - t), n_heads * (s + gap) - gap)
+            _outline_row(ax, i * (t + gap) + row, n_heads * (s + gap) - gap)
     bar = fig.add_axes(
         ((left + width + 0.45) / fw, (bottom + 0.2 * height) / fh, 0.12 / fw, 0.6 * height / fh)
     )
@@ -201,6 +239,7 @@ def _outline_row(ax: Axes, row: int, width: int) -> None:
     )
 
 
+@drawn_with_fonts
 def head_figure(
     weights: Tensor,
     tokens: Sequence[str],
@@ -220,22 +259,27 @@ def head_figure(
         focus: a query position whose row is outlined.
         title: overrides the default title.
         causal: a causal model's weights: the keys after each query are drawn blank (white).
+
+    Up to 512 tokens every token is labelled; a longer map is drawn max-pooled to 512 × 512
+    cells, unlabelled, 8 inches wide (a labelled one would outgrow what can be drawn).
     """
     w = _check_weights(weights, 2, "(T, S)")
-    t, s = w.shape
-    _check_tokens(tokens, t, s)
+    full_t, full_s = w.shape
+    _check_tokens(tokens, full_t, full_s)
     vmax = float(w.max().clamp(min=1e-6))  # before NaNs hide the maximum
-    if causal:
-        w = _blank_future(w)
+    w = _fit(w, _HEAD_LABEL_LIMIT, causal)
+    t, s = w.shape
+    labelled = max(full_t, full_s) <= _HEAD_LABEL_LIMIT
     _matplotlib()
     from matplotlib.figure import Figure
 
     # Fixed margins and plain texts for the labels, as in grid_figure: ticks cost seconds at
-    # a few hundred tokens. A cell is at least one label line high.
+    # a few hundred tokens. A cell is at least one label line high; unlabelled, the map is
+    # 8 inches whatever T.
     n = max(t, s)
     font = max(4.0, min(10.0, 400.0 / n))
-    cell = max(font * 1.3 / 72, min(0.4, 6.0 / n))
-    label = (max(len(x) for x in tokens) * 0.62 * font + 8) / 72
+    cell = max(font * 1.3 / 72, min(0.4, 6.0 / n)) if labelled else 8.0 / n
+    label = (max(len(x) for x in tokens) * 0.62 * font + 8) / 72 if labelled else 0.0
     left, bottom, top, right = label + 0.45, label + 0.45, 0.5, 1.3
     width, height = s * cell, t * cell
     fw, fh = left + width + right, bottom + height + top
@@ -251,7 +295,7 @@ def head_figure(
     )
     ax.set_xticks([])
     ax.set_yticks([])
-    for j, token in enumerate(tokens):
+    for j, token in enumerate(tokens if labelled else []):
         ax.text(
             j,
             t - 0.5 + 0.3,
@@ -262,7 +306,7 @@ def head_figure(
             fontsize=font,
             clip_on=False,
         )
-    for i, token in enumerate(tokens[-t:]):
+    for i, token in enumerate(tokens[-t:] if labelled else []):
         ax.text(-0.8, i, _label(token), ha="right", va="center", fontsize=font, clip_on=False)
     fig.text((left + width / 2) / fw, 0.12 / fh, "key (attended to)", ha="center", va="bottom")
     fig.text(
@@ -274,7 +318,7 @@ def head_figure(
         va="center",
     )
     if focus is not None:
-        _outline_row(ax, focus - (s - t), s)
+        _outline_row(ax, (focus - (full_s - full_t)) * t // full_t, s)
     bar = fig.add_axes(
         ((left + width + 0.3) / fw, (bottom + 0.1 * height) / fh, 0.15 / fw, 0.8 * height / fh)
     )
@@ -291,6 +335,7 @@ def head_figure(
     return fig
 
 
+@drawn_with_fonts
 def importance_figure(
     importance: Tensor,
     *,
@@ -342,6 +387,10 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
 
     Raises:
         ValueError: a suffix other than .png or .svg.
+
+    Warns:
+        MissingGlyphsWarning: once, when no installed font has some of the figure's characters
+            (:mod:`multihead.viz.fonts`); they are drawn as boxes.
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
@@ -352,6 +401,13 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
     import matplotlib
 
     metadata = {"Date": None} if fmt == "svg" else None
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "multihead"}):
+    missing = missing_glyphs(fig)
+    if missing:  # once, in place of matplotlib's warning per glyph and draw
+        warnings.warn(MissingGlyphsWarning(missing), stacklevel=2)
+    with (
+        fonts(),
+        matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "multihead"}),
+        quiet_glyph_warnings(),
+    ):
         fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
     return path
