@@ -119,7 +119,12 @@ def math_attention(
     weights = softmax_(scores)  # (..., H, T, S)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
-    out = torch.matmul(dropped, v)
+    graph = torch.is_grad_enabled() and (dropped.requires_grad or v.requires_grad)
+    if (*dropped.shape[:-1], v.shape[-1]) == q.shape and not graph:
+        # Outside autograd the output takes q's copy, done with: one large buffer fewer.
+        out = torch.matmul(dropped, v, out=q)
+    else:
+        out = torch.matmul(dropped, v)
     return out.to(dtype), weights.to(dtype)
 
 
