@@ -174,6 +174,27 @@ def run_interpreter_cases() -> None:
     for shape in SHAPES[:3]:
         for dtype in (torch.float32, torch.float16):
             _check(shape, dtype, "cpu")
+    _check_routing_through_multihead_attention()
+
+
+def _check_routing_through_multihead_attention() -> None:
+    """MultiHeadAttention's weights through attention()'s choice of the kernel (routed to it
+    on the CPU here) equal the math path's: masks, causality and grouped heads arrive intact."""
+    mha = MultiHeadAttention(24, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 9, 24)
+    key_mask = torch.ones(2, 9, dtype=torch.bool)
+    key_mask[1, 6:] = False
+    mask = torch.randn(9, 9)
+    with torch.no_grad():
+        expected = mha(x, mask=mask, key_mask=key_mask, is_causal=True, need_weights=True)
+        original = fused_weights.unsupported
+        fused_weights.unsupported = lambda *args: None
+        try:
+            got = mha(x, mask=mask, key_mask=key_mask, is_causal=True, need_weights=True)
+        finally:
+            fused_weights.unsupported = original
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

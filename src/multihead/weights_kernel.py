@@ -210,7 +210,7 @@ def attention_weights_kernel(
             mask=(cols[:, None] < S) & (offs_dv[None, :] < DV),
             other=0.0,
         )
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     if IS_CAUSAL:
         zeros = tl.zeros([BLOCK_M, BLOCK_N], W.dtype.element_ty)
         first_hidden = tl.cdiv(end_n, BLOCK_N) * BLOCK_N
