@@ -25,12 +25,22 @@ recorded, is inherited across exec from the parent on Linux), else ``ru_maxrss``
 predicted footprint exceeds the memory available is skipped, not run (so it cannot take the
 machine down).
 
+On a GPU (``--device cuda``; ``--dtype`` default bfloat16 there) the grid is issue 23's:
+E=1024, H=16 (D=64), (B, T) in {(8, 1024), (4, 4096)}, with three sections: forward (eval,
+no_grad), causal forward+backward (train), and forward with per-head weights. Times come from
+CUDA events (median per call), memory from ``torch.cuda.max_memory_allocated`` (the peak of one
+call above what was allocated before it). The weights rows also show the rate at which the
+B·H·T² weights were written, against the device's memory bandwidth (the limit when nothing but
+the weights is written). torch's causal rows pass the causal mask with ``is_causal=True``.
+
 Usage::
 
     python benchmarks/bench_attention.py            # full run, several minutes on 2 cores
     python benchmarks/bench_attention.py --quick    # smoke run, seconds
+    python benchmarks/bench_attention.py --device cuda [--dtype bfloat16] [--quick]
 
-Results: printed tables and ``benchmarks/results/attention.json``.
+Results: printed tables and ``benchmarks/results/attention.json`` (``attention_gpu.json`` on a
+GPU; ``_quick`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -50,7 +60,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import format_table, gemm_peak, machine_info, median_time, write_json
+from common import (
+    cuda_peak_memory,
+    cuda_time,
+    format_table,
+    gemm_peak,
+    machine_info,
+    median_time,
+    write_json,
+)
 from torch import Tensor, nn
 
 from multihead import MultiHeadAttention
@@ -62,6 +80,16 @@ QUICK_T = (64,)
 MEMORY_T, QUICK_MEMORY_T = 16384, 1024
 IMPLS = ("multihead", "torch", "floor", "naive")
 WEIGHT_IMPLS = ("multihead", "torch", "naive")
+
+GPU_E, GPU_H = 1024, 16
+GPU_SHAPES = ((8, 1024), (4, 4096))  # (B, T)
+QUICK_GPU_SHAPES = ((2, 256),)
+GPU_SECTIONS = (
+    # (title, need_weights, train, is_causal, implementations)
+    ("forward", False, False, False, ("multihead", "torch", "floor")),
+    ("forward+backward, causal", False, True, True, ("multihead", "torch", "floor")),
+    ("forward, need_weights", True, False, False, ("multihead", "torch")),
+)
 
 # Targets of issue 2 (ratios are multihead ÷ other).
 TARGET_VS_TORCH = 1.0
@@ -82,13 +110,13 @@ class BareFloor(nn.Module):
         self.v_proj = nn.Linear(embed_dim, embed_dim)
         self.out_proj = nn.Linear(embed_dim, embed_dim)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, is_causal: bool = False) -> Tensor:
         b, t, e = x.shape
         h = self.num_heads
         q = self.q_proj(x).view(b, t, h, e // h).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(b, t, h, e // h).transpose(1, 2)
         v = self.v_proj(x).view(b, t, h, e // h).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, D)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)  # (B, H, T, D)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, e))
 
 
@@ -106,7 +134,8 @@ class Naive(BareFloor):
         out = weights @ v  # (B, H, T, T) x (B, H, T, D) -> (B, H, T, D)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, e)), weights
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, is_causal: bool = False) -> Tensor:
+        assert not is_causal, "the naive formulation has no causal mask"
         return self.forward_with_weights(x)[0]
 
 
@@ -116,7 +145,9 @@ def build(name: str, reference: nn.MultiheadAttention) -> nn.Module:
         return reference
     if name == "multihead":
         return MultiHeadAttention.from_torch(reference)
-    model = BareFloor(E, H) if name == "floor" else Naive(E, H)
+    e, h = reference.embed_dim, reference.num_heads
+    model = BareFloor(e, h) if name == "floor" else Naive(e, h)
+    model.to(device=reference.out_proj.weight.device, dtype=reference.out_proj.weight.dtype)
     assert reference.in_proj_weight is not None and reference.in_proj_bias is not None
     with torch.no_grad():
         weights = reference.in_proj_weight.chunk(3)
@@ -130,18 +161,25 @@ def build(name: str, reference: nn.MultiheadAttention) -> nn.Module:
     return model
 
 
-def call(name: str, model: nn.Module, x: Tensor, need_weights: bool) -> Any:
+def call(
+    name: str, model: nn.Module, x: Tensor, need_weights: bool, is_causal: bool = False
+) -> Any:
     """One forward of ``model`` on ``x``: the output, or (output, per-head weights)."""
     if name == "torch":
+        if is_causal:  # torch takes the causal flag only as a hint beside the mask
+            mask = nn.Transformer.generate_square_subsequent_mask(
+                x.shape[1], device=x.device, dtype=x.dtype
+            )
+            return model(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
         if need_weights:
             return model(x, x, x, need_weights=True, average_attn_weights=False)
         return model(x, x, x, need_weights=False)[0]
     if name == "multihead":
-        return model(x, need_weights=need_weights)
+        return model(x, need_weights=need_weights, is_causal=is_causal)
     if need_weights:
         assert isinstance(model, Naive)
         return model.forward_with_weights(x)
-    return model(x)
+    return model(x, is_causal=is_causal)
 
 
 def forward_flops(batch: int, length: int) -> float:
@@ -149,14 +187,21 @@ def forward_flops(batch: int, length: int) -> float:
     return 4 * 2 * batch * length * E * E + 4 * batch * H * length**2 * D
 
 
-def make_fn(name: str, model: nn.Module, x: Tensor, need_weights: bool, train: bool) -> Callable:
+def make_fn(
+    name: str,
+    model: nn.Module,
+    x: Tensor,
+    need_weights: bool,
+    train: bool,
+    is_causal: bool = False,
+) -> Callable:
     """The zero-argument callable that is timed."""
     if not train:
         model.eval()
 
         def forward() -> None:
             with torch.no_grad():
-                call(name, model, x, need_weights)
+                call(name, model, x, need_weights, is_causal)
 
         return forward
 
@@ -164,7 +209,7 @@ def make_fn(name: str, model: nn.Module, x: Tensor, need_weights: bool, train: b
     inputs = [x, *model.parameters()]
 
     def forward_backward() -> None:
-        result = call(name, model, x, need_weights)
+        result = call(name, model, x, need_weights, is_causal)
         out = result[0] if isinstance(result, tuple) else result
         torch.autograd.grad(out.sum(), inputs)
 
@@ -441,6 +486,122 @@ def check_targets(
     return targets
 
 
+# -- on a GPU ------------------------------------------------------------------------------------
+
+
+def write_bandwidth(device: torch.device) -> float:
+    """Bytes per second the device writes (``fill_`` of a 1 GiB buffer): the limit for a kernel
+    whose only large traffic is writing its result."""
+    buffer = torch.empty(2**30, dtype=torch.uint8, device=device)
+    seconds = cuda_time(lambda: buffer.fill_(1), min_run_time=0.2)
+    return 2**30 / seconds
+
+
+def gpu_agreement(device: torch.device, dtype: torch.dtype) -> float:
+    """Largest difference of torch's and the floor's output (and torch's weights) from
+    multihead's, at B=2, T=128, in ``dtype``."""
+    torch.manual_seed(0)
+    reference = nn.MultiheadAttention(GPU_E, GPU_H, batch_first=True, device=device, dtype=dtype)
+    models = {name: build(name, reference).eval() for name in ("multihead", "torch", "floor")}
+    x = torch.randn(2, 128, GPU_E, device=device, dtype=dtype)
+    worst = 0.0
+    with torch.no_grad():
+        ours, ours_w = call("multihead", models["multihead"], x, True)
+        for name in ("torch", "floor"):
+            out = call(name, models[name], x, False)
+            worst = max(worst, (out - ours).abs().max().item())
+        out, weights = call("torch", models["torch"], x, True)
+        worst = max(worst, (out - ours).abs().max().item(), (weights - ours_w).abs().max().item())
+    limit = 1e-4 if dtype == torch.float32 else 5e-2
+    if worst > limit:
+        raise RuntimeError(f"implementations disagree: max abs difference {worst:.2e} > {limit}")
+    return worst
+
+
+def run_gpu(
+    device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], quick: bool
+) -> dict[str, Any]:
+    """Every GPU (section, shape, implementation): median time and peak memory."""
+    min_run_time = 0.05 if quick else 0.3
+    bandwidth = write_bandwidth(device)
+    payload: dict[str, Any] = {
+        "config": {"E": GPU_E, "H": GPU_H, "dtype": str(dtype), "shapes": shapes},
+        "write_bandwidth_bytes_per_s": bandwidth,
+        "max_abs_difference": gpu_agreement(device, dtype),
+    }
+    rows: list[dict[str, Any]] = []
+    for title, need_weights, train, is_causal, impls in GPU_SECTIONS:
+        for batch, length in shapes:
+            torch.manual_seed(0)
+            reference = nn.MultiheadAttention(
+                GPU_E, GPU_H, batch_first=True, device=device, dtype=dtype
+            )
+            models = {name: build(name, reference) for name in impls}
+            x = torch.randn(batch, length, GPU_E, device=device, dtype=dtype, requires_grad=train)
+            fns = {
+                name: make_fn(name, models[name], x, need_weights, train, is_causal)
+                for name in impls
+            }
+            samples: dict[str, list[float]] = {name: [] for name in impls}
+            for _ in range(1 if quick else 3):  # rounds alternate the implementations
+                for name in impls:
+                    samples[name].append(cuda_time(fns[name], min_run_time=min_run_time))
+            for name in impls:
+                row: dict[str, Any] = {
+                    "section": title,
+                    "B": batch,
+                    "T": length,
+                    "impl": name,
+                    "seconds": statistics.median(samples[name]),
+                    "round_seconds": samples[name],
+                    "peak_bytes": cuda_peak_memory(fns[name]),
+                }
+                if need_weights:
+                    written = batch * GPU_H * length * length * x.element_size()
+                    row["weights_bytes"] = written
+                    row["weights_bytes_per_s"] = written / row["seconds"]
+                    row["write_limit_seconds"] = written / bandwidth
+                rows.append(row)
+            del models, fns, x, reference
+            torch.cuda.empty_cache()
+            print(f"  timed {title:28s} B={batch} T={length:5d}", file=sys.stderr, flush=True)
+    for row in rows:
+        ours = next(
+            r["seconds"]
+            for r in rows
+            if (r["section"], r["B"], r["T"], r["impl"])
+            == (row["section"], row["B"], row["T"], "multihead")
+        )
+        row["ours_over_this"] = ours / row["seconds"]
+    payload["rows"] = rows
+    return payload
+
+
+def gpu_table(payload: dict[str, Any]) -> str:
+    table = []
+    for row in payload["rows"]:
+        weights = "-"
+        if "weights_bytes_per_s" in row:
+            weights = (
+                f"{row['weights_bytes_per_s'] / 1e12:.2f} TB/s "
+                f"({row['write_limit_seconds'] / row['seconds']:.0%} of the limit)"
+            )
+        table.append(
+            [
+                row["section"],
+                row["B"],
+                row["T"],
+                row["impl"],
+                f"{row['seconds'] * 1e3:.3f}",
+                f"{row['peak_bytes'] / 2**20:.0f}",
+                "-" if row["impl"] == "multihead" else f"{row['ours_over_this']:.3f}x",
+                weights,
+            ]
+        )
+    headers = ["section", "B", "T", "impl", "ms", "peak MiB", "multihead ÷ impl", "weights written"]
+    return format_table(headers, table)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: one short T, short runs")
@@ -459,6 +620,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--results-dir", default=None, help="where to write the JSON (default benchmarks/results)"
     )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (issue 2's grid) or cuda (issue 23's grid)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="on cuda (default bfloat16); the CPU grid runs float32",
+    )
     parser.add_argument("--memory-child", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--memory-length", type=int, default=MEMORY_T, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -467,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         memory_child(args.memory_child, args.memory_length)
         return 0
 
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        return main_gpu(device, getattr(torch, args.dtype or "bfloat16"), args)
+    if args.dtype not in (None, "float32"):
+        parser.error(f"--dtype {args.dtype} needs --device cuda: the CPU grid runs float32")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     timer = time.process_time if args.cpu_time else None
@@ -540,6 +715,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_time or args.threads is not None:
         name += f"_{'cpu' if args.cpu_time else 'wall'}_t{torch.get_num_threads()}"
     path = write_json(name, payload, directory=directory)
+    print(f"\nwrote {os.path.relpath(path)}")
+    return 0
+
+
+def main_gpu(device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print(f"--device {device}: CUDA is not available", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(device)
+    info = machine_info()
+    gpu = info["gpu"]
+    if args.quick:
+        print("quick smoke run: the numbers below are not meaningful\n")
+    print(
+        f"{gpu['name']} ({gpu['memory_gib']} GiB), torch {info['torch']} (CUDA {gpu['cuda']}), "
+        f"triton {gpu['triton']}, {dtype}\ncommand: {info['command']}\n"
+    )
+    shapes = QUICK_GPU_SHAPES if args.quick else GPU_SHAPES
+    payload = {"machine": info, **run_gpu(device, dtype, shapes, args.quick)}
+    print(
+        f"write bandwidth (fill_ of 1 GiB): {payload['write_bandwidth_bytes_per_s'] / 1e12:.2f} "
+        f"TB/s; max abs difference from torch: {payload['max_abs_difference']:.2e}\n"
+    )
+    print(gpu_table(payload))
+    directory = None if args.results_dir is None else Path(args.results_dir)
+    path = write_json(
+        "attention_gpu_quick" if args.quick else "attention_gpu", payload, directory=directory
+    )
     print(f"\nwrote {os.path.relpath(path)}")
     return 0
 

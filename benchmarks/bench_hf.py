@@ -17,11 +17,17 @@ a rotated order), so that a slow spell of a shared machine hits every mode alike
 mode the median forward time over all rounds and the peak RSS; the ratio capture ÷ sdpa is the
 median of the per-round ratios (targets: time <= 1.15x, peak RSS <= 1.1x).
 
+On a GPU (``--device cuda``, ``--dtype`` default bfloat16) the model is Llama-shaped at width
+2048 (16 layers, 16 query and 4 key/value heads, MLP 5632), built on the device; the modes run in
+this one process, in interleaved rounds, each forward timed with CUDA events and its memory read
+from ``torch.cuda.max_memory_allocated`` (the peak of one forward above the model's own memory).
+
 Usage::
 
     python benchmarks/bench_hf.py [--lengths 4096 16384] [--rounds 5] [--repeats 2] [--quick]
+    python benchmarks/bench_hf.py --device cuda [--dtype bfloat16] [--lengths 4096] [--quick]
 
-Writes ``benchmarks/results/hf.json`` (``hf_quick.json`` with ``--quick``).
+Writes ``benchmarks/results/hf.json`` (``hf_gpu.json`` on a GPU; ``_quick`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -60,6 +66,119 @@ def build(quick: bool) -> Any:
     )
     torch.manual_seed(0)
     return LlamaModel(config).eval()
+
+
+def build_gpu(quick: bool, device: Any, dtype: Any) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256 if quick else 2048,
+        intermediate_size=512 if quick else 5632,
+        num_hidden_layers=2 if quick else 16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaModel(config).to(dtype).eval()
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    """Every mode in this process on the GPU: CUDA-event times and peak allocated memory."""
+    import torch
+    from common import cuda_peak_memory, cuda_time
+
+    import multihead
+    import multihead.hf  # noqa: F401 - registers "multihead"
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    lengths = [512] if args.quick else args.lengths
+    rounds = 1 if args.quick else args.rounds
+    model = build_gpu(args.quick, device, dtype)
+    recorded: dict[str, int] = {}
+
+    def forward(mode: str, ids: Any) -> Any:
+        def run() -> None:
+            with torch.no_grad():
+                if mode == "capture":
+                    with multihead.capture(model, rows=[-1]) as rec:
+                        model(input_ids=ids, use_cache=False)
+                    recorded[mode] = sum(w.numel() for w in rec.weights)
+                elif mode == "eager":
+                    out = model(input_ids=ids, use_cache=False, output_attentions=True)
+                    recorded[mode] = sum(w.numel() for w in out.attentions)
+                else:
+                    model(input_ids=ids, use_cache=False)
+
+        return run
+
+    rows, ratios = [], []
+    for length in lengths:
+        modes = [m for m in MODES if m != "eager" or length <= args.eager_max]
+        g = torch.Generator(device=device).manual_seed(1)
+        ids = torch.randint(0, 1000, (1, length), generator=g, device=device)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        peaks: dict[str, int] = {}
+        for r in range(rounds):
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                model.set_attn_implementation(mode if mode in ("multihead", "eager") else "sdpa")
+                run = forward(mode, ids)
+                times[mode].append(cuda_time(run, min_run_time=0.2, warmup=2, max_repeats=10))
+                if r == 0:
+                    peaks[mode] = cuda_peak_memory(run)
+        for mode in modes:
+            rows.append(
+                {
+                    "T": length,
+                    "mode": mode,
+                    "seconds": _median(times[mode]),
+                    "peak_bytes": peaks[mode],
+                    "recorded_elements": recorded.get(mode, 0),
+                }
+            )
+        per_round = [c / s for c, s in zip(times["capture"], times["sdpa"], strict=True)]
+        ratios.append(
+            {
+                "T": length,
+                "time": _median(per_round),
+                "time_rounds": per_round,
+                "peak_bytes": peaks["capture"] / peaks["sdpa"],
+            }
+        )
+    info = machine_info()
+    gpu = info["gpu"]
+    print(f"{gpu['name']}, torch {info['torch']}, {dtype}, {rounds} rounds\n")
+    print(
+        format_table(
+            ["T", "mode", "ms", "peak MiB above the model", "recorded"],
+            [
+                [r["T"], r["mode"], f"{r['seconds'] * 1e3:.2f}", f"{r['peak_bytes'] / 2**20:.0f}"]
+                + [r["recorded_elements"]]
+                for r in rows
+            ],
+        )
+    )
+    print(
+        format_table(
+            ["T", "time capture ÷ sdpa", "peak memory capture ÷ sdpa"],
+            [[r["T"], f"{r['time']:.3f}", f"{r['peak_bytes']:.3f}"] for r in ratios],
+        )
+    )
+    payload = {
+        "machine": info,
+        "quick": args.quick,
+        "dtype": str(dtype),
+        "rows": rows,
+        "ratios": ratios,
+        "targets": TARGETS,
+    }
+    name = "hf_gpu_quick" if args.quick else "hf_gpu"
+    print(f"wrote {write_json(name, payload, directory=args.results_dir)}")
+    return 0
 
 
 def child(mode: str, length: int, repeats: int, quick: bool) -> dict[str, Any]:
@@ -112,12 +231,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a tiny model at T=256: a smoke run")
     parser.add_argument("--results-dir", type=Path, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu (children, RSS) or cuda")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="on cuda (default bfloat16); the CPU runs float32",
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODE", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), args.repeats, args.quick)))
         return 0
 
+    if args.device != "cpu":
+        return run_gpu(args)
+    if args.dtype not in (None, "float32"):
+        parser.error(f"--dtype {args.dtype} needs --device cuda: the CPU runs float32")
     lengths = [256] if args.quick else args.lengths
     repeats = 1 if args.quick else args.repeats
     rounds = 1 if args.quick else args.rounds

@@ -20,9 +20,14 @@ machine, ``cpu``: the calling thread's CPU time with torch on one thread (``time
 which counts the work done and hardly moves when other processes load the machine. Ratios are
 medians of per-round ratios; the rounds interleave the contenders.
 
+On a GPU (``--device cuda``, ``--dtype`` default bfloat16) the forwards run on 256 × 128 tokens,
+times come from CUDA events (the single calls of ``head_importance`` from the wall clock between
+two synchronisations), and each measure also reports its peak ``torch.cuda.max_memory_allocated``
+above the model's own memory.
+
 Run:  python benchmarks/bench_intervene.py [--rounds 5] [--clock wall|cpu] [--threads N]
-      [--quick] [--results-dir DIR]
-Writes benchmarks/results/intervene.json (intervene_quick.json with --quick).
+      [--device cuda] [--dtype bfloat16] [--quick] [--results-dir DIR]
+Writes benchmarks/results/intervene.json (intervene_gpu.json on a GPU; _quick with --quick).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import format_table, machine_info, median_time, write_json
+from common import cuda_peak_memory, cuda_time, format_table, machine_info, median_time, write_json
 
 import multihead
 
@@ -86,14 +91,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=None, help="sentence pairs (24; quick 8)")
     parser.add_argument("--quick", action="store_true", help="smoke run: small shapes, 1 round")
     parser.add_argument("--results-dir", default=None, help="default benchmarks/results")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="the model's dtype (default float32 on cpu, bfloat16 on cuda)",
+    )
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     rounds = args.rounds or (1 if args.quick else 5)
     pairs = args.pairs or (8 if args.quick else 24)
-    batch, length = (8, 64) if args.quick else (32, 128)
+    batch, length = (8, 64) if args.quick else (256 if gpu else 32, 128)
     min_run_time = 0.2 if args.quick else 1.0
-    if args.clock == "cpu":
+    if gpu:
+        clock: Callable[[], float] = time.perf_counter
+    elif args.clock == "cpu":
         torch.set_num_threads(1)
-        clock: Callable[[], float] = time.thread_time
+        clock = time.thread_time
     else:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
@@ -103,13 +122,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from multihead.pretrained import minilm
 
-    model = minilm()
+    model = minilm(device=device).to(dtype)
     torch.manual_seed(0)
+    peaks: dict[str, int] = {}
 
-    # -- the forward's overhead: 32 × 128 tokens ------------------------------------------------
+    def median_of(fn: Callable[[], object]) -> float:
+        if gpu:
+            return cuda_time(fn, min_run_time=min_run_time, warmup=1)
+        return median_time(fn, min_run_time=min_run_time, warmup=1, timer=clock)
+
+    # -- the forward's overhead: B × T tokens ---------------------------------------------------
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, model.config.vocab_size, (batch, length), generator=g)
     ids[:, 0], ids[:, -1] = 101, 102  # [CLS] ... [SEP]
+    ids = ids.to(device)
 
     def plain() -> object:
         return model(ids)
@@ -124,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
 
     forward_times: dict[str, list[float]] = {"plain": [], "no edits": [], "one edit": []}
     with torch.no_grad():
-        for _ in range(rounds):
+        for r in range(rounds):
             for label, fn in (("plain", plain), ("no edits", no_edits), ("one edit", one_edit)):
-                seconds = median_time(fn, min_run_time=min_run_time, warmup=1, timer=clock)
-                forward_times[label].append(seconds)
+                forward_times[label].append(median_of(fn))
+                if gpu and r == 0:
+                    peaks[label] = cuda_peak_memory(fn)
 
     # -- head importance on generated sentence pairs --------------------------------------------
     texts = [s for pair in sentence_pairs(pairs) for s in pair]
@@ -139,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         return F.cosine_similarity(emb[0::2], emb[1::2]).mean()
 
     def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+        if gpu:
+            torch.cuda.synchronize()
         start = clock()
         result = fn()
+        if gpu:
+            torch.cuda.synchronize()
         return clock() - start, result
 
     def metric_no_grad() -> torch.Tensor:
@@ -154,10 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         "gradient": [],
     }
     metric_no_grad()  # warm-up
+    if gpu:
+        peaks["metric"] = cuda_peak_memory(metric_no_grad)
+        for label, fn in (
+            ("ablation, prefix reused", lambda: multihead.head_importance(model, metric)),
+            ("gradient", lambda: multihead.head_importance(model, metric, method="gradient")),
+        ):
+            peaks[label] = cuda_peak_memory(fn)
     for _ in range(rounds):
-        importance_times["metric"].append(
-            median_time(metric_no_grad, min_run_time=min_run_time, warmup=1, timer=clock)
-        )
+        importance_times["metric"].append(median_of(metric_no_grad))
         seconds, reused = timed(lambda: multihead.head_importance(model, metric))
         importance_times["ablation, prefix reused"].append(seconds)
         seconds, loop = timed(lambda: multihead.head_importance(model, metric, reuse_prefix=False))
@@ -226,26 +262,44 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": ratio,
                 "per_round_ms": [t * 1e3 for t in times],
                 "target": target,
+                "peak_bytes": peaks.get(label),
             }
         )
     headers = ["measure", "input", "ms", "baseline ms", "baseline", "ratio", "target", "met"]
+    if gpu:
+        headers.append("peak MiB")
+        for row, result in zip(rows, results, strict=True):
+            peak = result["peak_bytes"]
+            row.append("-" if peak is None else f"{peak / 2**20:.0f}")
+        print(
+            f"peak MiB of the plain forward: {peaks['plain'] / 2**20:.0f}, of one metric(): "
+            f"{peaks['metric'] / 2**20:.0f}"
+        )
     print(format_table(headers, rows))
     print(
         f"\nSpearman rank correlation of |ablation| and gradient over {num_heads} heads: "
         f"{rho:.3f}; prefix reuse equals the plain loop bit for bit: {same}"
     )
     info = machine_info()
+    where = (
+        f"{info['gpu']['name']}, {dtype}"
+        if gpu
+        else f"{info['cpu']}, {info['cores']} cores, {torch.get_num_threads()} torch threads"
+    )
     print(
-        f"{info['cpu']}, {info['cores']} cores, {torch.get_num_threads()} torch threads, torch "
-        f"{info['torch']}; clock {args.clock}; {rounds} rounds; load average "
+        f"{where}, torch {info['torch']}; clock {'CUDA events' if gpu else args.clock}; "
+        f"{rounds} rounds; load average "
         f"{' '.join(f'{x:.1f}' for x in info['load_average'] or [])}"
     )
     directory = None if args.results_dir is None else Path(args.results_dir)
+    name = "intervene_gpu" if gpu else "intervene"
     path = write_json(
-        "intervene_quick" if args.quick else "intervene",
+        name + ("_quick" if args.quick else ""),
         {
             "machine": info,
-            "clock": args.clock,
+            "dtype": str(dtype),
+            "peak_bytes": peaks,
+            "clock": "CUDA events" if gpu else args.clock,
             "rounds": rounds,
             "rows": results,
             "spearman_ablation_gradient": rho,

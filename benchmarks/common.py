@@ -73,6 +73,57 @@ def median_time(
     return float(measure.blocked_autorange(min_run_time=min_run_time).median)
 
 
+def cuda_time(
+    fn: Callable[[], object],
+    *,
+    min_run_time: float = 0.5,
+    warmup: int = 3,
+    max_repeats: int = 200,
+) -> float:
+    """Median time of one call of ``fn`` on the current CUDA device, in seconds.
+
+    Calls ``fn`` ``warmup`` times (kernel compilation, cuBLAS handles, allocator), then times
+    each call between two CUDA events until ``min_run_time`` seconds of GPU time or
+    ``max_repeats`` calls have passed, and returns the median. Events time the device's work,
+    not the host's queueing of it; the host waits once per call (``synchronize``), so calls do
+    not overlap.
+
+    Args:
+        fn: The zero-argument callable to time.
+        min_run_time: Seconds of measurement after warm-up (at least 5 calls always run).
+        warmup: Untimed calls before measuring.
+        max_repeats: The most timed calls.
+
+    Returns:
+        The median seconds per call.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    while len(times) < max_repeats and (len(times) < 5 or sum(times) < min_run_time):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def cuda_peak_memory(fn: Callable[[], object]) -> int:
+    """Bytes of CUDA memory that one call of ``fn`` allocates at its peak, beyond what was
+    allocated before it (``torch.cuda.max_memory_allocated``)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def gemm_peak(
     dtype: torch.dtype,
     *,
@@ -131,9 +182,31 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def gpu_info() -> dict[str, Any] | None:
+    """The CUDA device's name, memory and compute capability, and torch's CUDA version; None
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    info: dict[str, Any] = {
+        "name": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "capability": f"{props.major}.{props.minor}",
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
 def machine_info() -> dict[str, Any]:
     """What to print beside any published number: machine, software, threads and command."""
     return {
+        "gpu": gpu_info(),
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),

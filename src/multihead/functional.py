@@ -18,10 +18,16 @@ Backends:
 
 - ``"sdpa"``: torch's fused kernel (``F.scaled_dot_product_attention``). Memory is linear in the
   sequence length, weights are never materialised.
-- ``"math"``: the explicit formula (:func:`multihead.kernels.math_attention`). The only backend
-  that returns the attention weights, and the one to use for double backward (torch's fused CPU
-  kernel has no second derivative).
-- ``"auto"``: ``"math"`` when weights are asked for, else ``"sdpa"``.
+- ``"math"``: the explicit formula (:func:`multihead.kernels.math_attention`). It returns the
+  attention weights on every device and with autograd (the reference the fused kernel is tested
+  against), and is the one to use for double backward (torch's fused CPU kernel has no second
+  derivative).
+- ``"fused"``: on CUDA, the fused Triton kernel of :mod:`multihead.fused_weights` (float32
+  scores and softmax, each weight written once in q's dtype; forward only); a call it cannot
+  serve is refused with the reason.
+- ``"auto"``: ``"sdpa"`` when no weights are asked for, else ``"math"``. (``"auto"`` takes
+  ``"fused"`` for weights on CUDA once the kernel has been measured on a GPU: it has so far
+  run only under Triton's interpreter.)
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead import fused_weights
 from multihead._checks import check_choice, check_mask, check_probability
 from multihead.kernels import allowed, math_attention
 
 __all__ = ["attention", "causal_mask", "combine_masks", "BACKENDS"]
 
 Backend = Literal["auto", "sdpa", "math"]
-BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math")
+BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "fused")
 
 
 def causal_mask(
@@ -280,11 +287,12 @@ def attention(
         scale: the factor on the scores; default 1 / sqrt(D).
         dropout_p: dropout on the attention weights. Applied whenever it is > 0: pass 0 in eval.
         need_weights: also return the attention weights (softmax probabilities, before dropout).
-        backend: ``"auto"`` (``"math"`` when weights are asked for, else ``"sdpa"``), ``"sdpa"``
-            (torch's fused kernel: linear memory, no weights) or ``"math"`` (the explicit
-            formula). Double backward (a second derivative, e.g. for a gradient penalty) needs
-            ``backend="math"``: torch's fused CPU kernel has no second derivative, and torch
-            raises when one is asked of it.
+        backend: ``"auto"`` (``"math"`` when weights are asked for, else ``"sdpa"``),
+            ``"sdpa"`` (torch's fused kernel: linear memory, no weights), ``"math"`` (the
+            explicit formula) or ``"fused"`` (CUDA: the fused weights kernel of
+            :mod:`multihead.fused_weights`, forward only). Double backward (a second
+            derivative, e.g. for a gradient penalty) needs ``backend="math"``: torch's fused
+            CPU kernel has no second derivative, and torch raises when one is asked of it.
 
     Returns:
         ``out`` (..., H, T, Dv), or ``(out, weights)`` with weights (..., H, T, S) when
@@ -317,6 +325,17 @@ def attention(
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         return (out, q.new_zeros((*q.shape[:-1], 0))) if need_weights else out
 
+    if backend == "fused":
+        why = fused_weights.unsupported(q, k, v, mask, dropout_p)
+        if why is not None:
+            raise ValueError(
+                f"backend='fused' cannot serve this call ({why}): use backend='math' or 'auto'"
+            )
+        check_mask("mask", mask, (*q.shape[:-1], tk), "the scores' shape")
+        out, weights = fused_weights.fused_attention(
+            q, k, v, mask=mask, is_causal=is_causal, scale=scale
+        )
+        return (out, weights) if need_weights else out
     if not use_math and mask is None and (not is_causal or tq == tk):
         # torch's own causal flag (top-left) is ours when T == S: no mask is built at all.
         return _sdpa(q, k, v, None, is_causal, scale, dropout_p)

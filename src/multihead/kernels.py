@@ -88,6 +88,15 @@ def _add_mask(scores: Tensor, mask: Tensor) -> Tensor:
     return scores + mask.to(scores.dtype)
 
 
+def _dense(x: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
+    """``x`` in ``dtype``, laid out densely in its own dim order; copied only where needed, or
+    always with ``copy``. (A same-dtype ``clone`` copies a strided view much faster than
+    ``to(memory_format=...)`` does.)"""
+    if x.dtype != dtype:
+        return x.to(dtype, memory_format=torch.contiguous_format)
+    return x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
+
+
 def math_attention(
     q: Tensor,
     k: Tensor,
@@ -114,20 +123,31 @@ def math_attention(
         ``(out, weights)``: out (..., H, T, Dv) and the softmax weights (..., H, T, S) before
         dropout, both in q's dtype.
     """
+    dtype = q.dtype
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k = k.repeat_interleave(group, dim=-3)  # (..., H, S, D)
         v = v.repeat_interleave(group, dim=-3)  # (..., H, S, Dv)
     compute = torch.promote_types(q.dtype, torch.float32)
-    # The scale goes on q, a (T, D) pass, rather than on the (T, S) scores.
-    scores = torch.matmul(q.to(compute) * scale, k.to(compute).transpose(-2, -1))  # (..., H, T, S)
+    # Batched matmul merges the leading dims into one batch dim. Heads split off a projection,
+    # (..., T, H, D) seen as (..., H, T, D), cannot merge, so matmul would copy each operand
+    # itself, k through a slow transposing copy: one dense copy of each, made here, is cheaper.
+    # The scale rides on q's copy (always a copy), a (T, D) pass rather than one over (T, S).
+    q = _dense(q, compute, copy=True).mul_(scale)  # (..., H, T, D)
+    k, v = _dense(k, compute), _dense(v, compute)
+    scores = torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
     if mask is not None:
         scores = _add_mask(scores, mask)
     weights = softmax_(scores)  # (..., H, T, S)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
-    out = torch.matmul(dropped, v.to(compute))
-    return out.to(q.dtype), weights.to(q.dtype)
+    graph = torch.is_grad_enabled() and (dropped.requires_grad or v.requires_grad)
+    if (*dropped.shape[:-1], v.shape[-1]) == q.shape and not graph:
+        # Outside autograd the output takes q's copy, done with: one large buffer fewer.
+        out = torch.matmul(dropped, v, out=q)
+    else:
+        out = torch.matmul(dropped, v)
+    return out.to(dtype), weights.to(dtype)
 
 
 # -- blocks with log-sum-exp (ring attention) -----------------------------------------------------
