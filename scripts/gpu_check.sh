@@ -81,6 +81,10 @@ args=(-q -p no:cacheprovider -rfE --tb=short --durations=10 --junitxml="$results
 if "$py" -c "import xdist" 2>/dev/null && [ "$workers" -gt 1 ]; then
   args+=(-n "$workers")
 fi
+# pytest-benchmark (on the GPU image) warns that xdist disables it; the suite's warnings are errors
+if "$py" -c "import pytest_benchmark" 2>/dev/null; then
+  args+=(-p no:benchmark)
+fi
 if [ "$quick" = 1 ]; then
   args+=(tests/test_attention.py tests/test_functional.py tests/test_cache.py)
 fi
