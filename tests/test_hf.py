@@ -9,6 +9,7 @@ References are transformers' own: "sdpa" for outputs and generation, "eager" wit
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -570,6 +571,16 @@ def test_hybrid_family_with_unrouted_attention_is_refused() -> None:
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4
     )
     model = transformers.LongT5Model(config)
+    # a fact of the installed transformers, not of multihead: read it from its source
+    unrouted = [
+        m
+        for m in model.modules()
+        if "Attention" in type(m).__name__
+        and any(isinstance(c, nn.Linear) for c in m.children())
+        and not hf.routed(type(m))
+    ]
+    if not unrouted:
+        pytest.skip(f"transformers {transformers.__version__} routes all of LongT5's attention")
     with pytest.raises(ValueError, match=r"longt5 .*outside transformers' AttentionInterface"):
         with multihead.intervene(model, {(0, 0): 0.0}):
             pass
@@ -578,7 +589,11 @@ def test_hybrid_family_with_unrouted_attention_is_refused() -> None:
 def test_two_attention_calls_per_layer_are_refused() -> None:
     config = _decoder("DiffLlamaConfig", head_dim=16)()
     model = transformers.DiffLlamaModel(config)
-    with pytest.raises(ValueError, match=r"diffllama .*2 attention calls per layer"):
+    attention = type(model.layers[0].self_attn)
+    calls = inspect.getsource(attention.forward).count("attention_interface(")
+    if calls < 2:  # a fact of the installed transformers: read from its source
+        pytest.skip(f"transformers {transformers.__version__}: one attention call per layer")
+    with pytest.raises(ValueError, match=rf"diffllama .*{calls} attention calls per layer"):
         with multihead.capture(model):
             pass
 
