@@ -278,11 +278,13 @@ def test_corpus_batches_shrink_to_the_memory_limit_and_give_the_same_result(
     batches.clear()
     want = head_distances(model, TEXTS)
     assert batches == [4]
-    torch.testing.assert_close(small.distances, want.distances)
+    # float64 sums of float32 weights: batches padded to another length round differently
+    torch.testing.assert_close(small.distances, want.distances, atol=1e-5, rtol=0)
     batches.clear()
     stats = corpus_statistics(model, TEXTS, memory_limit=12_000)
     assert len(batches) > 1
-    torch.testing.assert_close(stats.entropy, corpus_statistics(model, TEXTS).entropy)
+    whole = corpus_statistics(model, TEXTS).entropy
+    torch.testing.assert_close(stats.entropy, whole, atol=1e-5, rtol=0)
 
 
 def test_a_corpus_text_too_long_alone_is_refused_before_any_forward(
