@@ -57,6 +57,9 @@ def print_warnings(
     into one line; ``rewrite`` adapts a message to what the user gave (file line numbers)."""
     from multihead.viz.fonts import MissingGlyphsWarning
 
+    # deprecations inside other packages (pyparsing under an older matplotlib, ...) are for
+    # their developers, not for the user of a command
+    caught = [w for w in caught if not issubclass(w.category, DeprecationWarning)]
     glyphs = "".join(w.message.chars for w in caught if isinstance(w.message, MissingGlyphsWarning))
     lines = [
         rewrite(str(w.message)) for w in caught if not isinstance(w.message, MissingGlyphsWarning)
