@@ -16,6 +16,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from typing import Any
 
 from multihead.cli.common import CLIError
@@ -229,10 +230,15 @@ def _progress(config: Any) -> tuple[Any, Any]:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         transient=False,
+        # no refresh thread beside torch's (it competes for the CPU, as explain --corpus's did):
+        # redrawn from the step, a few times a second at most
+        auto_refresh=False,
     )
     bar = progress.add_task(f"{config.task} L={config.seq_len}", total=config.steps, stats="")
+    last = 0.0
 
     def on_step(info: Any) -> None:
+        nonlocal last
         if _worth_logging(info, config):
             progress.console.print(_probe_line(info.probe), highlight=False)
         progress.update(
@@ -243,6 +249,10 @@ def _progress(config: Any) -> tuple[Any, Any]:
                 f"{info.tokens_per_s / 1000:.0f}k tok/s"
             ),
         )
+        now = time.monotonic()
+        if now - last >= 0.25 or info.step >= config.steps:
+            last = now
+            progress.refresh()
 
     return progress, on_step
 
