@@ -24,6 +24,7 @@ from torch import Tensor
 
 __all__ = [
     "allowed",
+    "scaled_weights",
     "math_attention",
     "softmax_",
     "block_attention",
@@ -88,6 +89,29 @@ def _add_mask(scores: Tensor, mask: Tensor) -> Tensor:
     return scores + mask.to(scores.dtype)
 
 
+def scaled_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q kᵀ + mask) over the keys: the formula's weights, for a q that already carries
+    the scale (in place outside autograd, see :func:`softmax_`).
+
+    The one spelling of the weights: :func:`math_attention` computes its own with it, and
+    :mod:`multihead.observe` the rows it recomputes beside a fused forward.
+
+    Args:
+        q: (..., H, T, D), scaled, in the dtype the scores are to be computed in (float32 at
+            least for an exact softmax).
+        k: (..., H, S, D), the same dtype, one key head per query head.
+        mask: None, bool (True = may attend) or float (added), broadcastable to (..., H, T, S).
+
+    Returns:
+        The weights (..., H, T, S), in q's dtype. A row the mask empties is NaN (bool) or even
+        (float): the caller decides what an empty row gives.
+    """
+    scores = torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
+    if mask is not None:
+        scores = _add_mask(scores, mask)
+    return softmax_(scores)
+
+
 def _dense(x: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
     """``x`` in ``dtype``, laid out densely in its own dim order; copied only where needed, or
     always with ``copy``. (A same-dtype ``clone`` copies a strided view much faster than
@@ -135,10 +159,7 @@ def math_attention(
     # The scale rides on q's copy (always a copy), a (T, D) pass rather than one over (T, S).
     q = _dense(q, compute, copy=True).mul_(scale)  # (..., H, T, D)
     k, v = _dense(k, compute), _dense(v, compute)
-    scores = torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
-    if mask is not None:
-        scores = _add_mask(scores, mask)
-    weights = softmax_(scores)  # (..., H, T, S)
+    weights = scaled_weights(q, k, mask)  # (..., H, T, S)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
     graph = torch.is_grad_enabled() and (dropped.requires_grad or v.requires_grad)

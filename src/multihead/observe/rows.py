@@ -165,37 +165,51 @@ def slice_mask(mask: Tensor | None, heads: Tensor | None, rows: Tensor) -> Tenso
     return mask
 
 
-def row_weights(call: AttentionCall, heads: Tensor | None, rows: Tensor) -> Tensor:
+def row_weights(
+    call: AttentionCall, heads: Tensor | None, rows: Tensor, causal: Tensor | None = None
+) -> Tensor:
     """Attention weights (B, H', R, S) of one call, for the chosen heads and query rows.
 
-    Recomputed from the call's per-head q, k and its mask by the core's formula.
+    Recomputed from the call's per-head q, k and its mask by the core's formula
+    (:func:`multihead.kernels.scaled_weights`, float32 at least), and nothing more: an observed
+    layer adds only these few small kernels to the forward it watches (at long lengths a forward
+    is bound by launching kernels, so each one counts). A row that may attend to no key gives
+    zeros, as :func:`multihead.functional.attention` does.
 
     Args:
         call: what the attention module saw (see :class:`~multihead.attention.AttentionCall`).
         heads: (H',) int64 query heads, or None for all.
         rows: (R,) int64 query rows.
+        causal: (R, S) bool, the call's causal mask restricted to ``rows`` (see
+            :func:`causal_rows`), when the caller keeps it between calls; built here if None.
     """
-    q, k, v, mask = call.q, call.k, call.v, call.mask
+    q, k, mask = call.q, call.k, call.mask
     h, hk = q.shape[1], k.shape[1]
     t, s = q.shape[2], k.shape[2]
     if heads is not None:
         q = q.index_select(1, heads)  # (B, H', T, D)
         # Query head h reads key/value head h // (H // Hk): pick each chosen head's own.
-        kv_heads = torch.div(heads, h // hk, rounding_mode="floor")
-        k = k.index_select(1, kv_heads)  # (B, H', S, D)
-        v = v.index_select(1, kv_heads)  # (B, H', S, Dv)
-    q = q.index_select(2, rows)  # (B, H', R, D)
+        k = k.index_select(1, torch.div(heads, h // hk, rounding_mode="floor"))  # (B, H', S, D)
+    elif hk != h:
+        k = k.repeat_interleave(h // hk, dim=1)  # (B, H, S, D)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q = q.index_select(2, rows).to(compute) * call.scale  # (B, H', R, D), a fresh tensor
     m = slice_mask(mask, heads, rows)
     if call.is_causal:
         # The causal mask of the full (T, S) problem, restricted to the chosen rows: the core's
         # own is_causal would align a (R, S) problem bottom-right, which is a different mask.
-        # Built for the chosen rows only (query i sees keys j <= i + S - T): never (T, S).
-        causal = torch.arange(s, device=q.device) <= (rows + (s - t))[:, None]  # (R, S)
-        m = functional.combine_masks(m, causal)
-    _, weights = functional.attention(
-        q, k, v, mask=m, scale=call.scale, need_weights=True, backend="math"
-    )
-    return weights  # (B, H', R, S)
+        m = functional.combine_masks(m, causal_rows(rows, t, s) if causal is None else causal)
+    weights = kernels.scaled_weights(q, k.to(compute), m)  # (B, H', R, S)
+    if mask is not None or (call.is_causal and t > s):  # only then can a row be empty
+        assert m is not None
+        weights = weights.masked_fill_(~kernels.allowed(m).any(-1, keepdim=True), 0.0)
+    return weights.to(call.q.dtype)
+
+
+def causal_rows(rows: Tensor, t: int, s: int) -> Tensor:
+    """(R, S) bool: query row i (of T) sees keys j <= i + S - T, bottom-right, as the core's
+    causal rule; built for the chosen rows only, never (T, S)."""
+    return torch.arange(s, device=rows.device) <= (rows + (s - t))[:, None]
 
 
 def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:
@@ -210,7 +224,7 @@ def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:
             m = m.index_select(2, rows)
         allowed = kernels.allowed(m).any(1)  # (B|1, R|1, S|1)
     if call.is_causal:
-        causal = torch.arange(s, device=rows.device) <= (rows + (s - t))[:, None]  # (R, S)
+        causal = causal_rows(rows, t, s)  # (R, S)
         allowed = causal[None] if allowed is None else allowed & causal
     if allowed is None:
         return torch.ones(1, len(rows), s, dtype=torch.bool, device=rows.device)
@@ -255,6 +269,10 @@ def observe_rows(
         name, mha = found[layer]
         slots.append((layer, name, check_indices("heads", heads, mha.num_heads, "heads")))
 
+    # the causal mask of the chosen rows, (R, S) bool, by (T, S, first row, device): shared by
+    # the layers of a block, so a forward builds it once (chunks of rows: one a chunk)
+    causal_masks: dict[tuple[int, int, int, torch.device], Tensor] = {}
+
     def make_observer(
         slot: int, site: ObservableAttention, head_list: list[int] | None
     ) -> AttentionObserver:
@@ -277,10 +295,19 @@ def observe_rows(
             row_ids = row_index(t, q.device)
             chosen_heads = heads_on(q.device)
             step = chunk_size or len(row_ids)
+            s = call.k.shape[2]
             with torch.no_grad():
                 for start in range(0, len(row_ids), step):
                     chunk = row_ids[start : start + step]
-                    w = row_weights(call, chosen_heads, chunk)
+                    causal = None
+                    if call.is_causal:  # the same for every layer of a forward: made once
+                        key = (t, s, start, q.device)
+                        if key not in causal_masks:
+                            if any(k[:2] != (t, s) for k in causal_masks):
+                                causal_masks.clear()  # one length at a time: texts vary
+                            causal_masks[key] = causal_rows(chunk, t, s)
+                        causal = causal_masks[key]
+                    w = row_weights(call, chosen_heads, chunk, causal)
                     consume(slot, chunk, w, t, call)
 
         device = _device_of(site)
