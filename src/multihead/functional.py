@@ -25,9 +25,8 @@ Backends:
 - ``"fused"``: on CUDA, the fused Triton kernel of :mod:`multihead.fused_weights` (float32
   scores and softmax, each weight written once in q's dtype; forward only); a call it cannot
   serve is refused with the reason.
-- ``"auto"``: ``"sdpa"`` when no weights are asked for, else ``"math"``. (``"auto"`` takes
-  ``"fused"`` for weights on CUDA once the kernel has been measured on a GPU: it has so far
-  run only under Triton's interpreter.)
+- ``"auto"``: ``"sdpa"`` when no weights are asked for; with weights, ``"fused"`` where it can
+  serve the call (CUDA, no graph to record, no dropout, triton installed), else ``"math"``.
 """
 
 from __future__ import annotations
@@ -287,7 +286,8 @@ def attention(
         scale: the factor on the scores; default 1 / sqrt(D).
         dropout_p: dropout on the attention weights. Applied whenever it is > 0: pass 0 in eval.
         need_weights: also return the attention weights (softmax probabilities, before dropout).
-        backend: ``"auto"`` (``"math"`` when weights are asked for, else ``"sdpa"``),
+        backend: ``"auto"`` (``"sdpa"`` without weights; with weights ``"fused"`` where it
+            can serve the call, else ``"math"``),
             ``"sdpa"`` (torch's fused kernel: linear memory, no weights), ``"math"`` (the
             explicit formula) or ``"fused"`` (CUDA: the fused weights kernel of
             :mod:`multihead.fused_weights`, forward only). Double backward (a second
@@ -325,6 +325,9 @@ def attention(
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         return (out, q.new_zeros((*q.shape[:-1], 0))) if need_weights else out
 
+    if backend == "auto" and need_weights and q.is_cuda:
+        if fused_weights.unsupported(q, k, v, mask, dropout_p) is None:
+            backend = "fused"
     if backend == "fused":
         why = fused_weights.unsupported(q, k, v, mask, dropout_p)
         if why is not None:

@@ -101,7 +101,7 @@ def default_blocks(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
         block_m = 64 if head_dim <= 64 else 32
         return {"BLOCK_M": block_m, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if head_dim <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if head_dim <= 128:
         return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
@@ -168,14 +168,19 @@ def fused_attention(
     args += [*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *mask_strides]
     args += [*out.stride()[:3], *weights.stride()[:3]]
     args += [h, h // hk, t, s, d, dv, s - t, scale * _LOG2E]
+    block_d, block_dv = max(16, _next_power_of_2(d)), max(16, _next_power_of_2(dv))
+    even = (
+        t % config["BLOCK_M"] == 0 and s % config["BLOCK_N"] == 0 and (d, dv) == (block_d, block_dv)
+    )
     attention_weights_kernel[(b * h * num_m,)](
         *args,
         HAS_MASK=mask is not None,
         MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
         IS_CAUSAL=is_causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_D=max(16, _next_power_of_2(d)),
-        BLOCK_DV=max(16, _next_power_of_2(dv)),
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        EVEN=even,
         **config,
     )
     return out.reshape(*lead, h, t, dv), weights.reshape(*lead, h, t, s)

@@ -99,14 +99,22 @@ def scaled_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
     Args:
         q: (..., H, T, D), scaled, in the dtype the scores are to be computed in (float32 at
             least for an exact softmax).
-        k: (..., H, S, D), the same dtype, one key head per query head.
+        k: (..., Hk, S, D), the same dtype; query head h reads key head h // (H // Hk).
         mask: None, bool (True = may attend) or float (added), broadcastable to (..., H, T, S).
 
     Returns:
         The weights (..., H, T, S), in q's dtype. A row the mask empties is NaN (bool) or even
         (float): the caller decides what an empty row gives.
     """
-    scores = torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
+    h, hk = q.shape[-3], k.shape[-3]
+    if hk != h:
+        # The query heads of one key head, stacked as rows, multiply its keys once: no copy of
+        # the keys per query head.
+        *lead, _, t, d = q.shape
+        grouped = q.reshape(*lead, hk, (h // hk) * t, d)  # (..., Hk, G·T, D)
+        scores = torch.matmul(grouped, k.transpose(-2, -1)).view(*lead, h, t, k.shape[-2])
+    else:
+        scores = torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
     if mask is not None:
         scores = _add_mask(scores, mask)
     return softmax_(scores)

@@ -45,22 +45,33 @@ def _scores(
     MASK_IS_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    """(BLOCK_M, BLOCK_N) scores in base 2 for keys ``cols``: −inf where a key is hidden."""
-    in_keys = cols < S
-    k = tl.load(k_ptrs, mask=in_keys[:, None] & (offs_d[None, :] < D), other=0.0)
+    """(BLOCK_M, BLOCK_N) scores in base 2 for keys ``cols``: −inf where a key is hidden.
+
+    With ``EVEN`` every row, key and head-dim lane of the block exists, so nothing is masked
+    for bounds (the common case, and the fast one)."""
+    if EVEN:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=(cols[:, None] < S) & (offs_d[None, :] < D), other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    visible = (rows[:, None] < T) & in_keys[None, :]
-    if IS_CAUSAL:
-        # bottom-right aligned: query i sees key j when j <= i + (S - T)
-        visible = visible & (cols[None, :] <= rows[:, None] + causal_shift)
     if HAS_MASK:
-        m = tl.load(mask_ptrs, mask=visible, other=0)
+        if EVEN:
+            m = tl.load(mask_ptrs)
+        else:
+            m = tl.load(mask_ptrs, mask=(rows[:, None] < T) & (cols[None, :] < S), other=0)
         if MASK_IS_BOOL:
-            visible = visible & (m != 0)
+            s = tl.where(m != 0, s, float("-inf"))
         else:
             s = s + m.to(tl.float32) * 1.4426950408889634  # log2(e): scores are in base 2
-    return tl.where(visible, s, float("-inf"))
+    if not EVEN:
+        s = tl.where((rows[:, None] < T) & (cols[None, :] < S), s, float("-inf"))
+    if IS_CAUSAL:
+        # bottom-right aligned: query i sees key j when j <= i + (S - T); this comes last, so a
+        # hidden key is −inf whatever the mask added there
+        s = tl.where(cols[None, :] <= rows[:, None] + causal_shift, s, float("-inf"))
+    return s
 
 
 # Lengths and head counts change from call to call: one compiled kernel serves them all.
@@ -107,8 +118,10 @@ def attention_weights_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, head). q, k, v have unit last stride."""
+    """One program: BLOCK_M query rows of one (batch, head). q, k, v have unit last stride.
+    ``EVEN``: T and S are multiples of BLOCK_M and BLOCK_N, D == BLOCK_D and Dv == BLOCK_DV."""
     num_m = tl.cdiv(T, BLOCK_M)
     pid = tl.program_id(0)
     # consecutive programs share a (batch, head), so its keys and values stay in L2
@@ -131,11 +144,11 @@ def attention_weights_kernel(
     w_base = W + b * stride_wb + h * stride_wh + start_m.to(tl.int64) * stride_wt
     o_base = OUT + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_ot
 
-    q = tl.load(
-        q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
-        mask=(rows[:, None] < T) & (offs_d[None, :] < D),
-        other=0.0,
-    )
+    q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+    if EVEN:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=(rows[:, None] < T) & (offs_d[None, :] < D), other=0.0)
     k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :]
     mask_ptrs = m_base + offs_m[:, None] * stride_mt + offs_n[None, :] * stride_ms
@@ -168,6 +181,7 @@ def attention_weights_kernel(
             MASK_IS_BOOL,
             IS_CAUSAL,
             PRECISION,
+            EVEN,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no key yet keeps m = −inf; subtracting 0 instead keeps exp2 at 0, not NaN
@@ -198,18 +212,23 @@ def attention_weights_kernel(
             MASK_IS_BOOL,
             IS_CAUSAL,
             PRECISION,
+            EVEN,
         )
         p = tl.exp2(s - m_safe[:, None]) * inv_l[:, None]
-        tl.store(
-            w_ptrs + start_n,
-            p.to(W.dtype.element_ty),
-            mask=(rows[:, None] < T) & (cols[None, :] < S),
-        )
-        v = tl.load(
-            v_ptrs + start_n * stride_vs,
-            mask=(cols[:, None] < S) & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
+        if EVEN:
+            tl.store(w_ptrs + start_n, p.to(W.dtype.element_ty))
+            v = tl.load(v_ptrs + start_n * stride_vs)
+        else:
+            tl.store(
+                w_ptrs + start_n,
+                p.to(W.dtype.element_ty),
+                mask=(rows[:, None] < T) & (cols[None, :] < S),
+            )
+            v = tl.load(
+                v_ptrs + start_n * stride_vs,
+                mask=(cols[:, None] < S) & (offs_dv[None, :] < DV),
+                other=0.0,
+            )
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     if IS_CAUSAL:
         zeros = tl.zeros([BLOCK_M, BLOCK_N], W.dtype.element_ty)
@@ -217,8 +236,10 @@ def attention_weights_kernel(
         for start_n in range(first_hidden, S, BLOCK_N):
             cols = start_n + offs_n
             tl.store(w_ptrs + start_n, zeros, mask=(rows[:, None] < T) & (cols[None, :] < S))
-    tl.store(
-        o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
-        acc.to(OUT.dtype.element_ty),
-        mask=(rows[:, None] < T) & (offs_dv[None, :] < DV),
-    )
+    o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_dv[None, :]
+    if EVEN:
+        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty))
+    else:
+        tl.store(
+            o_ptrs, acc.to(OUT.dtype.element_ty), mask=(rows[:, None] < T) & (offs_dv[None, :] < DV)
+        )

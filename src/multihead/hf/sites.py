@@ -35,14 +35,16 @@ def _calls(cls: Any) -> int:
     return max(1, source.count("attention_interface("))
 
 
-def _unrouted_attention(root: nn.Module) -> nn.Module | None:
-    """An attention module of ``root`` that bypasses the interface (hybrid families), if any.
+def _unrouted_attention(
+    modules: list[tuple[str, nn.Module]], routed_names: list[str]
+) -> nn.Module | None:
+    """An attention module among a root's ``modules`` that bypasses the interface (hybrid
+    families), if any; ``routed_names`` are the routed ones.
 
     Recognised by name (``*Attention*`` with weights of its own) with no routed module above or
     below it: observing only the routed ones would renumber the layers silently.
     """
-    routed_names = [n for n, m in root.named_modules() if routed(type(m))]
-    for name, m in root.named_modules():
+    for name, m in modules:
         if "Attention" not in type(m).__name__ or routed(type(m)):
             continue
         if not any(isinstance(c, nn.Linear) or hasattr(c, "nf") for c in m.children()):
@@ -190,8 +192,11 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
         ValueError: no transformers model inside, or one whose attention is not routed through
             ``AttentionInterface`` (the error names its family).
     """
+    # one walk of the module tree: entering a capture block runs this, and on a GPU the host's
+    # time before the forward is time the device waits
+    modules = list(model.named_modules())
     outer: list[tuple[str, PreTrainedModel]] = []
-    for name, m in model.named_modules():
+    for name, m in modules:
         # the outermost transformers models only (a CausalLM holds its base model)
         if isinstance(m, PreTrainedModel) and not any(
             r == "" or name.startswith(f"{r}.") for r, _ in outer
@@ -201,14 +206,19 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
         raise ValueError(f"model ({type(model).__name__}) holds no transformers PreTrainedModel")
     found: list[tuple[str, AttentionSite]] = []
     for prefix, root in outer:
-        own = [(n, m) for n, m in root.named_modules() if routed(type(m))]
+        inside = (
+            modules
+            if not prefix
+            else [(n[len(prefix) + 1 :], m) for n, m in modules if n.startswith(f"{prefix}.")]
+        )
+        own = [(n, m) for n, m in inside if routed(type(m))]
         family = getattr(root.config, "model_type", type(root).__name__)
         if not own:
             raise ValueError(
                 f"{family} ({type(root).__name__}) does not route its attention through "
                 f"transformers' AttentionInterface: multihead cannot observe or steer its heads"
             )
-        bypass = _unrouted_attention(root)
+        bypass = _unrouted_attention(inside, [n for n, _ in own])
         if bypass is not None:
             raise ValueError(
                 f"{family} ({type(root).__name__}) computes some attention outside transformers' "

@@ -100,6 +100,9 @@ class RowIndex:
         self.low = min(self.items or [0])
         self.high = max(self.items or [-1])
         self._on: dict[torch.device, Tensor] = {}  # device -> the ints asked for, (R,) int64
+        # (T, device) -> the rows in [0, T), for rows counted from the end: made once per length
+        self._resolved: dict[tuple[int, torch.device], Tensor] = {}
+        self._first: dict[int, int] = {}  # T -> the smallest chosen row
 
     def values(self, t: int) -> list[int]:
         """The chosen rows of a query length T as ints in [0, T), in order.
@@ -129,7 +132,27 @@ class RowIndex:
             self.values(t)  # raises, naming the row
         self.to(device)
         ids = self._on[device]
-        return ids % t if self.low < 0 else ids  # negative rows count from the end
+        if self.low >= 0:
+            return ids
+        key = (t, device)
+        if key not in self._resolved:
+            if len(self._resolved) > 8:
+                self._resolved.clear()  # texts of many lengths: keep a few
+            self._resolved[key] = ids % t  # negative rows count from the end
+        return self._resolved[key]
+
+    def first(self, t: int) -> int:
+        """The smallest chosen row of a query length T, in [0, T) (T when none is chosen)."""
+        if t not in self._first:
+            if len(self._first) > 64:
+                self._first.clear()
+            if self.items is None:
+                every = range(t)
+                chosen = every[self.rows] if isinstance(self.rows, slice) else every
+                self._first[t] = min(chosen, default=t)
+            else:
+                self._first[t] = min((r % t for r in self.items if -t <= r < t), default=t)
+        return self._first[t]
 
     def count(self, t: int) -> int:
         """R, the number of rows chosen for a query length T."""
@@ -166,7 +189,7 @@ def slice_mask(mask: Tensor | None, heads: Tensor | None, rows: Tensor) -> Tenso
 
 
 def row_weights(
-    call: AttentionCall, heads: Tensor | None, rows: Tensor, causal: Tensor | None = None
+    call: AttentionCall, heads: Tensor | None, rows: Tensor, causal: Tensor | None
 ) -> Tensor:
     """Attention weights (B, H', R, S) of one call, for the chosen heads and query rows.
 
@@ -180,8 +203,11 @@ def row_weights(
         call: what the attention module saw (see :class:`~multihead.attention.AttentionCall`).
         heads: (H',) int64 query heads, or None for all.
         rows: (R,) int64 query rows.
-        causal: (R, S) bool, the call's causal mask restricted to ``rows`` (see
-            :func:`causal_rows`), when the caller keeps it between calls; built here if None.
+        causal: (R, S) bool, the call's causal mask restricted to ``rows``
+            (:func:`causal_rows`), or None where the call is not causal or every chosen row
+            sees every key (the caller knows the rows as ints and keeps the mask between
+            calls). The core's own ``is_causal`` would align a (R, S) problem bottom-right,
+            which is a different mask.
     """
     q, k, mask = call.q, call.k, call.mask
     h, hk = q.shape[1], k.shape[1]
@@ -190,17 +216,12 @@ def row_weights(
         q = q.index_select(1, heads)  # (B, H', T, D)
         # Query head h reads key/value head h // (H // Hk): pick each chosen head's own.
         k = k.index_select(1, torch.div(heads, h // hk, rounding_mode="floor"))  # (B, H', S, D)
-    elif hk != h:
-        k = k.repeat_interleave(h // hk, dim=1)  # (B, H, S, D)
+    # else grouped heads keep their Hk key heads: scaled_weights shares each among its queries
     compute = torch.promote_types(q.dtype, torch.float32)
     q = q.index_select(2, rows).to(compute) * call.scale  # (B, H', R, D), a fresh tensor
-    m = slice_mask(mask, heads, rows)
-    if call.is_causal:
-        # The causal mask of the full (T, S) problem, restricted to the chosen rows: the core's
-        # own is_causal would align a (R, S) problem bottom-right, which is a different mask.
-        m = functional.combine_masks(m, causal_rows(rows, t, s) if causal is None else causal)
+    m = functional.combine_masks(slice_mask(mask, heads, rows), causal)
     weights = kernels.scaled_weights(q, k.to(compute), m)  # (B, H', R, S)
-    if mask is not None or (call.is_causal and t > s):  # only then can a row be empty
+    if mask is not None or (causal is not None and t > s):  # only then can a row be empty
         assert m is not None
         weights = weights.masked_fill_(~kernels.allowed(m).any(-1, keepdim=True), 0.0)
     return weights.to(call.q.dtype)
@@ -300,7 +321,9 @@ def observe_rows(
                 for start in range(0, len(row_ids), step):
                     chunk = row_ids[start : start + step]
                     causal = None
-                    if call.is_causal:  # the same for every layer of a forward: made once
+                    # the same for every layer of a forward: made once; none at all when every
+                    # chosen row sees every key (the last row, say)
+                    if call.is_causal and row_index.first(t) < t - 1:
                         key = (t, s, start, q.device)
                         if key not in causal_masks:
                             if any(k[:2] != (t, s) for k in causal_masks):
