@@ -21,6 +21,7 @@ Usage::
 
 Prints the machine (``lscpu``'s model name), the file size and the median/min of each time;
 writes ``benchmarks/results/page.json``. Needs ``chromium`` and ``chromium-driver``.
+``tests/test_page_browser.py`` checks what the page shows (times are measured here only).
 """
 
 from __future__ import annotations
@@ -107,7 +108,12 @@ def open_times(path: Path, repeats: int) -> list[dict[str, float]]:
                 if errors or time.monotonic() > deadline:
                     raise RuntimeError(f"the page did not open: {errors or 'timed out'}")
                 time.sleep(0.02)
-            runs.append(driver.execute_script("return window.__multiheadReady"))
+            ready = driver.execute_script("return window.__multiheadReady")
+            # the page's marks in the order its steps run, or the table would mean nothing
+            order = [ready[name] for name in ("sinceNavigation", "ms", "drawn", "decode")]
+            if not order[0] >= order[1] >= order[2] >= order[3] > 0:
+                raise RuntimeError(f"the page's marks are out of order: {ready}")
+            runs.append(ready)
     finally:
         driver.quit()
     return runs

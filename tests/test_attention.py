@@ -60,8 +60,11 @@ def test_self_attention_and_explicit_key_agree(device: torch.device) -> None:
         attn_mask=nn.Transformer.generate_square_subsequent_mask(T, device=device),
     )
     torch.testing.assert_close(ours(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ours(x, x, is_causal=True), ours(x, is_causal=True))
-    torch.testing.assert_close(ours(x, x, x), ours(x))
+    # a copy, not x itself: `key is query` is taken as self-attention, the path compared with
+    y = x.clone()
+    torch.testing.assert_close(ours(x, y, is_causal=True), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours(x, y, is_causal=True), ours(x, is_causal=True))
+    torch.testing.assert_close(ours(x, y, y.clone()), ours(x))
 
 
 def test_from_torch_sequence_first_and_to_torch_round_trip(device: torch.device) -> None:

@@ -405,23 +405,3 @@ def test_bert_config_from_dict() -> None:
     model = BertModel(config)
     assert model.encoder.layers[0].ff.activation_name == "gelu_tanh"
     assert model.encoder.layers[0].self_attn.dropout == config.attention_probs_dropout_prob
-
-
-def test_models_import_nothing_above_them() -> None:
-    """Arrows point down: models/ reads no checkpoints and draws nothing (pretrained, explain,
-    viz, observe, training and cli sit above it)."""
-    import ast
-
-    above = ("pretrained", "explanation", "focus", "viz", "observe", "training", "cli")
-    models = Path(multihead.__file__).parent / "models"
-    for path in sorted(models.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
-            for name in names:
-                assert not name.startswith(tuple(f"multihead.{m}" for m in above)), (path, name)

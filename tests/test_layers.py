@@ -189,12 +189,18 @@ def test_encoder_stack_is_its_layers_in_order(device: torch.device) -> None:
     layers = [randomise(TransformerEncoderLayer(E, H, FF).to(device)) for _ in range(3)]
     norm = randomise(nn.LayerNorm(E).to(device))
     enc = TransformerEncoder(layers, norm=norm)
+    assert len(enc.layers) == 3 and all(a is b for a, b in zip(enc.layers, layers, strict=True))
     x = torch.randn(B, T, E, device=device)
     km = key_mask(device)
     expected = x
     for layer in layers:
         expected = layer(expected, key_mask=km)
     torch.testing.assert_close(enc(x, key_mask=km), norm(expected), atol=0, rtol=0)
+    backwards = x
+    for layer in reversed(layers):
+        backwards = layer(backwards, key_mask=km)
+    # the layers differ, so the order shows: run backwards, the stack would give another output
+    assert not torch.allclose(norm(backwards), norm(expected), atol=1e-2)
     with multihead.capture(enc) as rec:
         out = enc(x, key_mask=km)
     assert len(rec.weights) == 3 and all(w.shape == (B, H, T, T) for w in rec.weights)

@@ -155,7 +155,7 @@ def test_page_in_chromium(driver: Any, tmp_path: Path) -> None:
     assert variance > 50
 
 
-# -- the whole model: model view, head view, causal maps, roles, opening time ----------------------
+# -- the whole model: model view, head view, causal maps, roles, a long text -----------------------
 
 # T = 16 tokens, 2 layers × 3 heads; layer 0's heads are built so that where each query looks is
 # known exactly: head 0 reads the previous token, head 1 reads [CLS] (position 0), head 2 itself.
@@ -423,9 +423,9 @@ def test_statistics_table_has_role_and_importance(driver: Any, tmp_path: Path) -
     _no_errors_no_network(driver)
 
 
-def test_512_token_page_opens_and_records_its_time(
-    driver: Any, tmp_path: Path, record_property: Any
-) -> None:
+def test_512_token_page_opens_with_every_thumbnail(driver: Any, tmp_path: Path) -> None:
+    """The page of a long text opens and draws the model view exactly; how fast it opens is
+    benchmarks/bench_page.py's business (it reads the marks checked here)."""
     # 6 layers × 12 heads × 512² weights shaped like a BERT's: per head a local window (none for
     # the broad heads), a [CLS] sink and noise, so the page is about as large as a real one
     layers, heads, t = 6, 12, 512
@@ -445,6 +445,7 @@ def test_512_token_page_opens_and_records_its_time(
         assert time.monotonic() < deadline, "window.__multiheadReady was never set"
         time.sleep(0.02)
     ready = driver.execute_script("return window.__multiheadReady")
+    # the page's own marks, in the order its steps run (the benchmark reports them)
     assert ready["sinceNavigation"] >= ready["ms"] >= ready["drawn"] >= ready["decode"] > 0
     assert (
         driver.execute_script("return document.querySelectorAll('#model-grid canvas').length") == 72
@@ -460,13 +461,4 @@ def test_512_token_page_opens_and_records_its_time(
         assert thumb[:2] == (64, 64)
         drawn = torch.tensor(thumb[2], dtype=torch.float32).view(64, 64, 4)
         assert (drawn[..., :3] - ramp).abs().max() <= 1.0
-    size_mb = path.stat().st_size / 1e6
-    record_property("page_open_ms", round(ready["ms"], 1))
-    record_property("page_open_since_navigation_ms", round(ready["sinceNavigation"], 1))
-    record_property("page_mb", round(size_mb, 2))
-    print(
-        f"512-token page ({size_mb:.1f} MB): open {ready['ms']:.0f} ms from script start, "
-        f"{ready['sinceNavigation']:.0f} ms from navigation (decode {ready['decode']:.0f} ms, "
-        f"drawn {ready['drawn']:.0f} ms)"
-    )
     _no_errors_no_network(driver)
