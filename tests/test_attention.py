@@ -92,9 +92,22 @@ def test_to_torch_refuses_what_torch_cannot_represent() -> None:
         MultiHeadAttention.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
+def _qkv_blocks(m: MultiHeadAttention) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The (weight, bias) of the q, k and v projections, read off the documented layout:
+    ``qkv_proj``'s rows are [q heads | k heads | v heads], else three projections."""
+    if m.qkv_proj is None:
+        assert m.q_proj is not None and m.k_proj is not None and m.v_proj is not None
+        return [(p.weight, p.bias) for p in (m.q_proj, m.k_proj, m.v_proj)]
+    sizes = [m.num_heads * m.head_dim] + [m.num_kv_heads * m.head_dim] * 2
+    weights = m.qkv_proj.weight.split(sizes)
+    bias = m.qkv_proj.bias
+    biases = bias.split(sizes) if bias is not None else (None, None, None)
+    return list(zip(weights, biases, strict=True))
+
+
 def _manual(m: MultiHeadAttention, x: torch.Tensor, y: torch.Tensor, **kw) -> torch.Tensor:
     """The module's output recomputed from its weights with the float64 reference."""
-    (wq, bq), (wk, bk), (wv, bv) = m._qkv_blocks()
+    (wq, bq), (wk, bk), (wv, bv) = _qkv_blocks(m)
     d = m.head_dim
 
     def heads(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -185,7 +198,7 @@ def test_device_dtype_and_reset_parameters(device: torch.device) -> None:
     m = MultiHeadAttention(E, H, dtype=torch.float64, device=device)
     assert all(p.dtype == torch.float64 for p in m.parameters())
     assert m(torch.randn(B, T, E, dtype=torch.float64, device=device)).dtype == torch.float64
-    for w, b in m._qkv_blocks():
+    for w, b in _qkv_blocks(m):
         bound = math.sqrt(6.0 / (w.shape[0] + w.shape[1]))  # Xavier-uniform, per block
         assert w.abs().max() <= bound and w.abs().max() > 0.5 * bound
         assert b is not None and torch.equal(b, torch.zeros_like(b))
