@@ -316,3 +316,30 @@ def test_forward_errors(args: tuple, kwargs: dict, error: type, match: str) -> N
     m = MultiHeadAttention(E, H)
     with pytest.raises(error, match=match):
         m(*args, **kwargs)
+
+
+def test_moved_names_keep_working_for_a_release_with_a_deprecation_warning() -> None:
+    import multihead.functional
+    import multihead.interop
+    import multihead.layers
+    from multihead import kernels, layer_parts
+    from multihead.layers import TransformerEncoderLayer
+
+    with pytest.warns(DeprecationWarning, match="moved to multihead.kernels.causal_mask"):
+        assert multihead.functional.causal_mask is kernels.causal_mask
+    with pytest.warns(DeprecationWarning, match="moved to multihead.layer_parts.ACTIVATIONS"):
+        assert multihead.layers.ACTIVATIONS is layer_parts.ACTIVATIONS
+    ref = nn.MultiheadAttention(8, 2, batch_first=True)
+    with pytest.warns(DeprecationWarning, match="use MultiHeadAttention.from_torch"):
+        ours = multihead.interop.mha_from_torch(ref)
+    with pytest.warns(DeprecationWarning, match="use MultiHeadAttention.to_torch"):
+        back = multihead.interop.mha_to_torch(ours)
+    assert torch.equal(back.in_proj_weight, ref.in_proj_weight)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    with pytest.warns(DeprecationWarning, match="use TransformerEncoderLayer.from_torch"):
+        converted = multihead.interop.encoder_layer_from_torch(layer)
+    assert isinstance(converted, TransformerEncoderLayer)
+    with pytest.warns(DeprecationWarning, match="use TransformerEncoderLayer.to_torch"):
+        assert isinstance(multihead.interop.encoder_layer_to_torch(converted), type(layer))
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        multihead.functional.nothing  # noqa: B018
