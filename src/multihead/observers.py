@@ -22,7 +22,6 @@ out)`` the observers.
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
@@ -147,7 +146,8 @@ class Observers:
     ) -> None:
         self._observers: dict[int, AttentionObserver] = {}
         self._editors: dict[int, QKVEditor] = {}
-        self._ids = itertools.count()
+        # a plain int, not itertools.count: a module holding this must deep-copy on any Python
+        self._next_id = 0
         self._acquire = acquire
         self._release = release
 
@@ -180,7 +180,8 @@ class Observers:
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         if self._acquire is not None:
             self._acquire()
-        key = next(self._ids)
+        key = self._next_id
+        self._next_id += 1
         entries[key] = fn
         return ObserverHandle(entries, key, self._release)
 
