@@ -95,9 +95,22 @@ def test_to_torch_refuses_what_torch_cannot_represent() -> None:
         MultiHeadAttention.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
+def _qkv_blocks(m: MultiHeadAttention) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The (weight, bias) of the q, k and v projections, read off the documented layout:
+    ``qkv_proj``'s rows are [q heads | k heads | v heads], else three projections."""
+    if m.qkv_proj is None:
+        assert m.q_proj is not None and m.k_proj is not None and m.v_proj is not None
+        return [(p.weight, p.bias) for p in (m.q_proj, m.k_proj, m.v_proj)]
+    sizes = [m.num_heads * m.head_dim] + [m.num_kv_heads * m.head_dim] * 2
+    weights = m.qkv_proj.weight.split(sizes)
+    bias = m.qkv_proj.bias
+    biases = bias.split(sizes) if bias is not None else (None, None, None)
+    return list(zip(weights, biases, strict=True))
+
+
 def _manual(m: MultiHeadAttention, x: torch.Tensor, y: torch.Tensor, **kw) -> torch.Tensor:
     """The module's output recomputed from its weights with the float64 reference."""
-    (wq, bq), (wk, bk), (wv, bv) = m._qkv_blocks()
+    (wq, bq), (wk, bk), (wv, bv) = _qkv_blocks(m)
     d = m.head_dim
 
     def heads(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -188,7 +201,7 @@ def test_device_dtype_and_reset_parameters(device: torch.device) -> None:
     m = MultiHeadAttention(E, H, dtype=torch.float64, device=device)
     assert all(p.dtype == torch.float64 for p in m.parameters())
     assert m(torch.randn(B, T, E, dtype=torch.float64, device=device)).dtype == torch.float64
-    for w, b in m._qkv_blocks():
+    for w, b in _qkv_blocks(m):
         bound = math.sqrt(6.0 / (w.shape[0] + w.shape[1]))  # Xavier-uniform, per block
         assert w.abs().max() <= bound and w.abs().max() > 0.5 * bound
         assert b is not None and torch.equal(b, torch.zeros_like(b))
@@ -306,3 +319,30 @@ def test_forward_errors(args: tuple, kwargs: dict, error: type, match: str) -> N
     m = MultiHeadAttention(E, H)
     with pytest.raises(error, match=match):
         m(*args, **kwargs)
+
+
+def test_moved_names_keep_working_for_a_release_with_a_deprecation_warning() -> None:
+    import multihead.functional
+    import multihead.interop
+    import multihead.layers
+    from multihead import kernels, layer_parts
+    from multihead.layers import TransformerEncoderLayer
+
+    with pytest.warns(DeprecationWarning, match="moved to multihead.kernels.causal_mask"):
+        assert multihead.functional.causal_mask is kernels.causal_mask
+    with pytest.warns(DeprecationWarning, match="moved to multihead.layer_parts.ACTIVATIONS"):
+        assert multihead.layers.ACTIVATIONS is layer_parts.ACTIVATIONS
+    ref = nn.MultiheadAttention(8, 2, batch_first=True)
+    with pytest.warns(DeprecationWarning, match="use MultiHeadAttention.from_torch"):
+        ours = multihead.interop.mha_from_torch(ref)
+    with pytest.warns(DeprecationWarning, match="use MultiHeadAttention.to_torch"):
+        back = multihead.interop.mha_to_torch(ours)
+    assert torch.equal(back.in_proj_weight, ref.in_proj_weight)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    with pytest.warns(DeprecationWarning, match="use TransformerEncoderLayer.from_torch"):
+        converted = multihead.interop.encoder_layer_from_torch(layer)
+    assert isinstance(converted, TransformerEncoderLayer)
+    with pytest.warns(DeprecationWarning, match="use TransformerEncoderLayer.to_torch"):
+        assert isinstance(multihead.interop.encoder_layer_to_torch(converted), type(layer))
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        multihead.functional.nothing  # noqa: B018

@@ -7,7 +7,7 @@
   alone; changing another row changes nothing.
 - One tiny case worked out by hand, with and without the causal mask.
 
-Only the public API: ``multihead.functional.attention``, ``multihead.functional.causal_mask`` and
+Only the public API: ``multihead.functional.attention``, ``multihead.kernels.causal_mask`` and
 ``multihead.MultiHeadAttention``. Sizes are pairwise distinct (B=2, T=5, S=7, H=3, D=4) so that a
 swapped dimension fails loudly.
 """
@@ -23,7 +23,8 @@ from reference import reference_attention
 from torch import Tensor
 
 from multihead import MultiHeadAttention
-from multihead.functional import attention, causal_mask
+from multihead.functional import attention
+from multihead.kernels import causal_mask
 
 B, T, S, H, D = 2, 5, 7, 3, 4
 E = H * D  # 12

@@ -16,7 +16,6 @@ import os
 import socket
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -175,15 +174,12 @@ def _error_of(fn: Callable[[], object]) -> str:
 
 
 def _observe(mha: MultiHeadAttention) -> MultiHeadAttention:
-    """``mha`` with one observer, through whichever API this MultiHeadAttention has."""
+    """``mha`` with one observer."""
 
     def observer(*args: Any) -> None:
         return None
 
-    if hasattr(mha, "register_observer"):
-        mha.register_observer(observer)
-    else:
-        mha._observers = OrderedDict([(0, observer)])  # type: ignore[assignment]
+    mha.register_observer(observer)
     return mha
 
 

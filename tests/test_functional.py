@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_attention
 
-from multihead.functional import attention, causal_mask
+from multihead.functional import attention
+from multihead.kernels import causal_mask
 
 BACKENDS = ["sdpa", "math"]
 

@@ -56,9 +56,8 @@ FLOORS: dict[str, int] = {
     "packing": 5,
     "positions": 5,
     "cache": 5,
-    # 6: MultiHeadAttention's argument checks and packed path (issue 20: they become its methods)
+    # 6: MultiHeadAttention's argument checks (on plain sizes, not the module)
     "attention_checks": 6,
-    "attention_packed": 6,
     # 7: MultiHeadAttention
     "attention": 7,
     # 8: the package itself (`import multihead`: functional, MultiHeadAttention; the rest lazily

@@ -115,7 +115,7 @@ def _reference(model: nn.Module, edits: dict[tuple[int, int], float]) -> nn.Modu
 
 
 def _observers(model: nn.Module) -> int:
-    return sum(len(mha._observers) for _, mha in attention_modules(model))
+    return sum(len(mha.observers) for _, mha in attention_modules(model))
 
 
 # -- edits against the out_proj reference ------------------------------------------------------

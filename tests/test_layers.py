@@ -128,6 +128,23 @@ def test_from_torch_to_torch_are_exact(norm_first: bool, device: torch.device) -
         assert n1 == n2 and torch.equal(p1, p2), n1
 
 
+@pytest.mark.parametrize(
+    ("activation", "name"),
+    [(nn.ReLU(), "relu"), (nn.GELU(), "gelu"), (nn.GELU(approximate="tanh"), "gelu_tanh")],
+)
+def test_from_torch_reads_activation_modules(
+    activation: nn.Module, name: str, device: torch.device
+) -> None:
+    ref = randomise(
+        nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, activation=activation, batch_first=True)
+    ).to(device)
+    ours = TransformerEncoderLayer.from_torch(ref)
+    assert ours.ff.activation_name == name
+    x = torch.randn(B, T, E, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), **TOL)
+
+
 def test_conversion_errors() -> None:
     with pytest.raises(TypeError, match="m must be a torch.nn.TransformerEncoderLayer, got Linear"):
         TransformerEncoderLayer.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]

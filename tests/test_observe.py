@@ -188,18 +188,18 @@ def test_observer_removed_after_exit_and_after_error(device: torch.device) -> No
     enc = _encoder(layers=2, device=device)
     modules = [m for _, m in attention_modules(enc)]
     with capture(enc):
-        assert all(len(m._observers) == 1 for m in modules)
-    assert all(len(m._observers) == 0 for m in modules)
+        assert all(len(m.observers) == 1 for m in modules)
+    assert all(len(m.observers) == 0 for m in modules)
 
     with pytest.raises(RuntimeError, match="boom"), capture(enc):
         raise RuntimeError("boom")
-    assert all(len(m._observers) == 0 for m in modules)
+    assert all(len(m.observers) == 0 for m in modules)
 
     # an error raised inside the observer (a row past the end) also leaves nothing behind
     with pytest.raises(ValueError, match=r"rows: row 50 is out of range for a query length of 7"):
         with capture(enc, rows=[50]):
             enc(torch.randn(B, T, E, device=device))
-    assert all(len(m._observers) == 0 for m in modules)
+    assert all(len(m.observers) == 0 for m in modules)
 
 
 def test_nested_captures_both_record_and_restore(device: torch.device) -> None:
@@ -207,9 +207,9 @@ def test_nested_captures_both_record_and_restore(device: torch.device) -> None:
     with capture(mha, heads=[0]) as outer:
         with capture(mha, heads=[1]) as inner:
             mha(torch.randn(B, T, E, device=device))
-        assert len(mha._observers) == 1  # the outer one stays
+        assert len(mha.observers) == 1  # the outer one stays
         mha(torch.randn(B, T, E, device=device))
-    assert len(mha._observers) == 0
+    assert len(mha.observers) == 0
     assert len(inner.records) == 1 and len(outer.records) == 2
 
 

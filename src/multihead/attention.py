@@ -1,20 +1,18 @@
 """MultiHeadAttention: project, split heads, attend, let observers see each head, merge.
 
 The math is in :mod:`multihead.functional`, the argument checks in
-:mod:`multihead.attention_checks`, the unpadded path (``packing=``) in
-:mod:`multihead.attention_packed`, conversion to and from torch.nn in :mod:`multihead.interop`.
+:mod:`multihead.attention_checks`, the observer channel in :mod:`multihead.observers`. The
+unpadded path (``packing=``) and the exact conversion to and from torch.nn are methods here.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from multihead import functional
 from multihead._checks import (
@@ -23,11 +21,16 @@ from multihead._checks import (
     check_probability,
 )
 from multihead.attention_checks import check_call, check_packed_call, combined_mask
-from multihead.attention_packed import attend_packed
-from multihead.observers import AttentionCall, AttentionObserver, run_observers
+from multihead.observers import (
+    AttentionCall,
+    AttentionObserver,
+    ObserverHandle,
+    Observers,
+    QKVEditor,
+)
 from multihead.packing import PackedBatch
 
-__all__ = ["MultiHeadAttention", "AttentionCache", "AttentionCall", "AttentionObserver"]
+__all__ = ["MultiHeadAttention", "AttentionCache"]
 
 
 class AttentionCache(Protocol):
@@ -88,7 +91,8 @@ class MultiHeadAttention(nn.Module):
 
     Observers (:meth:`register_observer`) see every call's per-head q, k, v, mask and per-head
     output before ``out_proj``, and may replace that output: :func:`multihead.capture`, head
-    statistics and head interventions are observers.
+    statistics and head interventions are observers. Editors (:meth:`register_qkv_editor`) may
+    replace q, k or v before attention (path patching).
 
     Example:
         >>> mha = MultiHeadAttention(64, num_heads=4)
@@ -147,8 +151,7 @@ class MultiHeadAttention(nn.Module):
         self.out_dim = embed_dim if out_dim is None else out_dim
         self.dropout = float(dropout)
         self.packed = self.kdim == embed_dim and self.vdim == embed_dim
-        # id -> observer, in registration order (see register_observer); like torch's hooks.
-        self._observers: OrderedDict[int, AttentionObserver] = OrderedDict()
+        self._observers = Observers()
 
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
@@ -207,14 +210,19 @@ class MultiHeadAttention(nn.Module):
 
     # -- observers ------------------------------------------------------------------------------
 
-    def register_observer(self, fn: AttentionObserver) -> RemovableHandle:
+    @property
+    def observers(self) -> Observers:
+        """The observers and q/k/v editors registered on this module (``len``, ``bool``)."""
+        return self._observers
+
+    def register_observer(self, fn: AttentionObserver) -> ObserverHandle:
         """Call ``fn(call, out)`` on every forward, after attention and before ``out_proj``.
 
-        ``call`` is an :class:`AttentionCall` (per-head q, k, v, the mask as the kernel saw it,
-        ...); ``out`` is the per-head output (B, T, H, Dv), the one place where a head exists as
-        itself. ``fn`` returns None to leave it, or a replacement of the same shape and dtype
-        (to ablate, scale or patch heads). Observers run in registration order, each seeing the
-        previous one's output. Unbatched calls are seen with B = 1.
+        ``call`` is an :class:`~multihead.observers.AttentionCall` (per-head q, k, v, the mask
+        as the kernel saw it, ...); ``out`` is the per-head output (B, T, H, Dv), the one place
+        where a head exists as itself. ``fn`` returns None to leave it, or a replacement of the
+        same shape and dtype (to ablate, scale or patch heads). Observers run in registration
+        order, each seeing the previous one's output. Unbatched calls are seen with B = 1.
 
         Args:
             fn: the observer.
@@ -222,11 +230,26 @@ class MultiHeadAttention(nn.Module):
         Returns:
             A handle whose ``.remove()`` unregisters ``fn``.
         """
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        handle = RemovableHandle(self._observers)
-        self._observers[handle.id] = fn
-        return handle
+        return self._observers.register(fn)
+
+    def register_qkv_editor(self, fn: QKVEditor) -> ObserverHandle:
+        """Call ``fn(call)`` on every forward before attention; it may replace q, k or v.
+
+        ``call`` is what observers see (per-head q (B, H, T, D), k (B, Hk, S, D), v
+        (B, Hk, S, Dv), the mask, ...). ``fn`` returns None to leave them, or ``(q, k, v)``:
+        q of q's shape, k and v with Hk heads or with H (one per query head: on a grouped-query
+        module, changing the keys one query head sees leaves its siblings' alone). Attention
+        then runs on the replacements, and observers see them. Editors run in registration
+        order, each seeing the previous one's replacements. A key/value cache keeps the
+        projected keys and values, not the edited ones.
+
+        Args:
+            fn: the editor.
+
+        Returns:
+            A handle whose ``.remove()`` unregisters ``fn``.
+        """
+        return self._observers.register_editor(fn)
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -309,11 +332,25 @@ class MultiHeadAttention(nn.Module):
         scale = 1.0 / math.sqrt(self.head_dim)
         dropout_p = self.dropout if self.training else 0.0
         if packing is not None:
-            check_packed_call(self, query, key, value, mask, key_mask, need_weights, cache, packing)
-            return attend_packed(
-                self, query, packing, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+            check_packed_call(
+                query,
+                key,
+                value,
+                mask,
+                key_mask,
+                need_weights,
+                cache,
+                packing,
+                embed_dim=self.embed_dim,
+                kdim=self.kdim,
+                vdim=self.vdim,
             )
-        check_call(self, query, key, value, key_mask)
+            return self._attend_packed(
+                query, packing, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+            )
+        check_call(
+            query, key, value, key_mask, embed_dim=self.embed_dim, kdim=self.kdim, vdim=self.vdim
+        )
         unbatched = query.dim() == 2
         if unbatched:
             query = query.unsqueeze(0)
@@ -324,13 +361,21 @@ class MultiHeadAttention(nn.Module):
                 mask = mask.unsqueeze(0)  # (H, T, S) -> (1, H, T, S)
         b, t = query.shape[0], query.shape[1]
         s = (t if key is None else key.shape[1]) + (cache.length if cache is not None else 0)
-        attn_mask = combined_mask(self, mask, key_mask, b, t, s)
+        attn_mask = combined_mask(mask, key_mask, b, self.num_heads, t, s)
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
         q, k, v = self.project(query, key, value)
         if cache is not None:
             k, v = cache.update(k, v)
+        call = None
+        if self._observers:
+            self_attention = key is None and cache is None
+            query_mask = key_mask if self_attention else None
+            call = AttentionCall(self, (q, k, v), attn_mask, is_causal, scale, query_mask)
+            if self._observers.editing:
+                call = self._observers.edit(call)
+                q, k, v = call.q, call.k, call.v
         result = functional.attention(
             q,
             k,
@@ -343,28 +388,139 @@ class MultiHeadAttention(nn.Module):
         )
         out, weights = result if isinstance(result, tuple) else (result, None)
         out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
-        if self._observers:
-            self_attention = key is None and cache is None
-            query_mask = key_mask if self_attention else None
-            call = AttentionCall(self, lambda: (q, k, v), attn_mask, is_causal, scale, query_mask)
-            out = run_observers(self._observers.values(), call, out)
+        if call is not None:
+            out = self._observers.run(call, out)
         out = self.out_proj(out.flatten(2))  # (B, T, H·Dv) -> (B, T, out_dim)
         if unbatched:
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return (out, weights) if need_weights and weights is not None else out
 
-    # -- conversion (see multihead.interop) -----------------------------------------------------
+    def _attend_packed(
+        self, x: Tensor, packing: PackedBatch, *, is_causal: bool, scale: float, dropout_p: float
+    ) -> Tensor:
+        """Self-attention over the N real tokens (N, E) of ``packing``'s batch -> (N, out_dim).
+
+        The projections run on the real tokens only; attention runs in the sorted (B, T) layout,
+        bucket by bucket (:meth:`PackedBatch.attend`). Observers and editors see batch order.
+        """
+        assert self.qkv_proj is not None  # check_packed_call made sure
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (N, (H + 2·Hk)·D)
+        # (B, T, ·) each, rows sorted longest first, zeros at the padding
+        q, k, v = packing.unpack(qkv, sorted=True).split([h * d, hk * d, hk * d], -1)
+        q, k, v = self._split_heads(q, h), self._split_heads(k, hk), self._split_heads(v, hk)
+        call = None
+        if self._observers:
+            sq, sk, sv = q, k, v
+
+            def heads() -> tuple[Tensor, Tensor, Tensor]:
+                to_batch = packing.to_batch_order
+                return to_batch(sq), to_batch(sk), to_batch(sv)
+
+            call = AttentionCall(self, heads, packing.attn_mask, is_causal, scale, packing.key_mask)
+            if self._observers.editing:
+                edited = self._observers.edit(call)
+                if edited is not call:
+                    call = edited
+                    q, k, v = (packing.to_sorted_order(t) for t in (call.q, call.k, call.v))
+        observing = call is not None and self._observers.observing
+        out = packing.attend(
+            q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p, zero_fill=observing
+        )
+        if call is not None and observing:
+            out = self._observers.run(call, packing.to_batch_order(out))
+            out = packing.pack(out)  # (N, H, Dv)
+        else:
+            out = packing.gather_sorted(out)  # (N, H, Dv)
+        return self.out_proj(out.flatten(1))  # (N, H·Dv) -> (N, out_dim)
+
+    # -- conversion to and from torch.nn --------------------------------------------------------
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
-        """An exact copy of a torch.nn.MultiheadAttention (see :mod:`multihead.interop`)."""
-        from multihead.interop import mha_from_torch
+        """An exact copy of a torch.nn.MultiheadAttention (same parameters, same outputs).
 
-        return mha_from_torch(m)
+        Parameters are copied, never shared. The result is batch-first whatever
+        ``m.batch_first`` was: transpose inputs that were (T, B, E). ``add_bias_kv`` and
+        ``add_zero_attn`` have no equivalent and raise.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"m must be a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError(
+                "cannot convert a torch.nn.MultiheadAttention built with add_bias_kv=True or "
+                "add_zero_attn=True: multihead has no equivalent"
+            )
+        ref = m.out_proj.weight
+        ours = cls(
+            m.embed_dim,
+            m.num_heads,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=m.in_proj_bias is not None,
+            dropout=m.dropout,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            # torch keeps one packed in_proj_weight when kdim == vdim == E, else three
+            if m.in_proj_weight is not None:
+                weights: tuple[Tensor | None, ...] = m.in_proj_weight.chunk(3, dim=0)
+            else:
+                weights = (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)
+            biases = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
+            for (w, b), w_src, b_src in zip(ours._qkv_blocks(), weights, biases, strict=True):
+                assert w_src is not None
+                w.copy_(w_src)
+                if b is not None and b_src is not None:
+                    b.copy_(b_src)
+            ours.out_proj.weight.copy_(m.out_proj.weight)
+            if ours.out_proj.bias is not None and m.out_proj.bias is not None:
+                ours.out_proj.bias.copy_(m.out_proj.bias)
+        return ours
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """An exact torch.nn.MultiheadAttention copy; see :func:`multihead.interop.mha_to_torch`."""
-        from multihead.interop import mha_to_torch
+        """An exact torch.nn.MultiheadAttention copy of this module (parameters copied).
 
-        return mha_to_torch(self, batch_first=batch_first)
+        torch's module needs H·D == E, one key/value head per query head, and out_dim == E.
+        """
+        problems = []
+        if self.num_heads * self.head_dim != self.embed_dim:
+            problems.append(f"num_heads·head_dim ({self.num_heads}·{self.head_dim}) != embed_dim")
+        if self.num_kv_heads != self.num_heads:
+            problems.append(f"num_kv_heads ({self.num_kv_heads}) != num_heads ({self.num_heads})")
+        if self.out_dim != self.embed_dim:
+            problems.append(f"out_dim ({self.out_dim}) != embed_dim ({self.embed_dim})")
+        if problems:
+            raise ValueError(
+                "torch.nn.MultiheadAttention cannot represent this module: " + "; ".join(problems)
+            )
+        ref = self.out_proj.weight
+        m = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.out_proj.bias is not None,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=batch_first,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            blocks = self._qkv_blocks()
+            if m.in_proj_weight is not None:
+                m.in_proj_weight.copy_(torch.cat([w for w, _ in blocks]))
+            else:
+                for target, (w, _) in zip(
+                    (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight), blocks, strict=True
+                ):
+                    assert target is not None
+                    target.copy_(w)
+            if m.in_proj_bias is not None:
+                m.in_proj_bias.copy_(torch.cat([b for _, b in blocks if b is not None]))
+            m.out_proj.weight.copy_(self.out_proj.weight)
+            if m.out_proj.bias is not None and self.out_proj.bias is not None:
+                m.out_proj.bias.copy_(self.out_proj.bias)
+        return m

@@ -1,9 +1,10 @@
 """The argument checks of :meth:`MultiHeadAttention.forward`, all run before any state (a
-key/value cache) changes, and the one mask the kernel sees."""
+key/value cache) changes, and the one mask the kernel sees.
+
+They take the module's sizes as plain values (E, kdim, vdim, H), never the module.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -12,23 +13,25 @@ from multihead import functional
 from multihead._checks import check_mask, check_tensor
 from multihead.packing import PackedBatch
 
-if TYPE_CHECKING:
-    from multihead.attention import AttentionCache, MultiHeadAttention
-
 __all__ = ["check_call", "check_packed_call", "combined_mask"]
 
 
 def check_packed_call(
-    mha: MultiHeadAttention,
     x: Tensor,
     key: Tensor | None,
     value: Tensor | None,
     mask: Tensor | None,
     key_mask: Tensor | None,
     need_weights: bool,
-    cache: AttentionCache | None,
+    cache: object,
     packing: PackedBatch,
+    *,
+    embed_dim: int,
+    kdim: int,
+    vdim: int,
 ) -> None:
+    """``forward(x, packing=...)``: self-attention only, with nothing the packing replaces, on a
+    module with the packed projection (kdim == vdim == embed_dim), and x the (N, E) tokens."""
     if not isinstance(packing, PackedBatch):
         raise TypeError(f"packing must be a PackedBatch or None, got {type(packing).__name__}")
     extra = {
@@ -46,38 +49,42 @@ def check_packed_call(
             f"combined with {', '.join(given)} (for weights use multihead.capture, which "
             f"works on packed batches)"
         )
-    if mha.qkv_proj is None:
+    if not kdim == vdim == embed_dim:
         raise ValueError(
             "packing= needs the packed self-attention projection: kdim == vdim == embed_dim "
-            f"(got kdim={mha.kdim}, vdim={mha.vdim}, embed_dim={mha.embed_dim})"
+            f"(got kdim={kdim}, vdim={vdim}, embed_dim={embed_dim})"
         )
     check_tensor("query", x, dims=2)
-    if x.shape != (packing.num_tokens, mha.embed_dim):
+    if x.shape != (packing.num_tokens, embed_dim):
         raise ValueError(
             f"with packing=, query must be the packed tokens (N, E) = "
-            f"({packing.num_tokens}, {mha.embed_dim}), got {tuple(x.shape)}"
+            f"({packing.num_tokens}, {embed_dim}), got {tuple(x.shape)}"
         )
 
 
 def check_call(
-    mha: MultiHeadAttention,
     query: Tensor,
     key: Tensor | None,
     value: Tensor | None,
     key_mask: Tensor | None,
+    *,
+    embed_dim: int,
+    kdim: int,
+    vdim: int,
 ) -> None:
+    """query (B, T, E) or (T, E); key (B, S, kdim) and value (B, S, vdim) alike; a bool key
+    mask."""
     check_tensor("query", query, floating=True)
     if query.dim() not in (2, 3):
         raise ValueError(
             f"query must be 2-D (T, E) or 3-D (B, T, E), got {query.dim()}-D shape "
             f"{tuple(query.shape)}"
         )
-    if query.shape[-1] != mha.embed_dim:
+    if query.shape[-1] != embed_dim:
         raise ValueError(
-            f"query's last dimension must be embed_dim={mha.embed_dim}, got shape "
-            f"{tuple(query.shape)}"
+            f"query's last dimension must be embed_dim={embed_dim}, got shape {tuple(query.shape)}"
         )
-    for name, t, width in (("key", key, mha.kdim), ("value", value, mha.vdim)):
+    for name, t, width in (("key", key, kdim), ("value", value, vdim)):
         if t is None:
             continue
         check_tensor(name, t, floating=True)
@@ -116,7 +123,7 @@ def check_call(
 
 
 def combined_mask(
-    mha: MultiHeadAttention, mask: Tensor | None, key_mask: Tensor | None, b: int, t: int, s: int
+    mask: Tensor | None, key_mask: Tensor | None, b: int, h: int, t: int, s: int
 ) -> Tensor | None:
     """Check ``mask`` and ``key_mask`` against (B, H, T, S); combine them into one mask."""
     if key_mask is not None:
@@ -132,5 +139,5 @@ def combined_mask(
         raise ValueError(
             f"mask must be (T, S), (B, T, S) or (B, H, T, S), got shape {tuple(mask.shape)}"
         )
-    mask = check_mask("mask", mask, (b, mha.num_heads, t, s), "(B, H, T, S) =")
+    mask = check_mask("mask", mask, (b, h, t, s), "(B, H, T, S) =")
     return functional.combine_masks(mask, key_mask)

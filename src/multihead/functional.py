@@ -9,10 +9,10 @@ Masks follow the convention of ``F.scaled_dot_product_attention``: a bool mask i
 query *may* attend to a key; a float mask is added to the scores (``-inf``, or at most half the
 mask dtype's lowest value as in eager-style ``finfo.min`` masks, removes a key; any other finite
 value, however negative, is an ordinary addend in every dtype: :func:`multihead.kernels.allowed`
-is the rule). Causal masking is aligned bottom-right: query i sees keys j <= i + (S - T), which
-stays right when cached keys make S > T. A query row that may attend to no key at all gives zeros
-(and zero weights), never NaN, with finite gradients. NaN in the inputs propagates to the rows it
-touches, on every backend.
+is the rule). Causal masking is aligned bottom-right (:func:`multihead.kernels.causal_mask`):
+query i sees keys j <= i + (S - T), which stays right when cached keys make S > T. A query row
+that may attend to no key at all gives zeros (and zero weights), never NaN, with finite
+gradients. NaN in the inputs propagates to the rows it touches, on every backend.
 
 Backends:
 
@@ -38,38 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead import fused_weights
+from multihead import fused_weights, kernels
 from multihead._checks import check_choice, check_mask, check_probability
-from multihead.kernels import allowed, math_attention
+from multihead._lazy import moved_getattr
 
-__all__ = ["attention", "causal_mask", "combine_masks", "BACKENDS"]
+__all__ = ["attention", "combine_masks", "BACKENDS"]
+
+# causal_mask moved to multihead.kernels (the one causal rule, below this module); the old path
+# works for one release, with a DeprecationWarning.
+__getattr__ = moved_getattr(__name__, {"causal_mask": "multihead.kernels"})
 
 Backend = Literal["auto", "sdpa", "math"]
 BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "fused")
-
-
-def causal_mask(
-    query_len: int, key_len: int, *, device: torch.device | str | None = None
-) -> Tensor:
-    """The bottom-right aligned causal mask.
-
-    Query i may attend to key j when j <= i + (key_len - query_len): the last query sees every key,
-    as it does when the first ``key_len - query_len`` keys come from a cache.
-
-    Args:
-        query_len: T, the number of queries.
-        key_len: S, the number of keys.
-        device: where to build the mask.
-
-    Returns:
-        A bool tensor (T, S), True where attending is allowed.
-
-    Example:
-        >>> causal_mask(2, 3).int()
-        tensor([[1, 1, 0],
-                [1, 1, 1]], dtype=torch.int32)
-    """
-    return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(key_len - query_len)
 
 
 def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -163,12 +143,12 @@ def _prepare_mask(
     check_mask("mask", mask, (*q.shape[:-1], tk), "the scores' shape")
     if mask is not None and mask.dim() < 2:
         mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))  # kernels want (T, S)
-    causal = causal_mask(tq, tk, device=q.device) if is_causal else None
+    causal = kernels.causal_mask(tq, tk, device=q.device) if is_causal else None
     if mask is None and (causal is None or tq <= tk):
         return causal, None  # a bottom-right causal mask alone empties a row only when T > S
     mask = combine_masks(mask, causal)
     assert mask is not None
-    seen = allowed(mask)
+    seen = kernels.allowed(mask)
     keep = seen.any(dim=-1, keepdim=True)
     # Reopen empty rows (uniform attention), then zero their output: finite values and gradients
     # on every kernel and device, with no data-dependent branch for torch.compile to break on.
@@ -344,7 +324,7 @@ def attention(
         return _sdpa(q, k, v, None, is_causal, scale, dropout_p)
     mask, keep = _prepare_mask(mask, is_causal, q, k)
     if use_math:
-        out, weights = math_attention(q, k, v, mask, scale, dropout_p)
+        out, weights = kernels.math_attention(q, k, v, mask, scale, dropout_p)
         if keep is not None:
             out = out.masked_fill(~keep, 0.0)
             weights = weights.masked_fill(~keep, 0.0)

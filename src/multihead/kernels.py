@@ -3,6 +3,8 @@
 Shapes: B batch, H query heads, Hk key/value heads (H a multiple of Hk), T queries, S keys,
 D head dim, Dv value head dim.
 
+- :func:`causal_mask` (bottom-right) and :func:`allowed` (which keys a mask lets a query see) are
+  the two mask rules, each spelled once here and read everywhere else.
 - :func:`math_attention` is the formula the tutorials teach, softmax(q kᵀ · scale + mask) · v,
   written to be read; it is the only place attention weights are made.
 - :func:`block_attention` (section below) computes one block of keys with the log-sum-exp of its
@@ -24,6 +26,7 @@ from torch import Tensor
 
 __all__ = [
     "allowed",
+    "causal_mask",
     "scaled_weights",
     "math_attention",
     "softmax_",
@@ -52,6 +55,39 @@ def allowed(mask: Tensor) -> Tensor:
     if mask.dtype == torch.bool:
         return mask
     return ~(mask <= torch.finfo(mask.dtype).min / 2)
+
+
+def causal_mask(
+    query_len: int,
+    key_len: int,
+    *,
+    rows: Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The causal rule, bottom-right aligned: the one place it is spelled.
+
+    Query i may attend to key j when j <= i + (key_len - query_len): the last query sees every
+    key, as it does when the first ``key_len - query_len`` keys come from a cache.
+
+    Args:
+        query_len: T, the number of queries.
+        key_len: S, the number of keys.
+        rows: (R,) int64 query positions (of T) to build the mask for; default all T of them.
+            Observers that recompute a few rows use it: never a (T, S) buffer for them.
+        device: where to build the mask (default: ``rows``'s device, else the CPU).
+
+    Returns:
+        A bool tensor (T, S), or (R, S) for ``rows``, True where attending is allowed.
+
+    Example:
+        >>> causal_mask(2, 3).int()
+        tensor([[1, 1, 0],
+                [1, 1, 1]], dtype=torch.int32)
+    """
+    if rows is None:
+        rows = torch.arange(query_len, device=device)
+    keys = torch.arange(key_len, device=rows.device)
+    return keys <= (rows + (key_len - query_len))[:, None]  # (R, S)
 
 
 def softmax_(scores: Tensor) -> Tensor:
@@ -235,12 +271,6 @@ def _unit_last_stride(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _causal_mask(t: int, s: int, device: torch.device) -> Tensor:
-    """(T, S) bool, True where query i may see key j: j <= i + (S − T), bottom-right aligned as
-    in :func:`multihead.functional.causal_mask` (rebuilt here: kernels sits below functional)."""
-    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
-
-
 def _no_empty_rows(lse: Tensor) -> Tensor:
     """``lse`` with −inf (a row that sees no key) replaced by 0, to subtract from scores: then
     exp(−inf − 0) = 0 gives the row zero weights where exp(−inf − (−inf)) would give NaN."""
@@ -263,7 +293,7 @@ def _grouped(
     v5 = v.to(compute).unsqueeze(2)  # (B, Hk, 1, S, Dv)
     scores = torch.matmul(q5, k5.transpose(-2, -1)) * scale  # (B, Hk, G, T, S)
     if causal:
-        scores.masked_fill_(~_causal_mask(t, s, q.device), _NEG_INF)
+        scores.masked_fill_(~causal_mask(t, s, device=q.device), _NEG_INF)
     return q5, k5, v5, scores
 
 

@@ -1,8 +1,7 @@
 """What every transformer layer is built from: the feed-forward network, the shared constructor
 that gives a layer its ``self_attn``, ``ff``, LayerNorms and Dropouts, and the check of its input.
 
-The layers themselves (encoder, decoder, stack) are in :mod:`multihead.layers`, which re-exports
-``ACTIVATIONS`` and :class:`FeedForward`.
+The layers themselves (encoder, decoder, stack) are in :mod:`multihead.layers`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Transformer layers around MultiHeadAttention: the encoder and decoder layers, and a stack of
-layers. What they are built from (:class:`FeedForward`, ``ACTIVATIONS``, the shared constructor)
-is in :mod:`multihead.layer_parts`; both names are importable from here too.
+layers. What they are built from (:class:`~multihead.layer_parts.FeedForward`, ``ACTIVATIONS``,
+the shared constructor) is in :mod:`multihead.layer_parts`.
 
 Each ``forward`` reads like its equation. With sublayer(x) attention or the feed-forward network:
 
@@ -16,19 +16,23 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead._lazy import moved_getattr
 from multihead.attention import AttentionCache, MultiHeadAttention
-from multihead.layer_parts import ACTIVATIONS, FeedForward, build_parts, check_layer_input
+from multihead.layer_parts import FeedForward, build_parts, check_layer_input
 from multihead.packing import PackedBatch
 
 __all__ = [
-    "ACTIVATIONS",
-    "FeedForward",
     "TransformerEncoderLayer",
     "TransformerEncoder",
     "TransformerDecoderLayer",
 ]
+
+# ACTIVATIONS lives in multihead.layer_parts (beside FeedForward, which is imported from there);
+# this path works for one release, with a DeprecationWarning.
+__getattr__ = moved_getattr(__name__, {"ACTIVATIONS": "multihead.layer_parts"})
 
 
 class LayerCaches(Protocol):
@@ -149,20 +153,86 @@ class TransformerEncoderLayer(nn.Module):
             x = self.norm2(x + self.dropout2(self.ff(x)))
         return x
 
+    # -- conversion to and from torch.nn --------------------------------------------------------
+
     @classmethod
     def from_torch(cls, m: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
-        """An exact copy of a torch.nn.TransformerEncoderLayer; see
-        :func:`multihead.interop.encoder_layer_from_torch`."""
-        from multihead.interop import encoder_layer_from_torch
+        """An exact copy of a torch.nn.TransformerEncoderLayer (ReLU or GELU activation).
 
-        return encoder_layer_from_torch(m)
+        Parameters are copied, never shared. The copy is batch-first whatever ``m.batch_first``
+        was.
+        """
+        if not isinstance(m, nn.TransformerEncoderLayer):
+            raise TypeError(f"m must be a torch.nn.TransformerEncoderLayer, got {type(m).__name__}")
+        activation = _activation_name(m.activation)
+        if activation is None:
+            raise ValueError(
+                f"cannot convert the activation {m.activation!r}: only ReLU and GELU have an "
+                f"equivalent"
+            )
+        attn = m.self_attn
+        ref = m.linear1.weight
+        ours = cls(
+            attn.embed_dim,
+            attn.num_heads,
+            m.linear1.out_features,
+            dropout=attn.dropout,
+            norm_first=m.norm_first,
+            norm_eps=m.norm1.eps,
+            activation=activation,
+            bias=m.linear1.bias is not None,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        ours.self_attn = MultiHeadAttention.from_torch(attn)
+        ours.ff.linear1.load_state_dict(m.linear1.state_dict())
+        ours.ff.linear2.load_state_dict(m.linear2.state_dict())
+        ours.norm1.load_state_dict(m.norm1.state_dict())
+        ours.norm2.load_state_dict(m.norm2.state_dict())
+        return ours
 
     def to_torch(self) -> nn.TransformerEncoderLayer:
-        """An exact batch-first torch.nn.TransformerEncoderLayer copy; see
-        :func:`multihead.interop.encoder_layer_to_torch`."""
-        from multihead.interop import encoder_layer_to_torch
+        """An exact batch-first torch.nn.TransformerEncoderLayer copy (ReLU or GELU only)."""
+        if self.ff.activation_name not in ("relu", "gelu"):
+            raise ValueError(
+                f"torch.nn.TransformerEncoderLayer supports activation 'relu' or 'gelu' "
+                f"exactly, got {self.ff.activation_name!r}"
+            )
+        attn = self.self_attn
+        ref = self.ff.linear1.weight
+        m = nn.TransformerEncoderLayer(
+            attn.embed_dim,
+            attn.num_heads,
+            dim_feedforward=self.ff.linear1.out_features,
+            dropout=attn.dropout,
+            activation=self.ff.activation_name,
+            layer_norm_eps=self.norm1.eps,
+            batch_first=True,
+            norm_first=self.norm_first,
+            bias=self.ff.linear1.bias is not None,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        m.self_attn = attn.to_torch(batch_first=True)
+        m.linear1.load_state_dict(self.ff.linear1.state_dict())
+        m.linear2.load_state_dict(self.ff.linear2.state_dict())
+        m.norm1.load_state_dict(self.norm1.state_dict())
+        m.norm2.load_state_dict(self.norm2.state_dict())
+        return m
 
-        return encoder_layer_to_torch(self)
+
+def _activation_name(activation: object) -> str | None:
+    """The name of a torch encoder layer's activation among ours, or None: torch keeps the
+    function (``F.relu``, ``F.gelu``, what a string names) or the module it was given."""
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        return "relu"
+    if activation is F.gelu or (
+        isinstance(activation, nn.GELU) and activation.approximate == "none"
+    ):
+        return "gelu"
+    if isinstance(activation, nn.GELU) and activation.approximate == "tanh":
+        return "gelu_tanh"
+    return None
 
 
 class TransformerDecoderLayer(nn.Module):

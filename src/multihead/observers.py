@@ -1,14 +1,28 @@
-"""What an observer of :class:`~multihead.MultiHeadAttention` sees, and how observers run.
+"""The observer channel of an attention module: what observers see, and the one container that
+holds them.
 
 An observer is ``fn(call, out)``: ``call`` an :class:`AttentionCall`, ``out`` the per-head output
 (B, T, H, Dv) before the output projection, the one place where a head exists as itself. It
 returns None, or a replacement for ``out`` (to ablate, scale or patch heads). Capture, head
 statistics and interventions are observers.
+
+A q/k/v editor is ``fn(call)``, run *before* attention: it returns None, or replacements
+``(q, k, v)`` for the heads the kernel then attends with (path patching changes one head's
+queries, keys or values this way). Keys and values may come back with H heads instead of Hk,
+one per query head, so that on a grouped-query module the keys one query head sees can change
+without its siblings'.
+
+:class:`Observers` holds both kinds for one attention site (a :class:`~multihead.MultiHeadAttention`
+or a transformers module's :class:`multihead.hf.AttentionSite`): ``register`` /
+``register_editor`` return a handle, ``bool(observers)`` says whether anything is registered (a
+forward with nothing registered does no extra work), ``edit(call)`` runs the editors and ``run(call,
+out)`` the observers.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -19,33 +33,37 @@ __all__ = [
     "AttentionObserver",
     "ObservableAttention",
     "ObserverHandle",
-    "run_observers",
+    "Observers",
+    "QKVEditor",
 ]
 
 
 class AttentionCall:
-    """One call of a :class:`MultiHeadAttention`, as its observers see it.
+    """One call of an attention module, as its observers and editors see it.
 
     Attributes:
         module: the attention module (a :class:`multihead.hf.AttentionSite` for a transformers
             model).
         q: (B, H, T, D) queries, per head.
-        k: (B, Hk, S, D) keys (the cache's too, when there is one).
-        v: (B, Hk, S, Dv) values.
+        k: (B, Hk, S, D) keys (the cache's too, when there is one); (B, H, S, D) after an editor
+            returned keys per query head.
+        v: (B, Hk, S, Dv) values; (B, H, S, Dv) likewise.
         mask: None, or the bool/float mask the kernel saw, broadcastable to (B, H, T, S): the
             ``mask`` and ``key_mask`` arguments combined. ``is_causal`` comes on top.
-        is_causal: bottom-right causal masking (see :func:`multihead.functional.causal_mask`).
+        is_causal: bottom-right causal masking (see :func:`multihead.kernels.causal_mask`).
         scale: the factor on the scores.
         query_mask: (B, T) bool, True at real (not padding) queries, when the call knows it
             (self-attention with a key mask, or a packed batch); else None.
 
-    On a packed batch, q, k and v are put in batch order only when an observer reads them.
+    Args:
+        heads: ``(q, k, v)``, or a function that makes them when first read (a packed batch puts
+            them in batch order only when an observer reads them).
     """
 
     def __init__(
         self,
         module: ObservableAttention,
-        heads: Callable[[], tuple[Tensor, Tensor, Tensor]],
+        heads: tuple[Tensor, Tensor, Tensor] | Callable[[], tuple[Tensor, Tensor, Tensor]],
         mask: Tensor | None,
         is_causal: bool,
         scale: float,
@@ -60,7 +78,7 @@ class AttentionCall:
 
     @functools.cached_property
     def _qkv(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self._heads()
+        return self._heads if isinstance(self._heads, tuple) else self._heads()
 
     @property
     def q(self) -> Tensor:
@@ -75,17 +93,193 @@ class AttentionCall:
         return self._qkv[2]
 
 
-class ObserverHandle(Protocol):
-    """What ``register_observer`` returns."""
+# observer(call, out) with out the per-head output (B, T, H, Dv) before the output projection;
+# it returns None (out unchanged) or a replacement of the same shape and dtype.
+AttentionObserver = Callable[[AttentionCall, Tensor], Tensor | None]
 
-    def remove(self) -> None: ...
+# editor(call) before attention; it returns None (q, k, v unchanged) or replacements (q, k, v):
+# q (B, H, T, D), k (B, Hk or H, S, D), v (B, Hk or H, S, Dv), in the call's dtype and device.
+QKVEditor = Callable[[AttentionCall], tuple[Tensor, Tensor, Tensor] | None]
+
+
+class ObserverHandle:
+    """Unregisters one observer or editor: ``handle.remove()``, or leave a ``with`` block.
+
+    Like torch's ``RemovableHandle``; removing twice does nothing.
+    """
+
+    def __init__(
+        self, entries: dict[int, Any], key: int, release: Callable[[], None] | None
+    ) -> None:
+        self._entries = entries
+        self._key = key
+        self._release = release
+
+    def remove(self) -> None:
+        if self._entries.pop(self._key, None) is not None and self._release is not None:
+            self._release()
+
+    def __enter__(self) -> ObserverHandle:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.remove()
+
+
+class Observers:
+    """The observers and q/k/v editors of one attention site, each kind in registration order.
+
+    Args:
+        acquire: called before each registration is added (a transformers model switches to the
+            ``"multihead"`` attention there; it may refuse by raising, and nothing is added).
+        release: called after each registration is removed.
+
+    ``len()`` counts both kinds; ``bool()`` is False when nothing is registered, the forward's one
+    check before it does anything for the channel.
+    """
+
+    def __init__(
+        self,
+        *,
+        acquire: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self._observers: dict[int, AttentionObserver] = {}
+        self._editors: dict[int, QKVEditor] = {}
+        # a plain int, not itertools.count: a module holding this must deep-copy on any Python
+        self._next_id = 0
+        self._acquire = acquire
+        self._release = release
+
+    def __len__(self) -> int:
+        return len(self._observers) + len(self._editors)
+
+    def __bool__(self) -> bool:
+        return bool(self._observers) or bool(self._editors)
+
+    @property
+    def observing(self) -> bool:
+        """Whether an observer is registered (one that sees the per-head output)."""
+        return bool(self._observers)
+
+    @property
+    def editing(self) -> bool:
+        """Whether a q/k/v editor is registered."""
+        return bool(self._editors)
+
+    def register(self, fn: AttentionObserver) -> ObserverHandle:
+        """Add the observer ``fn(call, out)``; the handle's ``remove()`` takes it out again."""
+        return self._add(self._observers, fn)
+
+    def register_editor(self, fn: QKVEditor) -> ObserverHandle:
+        """Add the q/k/v editor ``fn(call)``; the handle's ``remove()`` takes it out again."""
+        return self._add(self._editors, fn)
+
+    def _add(self, entries: dict[int, Any], fn: object) -> ObserverHandle:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        if self._acquire is not None:
+            self._acquire()
+        key = self._next_id
+        self._next_id += 1
+        entries[key] = fn
+        return ObserverHandle(entries, key, self._release)
+
+    def edit(self, call: AttentionCall) -> AttentionCall:
+        """Run the editors in order, each seeing the previous one's replacements.
+
+        Returns ``call`` itself when no editor replaced anything, else a call with the new
+        q, k, v (mask, causality, scale and query mask unchanged). Keys and values come back
+        with one head count: when an editor returns one of them per query head (H) and the
+        other per key/value head (Hk), the other is repeated to H.
+
+        Raises:
+            ValueError: an editor returned something other than None or (q, k, v) of the
+                call's shapes, dtype and device.
+        """
+        for fn in tuple(self._editors.values()):
+            new = fn(call)
+            if new is not None:
+                call = AttentionCall(
+                    call.module,
+                    _checked_edit(call, new),
+                    call.mask,
+                    call.is_causal,
+                    call.scale,
+                    call.query_mask,
+                )
+        return call
+
+    def run(self, call: AttentionCall, out: Tensor) -> Tensor:
+        """Run the observers in order on ``out`` (B, T, H, Dv), each seeing the previous one's
+        replacement; returns the final per-head output.
+
+        Raises:
+            ValueError: an observer returned something other than None or a tensor of
+                ``out``'s shape and dtype.
+        """
+        for fn in tuple(self._observers.values()):
+            new = fn(call, out)
+            if new is None:
+                continue
+            if not isinstance(new, Tensor) or new.shape != out.shape or new.dtype != out.dtype:
+                got: Any = f"{new.dtype} {tuple(new.shape)}" if isinstance(new, Tensor) else new
+                raise ValueError(
+                    f"an observer must return None or a per-head output like {out.dtype} "
+                    f"{tuple(out.shape)} (B, T, H, Dv), got {got}"
+                )
+            out = new
+        return out
+
+
+def _checked_edit(call: AttentionCall, new: object) -> tuple[Tensor, Tensor, Tensor]:
+    """An editor's ``(q, k, v)``, checked against ``call``; k and v on one head count."""
+    if not (
+        isinstance(new, (tuple, list)) and len(new) == 3 and all(isinstance(t, Tensor) for t in new)
+    ):
+        got = (
+            f"a {type(new).__name__} of {len(new)}"
+            if isinstance(new, (tuple, list))
+            else type(new).__name__
+        )
+        raise ValueError(
+            f"a q/k/v editor must return None or a tuple (q, k, v) of tensors, got {got}"
+        )
+    q, k, v = new
+    b, h, t, d = call.q.shape
+    hk, s, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
+    heads = f"{hk} or {h}" if hk != h else f"{h}"
+    for name, x, shape, letters in (
+        ("q", q, f"({b}, {h}, {t}, {d})", "(B, H, T, D)"),
+        ("k", k, f"({b}, {heads}, {s}, {d})", "(B, Hk or H, S, D)"),
+        ("v", v, f"({b}, {heads}, {s}, {dv})", "(B, Hk or H, S, Dv)"),
+    ):
+        want_heads = (h,) if name == "q" else (hk, h)
+        size = (t, d) if name == "q" else (s, d if name == "k" else dv)
+        if x.dim() != 4 or x.shape[0] != b or x.shape[1] not in want_heads or x.shape[2:] != size:
+            raise ValueError(
+                f"a q/k/v editor returned {name} of shape {tuple(x.shape)}, expected "
+                f"{letters} = {shape}"
+            )
+        if x.dtype != call.q.dtype or x.device != call.q.device:
+            raise ValueError(
+                f"a q/k/v editor returned {name} as {x.dtype} on {x.device}, expected the call's "
+                f"{call.q.dtype} on {call.q.device}"
+            )
+    if k.shape[1] != v.shape[1]:  # one per query head, the other per key/value head
+        group = h // min(k.shape[1], v.shape[1])
+        k = k if k.shape[1] == h else k.repeat_interleave(group, dim=1)  # (B, H, S, D)
+        v = v if v.shape[1] == h else v.repeat_interleave(group, dim=1)  # (B, H, S, Dv)
+    return q, k, v
 
 
 class ObservableAttention(Protocol):
     """An attention site with the observer channel: :class:`~multihead.MultiHeadAttention`, or
     a transformers attention module's :class:`multihead.hf.AttentionSite`.
 
-    ``num_heads`` is H (query heads), ``head_dim`` Dv (one head's output width).
+    ``num_heads`` is H (query heads), ``head_dim`` Dv (one head's output width), ``observers``
+    the site's :class:`Observers` (read it to count or test for registrations; register through
+    the two methods).
     """
 
     @property
@@ -94,30 +288,28 @@ class ObservableAttention(Protocol):
     @property
     def head_dim(self) -> int: ...
 
+    @property
+    def observers(self) -> Observers: ...
+
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
     def register_observer(self, fn: AttentionObserver) -> ObserverHandle: ...
 
-
-# observer(call, out) with out the per-head output (B, T, H, Dv) before the output projection;
-# it returns None (out unchanged) or a replacement of the same shape and dtype.
-AttentionObserver = Callable[[AttentionCall, Tensor], Tensor | None]
+    def register_qkv_editor(self, fn: QKVEditor) -> ObserverHandle: ...
 
 
 def run_observers(
     observers: Iterable[AttentionObserver], call: AttentionCall, out: Tensor
 ) -> Tensor:
-    """Run ``observers`` in order on ``out`` (B, T, H, Dv), each seeing the previous one's
-    replacement; returns the final per-head output."""
-    for fn in tuple(observers):
-        new = fn(call, out)
-        if new is None:
-            continue
-        if not isinstance(new, Tensor) or new.shape != out.shape or new.dtype != out.dtype:
-            got: Any = f"{new.dtype} {tuple(new.shape)}" if isinstance(new, Tensor) else new
-            raise ValueError(
-                f"an observer must return None or a per-head output like {out.dtype} "
-                f"{tuple(out.shape)} (B, T, H, Dv), got {got}"
-            )
-        out = new
-    return out
+    """Deprecated: run ``observers`` on ``out`` as :meth:`Observers.run` does (goes in the next
+    release; attention modules keep their observers in an :class:`Observers`)."""
+    warnings.warn(
+        "multihead.observers.run_observers is deprecated: register observers on an Observers "
+        "container and call its run(call, out)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    chain = Observers()
+    for fn in observers:
+        chain.register(fn)
+    return chain.run(call, out)

@@ -166,3 +166,10 @@ class PackedBatch:
         if self._identity_order:
             return x
         return x.index_select(0, self.rank)
+
+    def to_sorted_order(self, x: Tensor) -> Tensor:
+        """A (B, ...) tensor in batch order put in the sorted order, the inverse of
+        :meth:`to_batch_order`; a view when already in order."""
+        if self._identity_order:
+            return x
+        return x.index_select(0, self.order)

@@ -333,8 +333,8 @@ class RingSelfAttention(nn.Module):
                 f"ring attention has no attention dropout, but the module has dropout="
                 f"{mha.dropout} and is in training mode: use dropout=0 or eval()"
             )
-        # `_observers` (register_observer) and, before it, the single `observer` attribute
-        observers = len(getattr(mha, "_observers", None) or ())
+        # the observer channel and, before it, the single `observer` attribute
+        observers = len(mha.observers)
         observers += getattr(mha, "observer", None) is not None
         if observers:
             raise ValueError(

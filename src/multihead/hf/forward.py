@@ -1,23 +1,22 @@
 """The attention function registered as ``"multihead"`` in transformers, and its mask function.
 
 :func:`attention_forward` follows transformers' sdpa function step by step, computing with
-:func:`multihead.functional.attention`, and runs the module's observers (its
-:class:`~multihead.hf.sites.AttentionSite`) on the per-head output (B, T, H, Dv) it returns.
+:func:`multihead.functional.attention`. A module that carries a site under :data:`SITE` (an
+:class:`~multihead.observers.ObservableAttention`: :mod:`multihead.hf.sites` attaches them) has
+its q/k/v editors run before attention and its observers on the per-head output (B, T, H, Dv).
+This module sits below :mod:`multihead.hf.sites`: it reads a site through that protocol alone.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from multihead import functional, kernels
-from multihead.observers import AttentionCall, run_observers
-
-if TYPE_CHECKING:
-    from multihead.hf.sites import AttentionSite
+from multihead.observers import AttentionCall, ObservableAttention
 
 # The oldest transformers the bridge is tested on (pyproject.toml's hf extra says the same;
 # a test holds them equal). Older 5.x releases route fewer families (T5 from 5.15) and lack
@@ -67,7 +66,7 @@ def _weights_requested(kwargs: dict[str, Any]) -> bool:
 
 
 NAME = "multihead"
-# The attribute under which a routed attention module keeps its site.
+# The attribute under which a routed attention module keeps its site (set by hf/sites.py).
 SITE = "_multihead_site"
 
 
@@ -120,7 +119,8 @@ def attention_forward(
 
     Returns:
         ``(out (B, T, H, Dv), weights (B, H, T, S) or None)``: ``out`` after the module's
-        observers, ``weights`` only with ``output_attentions=True``.
+        observers, ``weights`` only with ``output_attentions=True``. The module's q/k/v editors
+        (if any) replace q, k, v before attention; weights are then those of the edited call.
     """
     if kwargs.get("softcap") is not None:
         _refuse(module, f"attention-logit softcapping (softcap={kwargs['softcap']})")
@@ -151,16 +151,12 @@ def attention_forward(
         # The bias becomes the additive mask, as transformers' sdpa path builds it
         # (create_position_bias_mask, which older transformers lack); causality, if any, stays
         # a flag (the mask was None, so S == T here and bottom-right equals top-left).
-        if attention_mask is None:
-            mask = position_bias
-        elif attention_mask.dtype == torch.bool:
-            mask = position_bias.masked_fill(~attention_mask, torch.finfo(position_bias.dtype).min)
-        else:
-            mask = position_bias + attention_mask
+        mask = functional.combine_masks(position_bias, attention_mask)
     want_weights = _weights_requested(kwargs)
-    site: AttentionSite | None = getattr(module, SITE, None)
+    site: ObservableAttention | None = getattr(module, SITE, None)
+    observed = site is not None and bool(site.observers)
     if sink is not None:
-        if site is not None and site._observers:
+        if observed:
             _refuse(module, "observing heads with attention sinks (s_aux/sinks)")
         if want_weights:
             # families disagree on what their weights are with sinks (GPT-OSS drops the sink's
@@ -168,6 +164,15 @@ def attention_forward(
             _refuse(module, "output_attentions with attention sinks (s_aux/sinks)")
         key, value, mask = _with_sink(module, query, key, value, mask, causal, sink)
         causal = False
+    call: AttentionCall | None = None
+    if observed:
+        assert site is not None
+        _check_heads(module, site, query, value)
+        scale = _scale(scaling, query)
+        call = AttentionCall(site, (query, key, value), mask, causal, scale, _real_queries(mask))
+        if site.observers.editing:
+            call = site.observers.edit(call)
+            query, key, value = call.q, call.k, call.v
     weights: Tensor | None = None
     if want_weights:
         out, weights = functional.attention(
@@ -185,14 +190,22 @@ def attention_forward(
             query, key, value, mask=mask, is_causal=causal, scale=scaling, dropout_p=dropout
         )
     out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
-    if site is not None and site._observers:
-        site.check_call(query, value)
-        k, v = key, value
-        call = AttentionCall(
-            site, lambda: (query, k, v), mask, causal, _scale(scaling, query), _real_queries(mask)
-        )
-        out = run_observers(site._observers.values(), call, out)
+    if call is not None:
+        assert site is not None
+        out = site.observers.run(call, out)
     return out.contiguous(), weights
+
+
+def _check_heads(
+    module: nn.Module, site: ObservableAttention, query: Tensor, value: Tensor
+) -> None:
+    """Refuse a call whose heads disagree with what the site told the observe functions."""
+    if query.shape[1] != site.num_heads or value.shape[-1] != site.head_dim:
+        raise ValueError(
+            f"{family_name(module)}: the attention call has {query.shape[1]} heads of width "
+            f"{value.shape[-1]}, but the module was read as {site.num_heads} heads of width "
+            f"{site.head_dim}; its heads cannot be observed"
+        )
 
 
 # Keywords the attention call may carry that change nothing here: the mask already encodes
@@ -247,17 +260,12 @@ def _with_sink(
     elif sink.dim() != 4:
         _refuse(module, f"attention sinks of shape {tuple(sink.shape)}")
     dtype = query.dtype
-    scores = torch.zeros(1, 1, t, s, dtype=dtype, device=query.device)
-    if causal:
-        allowed = functional.causal_mask(t, s, device=query.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    if mask is not None:
-        scores = scores + (
-            torch.zeros((), dtype=dtype, device=query.device).masked_fill(~mask, float("-inf"))
-            if mask.dtype == torch.bool
-            else mask.to(dtype)
-        )
-    scores = scores.expand(b, h, t, s)
+    causal_keys = kernels.causal_mask(t, s, device=query.device) if causal else None
+    seen = functional.combine_masks(causal_keys, mask)
+    # as an additive mask: 0 where a bool mask lets a key be seen, -inf where not; float added
+    scores = functional.combine_masks(query.new_zeros(1, 1, t, s), seen)
+    assert scores is not None
+    scores = scores.to(dtype).expand(b, h, t, s)
     column = sink.to(dtype).expand(b, h, t, 1)
     zeros_k = key.new_zeros(*key.shape[:2], 1, key.shape[3])
     zeros_v = value.new_zeros(*value.shape[:2], 1, value.shape[3])

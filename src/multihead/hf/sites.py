@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, cast
 
-from torch import Tensor, nn
+from torch import nn
 from transformers import PreTrainedModel
 
 from multihead.hf.forward import NAME, SITE, family_name
-from multihead.observers import AttentionObserver
+from multihead.observers import AttentionObserver, ObserverHandle, Observers, QKVEditor
 
 __all__ = ["AttentionSite", "attention_sites", "routed", "uses_transformers"]
 
@@ -109,22 +108,13 @@ def _implementation(module: nn.Module) -> Any:
     return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
-class _Handle:
-    """Removes one observer; the model's implementation comes back with the last one."""
-
-    def __init__(self, site: AttentionSite, key: int) -> None:
-        self.site, self.key = site, key
-
-    def remove(self) -> None:
-        if self.site._observers.pop(self.key, None) is not None:
-            self.site._switch.release()
-
-
 class AttentionSite:
     """The observers of one routed transformers attention module (one "layer").
 
-    Quacks like :class:`multihead.MultiHeadAttention` for the observe functions:
-    ``num_heads``, ``head_dim``, ``parameters()``, ``register_observer(fn)``.
+    Quacks like :class:`multihead.MultiHeadAttention` for the observe functions (both satisfy
+    :class:`~multihead.observers.ObservableAttention`): ``num_heads``, ``head_dim``,
+    ``parameters()``, ``observers``, ``register_observer(fn)``, ``register_qkv_editor(fn)``.
+    The model runs on ``"multihead"`` while anything is registered on one of its sites.
 
     Attributes:
         module: the transformers attention module.
@@ -154,32 +144,29 @@ class AttentionSite:
         self.module = module
         self.num_heads = heads
         self.head_dim = dim
-        self._switch = switch
-        self._observers: OrderedDict[int, AttentionObserver] = OrderedDict()
-        self._next = 0
+        # each registration keeps the model on "multihead"; the last removal switches it back
+        self._observers = Observers(acquire=switch.acquire, release=switch.release)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
 
-    def register_observer(self, fn: AttentionObserver) -> _Handle:
+    @property
+    def observers(self) -> Observers:
+        """The observers and q/k/v editors registered on this site (``len``, ``bool``)."""
+        return self._observers
+
+    def register_observer(self, fn: AttentionObserver) -> ObserverHandle:
         """Call ``fn(call, out)`` on each call, ``out`` the per-head output (B, T, H, Dv)
         before the module's output projection (see :meth:`MultiHeadAttention.register_observer`).
         """
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        self._switch.acquire()
-        self._next += 1
-        self._observers[self._next] = fn
-        return _Handle(self, self._next)
+        return self._observers.register(fn)
 
-    def check_call(self, query: Tensor, value: Tensor) -> None:
-        """Refuse a call whose heads disagree with what the site told the observe functions."""
-        if query.shape[1] != self.num_heads or value.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"{family_name(self.module)}: the attention call has {query.shape[1]} heads of "
-                f"width {value.shape[-1]}, but the module was read as {self.num_heads} heads of "
-                f"width {self.head_dim}; its heads cannot be observed"
-            )
+    def register_qkv_editor(self, fn: QKVEditor) -> ObserverHandle:
+        """Call ``fn(call)`` on each call before attention; it may replace q, k or v as the
+        attention function receives them (after rotary embeddings). See
+        :meth:`MultiHeadAttention.register_qkv_editor`.
+        """
+        return self._observers.register_editor(fn)
 
 
 def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:

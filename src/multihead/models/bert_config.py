@@ -14,7 +14,7 @@ from multihead._checks import (
     describe,
     is_int,
 )
-from multihead.layers import ACTIVATIONS
+from multihead.layer_parts import ACTIVATIONS
 
 __all__ = ["BertConfig"]
 

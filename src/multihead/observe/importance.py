@@ -27,10 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice
-from multihead.attention import AttentionCall
 from multihead.observe.prefix_reuse import PrefixCache
 from multihead.observe.steering import intervene, model_heads
-from multihead.observers import ObservableAttention
+from multihead.observers import AttentionCall, ObservableAttention
 
 __all__ = ["head_importance", "METHODS"]
 

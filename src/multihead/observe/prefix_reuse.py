@@ -83,7 +83,7 @@ def _same(a: Any, b: Any, equal: list[Tensor] | None) -> bool:
 
 def _observed(block: nn.Module) -> bool:
     """Whether an attention module inside the block has observers (e.g. a capture in metric())."""
-    return any(isinstance(m, MultiHeadAttention) and m._observers for m in block.modules())
+    return any(isinstance(m, MultiHeadAttention) and m.observers for m in block.modules())
 
 
 def _random(block: nn.Module) -> bool:

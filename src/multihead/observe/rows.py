@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from multihead import functional, kernels
 from multihead._checks import check_indices, check_optional_positive_int
-from multihead.attention import AttentionCall, AttentionObserver, MultiHeadAttention
-from multihead.observers import ObservableAttention
+from multihead.attention import MultiHeadAttention
+from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention
 
 __all__ = [
     "attention_modules",
@@ -204,10 +204,10 @@ def row_weights(
         heads: (H',) int64 query heads, or None for all.
         rows: (R,) int64 query rows.
         causal: (R, S) bool, the call's causal mask restricted to ``rows``
-            (:func:`causal_rows`), or None where the call is not causal or every chosen row
-            sees every key (the caller knows the rows as ints and keeps the mask between
-            calls). The core's own ``is_causal`` would align a (R, S) problem bottom-right,
-            which is a different mask.
+            (:func:`multihead.kernels.causal_mask` with ``rows``), or None where the call is
+            not causal or every chosen row sees every key (the caller knows the rows as ints
+            and keeps the mask between calls). The core's own ``is_causal`` would align a
+            (R, S) problem bottom-right, which is a different mask.
     """
     q, k, mask = call.q, call.k, call.mask
     h, hk = q.shape[1], k.shape[1]
@@ -227,12 +227,6 @@ def row_weights(
     return weights.to(call.q.dtype)
 
 
-def causal_rows(rows: Tensor, t: int, s: int) -> Tensor:
-    """(R, S) bool: query row i (of T) sees keys j <= i + S - T, bottom-right, as the core's
-    causal rule; built for the chosen rows only, never (T, S)."""
-    return torch.arange(s, device=rows.device) <= (rows + (s - t))[:, None]
-
-
 def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:
     """(B or 1, R, S) bool: the keys each chosen query row may attend to, by the call's mask
     and causality (a key allowed to any head counts)."""
@@ -245,7 +239,7 @@ def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:
             m = m.index_select(2, rows)
         allowed = kernels.allowed(m).any(1)  # (B|1, R|1, S|1)
     if call.is_causal:
-        causal = causal_rows(rows, t, s)  # (R, S)
+        causal = kernels.causal_mask(t, s, rows=rows)  # (R, S)
         allowed = causal[None] if allowed is None else allowed & causal
     if allowed is None:
         return torch.ones(1, len(rows), s, dtype=torch.bool, device=rows.device)
@@ -328,7 +322,7 @@ def observe_rows(
                         if key not in causal_masks:
                             if any(k[:2] != (t, s) for k in causal_masks):
                                 causal_masks.clear()  # one length at a time: texts vary
-                            causal_masks[key] = causal_rows(chunk, t, s)
+                            causal_masks[key] = kernels.causal_mask(t, s, rows=chunk)
                         causal = causal_masks[key]
                     w = row_weights(call, chosen_heads, chunk, causal)
                     consume(slot, chunk, w, t, call)

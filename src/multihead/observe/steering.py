@@ -32,9 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_index, describe, is_int
-from multihead.attention import AttentionCall, AttentionObserver
 from multihead.observe.rows import attention_modules
-from multihead.observers import ObservableAttention
+from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention
 
 __all__ = ["intervene", "record_heads", "HeadRecording", "Edit", "HeadKey"]
 
