@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from multihead import MultiHeadAttention, fused_weights
+from multihead import MultiHeadAttention, fused_weights, kernels
 from multihead.functional import attention
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -58,18 +58,26 @@ def _masks(shape: tuple[int, ...], device: str) -> dict[str, Tensor | None]:
     added[t // 2] = float("-inf")
     added[:, s // 2] = float("-inf")
     per_head = torch.rand(b, h, t, s, generator=g, device=device) > 0.5
-    return {"none": None, "keys": keys, "float": added, "per-head": per_head}
+    # eager-style: finfo.min where hidden, a whole row of it included (an empty row, not even)
+    # (in float16, whose lowest value scaled to the kernel's base 2 is still finite)
+    eager = torch.zeros(t, s, dtype=torch.float16, device=device)
+    eager[:, s // 3] = torch.finfo(torch.float16).min
+    eager[t // 3] = torch.finfo(torch.float16).min
+    return {"none": None, "keys": keys, "float": added, "per-head": per_head, "eager": eager}
 
 
 def _reference(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool
 ) -> tuple[Tensor, Tensor]:
-    """The math backend in float64: the reference the fused kernel must meet."""
+    """The math backend in float64: the reference the fused kernel must meet (a float mask's
+    hidden keys, read in its own dtype, stay hidden in float64)."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.double().masked_fill(~kernels.allowed(mask), float("-inf"))
     return attention(
         q.double(),
         k.double(),
         v.double(),
-        mask=None if mask is None else mask if mask.dtype == torch.bool else mask.double(),
+        mask=mask,
         is_causal=is_causal,
         need_weights=True,
         backend="math",

@@ -167,7 +167,10 @@ def fused_attention(
     args: list[Any] = [q4, k4, v4, mask4, out, weights]
     args += [*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *mask_strides]
     args += [*out.stride()[:3], *weights.stride()[:3]]
-    args += [h, h // hk, t, s, d, dv, s - t, scale * _LOG2E]
+    floor = 0.0  # the float mask's hiding value (kernels.allowed): half its lowest
+    if mask is not None and mask.dtype.is_floating_point:
+        floor = torch.finfo(mask.dtype).min / 2
+    args += [h, h // hk, t, s, d, dv, s - t, scale * _LOG2E, floor]
     block_d, block_dv = max(16, _next_power_of_2(d)), max(16, _next_power_of_2(dv))
     even = (
         t % config["BLOCK_M"] == 0 and s % config["BLOCK_N"] == 0 and (d, dv) == (block_d, block_dv)

@@ -40,6 +40,7 @@ def _scores(
     D,
     causal_shift,
     qk_scale,
+    mask_floor,
     offs_d,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -64,7 +65,10 @@ def _scores(
         if MASK_IS_BOOL:
             s = tl.where(m != 0, s, float("-inf"))
         else:
-            s = s + m.to(tl.float32) * 1.4426950408889634  # log2(e): scores are in base 2
+            # kernels.allowed's rule: at most half the mask dtype's lowest value hides the key
+            # (eager-style masks write finfo.min), so a row hidden that way is empty, not even
+            m = m.to(tl.float32)
+            s = tl.where(m <= mask_floor, float("-inf"), s + m * 1.4426950408889634)  # log2(e)
     if not EVEN:
         s = tl.where((rows[:, None] < T) & (cols[None, :] < S), s, float("-inf"))
     if IS_CAUSAL:
@@ -110,6 +114,7 @@ def attention_weights_kernel(
     DV,
     causal_shift,
     qk_scale,
+    mask_floor,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -176,6 +181,7 @@ def attention_weights_kernel(
             D,
             causal_shift,
             qk_scale,
+            mask_floor,
             offs_d,
             HAS_MASK,
             MASK_IS_BOOL,
@@ -207,6 +213,7 @@ def attention_weights_kernel(
             D,
             causal_shift,
             qk_scale,
+            mask_floor,
             offs_d,
             HAS_MASK,
             MASK_IS_BOOL,
