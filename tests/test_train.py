@@ -180,14 +180,14 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path: Path, monk
     train(_config(tmp_path, steps=2))
     run = tmp_path / "run"
     before = load_checkpoint(latest_checkpoint(run))
-    real_write = checkpoint_module._write
+    real_write = checkpoint_module.write_synced
 
     def crash_on_optimizer(path: Path, data: bytes) -> None:
         real_write(path, data[: len(data) // 2])  # half a file, then the "crash"
         if path.name == "optimizer.safetensors":
             raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_module, "_write", crash_on_optimizer)
+    monkeypatch.setattr(checkpoint_module, "write_synced", crash_on_optimizer)
     with pytest.raises(OSError, match="disk full"):
         train(_config(tmp_path, steps=4, resume=True))
     monkeypatch.undo()
@@ -564,3 +564,13 @@ def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> Non
         whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_the_device_checks_old_path_still_works_for_a_release_and_warns() -> None:
+    from multihead import devices
+    from multihead.training import ddp
+
+    with pytest.warns(DeprecationWarning, match="use multihead.devices.resolve_device"):
+        assert ddp.resolve_device is devices.resolve_device
+    with pytest.raises(AttributeError, match="has no attribute 'resolve_dtype'"):
+        ddp.resolve_dtype  # noqa: B018
