@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-import tempfile
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,9 +265,10 @@ def json_bytes(data: Any, *, indent: int | None = 2) -> bytes:
 
 
 def write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it: on disk when this returns. Not atomic by itself:
-    :func:`atomic_write` (one file), or a directory renamed into place (training checkpoints)."""
-    with open(path, "wb") as f:
+    """Create the file ``path`` (it must not exist: FileExistsError) with ``data``, fsynced: on
+    disk when this returns. Not atomic by itself: :func:`atomic_write` (one file), or a
+    directory renamed into place (training checkpoints)."""
+    with open(path, "xb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -289,14 +290,14 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half:
-    written aside (:func:`write_synced`), then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    written aside under a fresh hidden name (:func:`write_synced`), then renamed over ``path``.
+    The file gets the permissions any new file gets (the umask)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     try:
-        write_synced(Path(tmp), data)
+        write_synced(tmp, data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
