@@ -3,6 +3,7 @@ and the CLI's errors. Runs are short and the models tiny; the real benchmark is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -574,3 +575,21 @@ def test_the_device_checks_old_path_still_works_for_a_release_and_warns() -> Non
         assert ddp.resolve_device is devices.resolve_device
     with pytest.raises(AttributeError, match="has no attribute 'resolve_dtype'"):
         ddp.resolve_dtype  # noqa: B018
+
+
+def test_the_progress_lines_of_a_resumed_run_estimate_from_its_own_steps(
+    monkeypatch, capsys
+) -> None:
+    from multihead.cli import common
+
+    with contextlib.suppress(ImportError):
+        import rich.console  # noqa: F401  (imported before the clock is faked: rich keeps it)
+    clock = iter([100.0, 106.0, 112.0])
+    monkeypatch.setattr(common.time, "monotonic", lambda: next(clock))
+    with common.progress("sort L=8", 250, "steps", start=200) as update:
+        update(225, "loss 0.1")  # 25 steps in 6 s, 25 to go
+        update(250, "loss 0.05")
+    assert capsys.readouterr().err.splitlines() == [
+        "sort L=8: 225/250 steps, loss 0.1, 0:00:06 elapsed, about 0:00:06 left",
+        "sort L=8: 250/250 steps, loss 0.05, 0:00:12 elapsed, done",
+    ]
