@@ -138,6 +138,27 @@ def test_out_paths(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert snapshot(tmp_path) == before
 
 
+def test_flag_names_inside_a_quoted_path_stay_as_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # repr writes this path in single quotes with the inner one escaped: 'it\'s "a" seq_len'
+    odd = tmp_path / 'it\'s "a" seq_len'
+    odd.write_text("")
+    err = fails(capsys, ["train", *SMALL, *QUIET, "--out", str(odd)])
+    assert err.endswith(f"error: --out {str(odd)!r} is a file, not a directory\n"), err
+
+
+def test_an_apostrophe_is_no_quote() -> None:
+    from multihead.cli.train import _in_flags
+
+    assert _in_flags("the model's eval_size and the run's save_every differ") == (
+        "the model's --eval-size and the run's --save-every differ"
+    )
+    assert _in_flags("the runs' num_heads and 'x_y num_heads'") == (
+        "the runs' --num-heads and 'x_y num_heads'"
+    )
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_unwritable_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     locked = tmp_path / "locked"

@@ -3,6 +3,7 @@ and the CLI's errors. Runs are short and the models tiny; the real benchmark is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -180,14 +181,14 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path: Path, monk
     train(_config(tmp_path, steps=2))
     run = tmp_path / "run"
     before = load_checkpoint(latest_checkpoint(run))
-    real_write = checkpoint_module._write
+    real_write = checkpoint_module.write_synced
 
     def crash_on_optimizer(path: Path, data: bytes) -> None:
         real_write(path, data[: len(data) // 2])  # half a file, then the "crash"
         if path.name == "optimizer.safetensors":
             raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_module, "_write", crash_on_optimizer)
+    monkeypatch.setattr(checkpoint_module, "write_synced", crash_on_optimizer)
     with pytest.raises(OSError, match="disk full"):
         train(_config(tmp_path, steps=4, resume=True))
     monkeypatch.undo()
@@ -564,3 +565,31 @@ def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> Non
         whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_the_device_checks_old_path_still_works_for_a_release_and_warns() -> None:
+    from multihead import devices
+    from multihead.training import ddp
+
+    with pytest.warns(DeprecationWarning, match="use multihead.devices.resolve_device"):
+        assert ddp.resolve_device is devices.resolve_device
+    with pytest.raises(AttributeError, match="has no attribute 'resolve_dtype'"):
+        ddp.resolve_dtype  # noqa: B018
+
+
+def test_the_progress_lines_of_a_resumed_run_estimate_from_its_own_steps(
+    monkeypatch, capsys
+) -> None:
+    from multihead.cli import common
+
+    with contextlib.suppress(ImportError):
+        import rich.console  # noqa: F401  (imported before the clock is faked: rich keeps it)
+    clock = iter([100.0, 106.0, 112.0])
+    monkeypatch.setattr(common.time, "monotonic", lambda: next(clock))
+    with common.progress("sort L=8", 250, "steps", start=200) as update:
+        update(225, "loss 0.1")  # 25 steps in 6 s, 25 to go
+        update(250, "loss 0.05")
+    assert capsys.readouterr().err.splitlines() == [
+        "sort L=8: 225/250 steps, loss 0.1, 0:00:06 elapsed, about 0:00:06 left",
+        "sort L=8: 250/250 steps, loss 0.05, 0:00:12 elapsed, done",
+    ]

@@ -47,6 +47,28 @@ def test_grid_png_and_svg(tmp_path: Path) -> None:
     assert "Date" not in text  # reproducible output
 
 
+def test_a_picture_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch) -> None:
+    from multihead import _files
+
+    fig = grid_figure(_weights(), TOKENS)
+    path = save_figure(fig, tmp_path / "grid.png")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file, not 0600
+    before = path.read_bytes()
+    real = _files.write_synced
+
+    def crash(file: Path, data: bytes) -> None:
+        real(file, data[: len(data) // 2])  # half a picture, then the "crash"
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_files, "write_synced", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_figure(grid_figure(_weights(sharp=0.1), TOKENS), path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["grid.png"]  # no half-written leftover
+
+
 def test_head_figure(tmp_path: Path) -> None:
     fig = head_figure(_weights()[1, 2], TOKENS, layer=1, head=2, focus=3)
     path = save_figure(fig, tmp_path / "head.svg")

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-import tempfile
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,10 @@ __all__ = [
     "read_header",
     "read_tensors",
     "checksummed_safetensors",
+    "sha256",
+    "json_bytes",
+    "write_synced",
+    "fsync_dir",
     "atomic_write",
     "read_json",
     "few",
@@ -249,17 +253,51 @@ def checksummed_safetensors(tensors: Mapping[str, Tensor], metadata: Mapping[str
     return out
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def sha256(data: bytes) -> str:
+    """The SHA-256 of ``data`` (hex), as a file that vouches for another records it."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def json_bytes(data: Any, *, indent: int | None = 2) -> bytes:
+    """``data`` as a JSON file's bytes (UTF-8, ending in a newline); encode before writing, so
+    that data which is not JSON fails (TypeError) before anything is written."""
+    return (json.dumps(data, indent=indent) + "\n").encode()
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Create the file ``path`` (it must not exist: FileExistsError) with ``data``, fsynced: on
+    disk when this returns. Not atomic by itself: :func:`atomic_write` (one file), or a
+    directory renamed into place (training checkpoints)."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, a rename) durable; not possible on every OS."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half:
+    written aside under a fresh hidden name (:func:`write_synced`), then renamed over ``path``.
+    The file gets the permissions any new file gets (the umask)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    try:
+        write_synced(tmp, data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

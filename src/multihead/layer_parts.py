@@ -67,7 +67,7 @@ def build_parts(
     layer: Any,
     embed_dim: int,
     num_heads: int,
-    ff_dim: int,
+    ff_dim: int | None,
     *,
     sublayers: int,
     num_kv_heads: int | None,
@@ -82,6 +82,7 @@ def build_parts(
 ) -> dict[str, Any]:
     """Give ``layer`` what every transformer layer has: ``norm_first``, ``self_attn``, ``ff``,
     and a LayerNorm ``norm{i}`` and a Dropout ``dropout{i}`` per sublayer i = 1..``sublayers``.
+    With ``ff_dim=None`` the layer has no ``ff`` (an attention-only block).
 
     Returns the keyword arguments ``self_attn`` was built with (heads, dropout, bias, device,
     dtype), for further attention modules of the layer.
@@ -97,9 +98,10 @@ def build_parts(
     }
     layer.norm_first = norm_first
     layer.self_attn = MultiHeadAttention(embed_dim, num_heads, **attn_kwargs)
-    layer.ff = FeedForward(
-        embed_dim, ff_dim, dropout=dropout, activation=activation, bias=bias, **factory
-    )
+    if ff_dim is not None:
+        layer.ff = FeedForward(
+            embed_dim, ff_dim, dropout=dropout, activation=activation, bias=bias, **factory
+        )
     for i in range(1, sublayers + 1):
         layer.add_module(f"norm{i}", nn.LayerNorm(embed_dim, eps=norm_eps, bias=bias, **factory))
         layer.add_module(f"dropout{i}", nn.Dropout(dropout))

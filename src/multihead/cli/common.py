@@ -71,11 +71,15 @@ def print_warnings(
 
 
 @contextlib.contextmanager
-def progress(description: str, total: int, unit: str = "texts") -> Iterator[Callable[[int], None]]:
-    """A context giving ``update(done)``: on a terminal a bar on stderr with done/total, the
-    time elapsed and an estimate of the time left (rich); elsewhere, a plain line every few
-    seconds. Nothing runs beside the work: the bar has no refresh thread (it would compete for
-    the CPU with torch's threads) and is redrawn from ``update``, a few times a second at most.
+def progress(
+    description: str, total: int, unit: str = "texts", *, start: int = 0
+) -> Iterator[Callable[..., None]]:
+    """A context giving ``update(done, note="")``: on a terminal a bar on stderr with done/total,
+    the note (e.g. a loss), the time elapsed and an estimate of the time left (rich); elsewhere, a
+    plain line every few seconds. Nothing runs beside the work: the bar has no refresh thread (it
+    would compete for the CPU with torch's threads) and is redrawn from ``update``, a few times a
+    second at most. ``start``: work done before (a resumed run), not counted in the estimate.
+    What the command prints meanwhile appears above the bar.
     """
     try:
         from rich.console import Console
@@ -88,17 +92,17 @@ def progress(description: str, total: int, unit: str = "texts") -> Iterator[Call
             TimeRemainingColumn,
         )
     except ImportError:
-        yield _lines(description, total, unit)
+        yield _lines(description, total, unit, start)
         return
     console = Console(stderr=True)
     if not console.is_terminal:
-        yield _lines(description, total, unit)
+        yield _lines(description, total, unit, start)
         return
     bar = Progress(
         TextColumn(description),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn(f"{unit},"),
+        TextColumn(f"{unit}{{task.fields[note]}},"),
         TimeElapsedColumn(),
         TextColumn("elapsed, about"),
         TimeRemainingColumn(),
@@ -106,12 +110,12 @@ def progress(description: str, total: int, unit: str = "texts") -> Iterator[Call
         console=console,
         auto_refresh=False,
     )
-    task = bar.add_task(description, total=total)
+    task = bar.add_task(description, total=total, completed=start, note="")
     last = 0.0
 
-    def update(done: int) -> None:
+    def update(done: int, note: str = "") -> None:
         nonlocal last
-        bar.update(task, completed=done)
+        bar.update(task, completed=done, note=f", {note}" if note else "")
         now = time.monotonic()
         if now - last >= _REDRAW_S or done >= total:
             last = now
@@ -122,22 +126,24 @@ def progress(description: str, total: int, unit: str = "texts") -> Iterator[Call
         yield update
 
 
-def _lines(description: str, total: int, unit: str) -> Callable[[int], None]:
-    """``update(done)`` writing "description: done/total unit, elapsed, about T left" to stderr
-    at most every few seconds (the first after a few seconds: a short run writes nothing)."""
+def _lines(description: str, total: int, unit: str, first: int) -> Callable[..., None]:
+    """``update(done, note="")`` writing "description: done/total unit, note, elapsed, about T
+    left" to stderr at most every few seconds (the first after a few seconds: a short run writes
+    nothing); ``first``: work done before, not counted in the estimate."""
     start = last = time.monotonic()
 
-    def update(done: int) -> None:
+    def update(done: int, note: str = "") -> None:
         nonlocal last
         now = time.monotonic()
         if now - last < _LINE_S and not (done >= total and last > start):
             return
         last = now
         elapsed = now - start
-        left = elapsed / done * (total - done) if done else float("nan")
+        left = elapsed / (done - first) * (total - done) if done > first else float("nan")
         tail = "done" if done >= total else f"about {_clock(left)} left"
+        note = f", {note}" if note else ""
         print(
-            f"{description}: {done}/{total} {unit}, {_clock(elapsed)} elapsed, {tail}",
+            f"{description}: {done}/{total} {unit}{note}, {_clock(elapsed)} elapsed, {tail}",
             file=sys.stderr,
             flush=True,
         )

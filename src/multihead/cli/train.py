@@ -13,13 +13,12 @@ then continue prompts with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
-import sys
-import time
 from typing import Any
 
-from multihead.cli.common import CLIError
+from multihead.cli.common import CLIError, progress
 
 __all__ = ["register", "run_train", "run_generate"]
 
@@ -57,7 +56,9 @@ _FLAG_OF = {
     name: "--" + name.replace("_", "-")
     for name in (*_TRAIN_FLAGS, "out", "max_new_tokens", "top_k", "temperature")
 }
-_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")
+# A quoted value as repr writes it (a quote inside escaped), opening after a non-word
+# character: the apostrophe of "the model's" or "the runs'" opens no quote.
+_QUOTED = re.compile(r"""((?<!\w)'(?:\\.|[^'\\])*'|(?<!\w)"(?:\\.|[^"\\])*")""")
 _NAME = re.compile(r"\b[a-z]+(?:_[a-z]+)+\b")
 
 
@@ -208,55 +209,6 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _progress(config: Any) -> tuple[Any, Any]:
-    """A rich progress bar and the on_step callback that draws it (None, None without rich)."""
-    try:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-    except ImportError:
-        print("(install rich for a progress bar: pip install 'multihead[viz]')", file=sys.stderr)
-        return None, None
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        transient=False,
-        # no refresh thread beside torch's (it competes for the CPU, as explain --corpus's did):
-        # redrawn from the step, a few times a second at most
-        auto_refresh=False,
-    )
-    bar = progress.add_task(f"{config.task} L={config.seq_len}", total=config.steps, stats="")
-    last = 0.0
-
-    def on_step(info: Any) -> None:
-        nonlocal last
-        if _worth_logging(info, config):
-            progress.console.print(_probe_line(info.probe), highlight=False)
-        progress.update(
-            bar,
-            completed=info.step,
-            stats=(
-                f"loss {info.loss:.4f}  acc {100 * info.accuracy:5.1f}%  "
-                f"{info.tokens_per_s / 1000:.0f}k tok/s"
-            ),
-        )
-        now = time.monotonic()
-        if now - last >= 0.25 or info.step >= config.steps:
-            last = now
-            progress.refresh()
-
-    return progress, on_step
-
-
 def _worth_logging(info: Any, config: Any) -> bool:
     # Every fifth measurement and the last: a dozen lines for the default induction run.
     every = 5 * config.probe_every
@@ -279,33 +231,41 @@ def run_train(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         raise CLIError(_in_flags(str(e))) from None
     rank0 = _is_rank0()
-    progress, on_step = _progress(config) if rank0 and not args.quiet else (None, None)
-    if rank0 and on_step is None:
+    update: Any = None  # the progress bar's, once the run has started
+
+    with contextlib.ExitStack() as bar:
+
+        def on_start(info: Any) -> None:
+            # Called once every check has passed: a run that fails them prints nothing here.
+            nonlocal update
+            where = f" on {info.world_size} ranks" if info.world_size > 1 else ""
+            print(
+                f"training {config.task} (L={config.seq_len}) for {config.steps} steps, global "
+                f"batch {config.batch_size}{where} -> {config.out}",
+                flush=True,
+            )
+            if not args.quiet:
+                description = f"{config.task} L={config.seq_len}"
+                update = bar.enter_context(
+                    progress(description, config.steps, "steps", start=info.start_step)
+                )
 
         def on_step(info: Any) -> None:
             if _worth_logging(info, config):
-                print(_probe_line(info.probe), flush=True)
+                print(_probe_line(info.probe), flush=True)  # above the bar
+            if update is not None:
+                update(
+                    info.step,
+                    f"loss {info.loss:.4f}  acc {100 * info.accuracy:5.1f}%  "
+                    f"{info.tokens_per_s / 1000:.0f}k tok/s",
+                )
 
-    def on_start(info: Any) -> None:
-        # Called once every check has passed: a run that fails them prints nothing here.
-        where = f" on {info.world_size} ranks" if info.world_size > 1 else ""
-        print(
-            f"training {config.task} (L={config.seq_len}) for {config.steps} steps, global batch "
-            f"{config.batch_size}{where} -> {config.out}",
-            flush=True,
-        )
-        if progress is not None:
-            progress.start()
-
-    try:
-        result = train(config, on_step=on_step, on_start=on_start)
-    except DivergenceError as e:
-        raise CLIError(f"{e}; a lower --lr may help") from None
-    except (TypeError, ValueError) as e:
-        raise CLIError(_in_flags(str(e))) from None
-    finally:
-        if progress is not None:
-            progress.stop()
+        try:
+            result = train(config, on_step=on_step, on_start=on_start)
+        except DivergenceError as e:
+            raise CLIError(f"{e}; a lower --lr may help") from None
+        except (TypeError, ValueError) as e:
+            raise CLIError(_in_flags(str(e))) from None
     if not rank0:
         return 0
     if result.interrupted:

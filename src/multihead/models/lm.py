@@ -12,8 +12,9 @@ Framework for Transformer Circuits", where induction heads were first described)
 
 Seed 003 masks the decoder "to ensure the autoregressive nature" of the task; here the same
 bottom-right causal mask serves training on whole sequences and decoding token by token with a
-:class:`~multihead.cache.KVCache`. Saving and loading live in :mod:`multihead.models.lm_io`,
-generation in :mod:`multihead.models.generation`; the methods here delegate to them.
+:class:`~multihead.cache.KVCache`. The files a model is saved in are :mod:`multihead.models.lm_io`'s
+(config.json, checksummed safetensors, old weight names); how the next token is picked is
+:mod:`multihead.models.generation`'s.
 """
 
 from __future__ import annotations
@@ -24,71 +25,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import AttentionCache, MultiHeadAttention
+from multihead._checks import (
+    check_finite_float,
+    check_index,
+    check_non_negative_int,
+    check_optional_positive_int,
+)
+from multihead._files import TensorInfo, layer_counts, read_header, tensor_problems
 from multihead.cache import KVCache
 from multihead.layers import TransformerEncoderLayer
-from multihead.models import generation, lm_io
+from multihead.models import lm_io
+from multihead.models.attention_only_block import AttentionOnlyBlock
+from multihead.models.generation import pick, prompt_positions
 from multihead.models.lm_config import LMConfig
 from multihead.models.lm_io import CONFIG_NAME, WEIGHTS_NAME
 from multihead.positions import LearnedPositionalEmbedding
 
-__all__ = ["LMConfig", "TransformerLM", "AttentionOnlyBlock", "CONFIG_NAME", "WEIGHTS_NAME"]
-
-
-class AttentionOnlyBlock(nn.Module):
-    """A decoder block without its feed-forward network: causal self-attention and a skip.
-
-    - pre-LN (``norm_first=True``):  x = x + attn(norm1(x))
-    - post-LN (``norm_first=False``):  x = norm1(x + attn(x))
-
-    Submodules are named as in :class:`~multihead.layers.TransformerEncoderLayer` (``self_attn``,
-    ``norm1``, ``dropout1``), so an attention-only model's weights read like a full one's minus
-    ``ff`` and ``norm2``.
-
-    Args:
-        embed_dim, num_heads, num_kv_heads, dropout, norm_first, device, dtype: as for
-            :class:`~multihead.layers.TransformerEncoderLayer`.
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        *,
-        num_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        norm_first: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(
-            embed_dim,
-            num_heads,
-            num_kv_heads=num_kv_heads,
-            dropout=dropout,
-            device=device,
-            dtype=dtype,
-        )
-        self.norm1 = nn.LayerNorm(embed_dim, device=device, dtype=dtype)
-        self.dropout1 = nn.Dropout(dropout)
-
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        key_mask: Tensor | None = None,
-        is_causal: bool = False,
-        cache: AttentionCache | None = None,
-    ) -> Tensor:
-        """x (B, T, E) -> (B, T, E); key_mask (B, S), is_causal and cache as for attention."""
-        kw: dict[str, Any] = {"key_mask": key_mask, "is_causal": is_causal, "cache": cache}
-        if self.norm_first:
-            return x + self.dropout1(self.self_attn(self.norm1(x), **kw))
-        return self.norm1(x + self.dropout1(self.self_attn(x, **kw)))
+__all__ = ["TransformerLM"]
 
 
 class TransformerLM(nn.Module):
@@ -284,8 +240,9 @@ class TransformerLM(nn.Module):
             x = self.norm(x)
         return self.head(x)  # (B, T, E) -> (B, T, V)
 
-    # -- generation, saving and loading (delegates) ----------------------------------------------
+    # -- generation ------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def generate(
         self,
         ids: Tensor,
@@ -323,17 +280,53 @@ class TransformerLM(nn.Module):
             ValueError: ids outside the vocabulary, a prompt (plus N) longer than ``max_len``, a
                 key_mask that is not left padding, or bad sampling arguments.
         """
-        return generation.generate(
-            self,
-            ids,
-            max_new_tokens,
-            use_cache=use_cache,
-            temperature=temperature,
-            top_k=top_k,
-            key_mask=key_mask,
-            eos_id=eos_id,
-            generator=generator,
-        )
+        config = self.config
+        self.check_ids(ids)
+        b, t = ids.shape
+        check_non_negative_int("max_new_tokens", max_new_tokens)
+        if t == 0:
+            raise ValueError("ids must hold at least one prompt token, got shape (B, 0)")
+        if t + max_new_tokens > config.max_len:
+            raise ValueError(
+                f"the prompt ({t} tokens) plus max_new_tokens ({max_new_tokens}) is longer than "
+                f"the model's max_len={config.max_len}"
+            )
+        check_finite_float("temperature", temperature, minimum=0.0)  # NaN or inf: refused
+        check_optional_positive_int("top_k", top_k)
+        if eos_id is not None:
+            check_index("eos_id", eos_id, config.vocab_size, "token ids")
+            if eos_id < 0:
+                raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id}")
+        positions = prompt_positions(ids, key_mask)  # (B, T)
+
+        was_training = self.training
+        self.eval()
+        try:
+            out = ids
+            cache = self.make_cache(b, t + max_new_tokens) if use_cache else None
+            done = torch.zeros(b, dtype=torch.bool, device=ids.device)
+            step_ids, step_pos = ids, positions
+            for _ in range(max_new_tokens):
+                if cache is None:  # recompute the whole sequence
+                    step_ids, step_pos = out, positions
+                logits = self(step_ids, key_mask=key_mask, positions=step_pos, cache=cache)
+                token = pick(logits[:, -1], temperature, top_k, generator)  # (B,)
+                if eos_id is not None:
+                    token = token.masked_fill(done, eos_id)
+                    done = done | (token == eos_id)
+                out = torch.cat([out, token[:, None]], dim=1)
+                # The new token is position last + 1 of its row, and a real token.
+                step_ids, step_pos = token[:, None], positions[:, -1:] + 1
+                positions = torch.cat([positions, step_pos], dim=1)
+                if key_mask is not None:
+                    key_mask = F.pad(key_mask, (0, 1), value=True)
+                if eos_id is not None and bool(done.all()):
+                    break
+        finally:
+            self.train(was_training)
+        return out
+
+    # -- saving and loading ----------------------------------------------------------------------
 
     def save(
         self, directory: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None
@@ -354,7 +347,9 @@ class TransformerLM(nn.Module):
         Raises:
             ValueError: ``extra`` redefines ``"model"`` or ``"model_type"``.
         """
-        return lm_io.save_lm(self, directory, extra=extra)
+        return lm_io.write_files(
+            directory, lm_io.config_json(self.config, extra), self.state_dict()
+        )
 
     @staticmethod
     def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -382,4 +377,48 @@ class TransformerLM(nn.Module):
                 weights that don't match the config (names the tensors that are missing,
                 unexpected or of the wrong shape or dtype).
         """
-        return lm_io.load_lm(cls, directory, device=device)
+        path = Path(directory)
+        config = lm_io.read_model_config(path / CONFIG_NAME, lm_io.read_config(path))
+        weights = path / WEIGHTS_NAME
+        cls.check_weights(config, read_header(weights).tensors, weights)
+        # Only now is anything the size of the model read: the header matched the config.
+        tensors = lm_io.read_weights(weights, device=device)
+        model = cls.from_config(config, device=device)
+        model.load_state_dict(tensors)
+        return model
+
+    @classmethod
+    def check_weights(
+        cls, config: LMConfig, found: Mapping[str, TensorInfo], file: str | os.PathLike[str]
+    ) -> None:
+        """The tensors a safetensors header describes (``found``, names as stored, also an
+        earlier version's) must be exactly those of the model ``config`` builds: names, shapes
+        and dtypes. Nothing the size of the model is allocated.
+
+        Raises:
+            ValueError: one short line naming ``file`` and what disagrees.
+        """
+        found = lm_io.rename_legacy_keys(found)
+        mismatch = f"the weights in {os.fspath(file)!r} don't match its {CONFIG_NAME}"
+        blocks = layer_counts(found).get("blocks", 0)
+        if blocks != config.num_layers:  # millions of layers are not built to find this out
+            raise ValueError(
+                f"{mismatch}: it has {config.num_layers} layers, the file holds {blocks} (blocks.N)"
+            )
+        # The sizes that set the largest tensors, checked on the tensors that show them: a size
+        # such as max_len=10**17 overflows even on the meta device.
+        e = config.embed_dim
+        direct = {
+            "token_embedding.weight": TensorInfo((config.vocab_size, e), "float32"),
+            "position_embedding.embedding.weight": TensorInfo((config.max_len, e), "float32"),
+        }
+        if not config.attn_only:
+            direct["blocks.0.ff.linear1.weight"] = TensorInfo((config.ff_dim, e), "float32")
+        needs = f"{CONFIG_NAME} needs"
+        problems = tensor_problems(direct, found, needs=needs, extra=False)
+        if not problems:  # every size now matches the file's: the meta model is as small as it
+            meta = cls.from_config(config, device="meta").state_dict()
+            expected = {k: TensorInfo.of(v) for k, v in meta.items()}
+            problems = tensor_problems(expected, found, needs=needs)
+        if problems:
+            raise ValueError(f"{mismatch}: " + "; ".join(problems))

@@ -4,6 +4,8 @@
   (``3 1 2 =`` → ``1 2 3``), data made on the fly as a pure function of (seed, step, row).
 - :mod:`~multihead.training.induction`: the induction task (random tokens, a copied segment)
   and its probe (losses on first and repeated tokens, each head's induction score).
+- :mod:`~multihead.training.draws`: the counter-based random numbers both kinds of task draw
+  from, and the held-out tenth.
 - :mod:`~multihead.training.config`: :class:`TrainConfig` (every field checked), the schedule
   and what the loop reports.
 - :mod:`~multihead.training.loop`: :func:`train` (AdamW, warmup + cosine, Ctrl-C, resume,

@@ -27,8 +27,6 @@ agree on the step. Its errors name the damaged file.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -41,10 +39,18 @@ import torch
 from torch import Tensor
 
 from multihead._checks import describe, is_int
-from multihead._files import checksummed_safetensors, read_header, read_json, read_tensors
+from multihead._files import (
+    checksummed_safetensors,
+    fsync_dir,
+    json_bytes,
+    read_header,
+    read_json,
+    read_tensors,
+    sha256,
+    write_synced,
+)
 from multihead.models.lm import TransformerLM
-from multihead.models.lm_config import LMConfig
-from multihead.models.lm_io import check_weights
+from multihead.models.lm_io import read_model_config
 
 __all__ = [
     "CHECKPOINTS",
@@ -61,27 +67,6 @@ CHECKPOINTS = "checkpoints"
 FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "state.json")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER = re.compile(r"^\.step-.*\.tmp$")
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the directory entries (new files, a rename) durable; not possible on every OS.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def optimizer_to_tensors(state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -134,10 +119,6 @@ def optimizer_from_tensors(
     return {"state": state, "param_groups": restored}
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def save_checkpoint(
     run_dir: str | os.PathLike[str],
     step: int,
@@ -172,21 +153,21 @@ def save_checkpoint(
             tensors = {k: v.detach().contiguous() for k, v in model_state.items()}
             opt_tensors, opt_meta = optimizer_to_tensors(optimizer_state)
             meta = {"step": str(step)}
-            config_bytes = (json.dumps(config, indent=2) + "\n").encode()
-            _write(tmp / "model.safetensors", checksummed_safetensors(tensors, meta))
-            _write(tmp / "optimizer.safetensors", checksummed_safetensors(opt_tensors, meta))
-            _write(tmp / "config.json", config_bytes)
+            config_bytes = json_bytes(config)
+            write_synced(tmp / "model.safetensors", checksummed_safetensors(tensors, meta))
+            write_synced(tmp / "optimizer.safetensors", checksummed_safetensors(opt_tensors, meta))
+            write_synced(tmp / "config.json", config_bytes)
             # state.json vouches for config.json; the safetensors files carry their own checksums.
             full_state = {
                 "step": step,
                 "optimizer": opt_meta,
                 **state,
-                "files": {"config.json": _sha256(config_bytes)},
+                "files": {"config.json": sha256(config_bytes)},
             }
-            _write(tmp / "state.json", (json.dumps(full_state) + "\n").encode())
-            _fsync_dir(tmp)
+            write_synced(tmp / "state.json", json_bytes(full_state, indent=None))
+            fsync_dir(tmp)
             os.rename(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -292,7 +273,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"JSON objects"
         )
     expected = files.get("config.json")
-    if expected is not None and expected != _sha256(config_file.read_bytes()):
+    if expected is not None and expected != sha256(config_file.read_bytes()):
         raise ValueError(
             f"checkpoint file {str(config_file)!r} was changed after it was saved: its SHA-256 "
             f"is not the one state.json recorded"
@@ -300,11 +281,11 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     config = _read_json(config_file)
     if isinstance(config.get("model"), dict):  # the model's sizes against its weights, first
         try:
-            model_config = LMConfig.from_dict(config["model"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"checkpoint file {str(config_file)!r}: {e}") from None
+            model_config = read_model_config(config_file, config)
+        except ValueError as e:
+            raise ValueError(f"checkpoint file {e}") from None
         file = path / "model.safetensors"
-        check_weights(TransformerLM, model_config, read_header(file).tensors, file)
+        TransformerLM.check_weights(model_config, read_header(file).tensors, file)
     tensors = {}
     for name in ("model.safetensors", "optimizer.safetensors"):
         file = path / name

@@ -23,8 +23,8 @@ from multihead._checks import (
     describe,
     is_int,
 )
-from multihead.models.lm import LMConfig
-from multihead.training.ddp import check_device
+from multihead.devices import check_device
+from multihead.models.lm_config import LMConfig
 from multihead.training.tasks import Task, TaskLike, get_task
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Devices and data-parallel process groups for :func:`~multihead.training.train`.
 
-The device checks (:func:`check_device`, :func:`resolve_device`) live in
-:mod:`multihead.devices`, shared with the loaders; they are re-exported here.
+The device checks (``check_device``, ``resolve_device``) are :mod:`multihead.devices`'s, shared
+with the loaders.
 
 Under ``torchrun`` (the environment says ``WORLD_SIZE > 1``) every rank joins one process group,
 gloo on CPU or nccl on GPUs (one GPU per local rank). Everything a rank can check alone — the
@@ -12,21 +12,15 @@ before the group is joined and before anything is written.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from multihead.devices import check_device, resolve_device
+from multihead import devices
 
-__all__ = [
-    "World",
-    "check_device",
-    "check_threads",
-    "resolve_device",
-    "setup_world",
-    "world_size",
-    "check_fits",
-]
+__all__ = ["World", "check_threads", "setup_world", "world_size", "check_fits"]
 
 
 @dataclass
@@ -125,3 +119,16 @@ def check_fits(
 def _gib(n: int) -> str:
     gib = n / 2**30
     return f"{gib:.1f} GiB" if gib < 1e5 else f"{gib:.2g} GiB"
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated paths, for one release: the device checks are multihead.devices'.
+    if name in ("check_device", "resolve_device"):
+        warnings.warn(
+            f"multihead.training.ddp.{name} is deprecated and will be removed in the next "
+            f"release: use multihead.devices.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(devices, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

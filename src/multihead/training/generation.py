@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from multihead._checks import check_finite_float, check_optional_positive_int, describe
-from multihead.models.lm import CONFIG_NAME, TransformerLM
+from multihead.models.lm import TransformerLM
+from multihead.models.lm_io import CONFIG_NAME
 from multihead.training.config import check_seed
 from multihead.training.tasks import EOS, VOCAB, Task
 

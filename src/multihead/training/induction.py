@@ -18,7 +18,7 @@ position. A fixed tenth of the layouts (by a hash of (n, s1, s2)) is held out: t
 draws them, :meth:`InductionTask.probe_batch` only them.
 
 Data is a pure function of (seed, stream, step, row), like the other tasks' (see
-:mod:`multihead.training.tasks`), so a resumed run sees the batches an uninterrupted one sees.
+:mod:`multihead.training.draws`), so a resumed run sees the batches an uninterrupted one sees.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead._checks import check_non_negative_int, check_positive_int
-from multihead.training.tasks import _GOLDEN, EVAL_STREAM, TRAIN_STREAM, _key, _mix
+from multihead.observe.statistics import head_statistics
+from multihead.training.draws import EVAL_STREAM, HELD_OUT_EVERY, TRAIN_STREAM, draws, key
 
 __all__ = ["InductionTask", "InductionBatch", "InductionProbe", "probe_induction"]
 
 VOCAB_SIZE = 64
 MIN_SEGMENT, MAX_SEGMENT = 4, 12
-_HELD_OUT_EVERY = 10
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,7 +53,7 @@ def _layouts(seq_len: int, max_segment: int, held_out: bool) -> dict[int, list[t
             (s1, s2)
             for s1 in range(seq_len - 2 * n + 1)
             for s2 in range(s1 + n, seq_len - n + 1)
-            if (int(_key(n, s1, s2)) % _HELD_OUT_EVERY == 0) == held_out
+            if (int(key(n, s1, s2)) % HELD_OUT_EVERY == 0) == held_out
         ]
     return {n: pairs for n, pairs in out.items() if pairs}
 
@@ -142,12 +142,8 @@ class InductionTask:
         ids = np.empty((len(rows), self.seq_len), dtype=np.int64)
         repeated = np.zeros((len(rows), self.seq_len), dtype=bool)
         first = np.zeros((len(rows), self.seq_len), dtype=bool)
-        # Counter-based draws (SplitMix64 of seed, stream, step, row, column), as in tasks.py:
         # L token draws and two layout draws per row, each row keyed by its global number.
-        base = _key(seed, stream, step)
-        row_key = _mix(base ^ _mix(rows.astype(np.uint64) * _GOLDEN))  # (b,)
-        cols = np.arange(self.seq_len + 2, dtype=np.uint64)
-        u = _mix(row_key[:, None] + (cols[None, :] + np.uint64(1)) * _GOLDEN) >> np.uint64(32)
+        u = draws(seed, stream, step, rows, self.seq_len + 2) >> np.uint64(32)  # (b, L + 2)
         ids[:] = (u[:, : self.seq_len] % np.uint64(VOCAB_SIZE)).astype(np.int64)
         for i in range(len(rows)):
             n = lengths[int(u[i, -2]) % len(lengths)]  # n uniform, then a layout of that n
@@ -222,8 +218,6 @@ def probe_induction(model: torch.nn.Module, batch: InductionBatch, step: int) ->
     The model is run in eval mode (and put back as it was); the scores are computed a chunk
     of query rows at a time (:func:`~multihead.observe.head_statistics`).
     """
-    from multihead.observe.statistics import head_statistics
-
     was_training = model.training
     model.eval()
     try:

@@ -43,7 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multihead.devices import resolve_device
 from multihead.models.lm import TransformerLM
+from multihead.models.lm_io import config_json
 from multihead.training.checkpoint import save_checkpoint
 from multihead.training.config import (
     DivergenceError,
@@ -53,17 +55,12 @@ from multihead.training.config import (
     TrainResult,
     lr_at,
 )
-from multihead.training.ddp import (
-    World,
-    check_fits,
-    check_threads,
-    resolve_device,
-    setup_world,
-)
+from multihead.training.ddp import World, check_fits, check_threads, setup_world
+from multihead.training.draws import SEED_STREAM, key
 from multihead.training.induction import InductionProbe, InductionTask, probe_induction
 from multihead.training.rundir import RunPlan, plan_run, prepare_out, restore
 from multihead.training.stopping import StopRequest
-from multihead.training.tasks import Task, TaskLike, _key, get_task
+from multihead.training.tasks import Task, TaskLike, get_task
 
 __all__ = ["train", "evaluate"]
 
@@ -118,7 +115,7 @@ def evaluate(
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
-    return int(_key(seed, 2, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF
+    return int(key(seed, SEED_STREAM, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def train(
@@ -258,11 +255,7 @@ def _train(
         last_checkpoint = save_checkpoint(
             out,
             step,
-            config={
-                "model_type": "multihead.TransformerLM",
-                "model": model.config.to_dict(),
-                **extra,
-            },
+            config=config_json(model.config, extra),
             model_state=model.state_dict(),
             optimizer_state=optimizer.state_dict(),
             state=state,

@@ -1,7 +1,8 @@
-"""The training run's figures: the loss curve and each head's learned attention.
+"""The training run's figures: the loss curve, each head's learned attention (viz's grid) and
+the induction task's phase change.
 
-Drawn with matplotlib's object API on an Agg canvas (no pyplot, no global backend switch), so
-it works headless and leaves an interactive session's backend alone.
+Drawn and saved as every picture of multihead is (:mod:`multihead.viz`: no pyplot, each file
+replaced atomically), so it works headless and leaves an interactive session's backend alone.
 """
 
 from __future__ import annotations
@@ -9,39 +10,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from multihead.models.lm import TransformerLM
 from multihead.observe.recorder import capture
+from multihead.training.induction import InductionProbe
 from multihead.training.tasks import TaskLike
-
-if TYPE_CHECKING:
-    from multihead.training.induction import InductionProbe
+from multihead.viz.figure import new_figure
+from multihead.viz.plots import grid_figure, save_figure
 
 __all__ = ["plot_loss", "plot_attention", "plot_induction"]
 
-
-def _figure(width: float, height: float) -> Any:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("plots need matplotlib: pip install 'multihead[viz]'") from e
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
-    # Write aside and rename, like every file of a run: a reader never sees half a PNG.
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, path)
-    return path
+_DPI = 110
 
 
 def plot_loss(
@@ -54,7 +36,7 @@ def plot_loss(
         path: the PNG to write.
         title: the figure's title.
     """
-    fig = _figure(7.0, 3.6)
+    fig = new_figure(7.0, 3.6, layout="constrained")
     ax = fig.add_subplot()
     steps = [h[0] for h in history]
     ax.plot(steps, [h[1] for h in history], color="tab:blue", linewidth=1.0)
@@ -67,14 +49,15 @@ def plot_loss(
     acc.set_ylabel("token accuracy (%)", color="tab:orange")
     acc.set_ylim(0, 100)
     ax.set_title(title or "training loss")
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=_DPI)
 
 
 @torch.no_grad()
 def plot_attention(
     model: TransformerLM, task: TaskLike, example: Tensor, path: str | os.PathLike[str]
 ) -> Path:
-    """Every head's attention on one example: a grid of layers × heads, queries down, keys across.
+    """Every head's attention on one example: :func:`~multihead.viz.plots.grid_figure`'s grid of
+    layers × heads, queries down, keys across, the future blank.
 
     Args:
         model: the trained model.
@@ -86,24 +69,18 @@ def plot_attention(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), capture(model) as rec:
+        with capture(model) as rec:
             model(ids)
-        weights = rec.weights  # L × (1, H, T, T)
     finally:
         model.train(was_training)
-    labels = [task.label(int(i)) for i in ids[0]]
-    rows, cols = len(weights), weights[0].shape[1]
-    fig = _figure(2.6 * cols + 0.6, 2.6 * rows + 0.6)
-    axes = fig.subplots(rows, cols, squeeze=False)
-    for layer, w in enumerate(weights):
-        for head in range(cols):
-            ax = axes[layer][head]
-            ax.imshow(w[0, head].float().cpu().numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_title(f"layer {layer} head {head}", fontsize=8)
-            ax.set_xticks(range(len(labels)), labels, fontsize=5)
-            ax.set_yticks(range(len(labels)), labels, fontsize=5)
-    fig.suptitle(f"{task.name}: {task.decode(example, stop_at_eos=False)}", fontsize=9)
-    return _save(fig, path)
+    weights = torch.stack([w[0] for w in rec.weights])  # L × (1, H, T, T) -> (L, H, T, T)
+    fig = grid_figure(
+        weights,
+        [task.label(int(i)) for i in ids[0]],
+        title=f"{task.name}: {task.decode(example, stop_at_eos=False)}",
+        causal=True,
+    )
+    return save_figure(fig, path, dpi=_DPI)
 
 
 def plot_induction(
@@ -117,7 +94,7 @@ def plot_induction(
         path: the PNG to write.
         title: the figure's title.
     """
-    fig = _figure(10.0, 3.8)
+    fig = new_figure(10.0, 3.8, layout="constrained")
     losses, scores = fig.subplots(1, 2)
     steps = [p.step for p in probes]
     losses.plot(steps, [p.first_loss for p in probes], label="first occurrences")
@@ -143,4 +120,4 @@ def plot_induction(
     scores.grid(True, alpha=0.3)
     scores.legend(fontsize=7, ncol=max(1, layers))
     fig.suptitle(title or "induction heads")
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=_DPI)

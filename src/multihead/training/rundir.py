@@ -17,7 +17,6 @@ What a run directory can hold, and what each kind of run does with it:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,9 +27,9 @@ import torch
 from torch import nn
 
 from multihead._checks import describe, is_int
-from multihead._files import TensorInfo, few, tensor_problems
+from multihead._files import TensorInfo, few, read_json, tensor_problems
 from multihead.models.lm_config import LMConfig
-from multihead.models.lm_io import _MODEL_TYPE, CONFIG_NAME, WEIGHTS_NAME, rename_legacy_keys
+from multihead.models.lm_io import CONFIG_NAME, MODEL_TYPE, WEIGHTS_NAME, rename_legacy_keys
 from multihead.training.checkpoint import (
     CHECKPOINTS,
     has_leftovers,
@@ -82,10 +81,10 @@ def check_out(out: str | os.PathLike[str]) -> Path:
 
 def _written_by_us(file: Path) -> bool:
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = read_json(file)
+    except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("model_type") == _MODEL_TYPE
+    return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
 
 
 def _no_checkpoint(out: Path) -> Exception:

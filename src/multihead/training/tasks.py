@@ -10,7 +10,7 @@ Every example is ``prompt answer <eos>`` with a fixed length per task:
 The loss is taken on the answer tokens only (the prompt is random and can't be predicted).
 
 Data is a pure function of ``(seed, stream, step, row)``: each row of each batch is drawn from its
-own counter-based random numbers (a SplitMix64 hash of those four numbers), so
+own counter-based random numbers (:mod:`~multihead.training.draws`), so
 
 - a run resumed at step s sees exactly the batches an uninterrupted run sees (nothing to save);
 - in data-parallel training rank r draws rows [r·b, (r+1)·b) of the global batch itself, keyed by
@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_choice, check_non_negative_int, check_positive_int
+from multihead.training.draws import EVAL_STREAM, GOLDEN, HELD_OUT_EVERY, TRAIN_STREAM, draws, mix
+from multihead.training.induction import InductionTask
 
 __all__ = [
     "VOCAB",
@@ -67,27 +69,7 @@ TASKS: tuple[str, ...] = ("copy", "reverse", "sort", "add")
 # With the induction task (multihead.training.induction), which has its own vocabulary.
 ALL_TASKS: tuple[str, ...] = (*TASKS, "induction")
 
-TRAIN_STREAM, EVAL_STREAM = 0, 1
-_HELD_OUT_EVERY = 10  # one input in ten is held out
 _ADD_MAX_DIGITS = 17  # two 17-digit operands still sum below 2**63
-
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 arrays (arithmetic wraps modulo 2**64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def _key(*parts: int) -> np.uint64:
-    """One well-mixed uint64 from a few non-negative ints."""
-    h = np.zeros(1, dtype=np.uint64)
-    for p in parts:
-        h = _mix(h ^ np.array([p], dtype=np.uint64) + _GOLDEN)
-    return h[0]
 
 
 class TaskLike(Protocol):
@@ -168,7 +150,7 @@ class Task:
         chooses them). An evaluation drawing more only draws them again."""
         # A seq_len read from a hand-edited file may be huge: never raise 10 to it.
         digits = min(self.input_digits, 30)
-        return 10**digits // _HELD_OUT_EVERY
+        return 10**digits // HELD_OUT_EVERY
 
     @property
     def prompt_tokens(self) -> tuple[str, ...]:
@@ -184,19 +166,16 @@ class Task:
         self, seed: int, stream: int, step: int, rows: np.ndarray, attempt: np.ndarray
     ) -> np.ndarray:
         """Input digits (n, input_digits) for the given global row numbers."""
-        base = _key(seed, stream, step)
-        row_key = _mix(base ^ _mix(rows.astype(np.uint64) * _GOLDEN + attempt.astype(np.uint64)))
-        cols = np.arange(self.input_digits, dtype=np.uint64)
-        u = _mix(row_key[:, None] + (cols[None, :] + np.uint64(1)) * _GOLDEN)  # (n, digits)
+        u = draws(seed, stream, step, rows, self.input_digits, attempt)  # (n, digits)
         return ((u >> np.uint64(32)) % np.uint64(10)).astype(np.int64)
 
     def _held_out(self, digits: np.ndarray) -> np.ndarray:
         """Whether each input (n, input_digits) belongs to the held-out tenth."""
         h = np.zeros(digits.shape[0], dtype=np.uint64)
-        salt = np.arange(digits.shape[1], dtype=np.uint64) * _GOLDEN  # array ops wrap silently
+        salt = np.arange(digits.shape[1], dtype=np.uint64) * GOLDEN  # array ops wrap silently
         for j in range(digits.shape[1]):
-            h = _mix(h ^ (digits[:, j].astype(np.uint64) + salt[j]))
-        return (h % np.uint64(_HELD_OUT_EVERY)) == 0
+            h = mix(h ^ (digits[:, j].astype(np.uint64) + salt[j]))
+        return (h % np.uint64(HELD_OUT_EVERY)) == 0
 
     def _inputs(
         self, seed: int, stream: int, step: int, rows: np.ndarray, held_out: bool
@@ -330,8 +309,6 @@ class Task:
 def get_task(name: str, seq_len: int) -> TaskLike:
     """The task ``name`` (one of :data:`ALL_TASKS`) at length ``seq_len`` (validates both)."""
     if name == "induction":
-        from multihead.training.induction import InductionTask
-
         return InductionTask(seq_len)
     check_choice("task", name, ALL_TASKS)
     return Task(name, seq_len)

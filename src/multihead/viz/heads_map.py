@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from multihead.viz.figure import matplotlib_module, new_figure, plain_text
 from multihead.viz.fonts import drawn_with_fonts
 from multihead.viz.formats import FIGURE_FORMATS
-from multihead.viz.plots import _label, _matplotlib, save_figure
+from multihead.viz.plots import save_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -95,13 +96,11 @@ def heads_map_figure(
         )
     labels = heads_map_labels(layers, heads, roles)
     xy = positions.detach().to("cpu", torch.float64).numpy()
-    mpl = _matplotlib()
-    from matplotlib.figure import Figure
+    fig = new_figure(11, 9)
     from matplotlib.lines import Line2D
 
-    fig = Figure(figsize=(11, 9))
     ax = fig.add_subplot()
-    cmap = mpl.colormaps["viridis"]
+    cmap = matplotlib_module().colormaps["viridis"]
     colours = [cmap(i / max(1, len(layers) - 1)) for i in range(len(layers))]
     flat_roles = [role for row in roles for role in row]  # layer-major, as the positions
     for n, ((x, y), role) in enumerate(zip(xy, flat_roles, strict=True)):
@@ -118,7 +117,7 @@ def heads_map_figure(
     # Labels offset a little from their points; small type, since 72 heads share the plot.
     span = float(max(xy.max(0) - xy.min(0))) or 1.0
     for (x, y), text in zip(xy, labels, strict=True):
-        ax.text(x + 0.008 * span, y + 0.008 * span, _label(text), fontsize=5.5, zorder=3)
+        ax.text(x + 0.008 * span, y + 0.008 * span, plain_text(text), fontsize=5.5, zorder=3)
     ax.set_xlabel("MDS axis 1")
     ax.set_ylabel("MDS axis 2")
     ax.set_aspect("equal", adjustable="datalim")

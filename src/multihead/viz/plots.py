@@ -1,20 +1,23 @@
 """Heatmaps of attention weights with matplotlib: a layers × heads grid and a single-head view.
 
-Figures are built with :class:`matplotlib.figure.Figure` directly (the Agg canvas; no pyplot,
-no display, no global state), so they are safe in scripts, servers and tests. Row = query, column
-= key, as in the weights' (T, S) layout.
+Figures come from :func:`multihead.viz.figure.new_figure` (no pyplot, no global state). Row =
+query, column = key, as in the weights' (T, S) layout.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from multihead._files import atomic_write
+from multihead.viz.figure import matplotlib_module, new_figure, plain_text
 from multihead.viz.fonts import (
     MissingGlyphsWarning,
     drawn_with_fonts,
@@ -39,21 +42,6 @@ _GRID_CELLS = 256
 # and drawn unlabelled, at a fixed size (a labelled one would grow past what can be drawn).
 _HEAD_LABEL_LIMIT = 512
 _CMAP = "Blues"
-
-
-def _matplotlib() -> Any:
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError(
-            "multihead.viz needs matplotlib to draw figures: pip install 'multihead[viz]'"
-        ) from e
-    return matplotlib
-
-
-def _label(token: str) -> str:
-    # "$" would start mathtext; a token may well be one.
-    return token.replace("$", r"\$")
 
 
 def _numbers(
@@ -154,9 +142,6 @@ def grid_figure(
     layers, heads = _numbers(
         layers, heads, n_layers, n_heads, f"the weights' {n_layers} layers and {n_heads} heads"
     )
-    _matplotlib()
-    from matplotlib.figure import Figure
-
     # One image of all the cells, separated by blank (NaN) gutters: a single Axes draws and
     # saves many times faster than L × H of them.
     gap = max(1, round(0.12 * max(t, s)))
@@ -170,10 +155,10 @@ def grid_figure(
     left, bottom = (1.0, 1.0) if labelled else (0.3, 0.3)
     top, right = 0.6, 1.3
     width, height = n_heads * cell_inches, n_layers * cell_inches
-    fig = Figure(figsize=(left + width + right, bottom + height + top))
     fw, fh = left + width + right, bottom + height + top
+    fig = new_figure(fw, fh)
     ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
-    cmap = _matplotlib().colormaps[_CMAP].with_extremes(bad="white")
+    cmap = matplotlib_module().colormaps[_CMAP].with_extremes(bad="white")
     image = ax.imshow(
         tile.numpy(), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest"
     )
@@ -187,7 +172,7 @@ def grid_figure(
                 ax.text(
                     -0.8,
                     i * (t + gap) + r,
-                    _label(token),
+                    plain_text(token),
                     ha="right",
                     va="center",
                     fontsize=font,
@@ -198,7 +183,7 @@ def grid_figure(
                 ax.text(
                     j * (s + gap) + c,
                     bottom_row + 0.6,
-                    _label(token),
+                    plain_text(token),
                     ha="center",
                     va="top",
                     rotation=90,
@@ -270,9 +255,6 @@ def head_figure(
     w = _fit(w, _HEAD_LABEL_LIMIT, causal)
     t, s = w.shape
     labelled = max(full_t, full_s) <= _HEAD_LABEL_LIMIT
-    _matplotlib()
-    from matplotlib.figure import Figure
-
     # Fixed margins and plain texts for the labels, as in grid_figure: ticks cost seconds at
     # a few hundred tokens. A cell is at least one label line high; unlabelled, the map is
     # 8 inches whatever T.
@@ -283,11 +265,11 @@ def head_figure(
     left, bottom, top, right = label + 0.45, label + 0.45, 0.5, 1.3
     width, height = s * cell, t * cell
     fw, fh = left + width + right, bottom + height + top
-    fig = Figure(figsize=(fw, fh))
+    fig = new_figure(fw, fh)
     ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
     image = ax.imshow(
         w.numpy(),
-        cmap=_matplotlib().colormaps[_CMAP].with_extremes(bad="white"),
+        cmap=matplotlib_module().colormaps[_CMAP].with_extremes(bad="white"),
         vmin=0.0,
         vmax=vmax,
         aspect="auto",
@@ -299,7 +281,7 @@ def head_figure(
         ax.text(
             j,
             t - 0.5 + 0.3,
-            _label(token),
+            plain_text(token),
             rotation=90,
             ha="center",
             va="top",
@@ -307,7 +289,7 @@ def head_figure(
             clip_on=False,
         )
     for i, token in enumerate(tokens[-t:] if labelled else []):
-        ax.text(-0.8, i, _label(token), ha="right", va="center", fontsize=font, clip_on=False)
+        ax.text(-0.8, i, plain_text(token), ha="right", va="center", fontsize=font, clip_on=False)
     fig.text((left + width / 2) / fw, 0.12 / fh, "key (attended to)", ha="center", va="bottom")
     fig.text(
         0.12 / fw,
@@ -355,10 +337,7 @@ def importance_figure(
     w = _check_weights(importance, 2, "(L, H)")
     n_layers, n_heads = w.shape
     layers, heads = _numbers(layers, heads, n_layers, n_heads, f"the {n_layers} × {n_heads} scores")
-    _matplotlib()
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(1.0 + 0.55 * n_heads + 1.2, 1.2 + 0.45 * n_layers))
+    fig = new_figure(1.0 + 0.55 * n_heads + 1.2, 1.2 + 0.45 * n_layers)
     ax = fig.add_subplot()
     finite = w[torch.isfinite(w)]
     low = min(0.0, float(finite.min())) if finite.numel() else 0.0
@@ -382,8 +361,11 @@ def importance_figure(
     return fig
 
 
-def save_figure(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
+def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int = 100) -> Path:
     """Save a figure as PNG or SVG, chosen by the path's suffix; returns the path.
+
+    The file is replaced atomically (drawn in memory, written aside, renamed): a reader sees the
+    old picture or the new one, never half of one.
 
     Raises:
         ValueError: a suffix other than .png or .svg.
@@ -398,8 +380,7 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
         suffixes = " or ".join(f".{f}" for f in FIGURE_FORMATS)
         raise ValueError(f"path must end in {suffixes}, got {str(path)!r}")
     # The SVG's text stays text (smaller, searchable) and its ids stay stable across runs.
-    import matplotlib
-
+    matplotlib = matplotlib_module()
     metadata = {"Date": None} if fmt == "svg" else None
     missing = missing_glyphs(fig)
     if missing:  # once, in place of matplotlib's warning per glyph and draw
@@ -409,5 +390,6 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 100) -> Path:
         matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "multihead"}),
         quiet_glyph_warnings(),
     ):
-        fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
+        fig.savefig(drawn := io.BytesIO(), format=fmt, dpi=dpi, metadata=metadata)
+    atomic_write(path, drawn.getvalue())
     return path
