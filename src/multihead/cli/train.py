@@ -19,6 +19,14 @@ import re
 from typing import Any
 
 from multihead.cli.common import CLIError, progress
+from multihead.training import (
+    DivergenceError,
+    TrainConfig,
+    complete_prompts,
+    load_run,
+    resume_config,
+    train,
+)
 
 __all__ = ["register", "run_train", "run_generate"]
 
@@ -186,7 +194,6 @@ def register(subparsers: Any) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from multihead.training import TrainConfig, resume_config
 
     given = {f: getattr(args, f) for f in _TRAIN_FLAGS if getattr(args, f) is not None}
     if args.resume:
@@ -224,7 +231,6 @@ def _probe_line(probe: Any) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from multihead.training import DivergenceError, train
 
     try:
         config = _config(args)
@@ -297,7 +303,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from multihead.training import complete_prompts, load_run
 
     model, task = load_run(args.checkpoint)
     try:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from multihead._checks import (
     check_finite_float,
@@ -24,12 +24,10 @@ from multihead._checks import (
     is_int,
 )
 from multihead.devices import check_device
+from multihead.models.lm import TransformerLM
 from multihead.models.lm_config import LMConfig
+from multihead.training.induction import InductionProbe
 from multihead.training.tasks import Task, TaskLike, get_task
-
-if TYPE_CHECKING:
-    from multihead.models.lm import TransformerLM
-    from multihead.training.induction import InductionProbe
 
 __all__ = [
     "TrainConfig",

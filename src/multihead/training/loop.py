@@ -58,6 +58,7 @@ from multihead.training.config import (
 from multihead.training.ddp import World, check_fits, check_threads, setup_world
 from multihead.training.draws import SEED_STREAM, key
 from multihead.training.induction import InductionProbe, InductionTask, probe_induction
+from multihead.training.plots import plot_attention, plot_induction, plot_loss
 from multihead.training.rundir import RunPlan, plan_run, prepare_out, restore
 from multihead.training.stopping import StopRequest
 from multihead.training.tasks import Task, TaskLike, get_task
@@ -372,8 +373,6 @@ def _train(
         return result
     model.eval()
     if config.plots:
-        from multihead.training.plots import plot_attention, plot_induction, plot_loss
-
         plot_loss(history, out / "loss.png", title=f"{task.name}, L={task.seq_len}")
         example = task.held_out(config.seed, 1).to(world.device)
         plot_attention(model, task, example[0], out / "attention.png")

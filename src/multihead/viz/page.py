@@ -34,15 +34,13 @@ import zlib
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from multihead.memory_budget import format_bytes
-
-if TYPE_CHECKING:
-    from multihead.observe.statistics import HeadStatistics
+from multihead.observe.statistics import HeadStatistics
 
 __all__ = ["encode_weights", "render_page", "write_page", "check_page_size", "PAGE_WEIGHTS_LIMIT"]
 
