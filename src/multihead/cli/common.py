@@ -9,7 +9,15 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["CLIError", "printable", "one_line", "status", "print_warnings", "progress"]
+__all__ = [
+    "CLIError",
+    "printable",
+    "one_line",
+    "status",
+    "print_warnings",
+    "progress",
+    "load_model",
+]
 
 # On a terminal the bar is redrawn at most this often (seconds); elsewhere (a log, a pipe) a
 # line is written at most this often.
@@ -19,6 +27,18 @@ _LINE_S = 5.0
 
 class CLIError(Exception):
     """An error the user can fix; the CLI prints it as one line and exits with code 2."""
+
+
+def load_model(given: str | None, *, device: str = "auto", dtype: str | None = None) -> Any:
+    """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
+    default, loaded once per process, without one); a missing extra becomes a CLIError that
+    names it."""
+    from multihead.pretrained import load_text_model
+
+    try:
+        return load_text_model(given, device=device, dtype=dtype)
+    except ImportError as e:
+        raise CLIError(str(e)) from None  # it names the extra to install
 
 
 def printable(text: str) -> str:
