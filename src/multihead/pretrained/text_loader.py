@@ -234,7 +234,9 @@ def _locate(dir_or_name: Any, cache_dir: str | None) -> tuple[str, Path, str]:
             raise NotADirectoryError(
                 f"model must be a directory or a model name, got {given!r} (not a directory)"
             )
-        return given, path, path.resolve().name
+        # the name goes into titles, pages and reports: bytes that are not UTF-8 escaped
+        name = path.resolve().name.encode("utf-8", "backslashreplace").decode("utf-8")
+        return given, path, name
     if _looks_like_path(given):
         raise FileNotFoundError(f"model directory {given!r} does not exist")
     try:
