@@ -108,23 +108,21 @@ def test_the_same_directory_gives_the_same_tokens_words_and_weights_whichever_mo
         weights[name] = rec.weights
     # transformers' own eager weights: the independent reference for both
     eager = transformers.BertModel.from_pretrained(str(MINILM_DIR), attn_implementation="eager")
+    eager = eager.to(a.input_ids.device).eval()
     with torch.no_grad():
-        ref = (
-            eager.to(a.input_ids.device)
-            .eval()(
-                input_ids=a.input_ids,
-                attention_mask=a.attention_mask,
-                token_type_ids=a.token_type_ids,
-                output_attentions=True,
-            )
-            .attentions
+        out = eager(
+            input_ids=a.input_ids,
+            attention_mask=a.attention_mask,
+            token_type_ids=a.token_type_ids,
+            output_attentions=True,
         )
     real = a.attention_mask.bool()  # (B, T): query rows of real tokens
     for layer in range(6):
-        for name in both:
-            got = weights[name][layer]
-            diff = (got - ref[layer]).transpose(1, 2)[real].abs().max().item()
-            assert diff <= 1e-5, (name, layer, diff)
+        mine, other = (weights[name][layer].transpose(1, 2)[real] for name in both)  # (Q, H, S)
+        torch.testing.assert_close(mine, other, atol=1e-5, rtol=0)
+        want = out.attentions[layer].transpose(1, 2)[real]
+        torch.testing.assert_close(mine, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(other, want, atol=1e-5, rtol=0)
 
     embeddings = {name: model.encode(TEXTS) for name, model in both.items()}
     torch.testing.assert_close(

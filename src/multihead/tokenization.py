@@ -119,7 +119,7 @@ class TokenBatch:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "BertBatch":  # its name until 0.1: every family's batch, not BERT's
+    if name == "BertBatch":  # its old name: every family's batch, not BERT's
         warnings.warn(
             "BertBatch is deprecated: it is multihead.tokenization.TokenBatch",
             DeprecationWarning,

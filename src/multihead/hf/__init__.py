@@ -28,7 +28,7 @@ families whose attention is not routed through the interface.
 This package is the bridge only. :mod:`multihead.hf.loading` reads a model from local files for
 :func:`multihead.pretrained.load_text_model`, which wraps it with its tokenizer as a
 :class:`multihead.text.TextModel` (``multihead explain --model``); ``HFTextModel`` and ``load_hf``,
-which lived here until 0.1, are that class and that function.
+which lived here before, are that class and that function.
 """
 
 from __future__ import annotations

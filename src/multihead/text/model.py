@@ -392,7 +392,7 @@ class TextModel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            # minilm() returned the BertModel itself until 0.1: its attributes (encoder,
+            # minilm() returned the BertModel itself before the text floor: its attributes (encoder,
             # embeddings, ...) are the model's now, read through here for one release.
             model = self.__dict__.get("_modules", {}).get("model")
             if name.startswith("_") or model is None or not hasattr(model, name):
