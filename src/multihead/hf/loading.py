@@ -47,7 +47,8 @@ def load_model(
             installed the weights are read straight onto it.
         dtype: a floating torch.dtype or its name; default the one config.json declares, except
             that half types load as float32 on the CPU.
-        stacklevel: where the warning about missing weights points, counted from the caller.
+        stacklevel: where the warning about missing weights points, as for ``warnings.warn``
+            called here (2: the caller of this function).
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -118,7 +119,7 @@ def load_model(
             f"model {given!r}: {len(missing)} weights are not in its files and were initialised "
             f"at random ({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''})",
             UserWarning,
-            stacklevel=stacklevel + 1,
+            stacklevel=stacklevel,
         )
     attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
     model.set_attn_implementation(NAME)
