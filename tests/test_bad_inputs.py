@@ -43,10 +43,9 @@ import multihead.viz.fonts as fonts  # noqa: E402
 import multihead.viz.page as page  # noqa: E402
 from multihead import explain  # noqa: E402
 from multihead.cli import main  # noqa: E402
-from multihead.models.text import TruncationWarning  # noqa: E402
-from multihead.observe.corpus import corpus_statistics  # noqa: E402
-from multihead.observe.head_distance import head_distances  # noqa: E402
-from multihead.pretrained import load_bert  # noqa: E402
+from multihead.pretrained import load_text_model  # noqa: E402
+from multihead.text import corpus_statistics, head_distances  # noqa: E402
+from multihead.tokenization import TruncationWarning  # noqa: E402
 from multihead.training import TrainConfig  # noqa: E402
 from multihead.training.tasks import Task  # noqa: E402
 from multihead.viz.plots import grid_figure, head_figure, save_figure  # noqa: E402
@@ -82,7 +81,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(model_dir: Path) -> Any:
-    return load_bert(model_dir)
+    return load_text_model(model_dir)
 
 
 # -- memory before allocation: explain ---------------------------------------------------------

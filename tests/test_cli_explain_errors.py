@@ -28,7 +28,6 @@ import torch  # noqa: E402
 from tiny_bert import CONFIG, hf_tensors, write_dir  # noqa: E402
 
 import multihead  # noqa: E402
-import multihead.cli.explain as cmd  # noqa: E402
 from multihead.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only  # the CLI's errors and files
@@ -41,22 +40,12 @@ TOO_LONG = "x" * 300  # longer than a file name may be (255 bytes)
 Setup = Callable[[Path, pytest.MonkeyPatch], None]
 
 
-@pytest.fixture(scope="module")
-def minilm() -> Any:
-    from multihead.pretrained import minilm
+@pytest.fixture(scope="module", autouse=True)
+def default_model_once() -> Any:
+    """The default model, loaded once per process: every command below reuses it."""
+    from multihead.pretrained import load_text_model
 
-    return minilm()
-
-
-@pytest.fixture(autouse=True)
-def default_model_once(minilm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default model comes from the module's fixture; ``--model DIR`` still runs load_bert."""
-    load = cmd._load_model
-    monkeypatch.setattr(
-        cmd,
-        "_load_model",
-        lambda d, **kw: (minilm, "all-MiniLM-L6-v2") if d is None else load(d, **kw),
-    )
+    return load_text_model()
 
 
 def snapshot(root: Path) -> dict[str, Any]:
@@ -148,7 +137,7 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         "focus-absent",
         ["--focus", "zebra"],
         None,
-        r"focus word 'zebra' is not in the text; its tokens are: \[CLS\] the animal didn",
+        r"focus word 'zebra' is not in the text; its tokens are: \[CLS\] The animal didn",
     ),
     (
         "focus-cut-off",
@@ -224,7 +213,7 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         # not a directory, so a name: never downloaded, looked up in the local cache only
         r"model 'nowhere' is (neither|not) a directory",
     ),
-    ("model-empty", ["--model", ""], None, r"path must be a model directory, got ''$"),
+    ("model-empty", ["--model", ""], None, r"model must be a directory or a model name, got ''$"),
     ("model-file", ["--model", "file.txt"], a_file, r"got 'file.txt' \(not a directory\)"),
     ("model-too-long", ["--model", TOO_LONG], None, r"path 'x+' cannot be used: File name too"),
     ("model-no-files", ["--model", "empty"], empty_dir, r"lacks config.json and model.safetensors"),
@@ -287,7 +276,7 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         "model-no-tokenizer",
         ["--model", "m"],
         tiny_model(tokenizer=False),
-        r"model must have a tokenizer to read text",
+        r"model 'm' needs a fast tokenizer \(tokenizer.json\) to read text, got no tokenizer",
     ),
     ("model-bad-tokenizer", ["--model", "m"], bad_tokenizer, r"tokenizer.json could not be read"),
     (
@@ -347,7 +336,7 @@ def test_the_snapshot_sees_what_a_good_run_writes(
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.err == ""
-    assert captured.out.startswith("m: 9 tokens; focus 'the' (token 1)")
+    assert captured.out.startswith("m: 9 tokens; focus 'The' (token 1)")
     after = snapshot(tmp_path)
     assert set(after) - set(before) == {
         "out",

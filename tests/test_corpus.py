@@ -25,15 +25,14 @@ from tiny_bert import write_dir  # noqa: E402
 import multihead  # noqa: E402
 from multihead.cli import main  # noqa: E402
 from multihead.observe import head_statistics  # noqa: E402
-from multihead.observe.corpus import check_texts, corpus_statistics  # noqa: E402
 from multihead.observe.head_distance import (  # noqa: E402
     classical_mds,
-    head_distances,
     js_distance,
     pairwise_js_sums,
 )
 from multihead.observe.head_metrics import METRICS  # noqa: E402
-from multihead.pretrained import load_bert  # noqa: E402
+from multihead.pretrained import load_text_model  # noqa: E402
+from multihead.text.corpus import check_texts, corpus_statistics, head_distances  # noqa: E402
 
 # Lengths differ (padding inside a batch); some texts repeat a word (induction known), some
 # don't (induction NaN for that text); "dog" is unknown to none, "xyz" becomes [UNK].
@@ -56,7 +55,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(model_dir: Path, device: torch.device) -> Any:
-    return load_bert(model_dir, device=device)
+    return load_text_model(model_dir, device=device)
 
 
 def per_text_mean(model: Any, texts: list[str], **kwargs: Any) -> dict[str, list[list[float]]]:
@@ -132,7 +131,7 @@ def test_corpus_statistics_nan_only_when_nan_for_every_text(model: Any) -> None:
 
 
 def test_corpus_truncation_is_one_warning_naming_corpus_lines(model: Any) -> None:
-    from multihead.models.text import TruncationWarning
+    from multihead.tokenization import TruncationWarning
 
     long = " ".join(["the cat sat on the mat ."] * 3)  # 21 words: over the 12 positions
     texts = ["a dog sat .", long, "the cat", long, "mat ."]
@@ -165,8 +164,8 @@ def test_corpus_rejects_bad_texts(texts: Any, error: type[Exception], match: str
 def test_corpus_statistics_errors(model: Any) -> None:
     with pytest.raises(ValueError, match="batch_size"):
         corpus_statistics(model, TEXTS, batch_size=0)
-    with pytest.raises(TypeError, match="tokenize"):
-        corpus_statistics(torch.nn.Linear(2, 2), TEXTS)
+    with pytest.raises(TypeError, match=r"model must be a multihead.text.TextModel .*Linear"):
+        corpus_statistics(torch.nn.Linear(2, 2), TEXTS)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"texts\[0\] \(line 1\)"):
         head_distances(model, [""])
 

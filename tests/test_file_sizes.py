@@ -32,7 +32,7 @@ from multihead.cli import main  # noqa: E402
 from multihead.devices import resolve_dtype  # noqa: E402
 from multihead.models import TransformerLM  # noqa: E402
 from multihead.models.bert import BertModel  # noqa: E402
-from multihead.pretrained import load_bert  # noqa: E402
+from multihead.pretrained import load_bert, load_text_model  # noqa: E402
 
 STEP = "step-00000002"
 
@@ -223,7 +223,7 @@ def test_a_minilm_copy_with_a_million_layers(
     assert len(err) < 300
 
 
-def test_load_bert_refuses_a_tokenizer_beyond_the_embedding(
+def test_load_text_model_refuses_a_tokenizer_beyond_the_embedding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # tiny_bert's tokenizer has ids 0..11; an embedding of 5 rows has no row for "the" (4)...
@@ -232,18 +232,19 @@ def test_load_bert_refuses_a_tokenizer_beyond_the_embedding(
     _never_built(monkeypatch, BertModel)
     with pytest.raises(
         ValueError,
-        match=r"m: the tokenizer has ids up to 11, beyond the 5 rows of the model's token "
+        match=r"m': the tokenizer has ids up to 11, beyond the 5 rows of the model's token "
         r"embedding \(vocab_size\): 'cat' \(5\), 'sat' \(6\), 'on' \(7\), 'mat' \(8\) and 3 "
         r"more cannot be embedded",
     ):
-        load_bert(path)
+        load_text_model(path)
 
 
-def test_a_tokenizer_set_on_a_model_is_checked_too() -> None:
+def test_a_tokenizer_given_with_a_model_is_checked_too() -> None:
     from tiny_bert import tokenizer_json
     from tokenizers import Tokenizer
 
     from multihead.pretrained import bert_config_from_dict
+    from multihead.text import TextModel
 
     model = BertModel(bert_config_from_dict({**CONFIG, "vocab_size": 11}))
     with pytest.raises(
@@ -251,7 +252,7 @@ def test_a_tokenizer_set_on_a_model_is_checked_too() -> None:
         match=r"^the tokenizer has ids up to 11, beyond the 11 rows of the model's token "
         r"embedding \(vocab_size\): 'dog' \(11\) cannot be embedded",
     ):
-        model.tokenizer = Tokenizer.from_str(tokenizer_json())
+        TextModel(model, Tokenizer.from_str(tokenizer_json()))
 
 
 # -- the Hugging Face loader ---------------------------------------------------------------------
@@ -433,18 +434,16 @@ def test_a_directory_declaring_bfloat16_loads_as_float32_on_the_cpu(tmp_path: Pa
 
 
 @transformers_only
-def test_load_hf_dtype(gpt2: Path, tmp_path: Path) -> None:
-    from multihead.hf.text import load_hf
-
-    full = load_hf(gpt2)
-    half = load_hf(gpt2, device="cpu", dtype="bfloat16")
+def test_load_text_model_dtype_through_transformers(gpt2: Path, tmp_path: Path) -> None:
+    full = load_text_model(gpt2)
+    half = load_text_model(gpt2, device="cpu", dtype="bfloat16")
     for (name, a), h in zip(
         full.model.state_dict().items(), half.model.state_dict().values(), strict=True
     ):
         assert a.dtype == torch.float32 and h.dtype == torch.bfloat16, name
         assert torch.equal(h, a.to(torch.bfloat16)), name
     declared = _edited(gpt2, tmp_path, dtype="bfloat16")
-    assert {p.dtype for p in load_hf(declared).parameters()} == {torch.float32}
+    assert {p.dtype for p in load_text_model(declared).parameters()} == {torch.float32}
 
 
 def test_cli_device_cpu_float32_is_the_default_and_bfloat16_rounds(
@@ -465,8 +464,8 @@ def test_cli_device_cpu_float32_is_the_default_and_bfloat16_rounds(
     capsys.readouterr()
     # the weights of the bfloat16 run are the float32 ones within bfloat16's rounding
     text = "the cat sat on the mat"
-    full = explain(text, model=load_bert(bert_dir), importance=False)
-    half = explain(text, model=load_bert(bert_dir, dtype="bfloat16"), importance=False)
+    full = explain(text, model=load_text_model(bert_dir), importance=False)
+    half = explain(text, model=load_text_model(bert_dir, dtype="bfloat16"), importance=False)
     assert not torch.equal(full.weights, half.weights)
     torch.testing.assert_close(half.weights, full.weights, atol=2**-7, rtol=0)  # 2 bf16 ulps at 1
 

@@ -1,4 +1,4 @@
-"""``explain`` and ``multihead explain --model`` on any Hugging Face model (multihead.hf.text).
+"""``explain`` and ``multihead explain --model`` on any Hugging Face model (load_text_model).
 
 Every model is a tiny random one saved with ``save_pretrained``, beside a tokenizer trained with
 the ``tokenizers`` library on a few sentences and saved as ``PreTrainedTokenizerFast``: the
@@ -32,8 +32,9 @@ from cli_support import fails, snapshot  # noqa: E402
 
 from multihead.cli import main  # noqa: E402
 from multihead.explanation import explain  # noqa: E402
-from multihead.hf.text import HFTextModel, load_hf  # noqa: E402
-from multihead.models.text import TruncationWarning  # noqa: E402
+from multihead.pretrained import load_text_model  # noqa: E402
+from multihead.text import TextModel  # noqa: E402
+from multihead.tokenization import TruncationWarning  # noqa: E402
 
 CORPUS = [
     "The animal didn't cross the street because it was too tired.",
@@ -221,8 +222,41 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def loaded(saved: dict[str, Path]) -> dict[str, HFTextModel]:
-    return {name: load_hf(path) for name, path in saved.items()}
+def loaded(saved: dict[str, Path]) -> dict[str, TextModel]:
+    # "bert" too runs through transformers here; multihead's own BERT is compared below
+    return {name: load_text_model(path, backend="transformers") for name, path in saved.items()}
+
+
+def own_tokenizer(path: Path) -> Any:
+    """transformers' own fast tokenizer of a saved directory: the reference for ids."""
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def reference_tokens(path: Path, text: str) -> tuple[list[str], list[int | None], list[int]]:
+    """The reference display tokens and word ids of ``text``, from the tokenizers library's own
+    encoding: each piece shown as the text its offsets cover without surrounding whitespace
+    (specials as the tokenizer names them), its word the index of the word of the text (a
+    regular expression: runs of word characters, each other visible character alone; right
+    for texts of letters and punctuation) its first character falls in; and where each shown
+    piece starts. A piece of spaces alone is shown as "␣"."""
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    enc = tok.encode(text)
+    words = [m.span() for m in re.finditer(r"\w+|[^\w\s]", text)]
+    shown: list[str] = []
+    owner: list[int | None] = []
+    starts: list[int] = []
+    for piece, (s, e), special in zip(
+        enc.tokens, enc.offsets, enc.special_tokens_mask, strict=True
+    ):
+        core = text[s:e].strip()
+        start = s + text[s:e].index(core) if core else e
+        shown.append(piece if special else core or "␣")
+        word = next((i for i, (a, b) in enumerate(words) if a <= start < b), None)
+        owner.append(None if special or not core else word)
+        starts.append(start)
+    return shown, owner, starts
 
 
 def eager(path: Path) -> Any:
@@ -236,19 +270,16 @@ def eager(path: Path) -> Any:
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_weights_equal_eager_output_attentions(
-    fam: Family, saved: dict[str, Path], loaded: dict[str, HFTextModel]
+    fam: Family, saved: dict[str, Path], loaded: dict[str, TextModel]
 ) -> None:
     model = loaded[fam.name]
     assert model.causal is fam.causal
-    assert (model.config.num_hidden_layers, model.config.num_attention_heads) == (
-        fam.layers,
-        fam.heads,
-    )
+    assert (model.num_layers, model.num_heads) == (fam.layers, fam.heads)
     ex = explain(TEXT, model=model, importance=False)
     assert ex.causal is fam.causal
     batch = model.tokenize(TEXT)
-    # the ids are the fast tokenizer's own, specials included
-    assert batch.input_ids[0].tolist() == model.tokenizer(TEXT)["input_ids"]
+    # the ids are transformers' own fast tokenizer's, specials included
+    assert batch.input_ids[0].tolist() == own_tokenizer(saved[fam.name])(TEXT)["input_ids"]
     ref = eager(saved[fam.name])
     kwargs = {"token_type_ids": batch.token_type_ids} if fam.name == "bert" else {}
     with torch.no_grad():
@@ -270,28 +301,22 @@ def test_weights_equal_eager_output_attentions(
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "bert"])
-def test_display_tokens_are_the_text_they_cover(name: str, loaded: dict[str, HFTextModel]) -> None:
+def test_display_tokens_are_the_text_they_cover(
+    name: str, saved: dict[str, Path], loaded: dict[str, TextModel]
+) -> None:
     model = loaded[name]
     batch = model.tokenize(TEXT)
     tokens, offsets, word_ids = batch.tokens[0], batch.offsets[0], batch.word_ids[0]
+    assert (tokens, word_ids) == reference_tokens(saved[name], TEXT)[:2]  # token by token
+    for tok, (s, e) in zip(tokens, offsets, strict=True):
+        assert e == s or tok == TEXT[s:e]  # the offsets are the shown text's
     special = batch.special_mask[0].tolist()
-    raw = model.tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
-    for tok, (s, e), word, is_special, piece in zip(
-        tokens, offsets, word_ids, special, raw, strict=True
-    ):
-        if is_special:
-            assert tok == piece and word is None
-        elif s == e:  # a token of whitespace alone: shown, not blank
-            assert tok and set(tok) <= set("␣⏎⇥␍")
-        else:
-            assert tok == TEXT[s:e] == TEXT[s:e].strip()
-            assert "Ġ" not in tok and "▁" not in tok
     assert any(special) is (name != "gpt2")
-    assert "animal" in tokens or "an" in "".join(tokens)
+    assert all("Ġ" not in t and "▁" not in t for t in tokens)
 
 
 def test_focus_defaults_to_the_last_word_for_a_causal_model(
-    loaded: dict[str, HFTextModel],
+    saved: dict[str, Path], loaded: dict[str, TextModel]
 ) -> None:
     text = "The cat sat on the mat."
     ex = explain(text, model=loaded["gpt2"], importance=False)
@@ -304,11 +329,15 @@ def test_focus_defaults_to_the_last_word_for_a_causal_model(
     # an encoder keeps the first word; a word given is found through the trimmed offsets
     assert explain(text, model=loaded["t5"], importance=False).focus_word == "The"
     ex = explain(TEXT, focus="street", model=loaded["gpt2"], importance=False)
-    assert ex.focus_word == "street" and ex.tokens[ex.focus_index] in "street"
+    # the reference: the first piece that starts where "street" does
+    tokens, _, starts = reference_tokens(saved["gpt2"], TEXT)
+    first = starts.index(TEXT.index("street"))
+    assert ex.focus_word == "street" and ex.focus_index == first
+    assert ex.tokens[first] == tokens[first] and "street".startswith(tokens[first])
 
 
 def test_decoder_embedding_is_the_last_real_token(
-    saved: dict[str, Path], loaded: dict[str, HFTextModel]
+    saved: dict[str, Path], loaded: dict[str, TextModel]
 ) -> None:
     model = loaded["gpt2"]
     batch = model.tokenize(["The cat sat.", TEXT])  # the first padded on the right
@@ -317,13 +346,13 @@ def test_decoder_embedding_is_the_last_real_token(
         hidden = model(batch.input_ids, batch.attention_mask).last_hidden_state
         got = model.sentence_embedding(hidden, batch.attention_mask)
         for i, text in enumerate(["The cat sat.", TEXT]):
-            ids = torch.tensor([model.tokenizer(text)["input_ids"]])
+            ids = torch.tensor([own_tokenizer(saved["gpt2"])(text)["input_ids"]])
             alone = ref(input_ids=ids).last_hidden_state[0, -1]
             torch.testing.assert_close(got[i], F.normalize(alone, dim=0), atol=1e-5, rtol=0)
 
 
 def test_importance_and_ablation_equal_a_zeroed_projection(
-    saved: dict[str, Path], loaded: dict[str, HFTextModel]
+    saved: dict[str, Path], loaded: dict[str, TextModel]
 ) -> None:
     model = loaded["gpt2"]
     ex = explain(TEXT, model=model, ablate=[(1, 2)])
@@ -344,7 +373,7 @@ def test_importance_and_ablation_equal_a_zeroed_projection(
 
 
 def test_causal_pictures_and_page_blank_the_upper_triangle(
-    loaded: dict[str, HFTextModel],
+    loaded: dict[str, TextModel],
 ) -> None:
     ex = explain("The cat sat on the mat.", model=loaded["gpt2"], importance=False)
     t = len(ex.tokens)
@@ -366,7 +395,7 @@ def test_causal_pictures_and_page_blank_the_upper_triangle(
     assert re.search(r'"causal":\s*false', encoder.html())
 
 
-def test_a_long_text_is_truncated_at_the_position_limit(loaded: dict[str, HFTextModel]) -> None:
+def test_a_long_text_is_truncated_at_the_position_limit(loaded: dict[str, TextModel]) -> None:
     model = loaded["gpt2"]  # n_positions = 64
     with pytest.warns(TruncationWarning, match="max_seq_length=64"):
         ex = explain(" ".join(CORPUS * 4), model=model, importance=False)
@@ -379,8 +408,8 @@ def test_a_short_max_seq_length_loads_quietly(saved: dict[str, Path]) -> None:
     # are errors in this suite)
     model = transformers.AutoModel.from_pretrained(saved["gpt2"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(saved["gpt2"])
-    wrapped = HFTextModel(model, tokenizer, max_seq_length=4)
-    assert wrapped.causal and wrapped.config.num_hidden_layers == 2
+    wrapped = TextModel(model, tokenizer, max_seq_length=4)
+    assert wrapped.causal and wrapped.num_layers == 2
     with pytest.warns(TruncationWarning):
         assert len(wrapped.tokenize(TEXT).tokens[0]) == 4
 
@@ -394,10 +423,10 @@ def test_a_name_in_the_local_cache_loads_without_the_network(
     (cache / "models--tiny--gpt2" / "refs").mkdir()
     (cache / "models--tiny--gpt2" / "refs" / "main").write_text("0123abcd")
     _no_network(monkeypatch)
-    model = load_hf("tiny/gpt2", cache_dir=str(cache))
+    model = load_text_model("tiny/gpt2", cache_dir=str(cache))
     assert model.name == "tiny/gpt2" and model.causal
     with pytest.raises(FileNotFoundError, match=r"'tiny/nothing' is neither a directory nor"):
-        load_hf("tiny/nothing", cache_dir=str(cache))
+        load_text_model("tiny/nothing", cache_dir=str(cache))
     # the command looks names up in the default cache (HF_HUB_CACHE)
     import huggingface_hub.constants
 
@@ -421,7 +450,7 @@ def test_weights_missing_from_the_files_are_a_warning(
     del weights[dropped]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=r"1 weights are not in its files .*h\.1\.ln_1\.weight"):
-        load_hf(path)
+        load_text_model(path)
     capsys.readouterr()
     argv = ["explain", "--model", str(path), "--out", str(tmp_path / "o"), "--format", "html"]
     assert main([*argv, "--no-importance"]) == 0
@@ -437,13 +466,13 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_library_refusals(saved: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"model must be a multihead BertModel or an HFTextModel"):
+    with pytest.raises(TypeError, match=r"model must be a multihead.text.TextModel"):
         explain(TEXT, model=eager(saved["gpt2"]))
-    with pytest.raises(TypeError, match=r"must be a fast tokenizer"):
-        HFTextModel(eager(saved["gpt2"]), object())
+    with pytest.raises(TypeError, match=r"or a fast transformers tokenizer"):
+        TextModel(eager(saved["gpt2"]), object())
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"has no config.json"):
-        load_hf(tmp_path)
+        load_text_model(tmp_path, backend="transformers")
 
 
 def test_layers_with_different_head_counts_are_refused(saved: dict[str, Path]) -> None:
@@ -451,7 +480,7 @@ def test_layers_with_different_head_counts_are_refused(saved: dict[str, Path]) -
     model.h[1].attn.num_heads, model.h[1].attn.head_dim = 2, 24  # layer 1: 2 heads of width 24
     tokenizer = transformers.AutoTokenizer.from_pretrained(saved["gpt2"])
     with pytest.raises(ValueError, match=r"different head counts \(layer 0: 4, layer 1: 2\)"):
-        HFTextModel(model, tokenizer)
+        TextModel(model, tokenizer)
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -497,12 +526,11 @@ def test_cli_explains_bert_on_multiheads_own_model(
     assert code == 0, report
     assert "[CLS]/[SEP] apart" in report and "earlier tokens" not in report
     assert (out / "attention_grid.png").is_file()
-    # the same weights as through transformers (load_hf) on the same directory
-    from multihead.pretrained import load_bert
-
-    ours = explain(TEXT, model=load_bert(saved["bert"]), importance=False)
-    theirs = explain(TEXT, model=load_hf(saved["bert"]), importance=False)
-    assert len(ours.tokens) == len(theirs.tokens)  # BERT's own shows "the", transformers "The"
+    # the same tokens, words and weights as through transformers on the same directory
+    ours = explain(TEXT, model=load_text_model(saved["bert"]), importance=False)
+    theirs = explain(TEXT, model=load_text_model(saved["bert"], backend="transformers"))
+    assert ours.tokens == theirs.tokens == reference_tokens(saved["bert"], TEXT)[0]
+    assert ours.word_ids == theirs.word_ids
     torch.testing.assert_close(ours.weights, theirs.weights, atol=1e-5, rtol=0)
 
 
@@ -576,9 +604,9 @@ MANY_TEXTS = [
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_corpus_statistics_of_a_hf_model_are_the_mean_of_per_text_statistics(
-    name: str, saved: dict[str, Path], loaded: dict[str, HFTextModel]
+    name: str, saved: dict[str, Path], loaded: dict[str, TextModel]
 ) -> None:
-    from multihead.observe import corpus_statistics
+    from multihead import corpus_statistics
 
     model = loaded[name]
     together = corpus_statistics(model, MANY_TEXTS, batch_size=3)  # a padded batch, then one text
@@ -669,9 +697,9 @@ def llama2_layout(saved: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 
 
 def test_words_come_from_the_text_whatever_the_pre_tokenizer(llama2_layout: Path) -> None:
-    model = load_hf(llama2_layout)
+    model = load_text_model(llama2_layout)
     text = "The cat sat on the mat."
-    raw = model.tokenizer(text)
+    raw = own_tokenizer(llama2_layout)(text)
     assert len({w for w in raw.word_ids() if w is not None}) == 1  # the trap: one "word"
     batch = model.tokenize(text)
     # the reference: each real token's word is the whitespace/punctuation-split word its
@@ -692,9 +720,9 @@ def test_words_come_from_the_text_whatever_the_pre_tokenizer(llama2_layout: Path
 
 
 def test_a_marker_only_piece_shows_as_a_blank(llama2_layout: Path) -> None:
-    model = load_hf(llama2_layout)
+    model = load_text_model(llama2_layout)
     batch = model.tokenize("Hello world")  # "Hello" is not in the corpus: "▁" then letters
-    pieces = model.tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    pieces = [model.tokenizer.id_to_token(i) for i in batch.input_ids[0].tolist()]
     assert "▁" in pieces  # the case under test: a marker-only piece, its offsets on "H"
     for piece, shown, (s, e) in zip(pieces, batch.tokens[0], batch.offsets[0], strict=True):
         if piece == "▁":
@@ -703,7 +731,7 @@ def test_a_marker_only_piece_shows_as_a_blank(llama2_layout: Path) -> None:
 
 
 def test_decoder_embedding_reads_the_last_real_token_on_either_padding_side(
-    loaded: dict[str, HFTextModel],
+    loaded: dict[str, TextModel],
 ) -> None:
     model = loaded["gpt2"]
     texts = ["The cat sat.", TEXT]
@@ -731,10 +759,10 @@ def test_decoder_embedding_reads_the_last_real_token_on_either_padding_side(
 
 @pytest.mark.parametrize("bad", [0, -3, 1, 65, 2.5, "x", True])
 def test_max_seq_length_is_checked(saved: dict[str, Path], bad: Any) -> None:
-    model = load_hf(saved["gpt2"])  # 64 positions
+    model = load_text_model(saved["gpt2"])  # 64 positions
     with pytest.raises(ValueError, match=r"max_seq_length must be an int in 2\.\.64"):
-        HFTextModel(model.model, model.tokenizer, max_seq_length=bad)
-    assert HFTextModel(model.model, model.tokenizer, max_seq_length=64).max_seq_length == 64
+        TextModel(model.model, model.tokenizer, max_seq_length=bad)
+    assert TextModel(model.model, model.tokenizer, max_seq_length=64).max_seq_length == 64
 
 
 def test_roberta_positions_reserve_padding_idx_plus_one(tmp_path: Path) -> None:
@@ -752,10 +780,10 @@ def test_roberta_positions_reserve_padding_idx_plus_one(tmp_path: Path) -> None:
     transformers.RobertaModel(config).save_pretrained(tmp_path)
     tokenizer.model_max_length = int(1e30)  # the tokenizer sets no limit
     tokenizer.save_pretrained(tmp_path)
-    model = load_hf(tmp_path)
+    model = load_text_model(tmp_path)
     assert model.max_seq_length == 20 - (0 + 1)  # positions start at padding_idx + 1
     # a task-head wrapper reserves the same positions (its embeddings sit in base_model)
-    with_head = HFTextModel(transformers.RobertaForMaskedLM(config), model.tokenizer)
+    with_head = TextModel(transformers.RobertaForMaskedLM(config), model.tokenizer)
     assert with_head.max_seq_length == 19
     with pytest.warns(TruncationWarning):
         ex = explain(" ".join(["the cat sat on the mat"] * 6), model=model, importance=False)
@@ -778,16 +806,16 @@ def test_a_config_that_builds_no_model_is_one_line(
     assert snapshot(tmp_path) == before
 
 
-def test_a_newline_piece_shows_as_a_newline(loaded: dict[str, HFTextModel]) -> None:
+def test_a_newline_piece_shows_as_a_newline(loaded: dict[str, TextModel]) -> None:
     model = loaded["gpt2"]
     batch = model.tokenize("one cat.\nThe dog")
-    pieces = model.tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    pieces = [model.tokenizer.id_to_token(i) for i in batch.input_ids[0].tolist()]
     shown = dict(zip(pieces, batch.tokens[0], strict=True))
     assert "Ċ" in pieces  # byte-level BPE's newline, a piece of its own
     assert all(shown[p] == "⏎" for p in pieces if p == "Ċ")
 
 
-def test_a_focus_word_inside_a_longer_piece_is_found(loaded: dict[str, HFTextModel]) -> None:
+def test_a_focus_word_inside_a_longer_piece_is_found(loaded: dict[str, TextModel]) -> None:
     # a piece that runs past the word's edge: the word is found at the piece that holds it
     model = loaded["llama"]
     text = "London is a city."
@@ -802,7 +830,7 @@ def test_a_focus_word_inside_a_longer_piece_is_found(loaded: dict[str, HFTextMod
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
-def test_a_named_focus_is_reported_as_written(name: str, loaded: dict[str, HFTextModel]) -> None:
+def test_a_named_focus_is_reported_as_written(name: str, loaded: dict[str, TextModel]) -> None:
     text = "The well-known animal didn't cross."
     for focus in ("well-known", "didn't", "Animal"):
         ex = explain(text, focus=focus, model=loaded[name], importance=False)
@@ -812,11 +840,11 @@ def test_a_named_focus_is_reported_as_written(name: str, loaded: dict[str, HFTex
         assert ex.tokens[ex.focus_index].casefold()[0] == text[start].casefold()
 
 
-def test_the_bytes_of_one_character_are_numbered(loaded: dict[str, HFTextModel]) -> None:
+def test_the_bytes_of_one_character_are_numbered(loaded: dict[str, TextModel]) -> None:
     model = loaded["gpt2"]  # byte-level BPE: a character outside its merges splits into bytes
     text = "a 東 b"
     batch = model.tokenize(text)
-    pieces = model.tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    pieces = [model.tokenizer.id_to_token(i) for i in batch.input_ids[0].tolist()]
     # the reference: how many bytes UTF-8 gives the character, and so how many pieces
     count = len("東".encode())
     assert len(pieces) == 3 + count  # "a", "Ġ", the bytes, "Ġb"

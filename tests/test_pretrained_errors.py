@@ -1,4 +1,5 @@
-"""load_bert / minilm on bad input: every failure is a clear error, raised before a model exists."""
+"""load_bert / load_text_model / minilm on bad input: every failure is a clear error, raised
+before a model exists."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytest.importorskip("safetensors.torch")
 from tiny_bert import CONFIG, hf_tensors, write_dir  # noqa: E402
 
 from multihead.models.bert import BertModel  # noqa: E402
-from multihead.pretrained import load_bert, minilm  # noqa: E402
+from multihead.pretrained import load_bert, load_text_model, minilm  # noqa: E402
 
 
 def test_a_good_directory_loads(tmp_path: Path) -> None:
@@ -99,22 +100,32 @@ def test_corrupt_safetensors(tmp_path: Path, content, monkeypatch: pytest.Monkey
 
 
 def test_tokenizer_and_sbert_config_errors(tmp_path: Path) -> None:
-    path = write_dir(tmp_path)
+    path = write_dir(tmp_path, tokenizer=True)
+    assert load_text_model(path).max_seq_length == 12  # max_position_embeddings
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 13}))
     with pytest.raises(
         ValueError,
-        match=r"max_seq_length must be an int in \[2, max_position_embeddings=12\], got 13",
+        match=r"sentence_bert_config.json: max_seq_length must be an int in \[2, 12\] \(the "
+        r"positions the model embeds\), got 13$",
     ):
-        load_bert(path)
+        load_text_model(path)
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 10}))
-    assert load_bert(path).max_seq_length == 10
+    assert load_text_model(path).max_seq_length == 10
     (path / "sentence_bert_config.json").write_text(json.dumps([{"max_seq_length": 10}]))
     with pytest.raises(ValueError, match="sentence_bert_config.json must hold a JSON object"):
-        load_bert(path)
+        load_text_model(path)
     (path / "sentence_bert_config.json").unlink()
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 7}))
+    assert load_text_model(path).max_seq_length == 7
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 10**30}))
+    assert load_text_model(path).max_seq_length == 12  # "no limit": the model's positions
     (path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="tokenizer.json could not be read: [^\n]*$"):
-        load_bert(path)
+        load_text_model(path)
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"needs a fast tokenizer \(tokenizer.json\) to read"):
+        load_text_model(path)
+    load_bert(path)  # the model alone needs no tokenizer
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -328,11 +339,12 @@ def test_no_transformers_import(tmp_path: Path) -> None:
     """The loader and model never import transformers (checked in a fresh interpreter)."""
     import subprocess
 
-    path = write_dir(tmp_path)
+    path = write_dir(tmp_path, tokenizer=True)
     code = (
-        "import sys; from multihead.pretrained import load_bert; "
+        "import sys; from multihead.pretrained import load_bert, load_text_model; "
         f"m = load_bert({str(path)!r}); "
         "import torch; m(torch.tensor([[1, 2]])); "
+        f"t = load_text_model({str(path)!r}); t.encode(['the cat sat']); "
         "assert 'transformers' not in sys.modules, 'transformers imported'; "
         "assert 'sentence_transformers' not in sys.modules"
     )

@@ -28,14 +28,27 @@ _LAZY: dict[str, str] = {
     "PackedBatch": "multihead.packing",
     "capture": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
-    "corpus_statistics": "multihead.observe.corpus",
-    "head_distances": "multihead.observe.head_distance",
+    "corpus_statistics": "multihead.text.corpus",
+    "head_distances": "multihead.text.corpus",
     "intervene": "multihead.observe.steering",
     "record_heads": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
     "explain": "multihead.explanation",
+    "TextModel": "multihead.text.model",
+    "load_text_model": "multihead.pretrained.text_loader",
+    "minilm": "multihead.pretrained.text_loader",
 }
-_SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli", "hf")
+_SUBMODULES = (
+    "models",
+    "pretrained",
+    "distributed",
+    "observe",
+    "text",
+    "viz",
+    "training",
+    "cli",
+    "hf",
+)
 
 __all__ = ["MultiHeadAttention", "functional", "__version__", *_LAZY, *_SUBMODULES]
 

@@ -2,7 +2,8 @@
 the dtype (default: the one the model directory declares; float32 on the CPU for half types).
 
 ``multihead train`` and the loaders (``multihead explain --device/--dtype``,
-:func:`~multihead.pretrained.load_bert`, :func:`~multihead.hf.text.load_hf`) share these rules.
+:func:`~multihead.pretrained.load_bert`, :func:`~multihead.pretrained.load_text_model`) share these
+rules.
 """
 
 from __future__ import annotations

@@ -21,13 +21,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from multihead._checks import check_indices, describe, is_int
-from multihead.explain_model import DEFAULT_MODEL_NAME, check_model, default_model, model_name
 from multihead.explanation_result import Explanation
 from multihead.focus import (
     AttendedWord,
@@ -46,12 +45,10 @@ from multihead.memory_budget import (
     check_memory_limit,
     format_bytes,
 )
-from multihead.models.text import TruncationWarning, check_text
 from multihead.observe.statistics import HeadStatistics
-
-if TYPE_CHECKING:
-    from multihead.explain_model import TextModel
-    from multihead.models.text import BertBatch
+from multihead.pretrained.text_loader import load_text_model
+from multihead.text.model import TextModel
+from multihead.tokenization import TokenBatch, TruncationWarning, check_text
 
 __all__ = [
     "explain",
@@ -115,9 +112,9 @@ def explain(
             for a causal (decoder) model the last word's last token, which sees every token.
         focus_index: a token position instead (0 is [CLS] in BERT); negative counts from the
             end.
-        model: a :class:`~multihead.models.bert.BertModel` with a tokenizer, or an
-            :class:`~multihead.hf.text.HFTextModel` (any Hugging Face text model, e.g. from
-            :func:`multihead.hf.text.load_hf`); default :func:`multihead.pretrained.minilm`.
+        model: a :class:`~multihead.text.TextModel` (multihead's BERT or any Hugging Face text
+            model, e.g. from :func:`multihead.pretrained.load_text_model`); default
+            all-MiniLM-L6-v2 (``load_text_model()``, loaded once per process).
         layers: the layers (0-based) the pictures and ``top_words`` cover; default all.
         heads: the heads they cover; default all.
         ablate: (layer, head) pairs to zero in a second run: :attr:`Explanation.ablation` and
@@ -137,8 +134,8 @@ def explain(
             tokenizer keeps (only zero-width or control characters); a focus word not in the
             text (the message lists the tokens) or cut off by truncation; a ``memory_limit``
             too small for a single word; focus and focus_index both
-            given; a layer/head/token index out of range; a model without a tokenizer.
-        TypeError: an argument of the wrong type.
+            given; a layer/head/token index out of range.
+        TypeError: an argument of the wrong type (a ``model`` that is not a TextModel).
 
     Warns:
         TruncationWarning: (a UserWarning) the text is longer than the model takes, or than
@@ -157,13 +154,9 @@ def explain(
         raise ValueError(
             f"give focus or focus_index, not both (got focus={focus!r}, focus_index={focus_index})"
         )
-    name = None
-    if model is None:
-        model, name = default_model(), DEFAULT_MODEL_NAME
-    model = check_model(model)
-    causal = bool(getattr(model, "causal", False))
-    config = model.config
-    n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
+    model = load_text_model() if model is None else _check_model(model)
+    causal = model.causal
+    n_layers, n_heads = model.num_layers, model.num_heads
     layer_list = check_indices("layers", layers, n_layers, "layers") or list(range(n_layers))
     head_list = check_indices("heads", heads, n_heads, "heads") or list(range(n_heads))
     ablate_list = None if ablate is None else check_heads("ablate", ablate, n_layers, n_heads)
@@ -264,14 +257,14 @@ def explain(
         focus_index=focus_at,
         focus_token=tokens[focus_at],
         # the word as the user named it, else the tokens' word
-        focus_word=(focus is not None and named_word(text, focus, focus_at, offsets, word_ids))
+        focus_word=(focus is not None and named_word(text, focus, focus_at, offsets))
         or word_text(text, tokens, offsets, own),
         layers=layer_list,
         heads=head_list,
         top_words=tops(weights),
         special=special,
         word_ids=word_ids,
-        model_name=name or model_name(model),
+        model_name=model.name,
         truncated=truncated,
         importance=head_effect_importance(model, batch) if importance else None,
         ablation=ablation,
@@ -280,9 +273,19 @@ def explain(
     )
 
 
+def _check_model(model: Any) -> TextModel:
+    if isinstance(model, TextModel):
+        return model
+    raise TypeError(
+        f"model must be a multihead.text.TextModel (a model with its tokenizer: load one with "
+        f"multihead.pretrained.load_text_model(directory), or wrap one with "
+        f"TextModel(model, tokenizer)), got {type(model).__name__}"
+    )
+
+
 def _first_tokens(
-    model: TextModel, text: str, batch: BertBatch, fits: int, limit: int
-) -> BertBatch:
+    model: TextModel, text: str, batch: TokenBatch, fits: int, limit: int
+) -> TokenBatch:
     """``text`` tokenized again, cut after its first words so that at most ``fits`` tokens
     remain, the special tokens included (the tokenizer's own truncation, at a smaller length)."""
     word_ids = list(batch.word_ids[0])

@@ -22,6 +22,8 @@ from multihead.focus import LayerFocus
 from multihead.head_effects import Ablation
 from multihead.observe.statistics import HeadStatistics
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
+from multihead.viz.page import check_page_size, render_page
+from multihead.viz.plots import grid_figure, head_figure, importance_figure, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -103,7 +105,6 @@ class Explanation:
 
     def grid_figure(self) -> Figure:
         """The covered layers × heads heatmaps (matplotlib; needs the ``viz`` extra)."""
-        from multihead.viz.plots import grid_figure
 
         return grid_figure(
             self._covered(),
@@ -118,7 +119,6 @@ class Explanation:
 
     def head_figure(self, layer: int | None = None, head: int | None = None) -> Figure:
         """A large view of one head (default :attr:`focus_head`)."""
-        from multihead.viz.plots import head_figure
 
         default_layer, default_head = self.focus_head
         n_layers, n_heads = self.weights.shape[:2]
@@ -136,7 +136,6 @@ class Explanation:
 
     def html(self) -> str:
         """The interactive page (one self-contained HTML document)."""
-        from multihead.viz.page import render_page
 
         layer, head = self.focus_head
         return render_page(
@@ -170,7 +169,6 @@ class Explanation:
 
     @staticmethod
     def _save_figure(fig: Figure, path: str | Path, suffix: str) -> Path:
-        from multihead.viz.plots import save_figure
 
         path = Path(path)
         if path.suffix.lower() != suffix:
@@ -211,21 +209,15 @@ class Explanation:
         names = self.file_names(formats)
         directory = check_output_dir("directory", directory, names)
         if "attention.html" in names:
-            from multihead.viz.page import check_page_size
-
             check_page_size(len(self.layers), len(self.heads), len(self.tokens))
         figures: dict[str, Figure] = {}
         if any(not name.endswith(".html") for name in names):  # drawn before the disk changes
-            from multihead.viz.plots import save_figure
-
             layer, head = self.focus_head
             figures = {
                 "attention_grid": self.grid_figure(),
                 f"head_L{layer}_H{head}": self.head_figure(layer, head),
             }
             if self.importance is not None:
-                from multihead.viz.plots import importance_figure
-
                 figures["head_importance"] = importance_figure(
                     self.importance,
                     title=f"{self.model_name}: head importance (cosine distance of the sentence "

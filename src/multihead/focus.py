@@ -1,20 +1,21 @@
 """Words and tokens: which token a focus word names, which tokens make up each word, and which
 words a token attends to most.
 
-Used by :func:`multihead.explain`. A tokenizer splits text into word pieces ("didn't" -> didn ' t,
-"Tokenization" -> token ##ization); people name words. These helpers map between the two with
-the tokenizer's character offsets and word ids, never by re-tokenising.
+Used by :func:`multihead.explain`. A tokenizer splits text into pieces ("didn't" -> didn ' t,
+"Tokenization" -> Token ization); people name words. These helpers map between the two with the
+tokens' character offsets and word ids (:mod:`multihead.tokenization`: its one word rule), never
+by re-tokenising. A name may also cover several words written without a space between them
+("didn't", "well-known", "city."): :func:`focus_spans`.
 """
 
 from __future__ import annotations
 
-import re
-import string
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from multihead._checks import check_index
+from multihead.tokenization import word_spans
 
 __all__ = [
     "AttendedWord",
@@ -22,10 +23,10 @@ __all__ = [
     "choose_focus",
     "default_focus",
     "find_focus",
+    "focus_spans",
     "named_word",
     "layer_focus",
     "word_groups",
-    "word_spans",
     "word_text",
 ]
 
@@ -70,47 +71,32 @@ class LayerFocus:
     special: dict[str, float]
 
 
-def word_spans(
-    text: str, offsets: list[tuple[int, int]], word_ids: list[int | None]
-) -> list[tuple[int, int]]:
-    """Candidate words as (start, end) character spans, in text order: the tokenizer's words
-    and the whitespace-separated words with surrounding punctuation stripped ("didn't")."""
-    spans: dict[int, tuple[int, int]] = {}
-    for (start, end), word in zip(offsets, word_ids, strict=True):
-        if word is None:
-            continue
-        s, e = spans.get(word, (start, end))
-        spans[word] = (min(s, start), max(e, end))
-    found = set(spans.values()) | set(_plain_words(text))
-    return sorted(found)
+def focus_spans(text: str, max_length: int | None = None) -> list[tuple[int, int]]:
+    """What a focus word may name, as (start, end) character spans in text order: each word of
+    :func:`multihead.tokenization.word_spans` and each run of consecutive words with no
+    whitespace between them ("didn't" is didn, ', t and the runs "didn'", "'t", "didn't");
+    only those of at most ``max_length`` characters when given."""
+    words = word_spans(text)
+    longest = len(text) if max_length is None else max_length
+    spans = []
+    for i, (start, end) in enumerate(words):
+        if end - start <= longest:
+            spans.append((start, end))
+        for next_start, next_end in words[i + 1 :]:
+            if next_start != end or next_end - start > longest:  # whitespace, or too long
+                break
+            end = next_end
+            spans.append((start, end))
+    return sorted(spans)
 
 
-def _plain_words(text: str) -> list[tuple[int, int]]:
-    """Whitespace-separated words with surrounding punctuation stripped, and runs of word
-    characters: what a reader would call a word without the tokenizer's help."""
-    found = [m.span() for m in re.finditer(r"\w+", text)]
-    for m in re.finditer(r"\S+", text):
-        chunk = m.group()
-        core = chunk.strip(string.punctuation)
-        if core:
-            start = m.start() + chunk.index(core)
-            found.append((start, start + len(core)))
-    return found
-
-
-def named_word(
-    text: str,
-    focus: str,
-    at: int,
-    offsets: list[tuple[int, int]],
-    word_ids: list[int | None],
-) -> str | None:
+def named_word(text: str, focus: str, at: int, offsets: list[tuple[int, int]]) -> str | None:
     """The word ``focus`` as written in ``text`` at the focus token ``at`` ("well-known" where
-    the tokens split it into "well", "-", "known"), or None when no candidate word there
-    matches it."""
+    the tokens split it into "well", "-", "known"), or None when no candidate there
+    (:func:`focus_spans`) matches it."""
     target = focus.strip().casefold()
     start, end = offsets[at]
-    for s, e in word_spans(text, offsets, word_ids):
+    for s, e in focus_spans(text, len(target)):
         if s < max(end, start + 1) and e > start and text[s:e].casefold() == target:
             return text[s:e]
     return None
@@ -131,7 +117,7 @@ def find_focus(
     Args:
         text: the text the tokens cover (the part the model read).
         focus: the word to find.
-        tokens, offsets, word_ids: per token, as :class:`~multihead.models.text.BertBatch` has
+        tokens, offsets, word_ids: per token, as :class:`~multihead.tokenization.TokenBatch` has
             them for ``text``.
         cut_from: when the text was truncated, the whole text before the cut, to tell a word
             that was cut off from one that was never there.
@@ -144,7 +130,7 @@ def find_focus(
     target = focus.strip().casefold()
     if not target:
         raise ValueError("focus must be a word of the text, got an empty string")
-    for start, end in word_spans(text, offsets, word_ids):
+    for start, end in focus_spans(text, len(target)):
         if text[start:end].casefold() != target:
             continue
         real = [i for i, (s, e) in enumerate(offsets) if word_ids[i] is not None and e > s]
@@ -154,7 +140,7 @@ def find_focus(
         if inside or overlapping:
             return (inside or overlapping)[0]
     if cut_from is not None and any(
-        cut_from[s:e].casefold() == target for s, e in _plain_words(cut_from)
+        cut_from[s:e].casefold() == target for s, e in focus_spans(cut_from, len(target))
     ):
         raise ValueError(
             f"focus word {focus!r} was cut off by truncation at {max_tokens} tokens: the model "

@@ -3,7 +3,7 @@
 Attention maps show where a head looks, not whether it matters. For an encoder such as MiniLM
 whose output is a sentence embedding (mean over real tokens, L2-normalised), a head matters as
 much as removing it moves that embedding (for a decoder, the last real token's state,
-L2-normalised: what its next-token prediction reads; see :mod:`multihead.hf.text`):
+L2-normalised: what its next-token prediction reads; see :mod:`multihead.text.model`):
 
     importance[l, h] = 1 - cos(e_clean, e_{without head (l, h)})
 
@@ -17,19 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from multihead._checks import check_index, describe, is_int
 from multihead.observe.importance import head_importance
 from multihead.observe.recorder import capture
 from multihead.observe.steering import intervene
-
-if TYPE_CHECKING:
-    from multihead.explain_model import TextModel
-    from multihead.models.text import BertBatch
+from multihead.text.model import TextModel
+from multihead.tokenization import TokenBatch
 
 __all__ = [
     "embedding_distance",
@@ -76,14 +73,7 @@ def check_heads(
     return out
 
 
-def _module(model: TextModel) -> nn.Module:
-    # Both kinds of text model are modules: the observe functions walk their attention modules.
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return model
-
-
-def _embedding(model: TextModel, batch: BertBatch) -> Tensor:
+def _embedding(model: TextModel, batch: TokenBatch) -> Tensor:
     """The sentence embedding (B, E), L2-normalised (the model's ``sentence_embedding``)."""
     hidden = model(
         batch.input_ids, attention_mask=batch.attention_mask, token_type_ids=batch.token_type_ids
@@ -91,7 +81,7 @@ def _embedding(model: TextModel, batch: BertBatch) -> Tensor:
     return model.sentence_embedding(hidden, batch.attention_mask)
 
 
-def embedding_distance(model: TextModel, batch: BertBatch) -> tuple[Tensor, Callable[[], Tensor]]:
+def embedding_distance(model: TextModel, batch: TokenBatch) -> tuple[Tensor, Callable[[], Tensor]]:
     """The clean embedding (B, E) and a metric for :func:`multihead.head_importance`: the mean
     over the batch of 1 - cos(clean, current), as a scalar tensor (0 for the clean model)."""
     with torch.no_grad():
@@ -103,35 +93,35 @@ def embedding_distance(model: TextModel, batch: BertBatch) -> tuple[Tensor, Call
     return clean, metric
 
 
-def importance(model: TextModel, batch: BertBatch) -> Tensor:
+def importance(model: TextModel, batch: TokenBatch) -> Tensor:
     """(L, H) cosine distance of the sentence embedding when each head is zeroed (float32, CPU).
 
     Args:
-        model: a BertModel or HFTextModel in eval mode.
+        model: a TextModel in eval mode.
         batch: its tokenized text.
     """
     _, metric = embedding_distance(model, batch)
-    return head_importance(_module(model), metric, method="ablation").float().cpu()
+    return head_importance(model, metric, method="ablation").float().cpu()
 
 
-def every_head(model: TextModel, batch: BertBatch) -> tuple[Tensor, Tensor]:
+def every_head(model: TextModel, batch: TokenBatch) -> tuple[Tensor, Tensor]:
     """Run one text under :func:`multihead.capture`: every layer's and head's weights
     (L, H, T, T), float32 on the CPU, and the sentence embedding (E,)."""
     if batch.input_ids.shape[0] != 1:
         raise ValueError(f"batch must hold one text, got {batch.input_ids.shape[0]}")
-    with torch.no_grad(), capture(_module(model), device="cpu") as rec:
+    with torch.no_grad(), capture(model, device="cpu") as rec:
         embedding = _embedding(model, batch)[0]
     return torch.stack([w[0] for w in rec.weights]).float(), embedding
 
 
 def ablated_weights(
-    model: TextModel, batch: BertBatch, heads: Sequence[tuple[int, int]]
+    model: TextModel, batch: TokenBatch, heads: Sequence[tuple[int, int]]
 ) -> Ablation:
     """Run ``batch`` with ``heads`` zero-ablated: every head's weights and the embedding's cosine
     similarity to the clean one. The model is left exactly as it was."""
     clean, _ = embedding_distance(model, batch)
     pairs = tuple((int(layer), int(head)) for layer, head in heads)
-    with intervene(_module(model), dict.fromkeys(pairs, 0.0)):
+    with intervene(model, dict.fromkeys(pairs, 0.0)):
         weights, ablated = every_head(model, batch)
     cosine = float(ablated @ clean[0])
     return Ablation(heads=pairs, weights=weights, cosine=cosine)

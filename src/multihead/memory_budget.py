@@ -4,10 +4,10 @@ allocates.
 Attention weights grow with the square of the text: every head's (T, T) map of float32 is
 4·T² bytes, so ``explain`` on 9,000 tokens of a 16-layer, 32-head model would hold
 16·32·9000²·4 B ≈ 166 GB. The functions that keep weights (:func:`multihead.explain`, the corpus
-loops in :mod:`multihead.observe.corpus` and :mod:`multihead.observe.head_distance`) estimate
-their peak from the shapes alone, compare it with ``memory_limit`` (default
-:data:`DEFAULT_MEMORY_LIMIT`, a fixed 4 GiB that a caller raises explicitly) and cut the text or
-refuse *before* allocating, never half-way through.
+loops of :mod:`multihead.text.corpus`, sized by :mod:`multihead.observe.corpus` and
+:mod:`multihead.observe.head_distance`) estimate their peak from the shapes alone, compare it with
+``memory_limit`` (default :data:`DEFAULT_MEMORY_LIMIT`, a fixed 4 GiB that a caller raises
+explicitly) and cut the text or refuse *before* allocating, never half-way through.
 """
 
 from __future__ import annotations

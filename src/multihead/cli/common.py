@@ -9,7 +9,18 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["CLIError", "printable", "one_line", "status", "print_warnings", "progress"]
+from multihead.pretrained import load_text_model
+from multihead.viz.fonts import MissingGlyphsWarning
+
+__all__ = [
+    "CLIError",
+    "printable",
+    "one_line",
+    "status",
+    "print_warnings",
+    "progress",
+    "load_model",
+]
 
 # On a terminal the bar is redrawn at most this often (seconds); elsewhere (a log, a pipe) a
 # line is written at most this often.
@@ -19,6 +30,16 @@ _LINE_S = 5.0
 
 class CLIError(Exception):
     """An error the user can fix; the CLI prints it as one line and exits with code 2."""
+
+
+def load_model(given: str | None, *, device: str = "auto", dtype: str | None = None) -> Any:
+    """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
+    default, loaded once per process, without one); a missing extra becomes a CLIError that
+    names it."""
+    try:
+        return load_text_model(given, device=device, dtype=dtype)
+    except ImportError as e:
+        raise CLIError(str(e)) from None  # it names the extra to install
 
 
 def printable(text: str) -> str:
@@ -55,8 +76,6 @@ def print_warnings(
     """The library's warnings in the command's voice: one ``warning:`` line each, once each
     however often it was raised (per batch, per picture), the pictures' missing glyphs merged
     into one line; ``rewrite`` adapts a message to what the user gave (file line numbers)."""
-    from multihead.viz.fonts import MissingGlyphsWarning
-
     # deprecations inside other packages (pyparsing under an older matplotlib, ...) are for
     # their developers, not for the user of a command
     caught = [w for w in caught if not issubclass(w.category, DeprecationWarning)]

@@ -9,21 +9,20 @@ load when the command runs, behind a status line on stderr.
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import os
 import re
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from multihead.cli.common import CLIError, print_warnings, printable, status
+import torch
+
+from multihead.cli.common import load_model, print_warnings, printable, status
+from multihead.cli.explain_corpus import run_corpus
 from multihead.devices import DTYPES
+from multihead.explanation import Explanation, explain
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
-
-if TYPE_CHECKING:
-    from multihead.explanation import Explanation
 
 __all__ = ["register", "run"]
 
@@ -167,59 +166,16 @@ def _size(text: str) -> int:
     return int(size)
 
 
-def _load_model(
-    given: str | None, *, device: str = "auto", dtype: str | None = None
-) -> tuple[Any, str]:
-    model: Any
-    try:
-        if given is None:
-            from multihead.pretrained import minilm
-
-            return minilm(device=device, dtype=dtype), "all-MiniLM-L6-v2"
-        if _is_bert_dir(given):
-            from multihead.pretrained import load_bert
-
-            model = load_bert(given, device=device, dtype=dtype)
-        else:
-            from multihead.hf.text import load_hf
-
-            model = load_hf(given, device=device, dtype=dtype)
-    except ImportError as e:
-        raise CLIError(str(e)) from None  # it names the extra to install
-    # The name goes into titles, the page and the report: keep it printable whatever the bytes.
-    path = Path(given)
-    return model, printable(path.resolve().name if path.exists() else given)
-
-
-def _is_bert_dir(given: str) -> bool:
-    """Whether ``given`` is a directory for multihead's own BERT (works without transformers):
-    its config.json says model_type "bert", or cannot be read (load_bert then says why)."""
-    path = Path(given)
-    try:
-        if not path.is_dir():
-            return False
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return True
-    return not isinstance(config, dict) or config.get("model_type") == "bert"
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead explain``; returns the exit code."""
     if args.corpus is not None:  # over many texts: its own module, the same model loading
-        from multihead.cli.explain_corpus import run_corpus
-
-        return run_corpus(
-            args, functools.partial(_load_model, device=args.device, dtype=args.dtype)
-        )
+        return run_corpus(args)
     # The two flags that need no model are checked first, so that a typo fails before seconds
     # of loading; Explanation.save checks them again with the same functions.
     formats = check_formats("--format", args.format)
     out = check_output_dir("--out", args.out)
 
     with status("Loading the model…"):
-        import torch
-
         threads = torch.get_num_threads()
         if "OMP_NUM_THREADS" not in os.environ:
             # One text through a small model is a few dozen small matmuls: a second thread buys
@@ -238,10 +194,8 @@ def _explain(
 ) -> tuple[Explanation, list[Path]]:
     with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, name = _load_model(args.model, device=args.device, dtype=args.dtype)
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
     print_warnings(caught)
-
-    from multihead.explanation import explain
 
     with status("Running the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -256,7 +210,6 @@ def _explain(
             importance=args.importance,
             memory_limit=args.memory_limit,
         )
-    ex.model_name = name
     print_warnings(caught)
 
     with status("Drawing the pictures…"), warnings.catch_warnings(record=True) as caught:
@@ -270,7 +223,8 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     heads = ex.heads
     head_note = f"mean over {len(heads)} heads" if len(heads) > 1 else f"head {heads[0]}"
     focus = f"focus {ex.focus_token!r} (token {ex.focus_index})"
-    print(f"{ex.model_name}: {len(ex.tokens)} tokens; {focus}")
+    # the name goes to the terminal: printable whatever the directory's bytes
+    print(f"{printable(ex.model_name)}: {len(ex.tokens)} tokens; {focus}")
     shown = ex.text if len(ex.text) <= 200 else ex.text[:200] + "…"
     print(f"  {shown}")
     print()

@@ -1,10 +1,11 @@
 """``multihead explain --corpus FILE``: what every head does over many texts, and the head map.
 
-Reads one text a line (blank lines skipped; ``-`` reads standard input), runs
-:func:`multihead.observe.corpus.corpus_statistics` and
-:func:`multihead.observe.head_distance.head_distances`, prints the heads of each role and a
-per-layer summary, and writes ``heads_map.png``/``.svg`` and ``head_statistics.json``. Every
-check (flags, the file, the output directory) runs before anything is written.
+Reads one text a line (blank lines skipped; ``-`` reads standard input), loads the model as the
+single-text command does (:func:`multihead.cli.common.load_model`), runs
+:func:`multihead.text.corpus_statistics` and :func:`multihead.text.head_distances`, prints the
+heads of each role and a per-layer summary, and writes ``heads_map.png``/``.svg`` and
+``head_statistics.json``. Every check (flags, the file, the output directory) runs before
+anything is written.
 """
 
 from __future__ import annotations
@@ -18,15 +19,23 @@ import sys
 import unicodedata
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
-from multihead.cli.common import CLIError, print_warnings, printable, progress, status
+from multihead.cli.common import (
+    CLIError,
+    load_model,
+    print_warnings,
+    printable,
+    progress,
+    status,
+)
 from multihead.memory_budget import format_bytes
+from multihead.observe.head_distance import HeadMap
+from multihead.observe.head_metrics import BROAD, ROLES
+from multihead.observe.statistics import HeadStatistics
+from multihead.text.corpus import corpus_statistics, head_distances
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
-
-if TYPE_CHECKING:
-    from multihead.observe.head_distance import HeadMap
-    from multihead.observe.statistics import HeadStatistics
+from multihead.viz.heads_map import heads_map_figure, save_heads_map
 
 __all__ = [
     "run_corpus",
@@ -162,9 +171,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise CLIError("--corpus maps heads against each other: give --layer or --head, not both")
 
 
-def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
-    """Run ``multihead explain --corpus``; ``load_model(directory) -> (model, name)`` is the
-    single-text path's loader (so ``--model`` means the same). Returns the exit code."""
+def run_corpus(args: argparse.Namespace) -> int:
+    """Run ``multihead explain --corpus``; returns the exit code."""
     _check_flags(args)
     asked = check_formats("--format", args.format)
     formats = [f for f in asked if f in FIGURE_FORMATS]
@@ -179,7 +187,7 @@ def run_corpus(args: argparse.Namespace, load_model: Any) -> int:
     out = check_output_dir("--out", args.out, files)
     texts, lines = read_corpus_lines(args.corpus)
     try:
-        return _explain_corpus(args, load_model, texts, lines, formats, out)
+        return _explain_corpus(args, texts, lines, formats, out)
     except ValueError as e:  # the library names texts by index: name them by the file's lines
         raise CLIError(_file_lines(str(e), lines, args.corpus)) from None
 
@@ -197,21 +205,17 @@ def _file_lines(message: str, lines: list[int], path: str) -> str:
 
 def _explain_corpus(
     args: argparse.Namespace,
-    load_model: Any,
     texts: list[str],
     lines: list[int],
     formats: list[str],
     out: Path,
 ) -> int:
-
-    from multihead.observe.corpus import corpus_statistics
-    from multihead.observe.head_distance import head_distances
-
     chosen = {"layers": args.layer, "heads": args.head, "memory_limit": args.memory_limit}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with status("Loading the model…"):
-            model, name = load_model(args.model)
+            model = load_model(args.model, device=args.device, dtype=args.dtype)
+        name = printable(model.name)
         # The distances first: the heavier pass, and the one a text too long for the memory
         # limit is refused by, before any forward.
         with progress("Distances between heads", len(texts)) as update:
@@ -219,8 +223,6 @@ def _explain_corpus(
         with progress("Head statistics", len(texts)) as update:
             stats = corpus_statistics(model, texts, progress=lambda d, _: update(d), **chosen)
         with status("Drawing the head map…"):
-            from multihead.viz.heads_map import heads_map_figure, save_heads_map
-
             title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
             fig = heads_map_figure(
                 head_map.positions, head_map.layers, head_map.heads, stats.roles(), title=title
@@ -232,8 +234,7 @@ def _explain_corpus(
     json_path = out / STATISTICS_FILE
     json_path.write_text(json.dumps(_report(stats, head_map, name, len(texts)), indent=1) + "\n")
     paths.append(json_path)
-    causal = bool(getattr(model, "causal", False))
-    _print_summary(stats, name, len(texts), paths, causal=causal)
+    _print_summary(stats, name, len(texts), paths, causal=model.causal)
     return 0
 
 
@@ -263,8 +264,6 @@ def role_members(stats: HeadStatistics) -> dict[str, list[tuple[int, int, float]
     """Per role, the heads whose dominant role it is as (layer, head, score), strongest first
     (score: the role's metric above chance, as roles() chose it; for "broad" heads, their
     entropy)."""
-    from multihead.observe.head_metrics import BROAD, ROLES
-
     roles = stats.roles()
     members: dict[str, list[tuple[int, int, float]]] = {}
     for i, layer in enumerate(stats.layers):

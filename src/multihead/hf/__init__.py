@@ -25,9 +25,10 @@ Refused, with an error naming the model family and the feature (never a differen
 attention-logit softcapping (Gemma-2, ...), attention sinks (GPT-OSS, ...), paged caches, and
 families whose attention is not routed through the interface.
 
-:func:`load_hf` / :class:`HFTextModel` (:mod:`multihead.hf.text`) present a model and its fast
-tokenizer as :func:`multihead.explain` reads multihead's own BERT (``multihead explain --model``);
-:mod:`multihead.hf.loading` reads them from local files for ``load_hf``.
+This package is the bridge only. :mod:`multihead.hf.loading` reads a model from local files for
+:func:`multihead.pretrained.load_text_model`, which wraps it with its tokenizer as a
+:class:`multihead.text.TextModel` (``multihead explain --model``); ``HFTextModel`` and ``load_hf``,
+which lived here before, are that class and that function.
 """
 
 from __future__ import annotations
@@ -35,15 +36,12 @@ from __future__ import annotations
 # importing forward registers "multihead" and its mask function in transformers
 from multihead.hf.forward import NAME, attention_forward, mask_function
 from multihead.hf.sites import AttentionSite, attention_sites, routed, uses_transformers
-from multihead.hf.text import HFTextModel, load_hf
 
 __all__ = [
     "NAME",
     "AttentionSite",
-    "HFTextModel",
     "attention_forward",
     "attention_sites",
-    "load_hf",
     "mask_function",
     "routed",
     "uses_transformers",

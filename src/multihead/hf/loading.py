@@ -1,19 +1,18 @@
-"""Reading a Hugging Face model and its fast tokenizer from local files only: what
-:func:`multihead.hf.text.load_hf` wraps as an :class:`~multihead.hf.text.HFTextModel`.
+"""Reading a transformers model from local files only: what
+:func:`multihead.pretrained.load_text_model` runs through transformers.
 
 Never downloads: a directory is read as it is, a name is looked up in the local Hugging Face
-cache only. Every refusal (a path that does not exist, a name not in the cache, no
-``config.json``, sizes in it that the weights don't have (:mod:`multihead.hf.sizes`, before
-transformers builds anything), no fast tokenizer or one with ids beyond the embedding, a family
-the interface does not route) is told here, in the words of the name or path the caller gave.
+cache only (:func:`from_cache`). Every refusal (a name not in the cache, sizes in config.json that
+the weights don't have (:mod:`multihead.hf.sizes`, before transformers builds anything), a config
+transformers cannot read or build, a family the interface does not route) is told here, in the
+words of the name or path the caller gave. The tokenizer is the text floor's
+(:mod:`multihead.pretrained.text_loader`), read the same way whichever model runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-import string
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,47 +20,53 @@ from typing import Any
 
 import torch
 
-from multihead._checks import describe
 from multihead._files import TensorInfo, few, read_json
 from multihead.devices import resolve_device, resolve_dtype
+from multihead.hf.forward import NAME
+from multihead.hf.sites import attention_sites
 from multihead.hf.sizes import check_sizes, read_weight_headers, shape_disagreements
-from multihead.models.text import check_token_ids
 
-__all__ = ["load_model_and_tokenizer"]
+__all__ = ["from_cache", "load_model"]
 
 
-def load_model_and_tokenizer(
-    dir_or_name: str | os.PathLike[str],
+def load_model(
+    directory: Path,
     *,
-    cache_dir: str | None = None,
+    given: str,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
-) -> tuple[Any, Any, str]:
-    """(model, fast tokenizer, name) from local files, the model on
-    ``attn_implementation="multihead"`` in eval mode; the name is the directory's or the given
-    model name. Arguments, errors and warnings: :func:`multihead.hf.text.load_hf`, which
-    calls this (its warning points at load_hf's caller)."""
-    if not isinstance(dir_or_name, (str, os.PathLike)):
-        raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
-    given = os.fspath(dir_or_name)
-    if not given:
-        raise ValueError("model must be a directory or a model name, got ''")
-    where = resolve_device("cpu" if device is None else device)
-    resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
-    local = _local_directory(given)  # its mistakes are told before transformers is needed
-    why = "" if local else f"model {given!r} is not a directory, and "
+    stacklevel: int = 2,
+) -> Any:
+    """The transformers model of a local directory, on ``attn_implementation="multihead"``, in
+    eval mode (an encoder-decoder model whole: the caller takes its encoder).
+
+    Args:
+        directory: a directory holding ``config.json`` and the weights.
+        given: the directory or model name as the caller gave it, for messages.
+        device: where the model runs (``"auto"``: the GPU if any); default CPU. With accelerate
+            installed the weights are read straight onto it.
+        dtype: a floating torch.dtype or its name; default the one config.json declares, except
+            that half types load as float32 on the CPU.
+        stacklevel: where the warning about missing weights points, as for ``warnings.warn``
+            called here (2: the caller of this function).
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ImportError: transformers is not installed.
+        ValueError: a config transformers cannot read, or whose sizes the weights don't have
+            (checked before anything is built); a config that builds no model; a family not
+            routed through transformers' AttentionInterface; a device this machine lacks.
+        TypeError: a bad ``dtype``.
+
+    Warns:
+        UserWarning: weights the model needs are missing from the files (initialised at random).
+    """
     try:
         import transformers
-    except ImportError as e:
-        raise ImportError(
-            f"{why}a Hugging Face model needs transformers: pip install 'multihead[hf]'"
-        ) from e
-    try:
-        import multihead.hf  # noqa: F401  (registers "multihead" in transformers)
-    except ImportError as e:  # older than multihead.hf supports: the error names both versions
-        raise ImportError(f"{why}{e}") from e
-
-    directory = local or _from_cache(given, cache_dir)
+    except ImportError as e:  # removed after multihead.hf was imported
+        raise ImportError(f"model {given!r} needs transformers: pip install 'multihead[hf]'") from e
+    where = resolve_device("cpu" if device is None else device)
+    resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"model {given!r} has no config.json: expected a Hugging Face model directory "
@@ -78,13 +83,6 @@ def load_model_and_tokenizer(
                 f"model {given!r}: transformers cannot read its config.json: "
                 f"{type(e).__name__}: {e}"
             ) from None
-        tokenizer = _tokenizer(transformers, directory, given)
-        vocab_size = getattr(config, "vocab_size", None)
-        if isinstance(vocab_size, int):  # the tokenizer's ids must have rows in the embedding
-            try:
-                check_token_ids(tokenizer.backend_tokenizer, vocab_size)
-            except ValueError as e:
-                raise ValueError(f"model {given!r}: {e}") from None
         dtype = resolve_dtype(dtype, getattr(config, "dtype", None), where)
         placed: dict[str, Any] = {"dtype": dtype}
         if where.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
@@ -121,14 +119,11 @@ def load_model_and_tokenizer(
             f"model {given!r}: {len(missing)} weights are not in its files and were initialised "
             f"at random ({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''})",
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
-    from multihead.hf.sites import attention_sites
-
     attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
-    model.set_attn_implementation(multihead.hf.NAME)
-    name = local.resolve().name if local else given
-    return model.eval(), tokenizer, name
+    model.set_attn_implementation(NAME)
+    return model.eval()
 
 
 def _check_files(directory: Path, given: str) -> dict[str, TensorInfo] | None:
@@ -155,36 +150,13 @@ def _disagreements(transformers: Any, config: Any, tensors: dict[str, TensorInfo
     return shape_disagreements({k: tuple(v.shape) for k, v in built.state_dict().items()}, tensors)
 
 
-def _looks_like_path(given: str) -> bool:
-    # Hub names are "name" or "owner/name"; anything else can only be a path.
-    return (
-        given.startswith((".", "/", "~"))
-        or given.count("/") > 1
-        or os.sep in given.replace("/", "")
-        or bool(set(given) - set(string.ascii_letters + string.digits + "-_./"))
-    )
+def from_cache(given: str, cache_dir: str | None = None) -> Path:
+    """The snapshot directory of the model named ``given`` ("owner/name") in the local Hugging
+    Face cache (``cache_dir``, default ``HF_HOME`` / ``HF_HUB_CACHE``), never downloaded.
 
-
-def _local_directory(given: str) -> Path | None:
-    """``given`` as a directory; None for what can only be a model name."""
-    path = Path(given).expanduser()
-    try:
-        exists = path.exists()
-    except OSError as e:  # a name too long, ...
-        raise ValueError(f"model path {given!r} cannot be used: {e.strerror or e}") from None
-    if exists:
-        if not path.is_dir():
-            raise NotADirectoryError(
-                f"model must be a directory or a model name, got {given!r} (not a directory)"
-            )
-        return path
-    if _looks_like_path(given):
-        raise FileNotFoundError(f"model directory {given!r} does not exist")
-    return None
-
-
-def _from_cache(given: str, cache_dir: str | None) -> Path:
-    """The snapshot directory of the model named ``given`` in the local cache."""
+    Raises:
+        FileNotFoundError: the name is not in the cache.
+    """
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -198,22 +170,6 @@ def _from_cache(given: str, cache_dir: str | None) -> Path:
             f"its directory"
         )
     return Path(found).parent
-
-
-def _tokenizer(transformers: Any, directory: Path, given: str) -> Any:
-    need = (
-        f"model {given!r} needs a fast tokenizer (tokenizer.json) to read text, got "
-        f"{{}} in {str(directory)!r}"
-    )
-    if not (directory / "tokenizer.json").is_file():
-        raise ValueError(need.format("no tokenizer.json"))
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (ValueError, OSError, KeyError, TypeError) as e:
-        raise ValueError(need.format(f"a tokenizer transformers cannot load ({e})")) from None
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(need.format(f"a slow tokenizer ({type(tokenizer).__name__})"))
-    return tokenizer
 
 
 @contextlib.contextmanager

@@ -21,23 +21,17 @@ importable from here).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_tensor, is_int
+from multihead._checks import check_tensor
 from multihead.layers import TransformerEncoder, TransformerEncoderLayer
-from multihead.models import text
 from multihead.models.bert_config import BertConfig
-from multihead.models.text import BertBatch
 from multihead.packing import PackedBatch
 from multihead.positions import LearnedPositionalEmbedding
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
 
 __all__ = ["BertConfig", "BertModel", "BertOutput", "BertEmbeddings"]
 
@@ -110,21 +104,18 @@ def _check_ids(name: str, ids: Any, shape: tuple[int, int], count: int, what: st
 class BertModel(nn.Module):
     """A BERT encoder: embeddings, then post-LN :class:`~multihead.TransformerEncoderLayer` s.
 
-    Build one from a checkpoint with :func:`multihead.pretrained.load_bert` (or
-    :func:`~multihead.pretrained.minilm`); constructed directly it is randomly initialised.
+    A pure module: token ids in, hidden states out. Text (tokenizer, truncation, pooling) is the
+    job of :class:`multihead.text.TextModel`; :func:`multihead.pretrained.load_text_model` (or
+    :func:`~multihead.pretrained.minilm`) loads a directory as one. Build the encoder alone from
+    a checkpoint with :func:`multihead.pretrained.load_bert`; constructed directly it is randomly
+    initialised.
 
     Args:
         config: the hyperparameters.
-        tokenizer: a ``tokenizers.Tokenizer`` for :meth:`tokenize` / :meth:`encode`, or None.
-            A copy is kept, set to pad to the batch's longest text and truncate at
-            ``max_seq_length`` (whatever padding/truncation its file had).
-        max_seq_length: where the text path truncates; default ``max_position_embeddings``.
         device, dtype: as for any torch module.
 
     Attributes:
         config: the :class:`BertConfig`.
-        max_seq_length: where the text path truncates.
-        tokenizer: the ``tokenizers.Tokenizer``, or None.
         unpad: run padded batches on their real tokens only (default True); False computes
             every padded position, e.g. to compare the two.
 
@@ -133,18 +124,18 @@ class BertModel(nn.Module):
     :class:`~multihead.MultiHeadAttention`).
 
     Example:
-        >>> from multihead.pretrained import minilm
-        >>> model = minilm()
-        >>> model.encode(["A cat sat.", "A dog ran."]).shape
-        torch.Size([2, 384])
+        >>> config = BertConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...     intermediate_size=64, max_position_embeddings=16, type_vocab_size=2,
+        ...     layer_norm_eps=1e-12, activation="gelu")
+        >>> BertModel(config)(torch.tensor([[1, 5, 7, 2]])).last_hidden_state.shape
+        torch.Size([1, 4, 32])
     """
 
     def __init__(
         self,
         config: BertConfig,
         *,
-        tokenizer: Tokenizer | None = None,
-        max_seq_length: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -174,43 +165,10 @@ class BertModel(nn.Module):
         # Run batches with padding unpadded (see the module docstring); False forces the padded
         # computation, e.g. to compare the two.
         self.unpad = True
-        self.max_seq_length = (
-            config.max_position_embeddings if max_seq_length is None else max_seq_length
-        )
-        self.tokenizer = tokenizer
 
-    # -- configuration --------------------------------------------------------------------------
-
-    @property
-    def max_seq_length(self) -> int:
-        """Where :meth:`tokenize` truncates, in tokens ([CLS] and [SEP] included)."""
-        return self._max_seq_length
-
-    @max_seq_length.setter
-    def max_seq_length(self, value: int) -> None:
-        limit = self.config.max_position_embeddings
-        if not is_int(value) or not 2 <= value <= limit:
-            raise ValueError(
-                f"max_seq_length must be an int in [2, max_position_embeddings={limit}], "
-                f"got {value!r}"
-            )
-        self._max_seq_length = value
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        """The ``tokenizers.Tokenizer`` of the text path, or None."""
-        return self._tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, tokenizer: Tokenizer | None) -> None:
-        # A copy, ours to reconfigure (see multihead.models.text.prepare_tokenizer).
-        self._tokenizer = (
-            None
-            if tokenizer is None
-            else text.prepare_tokenizer(
-                tokenizer, pad_id=self.config.pad_token_id, vocab_size=self.config.vocab_size
-            )
-        )
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (vocab_size, E), by the name torch and Hugging Face models use."""
+        return self.embeddings.word
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -292,47 +250,9 @@ class BertModel(nn.Module):
         # No padding at all: no mask, so attention takes its fastest kernel and nothing is packed.
         return None if bool(key_mask.all()) else key_mask
 
-    # -- text (multihead.models.text does the work) -------------------------------------------
-
-    def tokenize(self, texts: str | Sequence[str]) -> BertBatch:
-        """Tokenise texts, padded to the longest, truncated at ``max_seq_length``.
-
-        Args:
-            texts: one text or a sequence of B texts.
-
-        Returns:
-            A :class:`~multihead.models.text.BertBatch` on the model's device, tensors (B, T).
-
-        Raises:
-            ValueError: no tokenizer; ``texts`` empty or not valid Unicode.
-            TypeError: ``texts`` holds something other than strings.
-
-        Warns:
-            TruncationWarning: (a UserWarning) a text was longer than ``max_seq_length`` tokens.
-        """
-        if self._tokenizer is None:
-            raise ValueError(
-                "this model has no tokenizer (load_bert found no tokenizer.json): pass token ids "
-                "to model(input_ids, ...) instead"
-            )
-        device = self.embeddings.word.weight.device
-        return text.tokenize(
-            self._tokenizer, texts, max_seq_length=self.max_seq_length, device=device, stacklevel=3
-        )
-
-    mean_pool = staticmethod(text.mean_pool)
-    # The sentence embedding multihead.explain's head effects compare: the mean over real tokens.
-    sentence_embedding = staticmethod(text.mean_pool)
-
-    def encode(self, sentences: str | Sequence[str], *, batch_size: int = 32) -> Tensor:
-        """Sentence embeddings (N, E), mean over real tokens and L2-normalised, in eval mode
-        without gradients, ``batch_size`` texts at a time (see
-        :func:`multihead.models.text.encode`); (1, E) for a single text."""
-        return text.encode(self, sentences, batch_size=batch_size)
-
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
-            f"hidden={c.hidden_size}, max_seq_length={self.max_seq_length}"
+            f"hidden={c.hidden_size}, max_position_embeddings={c.max_position_embeddings}"
         )

@@ -1,7 +1,9 @@
 """Observe and steer attention through MultiHeadAttention's one observer channel.
 
 ``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads
-(``corpus_statistics`` over many texts; ``head_distances`` maps heads by how alike they attend);
+(``statistics_over_batches`` over many token batches; ``head_distances_over_batches`` maps heads
+by how alike they attend; the loops over texts, ``corpus_statistics`` and ``head_distances``, are
+:mod:`multihead.text`'s: nothing here reads text);
 ``intervene`` ablates, scales or patches heads, ``record_heads`` records their outputs and
 ``head_importance`` scores them. Everything here is an observer
 (:meth:`multihead.MultiHeadAttention.register_observer`).
@@ -18,8 +20,8 @@ _LAZY: dict[str, str] = {
     "head_statistics": "multihead.observe.statistics",
     "HeadStatistics": "multihead.observe.head_summary",
     "METRICS": "multihead.observe.statistics",
-    "corpus_statistics": "multihead.observe.corpus",
-    "head_distances": "multihead.observe.head_distance",
+    "statistics_over_batches": "multihead.observe.corpus",
+    "head_distances_over_batches": "multihead.observe.head_distance",
     "HeadMap": "multihead.observe.head_distance",
     "attention_modules": "multihead.observe.rows",
     "intervene": "multihead.observe.steering",

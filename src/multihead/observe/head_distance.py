@@ -21,7 +21,7 @@ queries, S keys.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +30,18 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_positive_int
-from multihead.memory_budget import DEFAULT_MEMORY_LIMIT, FLOAT32_BYTES
-from multihead.observe.corpus import Progress, check_texts, chosen_size, text_batches
+from multihead.memory_budget import FLOAT32_BYTES
+from multihead.observe.corpus import BatchBytes, chosen_size
 from multihead.observe.recorder import capture
 
-__all__ = ["js_distance", "pairwise_js_sums", "classical_mds", "head_distances", "HeadMap"]
+__all__ = [
+    "js_distance",
+    "pairwise_js_sums",
+    "classical_mds",
+    "head_distances_over_batches",
+    "distances_batch_bytes",
+    "HeadMap",
+]
 
 # A chunk of queries holds (Q_chunk, N, S) float64 temporaries; this bounds them to ~32 MB.
 _CHUNK_ELEMENTS = 1 << 22
@@ -150,68 +157,61 @@ class HeadMap:
         return [f"L{layer}H{head}" for layer in self.layers for head in self.heads]
 
 
-def head_distances(
+def distances_batch_bytes(
     model: nn.Module,
-    texts: Sequence[str],
-    *,
-    batch_size: int = 32,
     layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
-    memory_limit: int = DEFAULT_MEMORY_LIMIT,
-    progress: Progress | None = None,
+) -> BatchBytes:
+    """What :func:`head_distances_over_batches` holds for a batch of B texts padded to T
+    tokens: its weights (L', B, H', T, T) float32, the real queries' copy of them and their
+    concatenation, ``3 · 4 · L'·B·H'·T²`` bytes (checks ``layers`` and ``heads``)."""
+    num_layers, num_heads = chosen_size(model, layers, heads)
+
+    def batch_bytes(b: int, t: int) -> int:
+        return 3 * FLOAT32_BYTES * num_layers * num_heads * b * t * t
+
+    return batch_bytes
+
+
+def head_distances_over_batches(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
 ) -> HeadMap:
     """The mean Jensen–Shannon distance between every pair of heads over a corpus, and its map.
 
-    Each batch of ``batch_size`` texts is tokenized by ``model.tokenize`` and run once inside
-    :func:`~multihead.observe.capture` (every chosen head's weights of that batch, on the CPU:
-    O(L'·B·H'·T²) memory: a batch holds fewer texts where long ones would pass
-    ``memory_limit``); its real queries' pairwise distances are added to an (N, N) sum and the
-    weights dropped before the next batch. Padding is neither a query nor a key. Time:
-    O(N²·Q·S) for Q real queries.
+    Each batch runs once inside :func:`~multihead.observe.capture` (every chosen head's weights
+    of that batch, on the CPU: O(L'·B·H'·T²) memory, :func:`distances_batch_bytes`); its real
+    queries' pairwise distances are added to an (N, N) sum and the weights dropped before the
+    next batch. Padding is neither a query nor a key. Time: O(N²·Q·S) for Q real queries.
+    :func:`multihead.text.head_distances` is the loop over texts.
 
     Args:
-        model: a model with ``tokenize(texts) -> BertBatch`` and observable attention layers.
-        texts: the corpus, non-empty texts.
-        batch_size: texts per forward pass (the result does not depend on it).
+        model: a module whose attention layers are observable.
+        batches: tokenized batches (``input_ids`` (B, T), ``attention_mask`` (B, T), and
+            optionally ``token_type_ids``); at least one.
         layers, heads: which heads to compare (as for ``capture``).
-        memory_limit: bytes one batch may hold: its weights (L', B, H', T, T) float32 and the
-            real queries' copy of them, ``3 · 4 · L'·B·H'·T²`` (see
-            :func:`~multihead.observe.corpus.text_batches`).
-        progress: told ``(texts done, texts in all)`` after each batch.
 
     Returns:
         A :class:`HeadMap`.
 
     Raises:
-        TypeError, ValueError: bad ``texts`` (naming the line: also a text with no word the
-            tokenizer keeps, or one too long for ``memory_limit`` on its own), ``batch_size``,
-            indices.
+        ValueError: no batch; indices out of range.
     """
-    items = check_texts("texts", texts)
-    check_positive_int("batch_size", batch_size)
-    num_layers, num_heads = chosen_size(model, layers, heads)
-
-    def batch_bytes(b: int, t: int) -> int:
-        # the records, the real queries' rows copied out of them, and their concatenation
-        return 3 * FLOAT32_BYTES * num_layers * num_heads * b * t * t
-
-    done = 0
     sums: Tensor | None = None
     count = 0
     chosen: list[int] = []
     head_ids: list[int] = []
-    for batch in text_batches(
-        model, items, batch_size, batch_bytes=batch_bytes, memory_limit=memory_limit
-    ):
+    for batch in batches:
         weights, chosen, head_ids = _batch_weights(model, batch, layers, heads)  # (Q, N, S)
         part = pairwise_js_sums(weights)
         sums = part if sums is None else sums + part
         count += weights.shape[0]
         del weights
-        done += int(batch.input_ids.shape[0])
-        if progress is not None:
-            progress(done, len(items))
-    assert sums is not None  # check_texts refuses an empty corpus
+    if sums is None:
+        raise ValueError("batches must hold at least one batch, got none")
     distances = sums / max(count, 1)
     return HeadMap(chosen, head_ids, distances, classical_mds(distances), count)
 

@@ -95,7 +95,7 @@ def accumulate_statistics(
     **forward_kwargs: Any,
 ) -> tuple[StatsAccumulator, list[int], list[int], list[list[str]] | None]:
     """:func:`head_statistics`' forward pass, returning its running sums (for callers that
-    need them per sequence, as :func:`multihead.observe.corpus.corpus_statistics` does).
+    need them per sequence, as :func:`multihead.observe.corpus.statistics_over_batches` does).
 
     Returns:
         (the accumulator, the layer indices, the head indices, the tokens used).

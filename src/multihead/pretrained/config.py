@@ -1,5 +1,4 @@
-"""Hugging Face ``config.json`` (and sentence-transformers' ``sentence_bert_config.json``) ->
-:class:`~multihead.models.bert.BertConfig`.
+"""Hugging Face ``config.json`` -> :class:`~multihead.models.bert.BertConfig`.
 
 Hugging Face's names and conventions stop here: its activation names (``hidden_act``), the keys
 it requires, the architectures that share its format but not this model's layers
@@ -12,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from multihead._checks import check_choice, describe, is_int
+from multihead._checks import check_choice, describe
 from multihead._files import read_json  # public here as before; it lives with the other readers
 from multihead.models.bert import BertConfig
 
@@ -22,7 +21,6 @@ __all__ = [
     "bert_config_from_dict",
     "read_bert_config",
     "read_json",
-    "read_max_seq_length",
 ]
 
 # Hugging Face's hidden_act names -> multihead.layers.ACTIVATIONS names.
@@ -105,28 +103,3 @@ def read_bert_config(path: str | Path) -> BertConfig:
         return bert_config_from_dict(d)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{path}: {e}") from None
-
-
-def read_max_seq_length(directory: Path, config: BertConfig) -> int:
-    """sentence-transformers' ``max_seq_length`` from ``sentence_bert_config.json`` when the
-    directory has one, else ``config.max_position_embeddings``.
-
-    Raises:
-        ValueError: the file is not a JSON object, or the value is not an int in
-            [2, max_position_embeddings].
-    """
-    sbert = directory / "sentence_bert_config.json"
-    if not sbert.is_file():
-        return config.max_position_embeddings
-    d = read_json(sbert)
-    if not isinstance(d, dict):
-        raise ValueError(f"{sbert} must hold a JSON object, got a JSON {type(d).__name__}")
-    value = d.get("max_seq_length")
-    if value is None:
-        return config.max_position_embeddings
-    if not is_int(value) or not 2 <= value <= config.max_position_embeddings:
-        raise ValueError(
-            f"{sbert}: max_seq_length must be an int in [2, max_position_embeddings="
-            f"{config.max_position_embeddings}], got {describe(value)}"
-        )
-    return int(value)

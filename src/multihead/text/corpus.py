@@ -1,0 +1,275 @@
+"""Over a corpus: texts in, batches of tokens to the observe functions, a summary of every head.
+
+:func:`corpus_statistics` and :func:`head_distances` check the texts, tokenize them with the
+:class:`~multihead.text.model.TextModel`'s own ``tokenize`` (:func:`text_batches`: batches that fit
+a memory limit, truncations said once, naming the texts' lines) and hand the batches to
+:func:`multihead.observe.corpus.statistics_over_batches` and
+:func:`multihead.observe.head_distance.head_distances_over_batches`, which read no text.
+
+Shapes: N texts, L' layers, H' heads, T a batch's padded length.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from multihead._checks import check_positive_int, describe
+from multihead.memory_budget import DEFAULT_MEMORY_LIMIT, check_memory_limit, format_bytes
+from multihead.observe.corpus import BatchBytes, statistics_batch_bytes, statistics_over_batches
+from multihead.observe.head_distance import (
+    HeadMap,
+    distances_batch_bytes,
+    head_distances_over_batches,
+)
+from multihead.observe.head_summary import HeadStatistics
+from multihead.text.model import TextModel
+from multihead.tokenization import TokenBatch, TruncationWarning, check_text
+
+__all__ = [
+    "corpus_statistics",
+    "head_distances",
+    "check_texts",
+    "text_batches",
+    "Progress",
+]
+
+Progress = Callable[[int, int], None]
+"""Told ``(texts done, texts in all)`` after each batch."""
+
+
+def check_texts(name: str, texts: Any) -> list[str]:
+    """``texts`` must be a non-empty sequence of non-empty, valid Unicode strings.
+
+    Returns:
+        The texts as a list.
+
+    Raises:
+        TypeError: not a sequence (a single str counts as not one), or an item not a str.
+        ValueError: no texts, or a text that is empty, blank or not valid Unicode (bytes that
+            are not UTF-8); the message names the text's index (0-based) and line (1-based).
+    """
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise TypeError(f"{name} must be a sequence of str (one text each), got {describe(texts)}")
+    items = list(texts)
+    if not items:
+        raise ValueError(f"{name} must hold at least one text, got none")
+    for i, text in enumerate(items):
+        where = f"{name}[{i}] (line {i + 1})"
+        if not isinstance(text, str):
+            raise TypeError(f"{where} must be a str, got {type(text).__name__}")
+        check_text(where, text)
+        if not text.strip():
+            raise ValueError(f"{where} must be a non-empty text, got {text!r}")
+    return items
+
+
+def _check_model(model: Any) -> TextModel:
+    if not isinstance(model, TextModel):
+        raise TypeError(
+            f"model must be a multihead.text.TextModel (load one with "
+            f"multihead.pretrained.load_text_model), got {type(model).__name__}"
+        )
+    return model
+
+
+def text_batches(
+    model: TextModel,
+    texts: Sequence[str],
+    batch_size: int,
+    *,
+    batch_bytes: BatchBytes | None = None,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    progress: Progress | None = None,
+) -> Iterator[TokenBatch]:
+    """``model.tokenize`` of ``batch_size`` texts at a time, in order (the last batch smaller).
+
+    With ``batch_bytes``, every text is tokenized once first (tokenization only) to learn its
+    length, and a batch holds fewer texts where long ones would take more than
+    ``memory_limit``: the result does not change, only how many texts share a forward. A text
+    that alone would take more is refused before the first batch is made. ``progress`` is told
+    ``(texts done, texts in all)`` when the consumer asks for the next batch.
+
+    Raises:
+        ValueError: a text with no word the tokenizer keeps (only zero-width or control
+            characters: the statistics would be those of the special tokens alone), or a text
+            too long for ``memory_limit``; the message names its line (1-based).
+
+    Warns:
+        TruncationWarning: once, at the end, when texts were truncated, naming their lines in
+            the corpus (the tokenizer's own warning would name a text by its place in its
+            batch).
+    """
+    limit = check_memory_limit("memory_limit", memory_limit)
+    if batch_bytes is None:
+        plan = [(s, min(s + batch_size, len(texts))) for s in range(0, len(texts), batch_size)]
+    else:
+        plan = _plan(model, texts, batch_size, batch_bytes, limit)
+    truncated: list[int] = []  # 1-based lines
+    for start, stop in plan:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch = model.tokenize(list(texts[start:stop]))
+        _check_words(batch, texts, start)
+        for w in caught:
+            if not issubclass(w.category, TruncationWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        truncated += [start + i + 1 for i, cut in enumerate(batch.truncated) if cut]
+        yield batch
+        if progress is not None:
+            progress(stop, len(texts))
+    if truncated:
+        warnings.warn(
+            f"{len(truncated)} of {len(texts)} texts are longer than the model takes and were "
+            f"truncated (lines {truncated[:10]}{', ...' if len(truncated) > 10 else ''})",
+            TruncationWarning,
+            stacklevel=2,
+        )
+
+
+def _check_words(batch: TokenBatch, texts: Sequence[str], start: int) -> None:
+    """Refuse a text of ``batch`` (texts from ``start``) whose tokens are all special."""
+    for i, ids in enumerate(batch.word_ids):
+        if all(w is None for w in ids):
+            n = start + i
+            raise ValueError(
+                f"texts[{n}] (line {n + 1}) holds no word the tokenizer keeps, got "
+                f"{texts[n][:40]!r} (only zero-width or control characters?): its statistics "
+                f"would be those of {' '.join(batch.tokens[i]) or 'no token'} alone"
+            )
+
+
+def _plan(
+    model: TextModel,
+    texts: Sequence[str],
+    batch_size: int,
+    batch_bytes: BatchBytes,
+    limit: int,
+) -> list[tuple[int, int]]:
+    """(start, stop) of each batch: consecutive texts, at most ``batch_size``, fitting ``limit``."""
+    lengths: list[int] = []
+    for start in range(0, len(texts), batch_size):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TruncationWarning)  # said once, by the real pass
+            batch = model.tokenize(list(texts[start : start + batch_size]))
+        _check_words(batch, texts, start)
+        lengths += [int(n) for n in batch.attention_mask.sum(1).tolist()]
+    plan = []
+    start = 0
+    while start < len(texts):
+        stop, longest = start, 0
+        while stop < len(texts) and stop - start < batch_size:
+            if batch_bytes(stop - start + 1, max(longest, lengths[stop])) > limit:
+                break
+            longest = max(longest, lengths[stop])
+            stop += 1
+        if stop == start:
+            raise ValueError(
+                f"texts[{start}] (line {start + 1}) is {lengths[start]} tokens long: its "
+                f"attention weights would take {format_bytes(batch_bytes(1, lengths[start]))}, "
+                f"over memory_limit={format_bytes(limit)}; split the text or raise the limit"
+            )
+        plan.append((start, stop))
+        start = stop
+    return plan
+
+
+def corpus_statistics(
+    model: TextModel,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 32,
+    layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    chunk_size: int = 128,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    progress: Progress | None = None,
+) -> HeadStatistics:
+    """What each head does over many texts: each metric is the mean over texts of that text's
+    :func:`~multihead.observe.statistics.head_statistics` value
+    (:func:`~multihead.observe.corpus.statistics_over_batches` says exactly what is averaged).
+
+    Args:
+        model: a :class:`~multihead.text.model.TextModel`.
+        texts: N non-empty texts.
+        batch_size: texts per forward pass (memory grows with it; the result does not change).
+        layers, heads: which to summarise (as for :func:`~multihead.observe.capture`).
+        chunk_size: query rows per step inside each forward.
+        memory_limit: bytes one batch may hold (estimated from its shapes:
+            :func:`~multihead.observe.corpus.statistics_batch_bytes`); batches of long texts
+            hold fewer texts (see :func:`text_batches`).
+        progress: told ``(texts done, texts in all)`` after each batch.
+
+    Returns:
+        A :class:`~multihead.observe.HeadStatistics` whose metrics are (L', H') means over the
+        texts; ``most_attended``/``most_attended_weight`` are (N, L', H'), per text;
+        ``num_queries`` counts every real token of the corpus; ``tokens`` holds each text's
+        tokens.
+
+    Raises:
+        TypeError, ValueError: ``model`` not a TextModel; bad ``texts`` (naming the line: also a
+            text with no word the tokenizer keeps, or one too long for ``memory_limit``),
+            ``batch_size``, ``chunk_size``, indices.
+    """
+    model = _check_model(model)
+    items = check_texts("texts", texts)
+    check_positive_int("batch_size", batch_size)
+    batch_bytes = statistics_batch_bytes(model, layers, heads, chunk_size)
+    batches = text_batches(
+        model,
+        items,
+        batch_size,
+        batch_bytes=batch_bytes,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    return statistics_over_batches(
+        model, batches, layers=layers, heads=heads, chunk_size=chunk_size
+    )
+
+
+def head_distances(
+    model: TextModel,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 32,
+    layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    progress: Progress | None = None,
+) -> HeadMap:
+    """The mean Jensen–Shannon distance between every pair of heads over a corpus, and its map
+    (:func:`~multihead.observe.head_distance.head_distances_over_batches`).
+
+    Args:
+        model: a :class:`~multihead.text.model.TextModel`.
+        texts: the corpus, non-empty texts.
+        batch_size: texts per forward pass (the result does not depend on it).
+        layers, heads: which heads to compare (as for ``capture``).
+        memory_limit: bytes one batch may hold: its weights (L', B, H', T, T) float32 and the
+            real queries' copy of them (:func:`~multihead.observe.head_distance.
+            distances_batch_bytes`); batches of long texts hold fewer texts.
+        progress: told ``(texts done, texts in all)`` after each batch.
+
+    Returns:
+        A :class:`~multihead.observe.head_distance.HeadMap`.
+
+    Raises:
+        TypeError, ValueError: ``model`` not a TextModel; bad ``texts`` (naming the line: also a
+            text with no word the tokenizer keeps, or one too long for ``memory_limit`` on its
+            own), ``batch_size``, indices.
+    """
+    model = _check_model(model)
+    items = check_texts("texts", texts)
+    check_positive_int("batch_size", batch_size)
+    batch_bytes = distances_batch_bytes(model, layers, heads)
+    batches = text_batches(
+        model,
+        items,
+        batch_size,
+        batch_bytes=batch_bytes,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    return head_distances_over_batches(model, batches, layers=layers, heads=heads)
