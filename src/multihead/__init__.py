@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "intervene": "multihead.observe.steering",
     "record_heads": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
+    "patch_heads": "multihead.observe.patching",
     "explain": "multihead.explanation",
 }
 _SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli", "hf")

@@ -3,7 +3,8 @@
 ``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads
 (``corpus_statistics`` over many texts; ``head_distances`` maps heads by how alike they attend);
 ``intervene`` ablates, scales or patches heads, ``record_heads`` records their outputs and
-``head_importance`` scores them. Everything here is an observer
+``head_importance`` scores them; ``patch_heads`` finds the heads that carry what differs between
+two inputs. Everything here is an observer
 (:meth:`multihead.MultiHeadAttention.register_observer`).
 """
 
@@ -26,6 +27,7 @@ _LAZY: dict[str, str] = {
     "record_heads": "multihead.observe.steering",
     "HeadRecording": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
+    "patch_heads": "multihead.observe.patching",
 }
 
 __all__ = list(_LAZY)
