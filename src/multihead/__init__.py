@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "record_heads": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
     "patch_heads": "multihead.observe.patching",
+    "attribution_patching": "multihead.observe.attribution",
     "explain": "multihead.explanation",
 }
 _SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli", "hf")

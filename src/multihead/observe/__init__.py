@@ -28,6 +28,7 @@ _LAZY: dict[str, str] = {
     "HeadRecording": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
     "patch_heads": "multihead.observe.patching",
+    "attribution_patching": "multihead.observe.attribution",
 }
 
 __all__ = list(_LAZY)
