@@ -35,6 +35,8 @@ _LAZY: dict[str, str] = {
     "head_importance": "multihead.observe.importance",
     "patch_heads": "multihead.observe.patching",
     "attribution_patching": "multihead.observe.attribution",
+    "logit_attribution": "multihead.observe.logit_attribution",
+    "LogitAttribution": "multihead.observe.logit_attribution",
     "explain": "multihead.explanation",
 }
 _SUBMODULES = ("models", "pretrained", "distributed", "observe", "viz", "training", "cli", "hf")

@@ -29,6 +29,8 @@ _LAZY: dict[str, str] = {
     "head_importance": "multihead.observe.importance",
     "patch_heads": "multihead.observe.patching",
     "attribution_patching": "multihead.observe.attribution",
+    "logit_attribution": "multihead.observe.logit_attribution",
+    "LogitAttribution": "multihead.observe.logit_attribution",
 }
 
 __all__ = list(_LAZY)

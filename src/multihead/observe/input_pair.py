@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from multihead._checks import describe
 
-__all__ = ["InputPair", "Metric", "metric_value", "split_output"]
+__all__ = ["InputPair", "Metric", "metric_value", "run_model", "split_output"]
 
 # metric(output) -> () or (B,) floating tensor
 Metric = Callable[[Any], Tensor]
@@ -90,14 +90,7 @@ class InputPair:
         self.corrupt = _batched("corrupt", corrupt)
         _check_alike(self.clean, self.corrupt)
         self.batch = _batch_size(self.clean)
-        given = self.clean.keys() if isinstance(self.clean, dict) else ()
-        try:
-            takes_cache = "use_cache" in inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            takes_cache = False
-        self.extra: dict[str, Any] = (
-            {"use_cache": False} if takes_cache and "use_cache" not in given else {}
-        )
+        self.extra = _cache_off(model, self.clean)
 
     def pick(self, direction: str) -> tuple[Tensor | dict[str, Any], Tensor | dict[str, Any]]:
         """(source, target) of a patch: ``"denoise"`` runs corrupt with clean's activations,
@@ -106,10 +99,36 @@ class InputPair:
 
     def run(self, inputs: Tensor | dict[str, Any], copies: int = 1) -> Any:
         """The model's output on ``inputs``, or on ``copies`` of them stacked along the batch."""
-        if isinstance(inputs, Tensor):
-            return self.model(_tile(inputs, copies, self.batch), **self.extra)
-        stacked = {k: _tile(v, copies, self.batch) for k, v in inputs.items()}
-        return self.model(**stacked, **self.extra)
+        return _call(self.model, inputs, self.extra, copies, self.batch)
+
+
+def run_model(model: nn.Module, inputs: object, name: str = "inputs") -> tuple[Any, int]:
+    """(the model's output, B) for one input of the kinds :class:`InputPair` takes (checked
+    and named ``name`` in errors), run without a cache as there."""
+    checked = _batched(name, inputs)
+    return _call(model, checked, _cache_off(model, checked), 1, 1), _batch_size(checked)
+
+
+def _cache_off(model: nn.Module, inputs: Tensor | dict[str, Any]) -> dict[str, Any]:
+    """``{"use_cache": False}`` for a model whose forward takes it, unless the inputs set it."""
+    try:
+        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    given = inputs.keys() if isinstance(inputs, dict) else ()
+    return {"use_cache": False} if takes_cache and "use_cache" not in given else {}
+
+
+def _call(
+    model: nn.Module,
+    inputs: Tensor | dict[str, Any],
+    extra: dict[str, Any],
+    copies: int,
+    batch: int,
+) -> Any:
+    if isinstance(inputs, Tensor):
+        return model(_tile(inputs, copies, batch), **extra)
+    return model(**{k: _tile(v, copies, batch) for k, v in inputs.items()}, **extra)
 
 
 def _check_alike(clean: Tensor | dict[str, Any], corrupt: Tensor | dict[str, Any]) -> None:
