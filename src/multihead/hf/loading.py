@@ -36,11 +36,13 @@ def load_model_and_tokenizer(
     cache_dir: str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    causal_lm: bool = False,
 ) -> tuple[Any, Any, str]:
     """(model, fast tokenizer, name) from local files, the model on
     ``attn_implementation="multihead"`` in eval mode; the name is the directory's or the given
     model name. Arguments, errors and warnings: :func:`multihead.hf.text.load_hf`, which
-    calls this (its warning points at load_hf's caller)."""
+    calls this (its warning points at load_hf's caller). ``causal_lm`` loads the model with its
+    language-modelling head (``AutoModelForCausalLM``: logits, for ``multihead patch``)."""
     if not isinstance(dir_or_name, (str, os.PathLike)):
         raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
     given = os.fspath(dir_or_name)
@@ -92,7 +94,8 @@ def load_model_and_tokenizer(
         # Loaded on transformers' default implementation and switched after the check: a family
         # without the interface fails inside from_pretrained with a bare KeyError otherwise.
         try:
-            model, info = transformers.AutoModel.from_pretrained(
+            auto: Any = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
+            model, info = auto.from_pretrained(
                 directory,
                 config=config,
                 local_files_only=True,
