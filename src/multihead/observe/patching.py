@@ -51,6 +51,8 @@ DIRECTIONS = ("denoise", "noise")
 # the residual stream, the attention's q, k, v and per-head output, a feed-forward network's
 # hidden layer (4 to 8 widths) and the copies between them.
 _WIDTHS_PER_TOKEN = 24
+# The most tokens (stacked rows × T) one forward should hold, by device type.
+_TOKENS_PER_FORWARD = {"cpu": 2048, "other": 65536}
 
 
 def chosen_heads(
@@ -115,16 +117,26 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def variants_per_forward(output: Any, per_head: Sequence[Tensor], limit: int) -> int:
-    """How many stacked variants one forward may hold within ``limit`` bytes: each holds its
-    own output (twice: the model's and its slices' results) and the activations of one run,
-    estimated from the per-head outputs (B, T, H, Dv): ``_WIDTHS_PER_TOKEN`` widths a token,
-    plus a T × T score map per head (the attention kernels' working set)."""
+    """How many stacked variants one forward should hold.
+
+    Within ``limit`` bytes: each variant holds its own output (twice: the model's and its
+    slices' results) and the activations of one run, estimated from the per-head outputs
+    (B, T, H, Dv): ``_WIDTHS_PER_TOKEN`` widths a token, plus a T × T score map per head (the
+    attention kernels' working set). And at most ``_TOKENS_PER_FORWARD`` tokens in all: stacking
+    pays where a forward is too small to keep the device busy (a GPU's launches); past that it
+    only moves more memory (on a CPU, forwards of more than a few thousand tokens ran slower
+    per token than one variant at a time).
+    """
+    first = per_head[0]
     activations = max(
         _WIDTHS_PER_TOKEN * out.numel() * max(out.element_size(), 4)
         + 2 * out.shape[0] * out.shape[2] * out.shape[1] ** 2 * 4
         for out in per_head
     )
-    return max(1, limit // (2 * _tensor_bytes(output) + activations))
+    by_memory = limit // (2 * _tensor_bytes(output) + activations)
+    budget = _TOKENS_PER_FORWARD.get(first.device.type, _TOKENS_PER_FORWARD["other"])
+    by_tokens = budget // max(1, first.shape[0] * first.shape[1])
+    return max(1, min(by_memory, by_tokens))
 
 
 def patch_heads(
@@ -172,7 +184,9 @@ def patch_heads(
             default every head. The others stay NaN.
         batch_size: variants per forward; default as many as the memory budget
             (:data:`~multihead.memory_budget.DEFAULT_MEMORY_LIMIT`) holds by an estimate from
-            the unpatched run's output and per-head outputs.
+            the unpatched run's output and per-head outputs, and at most 2,048 tokens in all
+            on a CPU (65,536 elsewhere): stacking pays where one forward is too small to keep
+            the device busy.
 
     Returns:
         (L, H), or (L, H, T) with ``per_position``, in the metric's dtype and device; NaN
