@@ -315,3 +315,32 @@ def test_reuse_falls_back_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     want = reference(mha, _own_projections(mha), x, y, metric, [(0, 0), (0, 1), (0, 2)], None)
     _compare(got, want)
     assert "patch_heads: full forwards" in caplog.text and "no prefix to reuse" in caplog.text
+
+
+def test_head_importance_reuses_transformers_layers(
+    caplog: pytest.LogCaptureFixture, device: torch.device
+) -> None:
+    """The prefix reuse patch_heads shares with head_importance serves transformers' layers:
+    the same scores as full forwards, fewer attention calls; a model run with a cache (the
+    default of a causal LM) cannot be reused, which is logged, not warned."""
+    caplog.set_level(logging.INFO, logger="multihead.observe.importance")
+    model, projections = _hf("gpt2", device)
+    ids = torch.randint(50, (2, 6), device=device)
+    calls = [0]
+    for proj, _ in projections:
+        proj.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+
+    def metric() -> Tensor:
+        return model(ids, use_cache=False).logits[:, -1, 3].mean()
+
+    plain = multihead.head_importance(model, metric, reuse_prefix=False)
+    calls[0] = 0
+    reused = multihead.head_importance(model, metric)
+    assert torch.equal(reused, plain)
+    # clean (3) + check (1) + 4 heads x (3 + 2 + 1) layers run, instead of 3 x 13
+    assert calls[0] == 3 + 1 + 4 * 6
+    assert caplog.text == ""
+    cached = multihead.head_importance(model, lambda: model(ids).logits[:, -1, 3].mean())
+    assert torch.equal(cached, plain)
+    assert "called with a cache or another stateful argument" in caplog.text
+    assert all(r.levelno == logging.INFO for r in caplog.records)

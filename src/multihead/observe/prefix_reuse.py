@@ -88,6 +88,7 @@ class _Match:
         self.copies = copies
         self.equal = equal
         self.tiled = False
+        self.stateful = False  # an argument of a kind that never matches (a cache)
 
     def same(self, a: Any, b: Any) -> bool:
         if a is None or b is None:
@@ -112,7 +113,8 @@ class _Match:
             return len(a) == len(b) and all(self.same(x, y) for x, y in zip(a, b, strict=True))
         if type(a) is type(b) and isinstance(a, (bool, int, float, str)):
             return bool(a == b)
-        return False  # a cache or anything else: the call may have state or side effects
+        self.stateful = True  # a cache or anything else: the call may have state or effects
+        return False
 
 
 def _has_observers(site: ObservableAttention) -> bool:
@@ -186,6 +188,7 @@ class PrefixCache:
         self.order: dict[int, int] = {}  # block index -> rank of its first call
         self.clean = torch.zeros(())
         self.skipped = 0
+        self.stateful = False  # a call was run for real for an argument that never matches
         # per reused call of the running run, whether its tensors equalled the recorded ones
         self.equal: list[Tensor] = []
         self.compare_first = False  # compare values before reusing a call (and wait for them)
@@ -243,6 +246,15 @@ class PrefixCache:
         except Exception as e:  # e.g. metric() reads a forward hook of a skipped layer
             reason = f"the check run raised {type(e).__name__}: {e}"
         else:
+            if cache.skipped == 0 and cache.stateful:
+                # an expected reason, not a mistake: say it quietly
+                log.info(
+                    "%s: full forwards for every run (no layer's arguments matched the recorded "
+                    "run: its layers are called with a cache or another stateful argument; a "
+                    "transformers model runs without one with use_cache=False)",
+                    caller,
+                )
+                return None
             if cache.skipped == 0:
                 reason = "no layer's arguments matched the recorded run"
             elif not cache.agreed():
@@ -323,6 +335,7 @@ class PrefixCache:
                         self.skipped += 1
                         # a copy: whoever receives it may modify it in place
                         return _copy(call.output, copies if match.tiled else 1)
+                    self.stateful = self.stateful or match.stateful
                 return real(block, *args, **kwargs)
 
             return forward
