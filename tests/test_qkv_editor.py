@@ -306,7 +306,7 @@ def _one_head(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     )
 
 
-def test_hf_gqa_editing_one_query_heads_keys_leaves_its_sibling_bit_equal(
+def test_hf_gqa_editing_one_query_heads_keys_leaves_its_sibling_untouched(
     device: torch.device,
 ) -> None:
     model = _hf_model("llama", device)
@@ -325,9 +325,11 @@ def test_hf_gqa_editing_one_query_heads_keys_leaves_its_sibling_bit_equal(
         edited_logits, edited_call, edited_out = _run(model, ids, site)
     assert model.config._attn_implementation == "sdpa"  # restored after the last removal
     assert not site.observers
-    # the sibling on the same key/value head, and the other group, bit for bit
+    # the sibling on the same key/value head, and the other group: bit for bit on the CPU; on a
+    # GPU the expanded keys take another attention kernel, whose rounding may differ by an ulp
+    exact = {"rtol": 0.0, "atol": 0.0 if device.type == "cpu" else 1e-6}
     for head in (1, 2, 3):
-        assert torch.equal(edited_out[:, :, head], out[:, :, head]), head
+        torch.testing.assert_close(edited_out[:, :, head], out[:, :, head], **exact)
     # the edited head: q of the plain run (after rotary) against the new keys, by hand
     want = _one_head(call.q[:, 0], new, call.v[:, 0], call.scale)  # (B, T, Dv)
     torch.testing.assert_close(edited_out[:, :, 0].double(), want, **TOL)

@@ -244,6 +244,19 @@ def tokenize(
     tokenizer.enable_truncation(max_length=max_seq_length)
     encodings = tokenizer.encode_batch(items)
     truncated = [len(e.overflowing) > 0 for e in encodings]
+    # Not every tokenizers release fills ``overflowing`` (0.23.2 leaves it empty): a text that
+    # fills the limit without it is encoded once more with one token of room, to tell.
+    full = [
+        i
+        for i, e in enumerate(encodings)
+        if not truncated[i] and sum(e.attention_mask) == max_seq_length
+    ]
+    if full:
+        tokenizer.enable_truncation(max_length=max_seq_length + 1)
+        roomier = tokenizer.encode_batch([items[i] for i in full])
+        tokenizer.enable_truncation(max_length=max_seq_length)
+        for i, e in zip(full, roomier, strict=True):
+            truncated[i] = sum(e.attention_mask) > max_seq_length
     if any(truncated):
         which = [i for i, cut in enumerate(truncated) if cut]
         warnings.warn(

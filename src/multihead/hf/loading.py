@@ -36,6 +36,7 @@ def load_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     stacklevel: int = 2,
+    causal_lm: bool = False,
 ) -> Any:
     """The transformers model of a local directory, on ``attn_implementation="multihead"``, in
     eval mode (an encoder-decoder model whole: the caller takes its encoder).
@@ -49,6 +50,8 @@ def load_model(
             that half types load as float32 on the CPU.
         stacklevel: where the warning about missing weights points, as for ``warnings.warn``
             called here (2: the caller of this function).
+        causal_lm: load the model with its language-modelling head
+            (``AutoModelForCausalLM``: logits, as ``multihead patch`` needs).
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -90,7 +93,8 @@ def load_model(
         # Loaded on transformers' default implementation and switched after the check: a family
         # without the interface fails inside from_pretrained with a bare KeyError otherwise.
         try:
-            model, info = transformers.AutoModel.from_pretrained(
+            auto: Any = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
+            model, info = auto.from_pretrained(
                 directory,
                 config=config,
                 local_files_only=True,

@@ -5,7 +5,8 @@
 by how alike they attend; the loops over texts, ``corpus_statistics`` and ``head_distances``, are
 :mod:`multihead.text`'s: nothing here reads text);
 ``intervene`` ablates, scales or patches heads, ``record_heads`` records their outputs and
-``head_importance`` scores them. Everything here is an observer
+``head_importance`` scores them; ``patch_heads`` finds the heads that carry what differs between
+two inputs. Everything here is an observer
 (:meth:`multihead.MultiHeadAttention.register_observer`).
 """
 
@@ -28,6 +29,10 @@ _LAZY: dict[str, str] = {
     "record_heads": "multihead.observe.steering",
     "HeadRecording": "multihead.observe.steering",
     "head_importance": "multihead.observe.importance",
+    "patch_heads": "multihead.observe.patching",
+    "attribution_patching": "multihead.observe.attribution",
+    "logit_attribution": "multihead.observe.logit_attribution",
+    "LogitAttribution": "multihead.observe.logit_attribution",
 }
 
 __all__ = list(_LAZY)

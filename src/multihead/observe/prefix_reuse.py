@@ -1,12 +1,19 @@
-"""Reuse the outputs of the blocks that ablating a head cannot change (ablation importance).
+"""Reuse the outputs of the blocks that editing a head cannot change (ablation, patching).
 
-Zeroing a head of layer l leaves every block before layer l's as it was. :class:`PrefixCache`
-records every block's calls (arguments and output) on one clean run; on an ablation run of
+Editing a head of layer l leaves every block before layer l's as it was. :class:`PrefixCache`
+records every block's calls (arguments and output) on one clean run; on an edited run of
 layer l, each block before it hands back its recorded output instead of running, when its
 arguments equal the recorded ones bit for bit. A "block" is a multihead
-``TransformerEncoderLayer`` or ``TransformerDecoderLayer`` holding attention modules
+``TransformerEncoderLayer``, ``TransformerDecoderLayer`` or ``AttentionOnlyBlock``, or a
+transformers decoder/encoder layer (a ``GradientCheckpointingLayer`` of transformers' own:
+layers that transformers itself recomputes from their arguments), holding attention modules
 (:func:`_blocks`); its forward is replaced on the instance for the duration of a run
 (:class:`_patched`), so ``nn.Module.__call__`` and its hooks still run.
+
+A run may also stack ``copies`` edited variants of the recorded input along the batch
+(activation patching runs many variants per forward): a block whose batched arguments are the
+recorded ones repeated ``copies`` times (``x.repeat(copies, ...)``, variant-major) hands back
+its recorded output repeated the same way.
 
 Nothing inside a forward waits for the device: a call whose arguments have the recorded kinds,
 shapes, dtypes and devices hands back the recorded output at once, and the values of its
@@ -15,8 +22,10 @@ once, after the run. A run whose arguments differed (a metric whose inputs depen
 ablation, as a generated text does) is run again, and from then on values are compared before
 a call is reused (``compare_first``), as they must be for such a metric.
 
-:func:`multihead.observe.importance.head_importance` is the one user; the reasons for running
-full forwards instead are logged on its logger, ``multihead.observe.importance``.
+:func:`multihead.observe.importance.head_importance` uses it; the reasons for running
+full forwards instead are logged on its logger, ``multihead.observe.importance``;
+:func:`multihead.observe.patching.patch_heads` uses it for stacked variants and logs on
+``multihead.observe.patching``.
 """
 
 from __future__ import annotations
@@ -30,12 +39,14 @@ from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
 from multihead.layers import TransformerDecoderLayer, TransformerEncoderLayer
+from multihead.models.lm import AttentionOnlyBlock
 from multihead.observers import ObservableAttention
 from multihead.packing import PackedBatch
 
 __all__ = ["PrefixCache"]
 
-# head_importance's logger: its documentation names it as where these reasons go
+# head_importance's logger (its documentation names it as where these reasons go), unless the
+# caller names its own
 logger = logging.getLogger("multihead.observe.importance")
 
 # run(what): one run of the metric, its scalar (what names the run in errors)
@@ -43,7 +54,12 @@ Run = Callable[[str], Tensor]
 
 # The layers whose forward is known to be a pure function of its arguments and parameters (no
 # state kept, inputs never modified in place): the "blocks" whose outputs may be reused.
-_PURE_FORWARDS = (TransformerEncoderLayer.forward, TransformerDecoderLayer.forward)
+_PURE_FORWARDS = (
+    TransformerEncoderLayer.forward,
+    TransformerDecoderLayer.forward,
+    AttentionOnlyBlock.forward,
+)
+_PURE_CLASSES = (TransformerEncoderLayer, TransformerDecoderLayer, AttentionOnlyBlock)
 
 
 class _Call:
@@ -58,32 +74,61 @@ class _Call:
         self.output: Any = None
 
 
-def _same(a: Any, b: Any, equal: list[Tensor] | None) -> bool:
-    """Whether two block arguments may be equal, bit for bit; unknown kinds never are.
+class _Match:
+    """Compares a call's arguments with a recorded call's, for ``copies`` stacked variants.
 
-    Tensors of one shape, dtype and device may be: whether they are is appended to ``equal``
-    as a () bool on their device, computed there (no wait for the device here); without
-    ``equal``, they are compared now.
+    Tensors of one dtype and device may be equal when their shapes are equal, or when the
+    call's is the recorded one's repeated ``copies`` times along the first (batch) dimension
+    (then :attr:`tiled` is set: the output must be repeated too). Whether they are is appended
+    to ``equal`` as a () bool on their device, computed there (no wait for the device here);
+    without ``equal``, they are compared now. Unknown kinds never match.
     """
-    if a is None or b is None:
-        return a is None and b is None
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-            return False
-        if equal is None:
-            return bool(torch.equal(a, b))
-        equal.append(torch.eq(a, b).all())  # torch.equal's answer, left on the device
-        return True
-    if isinstance(a, PackedBatch) and isinstance(b, PackedBatch):
-        return _same(a.key_mask, b.key_mask, equal)
-    if type(a) is type(b) and isinstance(a, (bool, int, float, str)):
-        return bool(a == b)
-    return False  # a cache or anything else: the call may have state or side effects
+
+    def __init__(self, copies: int, equal: list[Tensor] | None) -> None:
+        self.copies = copies
+        self.equal = equal
+        self.tiled = False
+        self.stateful = False  # an argument of a kind that never matches (a cache)
+
+    def same(self, a: Any, b: Any) -> bool:
+        if a is None or b is None:
+            return a is None and b is None
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            if a.dtype != b.dtype or a.device != b.device:
+                return False
+            if a.shape != b.shape:
+                n = self.copies
+                if n == 1 or b.dim() == 0 or a.shape != (n * b.shape[0], *b.shape[1:]):
+                    return False
+                a = a.unflatten(0, (n, b.shape[0]))  # (copies, B, ...): compared with b's (B, ...)
+                self.tiled = True
+            if self.equal is None:
+                return bool(torch.eq(a, b).all())
+            self.equal.append(torch.eq(a, b).all())  # torch.equal's answer, left on the device
+            return True
+        if isinstance(a, PackedBatch) and isinstance(b, PackedBatch):
+            return self.same(a.key_mask, b.key_mask)
+        if isinstance(a, (tuple, list)) and type(a) is type(b):
+            # e.g. a transformers layer's rotary (cos, sin)
+            return len(a) == len(b) and all(self.same(x, y) for x, y in zip(a, b, strict=True))
+        if type(a) is type(b) and isinstance(a, (bool, int, float, str)):
+            return bool(a == b)
+        self.stateful = True  # a cache or anything else: the call may have state or effects
+        return False
 
 
-def _observed(block: nn.Module) -> bool:
-    """Whether an attention module inside the block has observers (e.g. a capture in metric())."""
-    return any(isinstance(m, MultiHeadAttention) and m.observers for m in block.modules())
+def _has_observers(site: ObservableAttention) -> bool:
+    """Whether a site (a MultiHeadAttention or a transformers AttentionSite) has observers."""
+    return bool(site.observers)
+
+
+def _module_of(site: ObservableAttention) -> nn.Module | None:
+    """The module a site observes: a MultiHeadAttention itself, a transformers attention
+    module for an AttentionSite (its public ``module``)."""
+    if isinstance(site, nn.Module):
+        return site
+    module = getattr(site, "module", None)
+    return module if isinstance(module, nn.Module) else None
 
 
 def _random(block: nn.Module) -> bool:
@@ -93,68 +138,106 @@ def _random(block: nn.Module) -> bool:
         and (
             (isinstance(m, nn.Dropout) and m.p > 0)
             or (isinstance(m, MultiHeadAttention) and m.dropout > 0)
+            or (not isinstance(m, MultiHeadAttention) and _dropout_rate(m) > 0)
         )
         for m in block.modules()
     )
 
 
-def _copy(value: Any) -> Any:
-    """A tensor's copy (recorded values must not change if the caller modifies them in place)."""
-    return value.clone() if isinstance(value, Tensor) else value
+def _dropout_rate(module: nn.Module) -> float:
+    """A transformers attention module's own dropout rate (applied inside its call)."""
+    for name in ("attention_dropout", "attn_dropout"):
+        rate = getattr(module, name, None)
+        if isinstance(rate, float):
+            return rate
+    return 0.0
+
+
+def _copy(value: Any, copies: int = 1) -> Any:
+    """A copy of a recorded value (it must not change if the caller modifies the one it got in
+    place), its tensors repeated ``copies`` times along the batch (the first) dimension."""
+    if isinstance(value, Tensor):
+        return value.clone() if copies == 1 else value.repeat(copies, *(1,) * (value.dim() - 1))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copy(v, copies) for v in value)
+    return value
 
 
 class PrefixCache:
     """Record every block's calls on one clean run; hand their outputs back on later runs.
 
-    For ablating layer l, the blocks "before" it are those whose first call in the clean run
-    came before the first call of the earliest block holding layer l's module. On an ablation
+    For editing layer l, the blocks "before" it are those whose first call in the clean run
+    came before the first call of the earliest block holding layer l's module. On an edited
     run such a block's forward is replaced: its k-th call returns (a copy of) its k-th recorded
-    output when the arguments may equal the recorded ones (:func:`_same`), and runs for real
+    output when the arguments may equal the recorded ones (:class:`_Match`), and runs for real
     otherwise; :meth:`agreed` tells after the run whether they did.
     """
 
-    def __init__(self, blocks: list[nn.Module], holders: list[list[int]]) -> None:
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        holders: list[list[int]],
+        sites: list[list[ObservableAttention]],
+        caller: str,
+    ) -> None:
         self.blocks = blocks
         self.holders = holders  # per layer, the blocks holding its module (shared modules: >1)
+        self.sites = sites  # per block, the attention sites inside it
+        self.caller = caller  # who reuses, for the log
         self.calls: dict[int, list[_Call]] = {}
         self.order: dict[int, int] = {}  # block index -> rank of its first call
         self.clean = torch.zeros(())
         self.skipped = 0
+        self.stateful = False  # a call was run for real for an argument that never matches
         # per reused call of the running run, whether its tensors equalled the recorded ones
         self.equal: list[Tensor] = []
         self.compare_first = False  # compare values before reusing a call (and wait for them)
 
     @classmethod
     def build(
-        cls, model: nn.Module, found: list[tuple[str, ObservableAttention]], run: Run
+        cls,
+        model: nn.Module,
+        found: list[tuple[str, ObservableAttention]],
+        run: Run,
+        *,
+        caller: str = "head_importance",
+        log: logging.Logger = logger,
     ) -> PrefixCache | None:
         """Record the clean run and check that reuse reproduces it, or None (reason logged).
 
         ``run(what)`` runs the metric once and returns its scalar (``what`` names the run in
-        errors): the clean run, then a check run reusing every block it can.
+        errors): the clean run, then a check run reusing every block it can. ``caller`` names
+        the user in the reasons logged on ``log``.
         """
         blocks = _blocks(model, found)
         if len(blocks) < 2:
-            logger.info(
-                "head_importance: full forwards for every ablation (the model has %s of "
-                "multihead's layers holding attention: no prefix to reuse)",
+            log.info(
+                "%s: full forwards for every run (the model has %s of multihead's or "
+                "transformers' layers holding attention: no prefix to reuse)",
+                caller,
                 "one" if blocks else "none",
             )
             return None
         if any(_random(b) for b in blocks):
-            logger.warning(
-                "head_importance: full forwards for every ablation (the model is in training "
-                "mode with dropout: no two runs agree); call model.eval() for faster ablation"
+            log.warning(
+                "%s: full forwards for every run (the model is in training mode with dropout: "
+                "no two runs agree); call model.eval() for faster runs",
+                caller,
             )
             return None
+        modules = [_module_of(site) for _, site in found]
         holders = [
-            [i for i, b in enumerate(blocks) if any(m is mha for m in b.modules())]
-            for _, mha in found
+            [i for i, b in enumerate(blocks) if any(m is module for m in b.modules())]
+            for module in modules
         ]
-        cache = cls(blocks, holders)
+        sites = [
+            [site for (_, site), held in zip(found, holders, strict=True) if i in held]
+            for i in range(len(blocks))
+        ]
+        cache = cls(blocks, holders, sites, caller)
         cache.clean = cache._record(run)
         if not cache.order:
-            logger.info("head_importance: full forwards (metric() ran none of the model's layers)")
+            log.info("%s: full forwards (metric() ran none of the model's layers)", caller)
             return None
         last = max(cache.order, key=cache.order.__getitem__)
         try:
@@ -163,6 +246,15 @@ class PrefixCache:
         except Exception as e:  # e.g. metric() reads a forward hook of a skipped layer
             reason = f"the check run raised {type(e).__name__}: {e}"
         else:
+            if cache.skipped == 0 and cache.stateful:
+                # an expected reason, not a mistake: say it quietly
+                log.info(
+                    "%s: full forwards for every run (no layer's arguments matched the recorded "
+                    "run: its layers are called with a cache or another stateful argument; a "
+                    "transformers model runs without one with use_cache=False)",
+                    caller,
+                )
+                return None
             if cache.skipped == 0:
                 reason = "no layer's arguments matched the recorded run"
             elif not cache.agreed():
@@ -171,10 +263,10 @@ class PrefixCache:
                 reason = f"the check run gave {check.item()!r}, the clean {cache.clean.item()!r}"
             else:
                 return cache
-        logger.warning(
-            "head_importance: full forwards for every ablation: reusing recorded layer outputs "
-            "did not reproduce the clean metric (%s); is metric() deterministic, on the same "
-            "inputs every call?",
+        log.warning(
+            "%s: full forwards for every run: reusing recorded layer outputs did not reproduce "
+            "the clean metric (%s); is metric() deterministic, on the same inputs every call?",
+            caller,
             reason,
         )
         return None
@@ -207,15 +299,17 @@ class PrefixCache:
             by_device.setdefault(flag.device, []).append(flag)
         return all(bool(torch.stack(flags).all()) for flags in by_device.values())
 
-    def skipping(self, layer: int) -> Any:
-        """Within the block: one ablation run of ``layer`` reuses the blocks before its own."""
+    def skipping(self, layer: int, copies: int = 1) -> Any:
+        """Within the block: one edited run of ``layer`` reuses the blocks before its own;
+        with ``copies`` > 1 the run stacks that many variants of the recorded input (its
+        batched arguments repeated along the batch, variant-major)."""
         # the first call of a block holding the layer; a layer outside every block (or never
         # run) bounds nothing: a block whose arguments it changed would not match anyway
         never = len(self.order)
         first = min((self.order.get(i, never) for i in self.holders[layer]), default=never)
-        return self._skip_before(first)
+        return self._skip_before(first, copies)
 
-    def _skip_before(self, first: int) -> Any:
+    def _skip_before(self, first: int, copies: int = 1) -> Any:
         """Blocks whose first call ranked below ``first`` hand back their recorded outputs."""
         counts: dict[int, int] = {}
 
@@ -228,19 +322,20 @@ class PrefixCache:
             def forward(*args: Any, **kwargs: Any) -> Any:
                 k = counts.get(index, 0)
                 counts[index] = k + 1
-                if k < len(recorded) and not _observed(block):
+                if k < len(recorded) and not any(map(_has_observers, self.sites[index])):
                     call = recorded[k]
-                    equal: list[Tensor] | None = None if self.compare_first else []
+                    match = _Match(copies, None if self.compare_first else [])
                     if (
                         len(args) == len(call.args)
                         and kwargs.keys() == call.kwargs.keys()
-                        and all(_same(a, b, equal) for a, b in zip(args, call.args, strict=True))
-                        and all(_same(v, call.kwargs[n], equal) for n, v in kwargs.items())
+                        and all(match.same(a, b) for a, b in zip(args, call.args, strict=True))
+                        and all(match.same(v, call.kwargs[n]) for n, v in kwargs.items())
                     ):
-                        self.equal.extend(equal or ())
+                        self.equal.extend(match.equal or ())
                         self.skipped += 1
                         # a copy: whoever receives it may modify it in place
-                        return call.output.clone()
+                        return _copy(call.output, copies if match.tiled else 1)
+                    self.stateful = self.stateful or match.stateful
                 return real(block, *args, **kwargs)
 
             return forward
@@ -279,9 +374,10 @@ class _patched:
 
 
 def _blocks(model: nn.Module, found: list[tuple[str, ObservableAttention]]) -> list[nn.Module]:
-    """The multihead layers that hold the attention modules (the nearest one above each).
+    """The layers that hold the attention modules (the nearest one above each): multihead's
+    own, or transformers' (:func:`_transformers_layer`).
 
-    Only layers whose class keeps the library's own forward count (a subclass that overrides
+    Only layers whose class keeps its library's own forward count (a subclass that overrides
     it may keep state); none may hold another.
     """
     modules = dict(model.named_modules())
@@ -292,8 +388,13 @@ def _blocks(model: nn.Module, found: list[tuple[str, ObservableAttention]]) -> l
             candidate = modules.get(".".join(parts[:cut]))
             if (
                 candidate is not None
-                and isinstance(candidate, (TransformerEncoderLayer, TransformerDecoderLayer))
-                and type(candidate).forward in _PURE_FORWARDS
+                and (
+                    (
+                        isinstance(candidate, _PURE_CLASSES)
+                        and type(candidate).forward in _PURE_FORWARDS
+                    )
+                    or _transformers_layer(candidate)
+                )
                 and "forward" not in vars(candidate)  # not patched on the instance
             ):
                 if not any(candidate is b for b in blocks):
@@ -303,3 +404,14 @@ def _blocks(model: nn.Module, found: list[tuple[str, ObservableAttention]]) -> l
         if any(other is not b and any(m is other for m in b.modules()) for other in blocks):
             return []  # nested layers: a skipped outer layer would hide an inner one
     return blocks
+
+
+def _transformers_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer transformers itself defines as recomputable from its
+    arguments (a ``GradientCheckpointingLayer`` of its own: what activation checkpointing
+    reruns), told without importing transformers."""
+    cls = type(module)
+    return cls.__module__.startswith("transformers.") and any(
+        c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers.")
+        for c in cls.__mro__
+    )

@@ -103,7 +103,7 @@ def load_text_model(
     resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
     if dir_or_name is None:
         return _default(where, dtype, backend)
-    given, directory, name = _locate(dir_or_name, cache_dir)
+    given, directory, name = locate_model(dir_or_name, cache_dir)
     return _load(directory, given, name, backend, where, dtype)
 
 
@@ -217,8 +217,14 @@ def _looks_like_path(given: str) -> bool:
     )
 
 
-def _locate(dir_or_name: Any, cache_dir: str | None) -> tuple[str, Path, str]:
-    """(the name or path as given, the directory, the model's name)."""
+def locate_model(dir_or_name: Any, cache_dir: str | None = None) -> tuple[str, Path, str]:
+    """(the name or path as given, the directory, the model's name) of a local model directory
+    or a name in the local Hugging Face cache (never downloaded).
+
+    Raises:
+        TypeError: not a str or path. FileNotFoundError: neither a directory nor a cached name.
+        NotADirectoryError: a file. ImportError: a name, and transformers is not installed.
+    """
     if not isinstance(dir_or_name, (str, os.PathLike)):
         raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
     given = os.fspath(dir_or_name)

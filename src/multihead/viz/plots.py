@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["grid_figure", "head_figure", "importance_figure", "save_figure"]
+__all__ = ["grid_figure", "head_figure", "importance_figure", "effects_figure", "save_figure"]
 
 # Above this many tokens the grid's small cells drop their token labels (unreadable anyway).
 _GRID_LABEL_LIMIT = 40
@@ -355,6 +355,64 @@ def importance_figure(
     ax.set_yticks(range(n_layers), [str(layer) for layer in layers])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label=label)
+    fig.tight_layout()
+    return fig
+
+
+@drawn_with_fonts
+def effects_figure(
+    effects: Tensor,
+    rows: Sequence[str],
+    columns: Sequence[str],
+    *,
+    title: str,
+    label: str = "effect",
+    xlabel: str = "",
+    ylabel: str = "",
+) -> Figure:
+    """A heatmap of signed scores, one per row × column (e.g. activation patching's (L, H), or
+    the top heads × positions), on a diverging scale centred on 0 (blue below, red above);
+    cells labelled with their values when there are at most 24 columns, columns labelled
+    when there are at most 40 (the grid's rule for token labels).
+
+    Args:
+        effects: (R, C) scores; NaN cells (not computed) are drawn blank.
+        rows, columns: the R row and C column labels (tokens are escaped for mathtext).
+        title: the figure's title; label: the colour bar's; xlabel, ylabel: the axes'.
+    """
+    w = _check_weights(effects, 2, "(R, C)")
+    n_rows, n_cols = w.shape
+    if len(rows) != n_rows or len(columns) != n_cols:
+        raise ValueError(
+            f"rows and columns must label the {n_rows} × {n_cols} scores, got {len(rows)} and "
+            f"{len(columns)}"
+        )
+    cell = 0.55 if n_cols <= 24 else 0.28
+    fig = new_figure(1.6 + cell * n_cols + 1.2, 1.3 + 0.42 * n_rows)
+    ax = fig.add_subplot()
+    finite = w[torch.isfinite(w)]
+    top = max(float(finite.abs().max()), 1e-12) if finite.numel() else 1.0
+    cmap = matplotlib_module().colormaps["RdBu_r"].with_extremes(bad="white")
+    image = ax.imshow(w.numpy(), cmap=cmap, vmin=-top, vmax=top, aspect="auto")
+    if n_cols <= 24:
+        for i in range(n_rows):
+            for j in range(n_cols):
+                value = float(w[i, j])
+                if value == value:  # not NaN
+                    text = f"{value:.2f}" if abs(value) < 10 else f"{value:.0f}"
+                    dark = abs(value) > 0.6 * top
+                    ax.text(j, i, text, ha="center", va="center", fontsize=6,
+                            color="white" if dark else "black")  # fmt: skip
+    labelled = n_cols <= _GRID_LABEL_LIMIT
+    ax.set_xticks(
+        range(n_cols) if labelled else [], [plain_text(c) for c in columns] if labelled else []
+    )
+    ax.tick_params(axis="x", labelrotation=90 if labelled and n_cols > 12 else 0, labelsize=7)
+    ax.set_yticks(range(n_rows), [plain_text(r) for r in rows], fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, label=label)
     fig.tight_layout()

@@ -1,0 +1,219 @@
+"""Activation and attribution patching on a Llama-shaped model: what stacking variants buys.
+
+Two ratios on a tiny-random ``LlamaForCausalLM`` (4 layers, width 512, 8 query heads on 2
+key/value heads, vocabulary 32,000; B = 4 sequences of T = 64 tokens), through the bridge
+(``attn_implementation="multihead"``), with the metric the last position's logit difference:
+
+- ``patch_heads(per_position=True)`` (every head at every position: L·H·T = 2,048 patches, the
+  variants stacked along the batch, the blocks before the patched layer reused) ÷ the naive
+  loop, one forward per patch (what TransformerLens's patching functions do; here
+  ``record_heads`` once and ``intervene`` per patch). Target ≥ 5× faster. The naive loop is
+  timed on ``--naive-patches`` patches (spread over every layer, head and position) and scaled
+  to all 2,048; those patches' values must equal ``patch_heads``' (printed: the largest
+  difference).
+- ``attribution_patching(per_position=True)`` (two forwards and one backward) ÷ one plain
+  forward of the same batch under ``torch.no_grad()``. Target ≤ 5×.
+
+Each measure is the median of ``--rounds`` rounds (wall clock; on a GPU with a synchronisation
+around each call). ``--quick`` runs a small model (2 layers, width 64, 4 heads on 2, T = 16,
+B = 2, vocabulary 100) in seconds, for the smoke test.
+
+Run:  python benchmarks/bench_patch.py [--rounds 3] [--naive-patches 128] [--device cuda]
+      [--dtype bfloat16] [--quick] [--results-dir DIR]
+Writes benchmarks/results/patch.json (patch_gpu.json on a GPU; _quick with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import format_table, machine_info, write_json
+
+import multihead
+
+TARGETS = {"patch_heads, every head and position": 1 / 5, "attribution_patching": 5.0}
+
+FULL = {"layers": 4, "width": 512, "heads": 8, "kv_heads": 2, "vocab": 32000, "T": 64, "B": 4}
+QUICK = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "vocab": 100, "T": 16, "B": 2}
+
+
+def build(shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> Any:
+    """A tiny-random Llama of ``shape`` (seeded), on the bridge, in eval mode."""
+    import transformers
+
+    import multihead.hf  # noqa: F401  (registers "multihead")
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["width"],
+        intermediate_size=shape["width"] * 11 // 4,
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max(128, shape["T"]),
+        attn_implementation="multihead",
+    )
+    return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call, the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def naive_patches(
+    model: Any,
+    clean: torch.Tensor,
+    corrupt: torch.Tensor,
+    metric: Callable[[Any], torch.Tensor],
+    patches: list[tuple[int, int, int]],
+) -> dict[tuple[int, int, int], float]:
+    """One forward per patch: corrupt with head (l, h) at position t from clean (denoising)."""
+    layers = sorted({layer for layer, _, _ in patches})
+    heads = sorted({head for _, head, _ in patches})
+    out = {}
+    with torch.no_grad():
+        base = metric(model(corrupt, use_cache=False)).mean()
+        keys = [(layer, head) for layer in layers for head in heads]
+        with multihead.record_heads(model, keys) as clean_rec:
+            model(clean, use_cache=False)
+        with multihead.record_heads(model, keys) as corrupt_rec:
+            model(corrupt, use_cache=False)
+        for layer, head, t in patches:
+            patch = corrupt_rec[(layer, head)].clone()
+            patch[:, t] = clean_rec[(layer, head)][:, t]
+            with multihead.intervene(model, {(layer, head): patch}):
+                value = metric(model(corrupt, use_cache=False)).mean() - base
+            out[(layer, head, t)] = float(value)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--naive-patches", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default float32 (CPU), bfloat16 (GPU)")
+    parser.add_argument("--quick", action="store_true", help="a small model, seconds")
+    parser.add_argument("--results-dir", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    shape = QUICK if args.quick else FULL
+    rounds = 1 if args.quick else args.rounds
+    model = build(shape, device, dtype)
+    generator = torch.Generator().manual_seed(0)
+    clean = torch.randint(shape["vocab"], (shape["B"], shape["T"]), generator=generator)
+    corrupt = clean.clone()
+    corrupt[:, shape["T"] // 2] = torch.randint(shape["vocab"], (shape["B"],), generator=generator)
+    clean, corrupt = clean.to(device), corrupt.to(device)
+    right, wrong = 1, 2
+
+    def metric(output: Any) -> torch.Tensor:
+        logits = output.logits[:, -1].float()
+        return logits[:, right] - logits[:, wrong]
+
+    every = shape["layers"] * shape["heads"] * shape["T"]
+    step = max(1, every // max(1, args.naive_patches))
+    patches = [
+        (i // (shape["heads"] * shape["T"]), i // shape["T"] % shape["heads"], i % shape["T"])
+        for i in range(0, every, step)
+    ][: args.naive_patches]
+
+    def patch() -> torch.Tensor:
+        return multihead.patch_heads(model, clean, corrupt, metric, per_position=True)
+
+    def attribute() -> torch.Tensor:
+        return multihead.attribution_patching(model, clean, corrupt, metric, per_position=True)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(corrupt, use_cache=False)
+
+    naive_values: dict[tuple[int, int, int], float] = {}
+
+    def naive() -> None:
+        naive_values.update(naive_patches(model, clean, corrupt, metric, patches))
+
+    times: dict[str, list[float]] = {"patch": [], "naive": [], "attribute": [], "forward": []}
+    effects = patch()  # warm-up, and the values compared
+    attribute()
+    forward()
+    for _ in range(rounds):  # interleaved, so that a busy moment hits every contender
+        times["patch"].append(timed(patch, device))
+        times["naive"].append(timed(naive, device))
+        times["attribute"].append(timed(attribute, device))
+        times["forward"].append(timed(forward, device))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    naive_all = median["naive"] / len(patches) * every
+    difference = max(abs(float(effects[k]) - v) for k, v in naive_values.items())
+    scale = max(abs(v) for v in naive_values.values())
+    rows = [
+        [
+            "patch_heads, every head and position",
+            f"{median['patch'] * 1e3:.1f}",
+            f"{naive_all * 1e3:.1f}",
+            f"naive loop, {every} forwards ({len(patches)} timed)",
+            f"{median['patch'] / naive_all:.3f}x",
+            f"{naive_all / median['patch']:.1f}x faster",
+            ">= 5x faster",
+        ],
+        [
+            "attribution_patching",
+            f"{median['attribute'] * 1e3:.1f}",
+            f"{median['forward'] * 1e3:.1f}",
+            "1 forward",
+            f"{median['attribute'] / median['forward']:.2f}x",
+            "-",
+            "<= 5x",
+        ],
+    ]
+    headers = ["measure", "ms", "baseline ms", "baseline", "ratio", "speed-up", "target"]
+    print(format_table(headers, rows))
+    print(
+        f"\nlargest |patch_heads - naive| over the {len(patches)} timed patches: {difference:.2e} "
+        f"(largest effect {scale:.2e}); {shape}; {dtype}"
+    )
+    info = machine_info()
+    where = info["gpu"]["name"] if gpu else f"{info['cpu']}, {torch.get_num_threads()} threads"
+    print(f"{where}, torch {info['torch']}; {rounds} rounds (median)")
+    name = ("patch_gpu" if gpu else "patch") + ("_quick" if args.quick else "")
+    path = write_json(
+        name,
+        {
+            "machine": info,
+            "shape": shape,
+            "dtype": str(dtype),
+            "rounds": rounds,
+            "patches_timed": len(patches),
+            "patches": every,
+            "seconds": times,
+            "naive_all_seconds": naive_all,
+            "ratio_patch_to_naive": median["patch"] / naive_all,
+            "ratio_attribution_to_forward": median["attribute"] / median["forward"],
+            "max_abs_difference": difference,
+            "targets": TARGETS,
+        },
+        directory=None if args.results_dir is None else Path(args.results_dir),
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

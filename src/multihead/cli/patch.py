@@ -1,0 +1,424 @@
+"""``multihead patch``: which heads carry a behaviour? Activation patching from the command line.
+
+    multihead patch --checkpoint runs/induction          # the built-in induction pair
+    multihead patch --model DIR --clean "The Eiffel Tower is in" \\
+        --corrupt "The Colosseum is in" --answer " Paris" --wrong " Rome"
+
+The command parses, builds the inputs and the metric, calls :func:`multihead.patch_heads` (and
+:func:`multihead.attribution_patching` beside it), prints the heads that matter most and writes
+an (L × H) heatmap, a heads × positions map of the top heads and a page (the clean text's
+attention, with each head's patching effect in the table's importance column). Errors are one
+line and exit code 2 (``multihead.cli.main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import multihead
+from multihead.cli.common import CLIError, print_warnings, printable, status
+from multihead.devices import DTYPES, resolve_device
+from multihead.models import TransformerLM
+from multihead.pretrained.text_loader import locate_model, read_tokenizer
+from multihead.tokenization import prepare_tokenizer, tokenize
+from multihead.training import load_run
+from multihead.training.induction_pair import induction_pair
+from multihead.viz.formats import FORMATS, check_formats, check_output_dir
+from multihead.viz.page import write_page
+from multihead.viz.plots import effects_figure, save_figure
+
+__all__ = ["register", "run"]
+
+_DEFAULT_FORMATS = ",".join(FORMATS)
+_DIRECTIONS = ("denoise", "noise")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``patch`` subcommand."""
+    p = subparsers.add_parser(
+        "patch",
+        help="find the heads that carry a behaviour by activation patching",
+        description=(
+            "Run a clean and a corrupt input through a causal LM, patch each head's output "
+            "from one run into the other (activation patching, docs/circuits.md), print the "
+            "heads whose patch moves the metric most and write an (L x H) heatmap, a heads x "
+            "positions map of the top heads and a page. The metric is the answer's logit minus "
+            "the wrong token's at the last position (its log-probability without --wrong); for "
+            "an induction run without texts, the mean log-probability of the repeated tokens on "
+            "a built-in pair (the repeat's first occurrence resampled)."
+        ),
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--checkpoint",
+        metavar="RUN",
+        help="a run of 'multihead train' (its directory or a checkpoints/step-N directory)",
+    )
+    where.add_argument(
+        "--model",
+        metavar="DIR_OR_NAME",
+        help="a Hugging Face causal LM directory (config.json, weights, tokenizer.json) or a "
+        "name in the local Hugging Face cache, read from local files only (extra hf)",
+    )
+    p.add_argument("--clean", metavar="TEXT", help="the input on which the model does it")
+    p.add_argument(
+        "--corrupt", metavar="TEXT", help="the input on which it does not (as many tokens)"
+    )
+    p.add_argument("--answer", metavar="TOKEN", help="the token the clean input should predict")
+    p.add_argument(
+        "--wrong", metavar="TOKEN", help="the token the corrupt input predicts (logit difference)"
+    )
+    p.add_argument(
+        "--direction",
+        choices=_DIRECTIONS,
+        default="denoise",
+        help="denoise (default): run corrupt with one head from clean (is the head enough?); "
+        "noise: run clean with one head from corrupt (is the head needed?)",
+    )
+    p.add_argument(
+        "--top", type=int, default=5, metavar="K", help="heads to list and map (default 5)"
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model runs: 'auto' (default: the local GPU if any), 'cpu', 'cuda:0'",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="the weights' dtype (default: the model's own; float32 on the CPU for half types)",
+    )
+    p.add_argument(
+        "--out", default="patching", metavar="DIR", help="where to write (default ./patching/)"
+    )
+    p.add_argument(
+        "--format",
+        default=_DEFAULT_FORMATS,
+        metavar="LIST",
+        help=f"comma-separated, any of {', '.join(FORMATS)} (default: {_DEFAULT_FORMATS})",
+    )
+    p.set_defaults(func=run)
+
+
+@dataclass
+class _Experiment:
+    """What ``patch_heads`` needs, and how to show it."""
+
+    model: Any
+    name: str
+    clean: Any
+    corrupt: Any
+    metric: Callable[[Any], Any]
+    describe: str  # the metric, in words
+    tokens: list[str]  # the clean input's first sequence, for labels
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``multihead patch``; returns the exit code."""
+    formats = check_formats("--format", args.format)
+    names = [f"{stem}.{f}" for stem in ("heads", "positions") for f in formats if f != "html"]
+    out = check_output_dir("--out", args.out, [*names, *(["patching.html"] * ("html" in formats))])
+    if args.top < 1:
+        raise CLIError(f"--top must be a positive number of heads, got {args.top}")
+    texts = (args.clean, args.corrupt, args.answer)
+    if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
+        raise CLIError("--clean, --corrupt and --answer go together: give all three")
+
+    with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        device = resolve_device(args.device)
+        experiment = (
+            _from_checkpoint(args, device) if args.checkpoint else _from_model_dir(args, device)
+        )
+    print_warnings(caught)
+
+    model = experiment.model
+    with status("Patching…"), torch.no_grad():
+        clean_value = float(_mean(experiment.metric(_run(model, experiment.clean))))
+        corrupt_value = float(_mean(experiment.metric(_run(model, experiment.corrupt))))
+    with status("Patching…"):
+        effects = multihead.patch_heads(
+            model, experiment.clean, experiment.corrupt, experiment.metric,
+            direction=args.direction,
+        )  # fmt: skip
+        estimates = multihead.attribution_patching(
+            model, experiment.clean, experiment.corrupt, experiment.metric,
+            direction=args.direction,
+        )  # fmt: skip
+        n_heads = effects.shape[1]
+        flat = effects.flatten().nan_to_num(0.0)
+        order = flat.abs().argsort(descending=True)[: args.top].tolist()
+        top = [(i // n_heads, i % n_heads) for i in order]
+        positions = multihead.patch_heads(
+            model, experiment.clean, experiment.corrupt, experiment.metric,
+            direction=args.direction, per_position=True, heads=top,
+        )  # fmt: skip
+    _report(experiment, args.direction, clean_value, corrupt_value, effects, estimates, top)
+
+    with status("Drawing…"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paths = _write(experiment, args.direction, effects, positions, top, out, formats)
+    print_warnings(caught)
+    print()
+    print("Wrote:")
+    for path in paths:
+        print(f"  {printable(os.fspath(path))}")
+    return 0
+
+
+def _run(model: Any, inputs: Any) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def _mean(value: Any) -> Any:
+    return value.float().mean()
+
+
+def _logits(output: Any) -> Any:
+    return output if not hasattr(output, "logits") else output.logits
+
+
+def _last_token_metric(answer: int, wrong: int | None) -> Callable[[Any], Any]:
+    def metric(output: Any) -> Any:
+        logits = _logits(output)[:, -1].float()  # (B, V) at the last position
+        if wrong is None:
+            return logits.log_softmax(-1)[:, answer]
+        return logits[:, answer] - logits[:, wrong]
+
+    return metric
+
+
+def _last_token_words(answer: str, wrong: str | None) -> str:
+    if wrong is None:
+        return f"log-probability of {answer!r} at the last position"
+    return f"logit of {answer!r} minus {wrong!r} at the last position"
+
+
+def _from_checkpoint(args: argparse.Namespace, device: Any) -> _Experiment:
+    path = Path(args.checkpoint)
+    info = TransformerLM.read_config(path).get("task")
+    name = printable(path.resolve().name)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if isinstance(info, dict) and info.get("name") == "induction":
+        model = TransformerLM.load(path, device=device).to(dtype=dtype).eval()
+        seq_len = int(info["seq_len"])
+        if args.clean is None:
+            pair = induction_pair(seq_len)
+
+            def metric(output: Any) -> Any:
+                return pair.metric(_logits(output))
+
+            n, s1, s2 = pair.layout
+            return _Experiment(
+                model,
+                name,
+                pair.clean.to(device),
+                pair.corrupt.to(device),
+                metric,
+                f"mean log-probability of the repeated tokens ({pair.clean.shape[0]} sequences "
+                f"of {seq_len} tokens, a segment of {n} at {s1} repeated at {s2}, its first "
+                f"occurrence resampled in corrupt)",
+                [str(int(i)) for i in pair.clean[0]],
+            )
+        vocab = model.config.vocab_size
+
+        def encode(flag: str, text: str) -> list[int]:
+            try:
+                ids = [int(t) for t in text.split()]
+            except ValueError:
+                ids = []
+            if not ids or not all(0 <= i < vocab for i in ids):
+                raise CLIError(
+                    f"{flag} must be token ids of the induction task (space-separated, 0 to "
+                    f"{vocab - 1}), got {text!r}"
+                )
+            return ids
+
+    else:
+        model, task = load_run(path)
+        model = model.to(device=device, dtype=dtype).eval()
+        if args.clean is None:
+            raise CLIError(
+                "--clean, --corrupt and --answer are needed: the built-in pair serves induction "
+                "runs only"
+            )
+
+        def encode(flag: str, text: str) -> list[int]:
+            try:
+                return task.encode(text)
+            except ValueError as e:
+                raise CLIError(f"{flag}: {e}") from None
+
+    clean, corrupt = encode("--clean", args.clean), encode("--corrupt", args.corrupt)
+    _same_length(len(clean), len(corrupt))
+    answer = _one(encode("--answer", args.answer), "--answer", args.answer)
+    wrong = None
+    if args.wrong is not None:
+        wrong = _one(encode("--wrong", args.wrong), "--wrong", args.wrong)
+    return _Experiment(
+        model,
+        name,
+        torch.tensor([clean], device=device),
+        torch.tensor([corrupt], device=device),
+        _last_token_metric(answer, wrong),
+        _last_token_words(args.answer, args.wrong),
+        args.clean.split(),
+    )
+
+
+def _from_model_dir(args: argparse.Namespace, device: Any) -> _Experiment:
+    if args.clean is None:
+        raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
+    try:
+        from multihead.hf.loading import load_model
+    except ImportError as e:
+        raise CLIError(f"--model needs transformers: {e}") from None
+    given, directory, name = locate_model(args.model)
+    tokenizer = read_tokenizer(directory, given)
+    model = load_model(directory, given=given, device=device, dtype=args.dtype, causal_lm=True)
+    clean = tokenizer.encode(args.clean).ids
+    corrupt = tokenizer.encode(args.corrupt).ids
+    _same_length(len(clean), len(corrupt))
+
+    def token(flag: str, text: str) -> int:
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        if len(ids) != 1:
+            raise CLIError(
+                f"{flag} must be one token of the model's vocabulary, got {text!r}: "
+                f"{len(ids)} tokens {encoding.tokens} (a word after a "
+                f"space is often its own token with the space: try {' ' + text.strip()!r})"
+            )
+        return int(ids[0])
+
+    answer = token("--answer", args.answer)
+    wrong = None if args.wrong is None else token("--wrong", args.wrong)
+    return _Experiment(
+        model,
+        printable(name),
+        torch.tensor([clean], device=device),
+        torch.tensor([corrupt], device=device),
+        _last_token_metric(answer, wrong),
+        _last_token_words(args.answer, args.wrong),
+        # the clean text's tokens shown as the text writes them (the text floor's one rule)
+        [
+            printable(t)
+            for t in tokenize(
+                prepare_tokenizer(tokenizer, pad_id=0), args.clean, max_seq_length=len(clean)
+            ).tokens[0]
+        ],
+    )
+
+
+def _same_length(clean: int, corrupt: int) -> None:
+    if clean != corrupt:
+        raise CLIError(
+            f"--clean and --corrupt must have as many tokens, got {clean} and {corrupt}: "
+            f"patching replaces a head's output position by position"
+        )
+
+
+def _one(ids: list[int], flag: str, text: str) -> int:
+    if len(ids) != 1:
+        raise CLIError(f"{flag} must be one token, got {text!r} ({len(ids)} tokens)")
+    return ids[0]
+
+
+def _report(
+    experiment: _Experiment,
+    direction: str,
+    clean: float,
+    corrupt: float,
+    effects: Any,
+    estimates: Any,
+    top: list[tuple[int, int]],
+) -> None:
+    layers, heads = effects.shape
+    print(f"{experiment.name}: {layers} layers x {heads} heads; metric: {experiment.describe}")
+    print(f"  clean {clean:.3f}   corrupt {corrupt:.3f}   (clean - corrupt {clean - corrupt:.3f})")
+    print()
+    what = (
+        "corrupt run, one head's output from the clean run"
+        if direction == "denoise"
+        else "clean run, one head's output from the corrupt run"
+    )
+    print(f"Heads that move the metric most ({direction}: {what}):")
+    print(f"  {'head':8s}{'patched - unpatched':>22s}{'attribution estimate':>24s}")
+    for layer, head in top:
+        effect, estimate = float(effects[layer, head]), float(estimates[layer, head])
+        print(f"  L{layer} H{head:<5d}{effect:>22.3f}{estimate:>24.3f}")
+
+
+def _write(
+    experiment: _Experiment,
+    direction: str,
+    effects: Any,
+    positions: Any,
+    top: list[tuple[int, int]],
+    out: Path,
+    formats: list[str],
+) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    label = f"metric change ({direction})"
+    layers, heads = effects.shape
+    figures = {
+        "heads": effects_figure(
+            effects,
+            [str(i) for i in range(layers)],
+            [str(h) for h in range(heads)],
+            title=f"Activation patching ({direction}): {experiment.name}",
+            label=label,
+            xlabel="head",
+            ylabel="layer",
+        ),
+        "positions": effects_figure(
+            positions[[layer for layer, _ in top], [head for _, head in top]],
+            [f"L{layer} H{head}" for layer, head in top],
+            experiment.tokens,
+            title=f"Top heads, patched one position at a time ({direction})",
+            label=label,
+            xlabel="position (the clean input's first sequence)",
+        ),
+    }
+    paths = [
+        save_figure(fig, out / f"{stem}.{fmt}")
+        for stem, fig in figures.items()
+        for fmt in formats
+        if fmt != "html"
+    ]
+    if "html" in formats:
+        paths.append(_page(experiment, direction, effects, out / "patching.html"))
+    return paths
+
+
+def _page(experiment: _Experiment, direction: str, effects: Any, path: Path) -> Path:
+    """The page of the clean input's first sequence (weights, roles), each head's patching
+    effect in the table's importance column."""
+    clean = experiment.clean
+    first = (
+        {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in clean.items()}
+        if isinstance(clean, dict)
+        else clean[:1]
+    )
+    with torch.no_grad(), multihead.capture(experiment.model) as rec:
+        _run(experiment.model, first)
+    weights = torch.stack([w[0] for w in rec.weights])  # (L, H, T, T)
+    stats = multihead.head_statistics(experiment.model, first)
+    return write_page(
+        path,
+        weights.float(),
+        experiment.tokens,
+        statistics=stats,
+        importance=effects.nan_to_num(0.0).float(),
+        title=f"Activation patching: {experiment.name}",
+        subtitle=f"importance column: {direction} patching effect on the {experiment.describe}",
+        causal=True,
+    )

@@ -1,0 +1,234 @@
+"""The two inputs a patching experiment compares, run alone or stacked, and the metric on them.
+
+Activation patching, attribution patching and direct logit attribution run a model on inputs
+the user gives as the model takes them: a tensor of token ids (B, T) (the model's first
+positional argument, batch first), or a dict of keyword arguments (``input_ids``,
+``attention_mask``, ...). :class:`InputPair` checks a clean and a corrupt input against each
+other (the same kind, keys and shapes) and runs the model on either, or on ``n`` copies of one
+stacked along the batch (variant-major: rows ``i·B … (i+1)·B - 1`` are variant i), which is how
+:func:`~multihead.observe.patching.patch_heads` runs many patched variants in one forward.
+
+A metric takes the model's output and returns a scalar tensor (a (B,) tensor is averaged).
+On a stacked run it is called once per variant on that variant's own output
+(:func:`split_output`: every tensor of the output cut to the variant's rows), so it sees
+exactly what an unstacked run returns.
+
+Shapes: B batch, T tokens, n stacked variants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from multihead._checks import describe
+
+__all__ = ["InputPair", "Metric", "metric_value", "run_model", "split_output"]
+
+# metric(output) -> () or (B,) floating tensor
+Metric = Callable[[Any], Tensor]
+
+_KINDS = "a tensor of token ids (B, T) or a dict of keyword arguments for the model"
+
+
+def _batched(name: str, value: object) -> Tensor | dict[str, Any]:
+    """One input, checked: a tensor with a batch dimension, or a str-keyed dict holding one."""
+    if isinstance(value, Tensor):
+        if value.dim() == 0:
+            raise ValueError(f"{name} must be {_KINDS}, got a 0-d tensor")
+        return value
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{name} must have str keys (the model's keyword arguments)")
+        if not any(isinstance(v, Tensor) and v.dim() > 0 for v in value.values()):
+            raise ValueError(f"{name} must hold at least one tensor with a batch dimension")
+        return dict(value)
+    raise TypeError(f"{name} must be {_KINDS}, got {type(value).__name__} {describe(value)}")
+
+
+def _batch_size(value: Tensor | dict[str, Any]) -> int:
+    if isinstance(value, Tensor):
+        return value.shape[0]
+    return next(v.shape[0] for v in value.values() if isinstance(v, Tensor) and v.dim() > 0)
+
+
+def _tile(value: Any, copies: int, batch: int) -> Any:
+    """A tensor whose first dimension is the batch repeated ``copies`` times (variant-major);
+    anything else (a shared (1, T) tensor, a flag) as it is."""
+    if copies == 1 or not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    if value.shape[0] != batch:
+        return value
+    return value.repeat(copies, *(1,) * (value.dim() - 1))
+
+
+class InputPair:
+    """A clean and a corrupt input of one model, checked to match.
+
+    Args:
+        model: the model both run through.
+        clean, corrupt: token ids (B, T) (any tensor the model takes first, batch first), or
+            dicts of keyword arguments; both of one kind, with the same keys, the same shapes
+            and dtypes, and equal non-tensor values.
+
+    A model whose ``forward`` takes ``use_cache`` (a transformers model) is run with
+    ``use_cache=False`` unless the inputs say otherwise: no run here needs a cache, and a
+    stacked run's cache would hold every variant's keys and values.
+
+    Raises:
+        TypeError: an input of another kind, or the two of different kinds.
+        ValueError: shapes, dtypes, keys or values that differ (naming the first difference).
+    """
+
+    def __init__(self, model: nn.Module, clean: object, corrupt: object) -> None:
+        self.model = model
+        self.clean = _batched("clean", clean)
+        self.corrupt = _batched("corrupt", corrupt)
+        _check_alike(self.clean, self.corrupt)
+        self.batch = _batch_size(self.clean)
+        self.extra = _cache_off(model, self.clean)
+
+    def pick(self, direction: str) -> tuple[Tensor | dict[str, Any], Tensor | dict[str, Any]]:
+        """(source, target) of a patch: ``"denoise"`` runs corrupt with clean's activations,
+        ``"noise"`` runs clean with corrupt's."""
+        return (self.clean, self.corrupt) if direction == "denoise" else (self.corrupt, self.clean)
+
+    def run(self, inputs: Tensor | dict[str, Any], copies: int = 1) -> Any:
+        """The model's output on ``inputs``, or on ``copies`` of them stacked along the batch."""
+        return _call(self.model, inputs, self.extra, copies, self.batch)
+
+
+def run_model(model: nn.Module, inputs: object, name: str = "inputs") -> tuple[Any, int]:
+    """(the model's output, B) for one input of the kinds :class:`InputPair` takes (checked
+    and named ``name`` in errors), run without a cache as there."""
+    checked = _batched(name, inputs)
+    return _call(model, checked, _cache_off(model, checked), 1, 1), _batch_size(checked)
+
+
+def _cache_off(model: nn.Module, inputs: Tensor | dict[str, Any]) -> dict[str, Any]:
+    """``{"use_cache": False}`` for a model whose forward takes it, unless the inputs set it."""
+    try:
+        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    given = inputs.keys() if isinstance(inputs, dict) else ()
+    return {"use_cache": False} if takes_cache and "use_cache" not in given else {}
+
+
+def _call(
+    model: nn.Module,
+    inputs: Tensor | dict[str, Any],
+    extra: dict[str, Any],
+    copies: int,
+    batch: int,
+) -> Any:
+    if isinstance(inputs, Tensor):
+        return model(_tile(inputs, copies, batch), **extra)
+    return model(**{k: _tile(v, copies, batch) for k, v in inputs.items()}, **extra)
+
+
+def _check_alike(clean: Tensor | dict[str, Any], corrupt: Tensor | dict[str, Any]) -> None:
+    if isinstance(clean, Tensor) != isinstance(corrupt, Tensor):
+        raise TypeError(
+            f"clean and corrupt must be of one kind (both tensors or both dicts), got "
+            f"{type(clean).__name__} and {type(corrupt).__name__}"
+        )
+    if isinstance(clean, Tensor):
+        assert isinstance(corrupt, Tensor)
+        pairs: list[tuple[str, Any, Any]] = [("", clean, corrupt)]
+    else:
+        assert isinstance(corrupt, dict)
+        if clean.keys() != corrupt.keys():
+            raise ValueError(
+                f"clean and corrupt must have the same keys, got {sorted(clean)} and "
+                f"{sorted(corrupt)}"
+            )
+        pairs = [(f"[{k!r}]", clean[k], corrupt[k]) for k in clean]
+    for where, a, b in pairs:
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            if a.shape != b.shape:
+                raise ValueError(
+                    f"clean{where} and corrupt{where} must have the same shape, got "
+                    f"{tuple(a.shape)} and {tuple(b.shape)}"
+                )
+            if a.dtype != b.dtype or a.device != b.device:
+                raise ValueError(
+                    f"clean{where} and corrupt{where} must have the same dtype and device, got "
+                    f"{a.dtype} on {a.device} and {b.dtype} on {b.device}"
+                )
+        elif isinstance(a, Tensor) or isinstance(b, Tensor) or a != b:
+            raise ValueError(
+                f"clean{where} and corrupt{where} must be equal where they are not tensors, got "
+                f"{describe(a)} and {describe(b)}"
+            )
+
+
+def metric_value(metric: Metric, output: Any, batch: int, what: str) -> Tensor:
+    """``metric(output)`` as a () tensor: a (B,) result averaged (``what`` names the run)."""
+    value = metric(output)
+    if (
+        not isinstance(value, Tensor)
+        or not value.is_floating_point()
+        or not (value.dim() == 0 or value.shape == (batch,) or value.numel() == 1)
+    ):
+        raise ValueError(
+            f"metric must return a scalar floating point tensor (or one per example, "
+            f"({batch},), which is averaged), got {_describe(value)} ({what})"
+        )
+    return value.mean() if value.dim() and value.numel() > 1 else value.reshape(())
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def split_output(stacked: Any, single: Any, copies: int) -> list[Any]:
+    """The outputs of ``copies`` stacked variants, one each, shaped like ``single`` (the
+    output of one unstacked run): every tensor whose first dimension is ``copies`` times
+    ``single``'s is cut into its variants' rows (views, no copies); a tensor of ``single``'s
+    own shape (not batched), and anything that is not a tensor, tuple, list, dict or dataclass,
+    is handed to every variant as it is.
+
+    Raises:
+        ValueError: a tensor whose shape is neither ``single``'s nor ``copies`` times it.
+    """
+    if copies == 1:
+        return [stacked]
+    if isinstance(stacked, Tensor) and isinstance(single, Tensor):
+        if stacked.shape == single.shape:
+            return [stacked] * copies
+        if single.dim() and stacked.shape == (copies * single.shape[0], *single.shape[1:]):
+            return list(stacked.unflatten(0, (copies, single.shape[0])).unbind(0))
+        raise ValueError(
+            f"cannot split the model's stacked output per variant: a tensor of shape "
+            f"{tuple(stacked.shape)} where one run gives {tuple(single.shape)}"
+        )
+    if dataclasses.is_dataclass(stacked) and not isinstance(stacked, type):
+        names = [f.name for f in dataclasses.fields(stacked) if f.init]
+        parts = {
+            n: split_output(getattr(stacked, n), getattr(single, n, None), copies) for n in names
+        }
+        return [
+            dataclasses.replace(stacked, **{n: parts[n][i] for n in names}) for i in range(copies)
+        ]
+    if isinstance(stacked, Mapping) and isinstance(single, Mapping):
+        split = {k: split_output(v, single.get(k), copies) for k, v in stacked.items()}
+        kind: Any = type(stacked)
+        return [kind({k: s[i] for k, s in split.items()}) for i in range(copies)]
+    if isinstance(stacked, (tuple, list)) and isinstance(single, (tuple, list)):
+        if len(stacked) != len(single):
+            raise ValueError(
+                f"cannot split the model's stacked output per variant: a {type(stacked).__name__} "
+                f"of {len(stacked)} items where one run gives {len(single)}"
+            )
+        items = [split_output(a, b, copies) for a, b in zip(stacked, single, strict=True)]
+        if hasattr(stacked, "_fields"):  # a named tuple takes its items as arguments
+            return [type(stacked)(*(item[i] for item in items)) for i in range(copies)]
+        return [type(stacked)(item[i] for item in items) for i in range(copies)]
+    return [stacked] * copies

@@ -1,0 +1,347 @@
+"""Direct logit attribution: what each head writes straight into a logit, through the final norm.
+
+In a pre-LN causal LM the residual stream that reaches the final norm is a sum of what every
+component wrote into it::
+
+    x = embeddings + Σ_l ( Σ_h z_{l,h} W^O_{l,h} + b^O_l  +  m_l )      (B, T, E)
+
+with :math:`z_{l,h}` head h's output before layer l's output projection, :math:`W^O_{l,h}` the
+projection's columns for that head, :math:`b^O_l` its bias, and :math:`m_l` whatever else block
+l adds (its feed-forward network). The logit of token a is
+``logit_a = norm(x) · W_U[a] + b_U[a]``. With the norm's scale σ (B, T) *frozen at this run*
+the norm is affine, ``norm(x) = γ ⊙ (x - mean(x)) / σ + β`` (LayerNorm; RMSNorm: no mean, no
+β), so the logit splits exactly into one term per component::
+
+    logit_a = Σ_c  (γ ⊙ (c - mean(c)) / σ) · W_U[a]   +  β · W_U[a]  +  b_U[a]
+
+:func:`logit_attribution` computes each term at every position (a logit difference a − b
+works the same, with ``W_U[a] - W_U[b]``). A head's term comes from one vector-Jacobian
+product of its layer's output projection (whichever module the per-head output is fed to),
+so nothing here depends on how a model family names its projections.
+
+It serves multihead's :class:`~multihead.models.TransformerLM` (pre-LN) and transformers
+causal LMs whose final norm and unembedding can be found (GPT-2, Llama and their kin) and whose
+blocks add their attention's output to the residual stream as it is. The direct term is only
+the path that skips every later layer: a head whose effect goes through later heads (a
+previous-token head feeding an induction head) has a small direct term and may still matter
+(activation patching measures that; docs/circuits.md).
+
+Shapes: B batch, T tokens, E width, V vocabulary, L layers, H heads, Dv one head's width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import describe, is_int
+from multihead.models.lm import TransformerLM
+from multihead.observe.input_pair import run_model
+from multihead.observe.patching import head_table, record_layers
+from multihead.observe.steering import model_heads
+from multihead.observers import ObservableAttention
+
+__all__ = ["LogitAttribution", "logit_attribution"]
+
+# The attribute names transformers families give their final norm (on the base model).
+_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
+
+
+@dataclass(frozen=True)
+class LogitAttribution:
+    """Each component's direct contribution to a logit (or logit difference), per position.
+
+    Every value is a mean over the batch. The fields add up to the model's logit:
+    ``total() == logit`` up to rounding.
+
+    Attributes:
+        heads: (L, H, T) each head's direct contribution (NaN where a layer has fewer heads).
+        attention_bias: (L, T) each attention layer's output-projection bias (0 without one).
+        mlp: (L, T) what each block adds besides its attention (its feed-forward network; 0 in
+            an attention-only block).
+        embeddings: (T,) the residual stream before the first block (token and position
+            embeddings).
+        norm_bias: (T,) the final norm's bias β (0 for RMSNorm).
+        unembedding_bias: (T,) the unembedding's bias (0 without one).
+        logit: (T,) the model's own logit (difference).
+    """
+
+    heads: Tensor
+    attention_bias: Tensor
+    mlp: Tensor
+    embeddings: Tensor
+    norm_bias: Tensor
+    unembedding_bias: Tensor
+    logit: Tensor
+
+    def total(self) -> Tensor:
+        """(T,) the sum of every contribution: the logit, up to rounding."""
+        return (
+            self.heads.nansum(dim=(0, 1))
+            + self.attention_bias.sum(0)
+            + self.mlp.sum(0)
+            + self.embeddings
+            + self.norm_bias
+            + self.unembedding_bias
+        )
+
+    def top(self, k: int = 5, position: int = -1) -> list[tuple[int, int, float]]:
+        """The ``k`` heads with the largest |contribution| at ``position``: (layer, head, value)."""
+        values = self.heads[:, :, position]
+        flat = values.flatten().nan_to_num(0.0)
+        order = flat.abs().argsort(descending=True)[:k].tolist()
+        n = values.shape[1]
+        return [(i // n, i % n, float(flat[i])) for i in order]
+
+
+def _final_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """(final norm, unembedding) of a TransformerLM or a transformers causal LM."""
+    if isinstance(model, TransformerLM):
+        if model.norm is None:
+            raise ValueError(
+                "logit_attribution needs a final norm before the unembedding: this "
+                "TransformerLM is post-LN (norm_first=False)"
+            )
+        return model.norm, model.head
+    get_output = getattr(model, "get_output_embeddings", None)
+    unembedding = get_output() if callable(get_output) else None
+    if not isinstance(unembedding, nn.Linear):
+        raise ValueError(
+            f"logit_attribution needs a causal LM with an unembedding (multihead's "
+            f"TransformerLM, or a transformers ...ForCausalLM model), got {type(model).__name__}"
+        )
+    base = getattr(model, "base_model", model)
+    norm = next(
+        (getattr(base, n) for n in _NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)),
+        None,
+    )
+    if norm is None:
+        raise ValueError(
+            f"logit_attribution cannot find the final norm of {type(model).__name__} (looked "
+            f"for {', '.join(_NORM_NAMES)} on {type(base).__name__})"
+        )
+    return norm, unembedding
+
+
+def _blocks(model: nn.Module, found: list[tuple[str, ObservableAttention]]) -> list[nn.Module]:
+    """Per attention layer, its block: the nearest module above it held in an nn.ModuleList."""
+    modules = dict(model.named_modules())
+    blocks: list[nn.Module] = []
+    for name, _ in found:
+        parts = name.split(".")
+        block = next(
+            (
+                modules[".".join(parts[:cut])]
+                for cut in range(len(parts) - 1, 0, -1)
+                if isinstance(modules.get(".".join(parts[: cut - 1])), nn.ModuleList)
+            ),
+            None,
+        )
+        if block is None or any(block is b for b in blocks):
+            raise ValueError(
+                f"logit_attribution needs one attention module per block of a stack "
+                f"(nn.ModuleList); {name} is not alone in one"
+            )
+        blocks.append(block)
+    return blocks
+
+
+def _module_of(site: ObservableAttention) -> nn.Module:
+    return site if isinstance(site, nn.Module) else site.module  # type: ignore[attr-defined]
+
+
+def _tokens(name: str, value: object, b: int, t: int, vocab: int, device: torch.device) -> Tensor:
+    """A token id (int) or ids broadcastable to (B, T) -> (B, T) int64."""
+    if is_int(value):
+        ids = torch.tensor(value, device=device)
+    elif isinstance(value, Tensor) and not value.is_floating_point() and value.dtype != torch.bool:
+        ids = value.to(device=device, dtype=torch.int64)
+    else:
+        raise TypeError(
+            f"{name} must be a token id (int) or a tensor of ids broadcastable to (B, T), got "
+            f"{describe(value)}"
+        )
+    try:
+        ids = ids.expand(b, t)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} must be broadcastable to (B, T) = ({b}, {t}), got shape {tuple(ids.shape)}"
+        ) from None
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"{name} must be token ids in [0, {vocab}), got {describe(value)}")
+    return ids
+
+
+@torch.no_grad()
+def logit_attribution(
+    model: nn.Module, inputs: Any, answer: int | Tensor, wrong: int | Tensor | None = None
+) -> LogitAttribution:
+    r"""Each head's direct contribution to the logit of ``answer`` (minus ``wrong``'s).
+
+    See the module docstring for the decomposition: with the final norm's scale frozen at this
+    run, the logit is exactly the sum of the embeddings', every head's, every output-projection
+    bias's, every block's remaining (feed-forward) part's, the norm bias's and the unembedding
+    bias's terms (``LogitAttribution.total()``; tests hold the sum to the model's logit).
+
+    Args:
+        model: multihead's :class:`~multihead.models.TransformerLM` (pre-LN), or a transformers
+            causal LM (``...ForCausalLM``: GPT-2, Llama, ...) through :mod:`multihead.hf`.
+        inputs: token ids (B, T), or a dict of the model's keyword arguments.
+        answer: the token whose logit is explained: an id, or ids broadcastable to (B, T) (e.g.
+            each position's next token).
+        wrong: optionally a second token (or ids): explain ``logit(answer) - logit(wrong)``.
+
+    Returns:
+        A :class:`LogitAttribution`, every field a mean over the batch, per position.
+
+    Raises:
+        ValueError: a model without a final norm or unembedding that can be found, a final norm
+            that is neither a LayerNorm nor an RMSNorm as read here, blocks that are not a
+            stack of one attention module each, token ids out of range.
+        TypeError: answer/wrong that are not token ids; inputs of another kind.
+    """
+    found = model_heads(model)
+    norm, unembedding = _final_parts(model)
+    blocks = _blocks(model, found)
+    hidden: dict[str, list[Any]] = {"in": [None] * len(blocks), "out": [None] * len(blocks)}
+    norm_io: list[Tensor] = []
+    fed: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
+    handles: list[Any] = []
+
+    def on_block(i: int) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            hidden["in"][i] = args[0] if args else kwargs.get("hidden_states")
+            hidden["out"][i] = out[0] if isinstance(out, (tuple, list)) else out
+
+        return hook
+
+    def on_input(layer: int, module: nn.Module) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
+            if args and isinstance(args[0], Tensor):
+                fed[layer].append((module, args[0]))
+
+        return hook
+
+    try:
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_hook(on_block(i), with_kwargs=True))
+        for layer, (_, site) in enumerate(found):
+            owner = _module_of(site)
+            for m in owner.modules():
+                if m is not owner:
+                    handles.append(m.register_forward_pre_hook(on_input(layer, m)))
+        handles.append(norm.register_forward_hook(lambda m, a, out: norm_io.extend((a[0], out))))
+        logits: list[Tensor] = []
+        handles.append(unembedding.register_forward_hook(lambda m, a, out: logits.append(out)))
+        with record_layers(found, range(len(found))) as per_head:
+            run_model(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    x = norm_io[0]
+    b, t = x.shape[0], x.shape[1]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    last = hidden["out"][-1]
+    if last is None or not torch.equal(last, x):
+        raise ValueError(
+            f"logit_attribution needs the last block's output to go straight into the final "
+            f"norm ({type(norm).__name__}); {type(model).__name__} changes it in between"
+        )
+    weight = unembedding.weight
+    vocab = weight.shape[0]
+    answer_ids = _tokens("answer", answer, b, t, vocab, x.device)
+    direction = weight[answer_ids].to(dtype)  # (B, T, E)
+    logit = logits[-1].to(dtype).gather(-1, answer_ids[..., None])[..., 0]  # (B, T)
+    unembedding_bias = (
+        unembedding.bias[answer_ids].to(dtype) if unembedding.bias is not None else None
+    )
+    if wrong is not None:
+        wrong_ids = _tokens("wrong", wrong, b, t, vocab, x.device)
+        direction = direction - weight[wrong_ids].to(dtype)
+        logit = logit - logits[-1].to(dtype).gather(-1, wrong_ids[..., None])[..., 0]
+        if unembedding.bias is not None and unembedding_bias is not None:
+            unembedding_bias = unembedding_bias - unembedding.bias[wrong_ids].to(dtype)
+
+    read, norm_beta = _frozen_norm(norm, x.to(dtype), norm_io[1].to(dtype), direction)
+
+    def term(c: Tensor) -> Tensor:  # (B, T, E) -> (B, T): c's share of the logit
+        return (c.to(dtype) * read).sum(-1)
+
+    heads = head_table(found, logit, t)
+    attention_bias = torch.zeros(len(found), t, dtype=dtype, device=x.device)
+    mlp = torch.zeros_like(attention_bias)
+    for layer, (name, _) in enumerate(found):
+        out = per_head[layer]  # (B, T, H, Dv)
+        flat = out.flatten(2)
+        projection = next((m for m, given in fed[layer] if torch.equal(given, flat)), None)
+        if projection is None:
+            raise ValueError(
+                f"logit_attribution cannot find the output projection of layer {layer} ({name}): "
+                f"no module inside it is fed the per-head output"
+            )
+        with torch.enable_grad():
+            z = flat.detach().requires_grad_()
+            written = projection(z)  # (B, T, E): Σ_h z_h W^O_h + b^O
+            (back,) = torch.autograd.grad((written.to(dtype) * read).sum(), z)
+        bias = term(projection(torch.zeros_like(flat)))  # (B, T): b^O's share
+        per_head_term = (flat.to(dtype) * back.to(dtype)).unflatten(-1, out.shape[2:]).sum(-1)
+        heads[layer, : out.shape[2]] = per_head_term.mean(0).T  # (H, T)
+        attention_bias[layer] = bias.mean(0)
+        block_in, block_out = hidden["in"][layer], hidden["out"][layer]
+        mlp[layer] = term(block_out.to(dtype) - block_in.to(dtype) - written.detach()).mean(0)
+    zero = torch.zeros(t, dtype=dtype, device=x.device)
+    return LogitAttribution(
+        heads=heads,
+        attention_bias=attention_bias,
+        mlp=mlp,
+        embeddings=term(hidden["in"][0]).mean(0),
+        norm_bias=(norm_beta * direction).sum(-1).mean(0) if norm_beta is not None else zero,
+        unembedding_bias=unembedding_bias.mean(0) if unembedding_bias is not None else zero,
+        logit=logit.mean(0),
+    )
+
+
+def _frozen_norm(
+    norm: nn.Module, x: Tensor, y: Tensor, direction: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """(read (B, T, E), β or None): with the norm's scale frozen at ``x``, a component c adds
+    ``(c * read).sum(-1)`` to the logit along ``direction``; checked against the norm's own
+    output ``y``.
+
+    LayerNorm: ``γ ⊙ (c - mean c) / σ`` · d = c · (u - mean u), u = γ ⊙ d / σ;
+    RMSNorm: ``γ ⊙ c / rms`` · d = c · u.
+    """
+    gamma = getattr(norm, "weight", None)
+    beta = getattr(norm, "bias", None)
+    eps = next(
+        (
+            float(getattr(norm, n))
+            for n in ("eps", "variance_epsilon", "epsilon")
+            if isinstance(getattr(norm, n, None), float)
+        ),
+        None,
+    )
+    gamma = torch.ones_like(x[0, 0]) if gamma is None else gamma.to(x.dtype)
+    beta = beta.to(x.dtype) if isinstance(beta, Tensor) else None
+    centred = isinstance(norm, nn.LayerNorm)
+    if eps is not None:
+        if centred:
+            c = x - x.mean(-1, keepdim=True)
+            sigma = (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (B, T, 1)
+        else:
+            c = x
+            sigma = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        rebuilt = gamma * c / sigma + (beta if beta is not None else 0.0)
+        tolerance = 1e-3 * float(y.abs().max().clamp(min=1.0))
+        if torch.allclose(rebuilt, y, rtol=1e-3, atol=tolerance):
+            u = gamma * direction / sigma
+            return (u - u.mean(-1, keepdim=True) if centred else u), beta
+    raise ValueError(
+        f"logit_attribution reads a final LayerNorm or RMSNorm (γ ⊙ x / rms(x)); the final norm "
+        f"{type(norm).__name__} computes something else"
+    )

@@ -1,0 +1,319 @@
+"""Activation patching of heads: which heads carry what differs between two inputs?
+
+For a clean input (the model does the behaviour) and a corrupt one (it does not), patching
+head (l, h) replaces its per-head output (B, T, Dv) before the output projection, the one place
+where a head exists as itself, with the one it had on the other input:
+
+- ``"denoise"``: run corrupt, head (l, h) taken from the clean run. A large effect: the head
+  carries (part of) what the behaviour needs from the clean input (it is *sufficient*).
+- ``"noise"``: run clean, head (l, h) taken from the corrupt run. A large effect: the behaviour
+  breaks without the head's clean output (it is *necessary*).
+
+The result is ``metric(patched) - metric(unpatched)``, one number per head, or per head and
+position (``per_position``: only position t of the head is patched). It equals a plain loop
+of :func:`~multihead.observe.steering.record_heads` and
+:func:`~multihead.observe.steering.intervene`, one forward per patch, and costs much less:
+
+- the patched variants run stacked along the batch dimension, ``batch_size`` of them per
+  forward (chosen from the memory budget by default), each patched by one observer on the
+  patched layer (an ``out`` replaced where a (variant, position, head) mask says so);
+- the blocks before the patched layer are not run again: they hand back their outputs from the
+  unpatched run, repeated for every variant (:class:`~multihead.observe.prefix_reuse.PrefixCache`).
+
+Shapes: B batch, T tokens, L attention layers, H heads (the most any layer has), Dv one head's
+output width, n stacked variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import check_choice, check_optional_positive_int, describe
+from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
+from multihead.observe.input_pair import InputPair, Metric, metric_value, split_output
+from multihead.observe.prefix_reuse import PrefixCache
+from multihead.observe.steering import HeadKey, model_heads, resolve_head
+from multihead.observers import AttentionCall, ObservableAttention
+
+__all__ = ["patch_heads", "DIRECTIONS", "record_layers", "chosen_heads", "head_table"]
+
+logger = logging.getLogger(__name__)
+
+DIRECTIONS = ("denoise", "noise")
+
+# What one stacked variant holds at its peak beyond the output, per token and unit of width:
+# the residual stream, the attention's q, k, v and per-head output, a feed-forward network's
+# hidden layer (4 to 8 widths) and the copies between them.
+_WIDTHS_PER_TOKEN = 24
+# The most tokens (stacked rows × T) one forward should hold, by device type.
+_TOKENS_PER_FORWARD = {"cpu": 2048, "other": 65536}
+
+
+def chosen_heads(
+    heads: object, found: list[tuple[str, ObservableAttention]]
+) -> dict[int, list[int]]:
+    """``heads`` (None: every head; else ``(layer, head)`` pairs) as layer -> heads, in order."""
+    if heads is None:
+        return {layer: list(range(site.num_heads)) for layer, (_, site) in enumerate(found)}
+    if isinstance(heads, (str, bytes, Tensor)) or not isinstance(heads, Sequence):
+        raise TypeError(
+            f"heads must be None or a sequence of (layer, head) pairs, got {describe(heads)}"
+        )
+    if not heads:
+        raise ValueError("heads must name at least one (layer, head) pair, got none")
+    keys: list[HeadKey] = list(dict.fromkeys(resolve_head("heads item", k, found) for k in heads))
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in sorted(keys):
+        by_layer.setdefault(layer, []).append(head)
+    return by_layer
+
+
+def head_table(
+    found: list[tuple[str, ObservableAttention]], like: Tensor, positions: int | None
+) -> Tensor:
+    """(L, H) or (L, H, T) of NaN in ``like``'s dtype and device: unscored heads stay NaN."""
+    most = max(site.num_heads for _, site in found)
+    shape = (len(found), most) if positions is None else (len(found), most, positions)
+    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+@contextlib.contextmanager
+def record_layers(found: list[tuple[str, ObservableAttention]], layers: Sequence[int]) -> Any:
+    """Within the block, ``recorded[layer]`` is the layer's per-head output (B, T, H, Dv) of
+    its latest call, detached."""
+    recorded: dict[int, Tensor] = {}
+
+    def make(layer: int) -> Any:
+        def observer(call: AttentionCall, out: Tensor) -> None:
+            recorded[layer] = out.detach()
+
+        return observer
+
+    handles = [found[layer][1].register_observer(make(layer)) for layer in layers]
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    fields = getattr(value, "__dataclass_fields__", None)
+    if fields is not None:
+        return sum(_tensor_bytes(getattr(value, name, None)) for name in fields)
+    return 0
+
+
+def variants_per_forward(output: Any, per_head: Sequence[Tensor], limit: int) -> int:
+    """How many stacked variants one forward should hold.
+
+    Within ``limit`` bytes: each variant holds its own output (twice: the model's and its
+    slices' results) and the activations of one run, estimated from the per-head outputs
+    (B, T, H, Dv): ``_WIDTHS_PER_TOKEN`` widths a token, plus a T × T score map per head (the
+    attention kernels' working set). And at most ``_TOKENS_PER_FORWARD`` tokens in all: stacking
+    pays where a forward is too small to keep the device busy (a GPU's launches); past that it
+    only moves more memory (on a CPU, forwards of more than a few thousand tokens ran slower
+    per token than one variant at a time).
+    """
+    first = per_head[0]
+    activations = max(
+        _WIDTHS_PER_TOKEN * out.numel() * max(out.element_size(), 4)
+        + 2 * out.shape[0] * out.shape[2] * out.shape[1] ** 2 * 4
+        for out in per_head
+    )
+    by_memory = limit // (2 * _tensor_bytes(output) + activations)
+    budget = _TOKENS_PER_FORWARD.get(first.device.type, _TOKENS_PER_FORWARD["other"])
+    by_tokens = budget // max(1, first.shape[0] * first.shape[1])
+    return max(1, min(by_memory, by_tokens))
+
+
+def patch_heads(
+    model: nn.Module,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric,
+    *,
+    direction: str = "denoise",
+    per_position: bool = False,
+    heads: Sequence[HeadKey] | None = None,
+    batch_size: int | None = None,
+) -> Tensor:
+    r"""Activation patching: the metric's change when one head's output comes from the other run.
+
+    With ``source, target = clean, corrupt`` (``"denoise"``) or ``corrupt, clean``
+    (``"noise"``), and :math:`z_{l,h}(x)` head (l, h)'s output (B, T, Dv) before ``out_proj``
+    on input x::
+
+        P[l, h]    = metric(target run with z_{l,h} := z_{l,h}(source)) - metric(target run)
+        P[l, h, t] = the same with only position t of z_{l,h} replaced   (per_position=True)
+
+    It equals a plain loop of ``record_heads`` (on source) and ``intervene`` (on target), one
+    forward per patch; here the variants run stacked along the batch, ``batch_size`` per
+    forward, and the blocks before the patched layer hand back their recorded outputs (see the
+    module docstring). A layer called several times in one forward (a shared module) is patched
+    at every call with its source output's latest call, as ``intervene`` does.
+
+    Args:
+        model: any module holding :class:`~multihead.MultiHeadAttention` modules, or a
+            transformers model (through :mod:`multihead.hf`: heads of grouped-query models are
+            query heads). Left as it was.
+        clean: the input on which the model does the behaviour: token ids (B, T) passed as the
+            model's first argument, or a dict of keyword arguments (``input_ids``,
+            ``attention_mask``, ...).
+        corrupt: an input of the same kind and shapes on which it does not.
+        metric: ``metric(output) -> Tensor``, ``output`` whatever the model returns; a scalar
+            floating point tensor, or one value per example (B,), which is averaged. On stacked
+            variants it is called once per variant, with that variant's own output (every
+            tensor of the output cut to its rows: exactly an unstacked run's output), so it
+            needs no knowledge of the stacking.
+        direction: ``"denoise"`` (default) or ``"noise"``.
+        per_position: patch one position of one head at a time: (L, H, T).
+        heads: the ``(layer, head)`` pairs to patch (negative indices count from the end);
+            default every head. The others stay NaN.
+        batch_size: variants per forward; default as many as the memory budget
+            (:data:`~multihead.memory_budget.DEFAULT_MEMORY_LIMIT`) holds by an estimate from
+            the unpatched run's output and per-head outputs, and at most 2,048 tokens in all
+            on a CPU (65,536 elsewhere): stacking pays where one forward is too small to keep
+            the device busy.
+
+    Returns:
+        (L, H), or (L, H, T) with ``per_position``, in the metric's dtype and device; NaN
+        where a layer has fewer heads than the most, and for heads not in ``heads``.
+
+    Raises:
+        ValueError: an unknown ``direction``, a bad ``batch_size``, ``clean`` and ``corrupt``
+            with different shapes or keys, a metric that does not return a scalar (or (B,))
+            floating point tensor, a model without attention modules, heads out of range.
+        TypeError: inputs of another kind, a metric that is not callable, heads that are not
+            ``(layer, head)`` pairs of ints.
+
+    Example:
+        >>> def logit_diff(logits):  # the right answer's logit minus the wrong one's
+        ...     return logits[:, -1, right] - logits[:, -1, wrong]
+        >>> effects = patch_heads(lm, clean_ids, corrupt_ids, logit_diff)  # (L, H)
+    """
+    check_choice("direction", direction, DIRECTIONS)
+    if not isinstance(per_position, bool):
+        raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
+    check_optional_positive_int("batch_size", batch_size)
+    found = model_heads(model)
+    pair = InputPair(model, clean, corrupt)
+    if not callable(metric):
+        raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
+    by_layer = chosen_heads(heads, found)
+    source, target = pair.pick(direction)
+
+    with torch.no_grad():
+        with record_layers(found, list(by_layer)) as recorded:
+            pair.run(source)
+        missing = [layer for layer in by_layer if layer not in recorded]
+        if missing:
+            raise ValueError(
+                f"the model did not call attention layer {missing[0]} ({found[missing[0]][0]}) "
+                f"on the inputs: there is nothing to patch there"
+            )
+        outputs: list[Any] = []
+
+        def run_target(what: str) -> Tensor:
+            outputs[:] = [pair.run(target)]
+            return metric_value(metric, outputs[0], pair.batch, what)
+
+        prefix = PrefixCache.build(model, found, run_target, caller="patch_heads", log=logger)
+        base = prefix.clean if prefix is not None else run_target("unpatched run")
+        single = outputs[0]
+        size = batch_size or variants_per_forward(
+            single, list(recorded.values()), DEFAULT_MEMORY_LIMIT
+        )
+        lengths = {out.shape[1] for out in recorded.values()}
+        if per_position and len(lengths) > 1:
+            raise ValueError(
+                f"per_position=True needs one query length T in every patched layer, got "
+                f"{sorted(lengths)} (pass heads= of layers with one length)"
+            )
+        positions = lengths.pop()
+        result = head_table(found, base, positions if per_position else None)
+        for layer, layer_heads in by_layer.items():
+            src = recorded[layer]  # (B, T, H, Dv)
+            # every variant of the layer, built on the host and copied to the device once:
+            # which (position, head) each replaces, and where its value goes in the result
+            spans = range(src.shape[1]) if per_position else [None]
+            variants = [(h, t) for h in layer_heads for t in spans]
+            patched = torch.zeros(len(variants), src.shape[1], src.shape[2], dtype=torch.bool)
+            for i, (h, t) in enumerate(variants):
+                patched[i, slice(None) if t is None else t, h] = True
+            patched = patched.to(src.device)  # (V, T, H)
+            index = torch.tensor([[h, t or 0] for h, t in variants], device=result.device)
+            for start in range(0, len(variants), size):
+                stop = min(start + size, len(variants))
+                values = _run_variants(
+                    pair, target, metric, single, found[layer][1], layer, src,
+                    patched[start:stop], prefix,
+                )  # fmt: skip
+                h_index, t_index = index[start:stop].unbind(1)
+                where = (layer, h_index, t_index) if per_position else (layer, h_index)
+                result[where] = values.to(result.dtype) - base
+    return result
+
+
+def _run_variants(
+    pair: InputPair,
+    target: Any,
+    metric: Metric,
+    single: Any,
+    site: ObservableAttention,
+    layer: int,
+    src: Tensor,
+    patched: Tensor,
+    prefix: PrefixCache | None,
+) -> Tensor:
+    """One forward of n stacked copies of the target input, variant i with the per-head output
+    of ``layer`` replaced by ``src``'s (B, T, H, Dv) where ``patched[i]`` (T, H) is True;
+    returns the metric of every variant (n,)."""
+    n, b = patched.shape[0], src.shape[0]
+    where = patched[:, None, :, :, None]  # (n, 1, T, H, 1)
+
+    def observer(call: AttentionCall, out: Tensor) -> Tensor:
+        if out.shape != (n * b, *src.shape[1:]):
+            raise ValueError(
+                f"patch_heads: layer {layer} was called with a per-head output of shape "
+                f"{tuple(out.shape)} in a run of {n} stacked variants of {tuple(src.shape)}; "
+                f"patch only layers the model calls once on the whole input"
+            )
+        stacked = out.unflatten(0, (n, b))  # (n, B, T, H, Dv)
+        return torch.where(where, src.to(out.dtype), stacked).flatten(0, 1)
+
+    def forward() -> Any:
+        handle = site.register_observer(observer)
+        try:
+            skipping = prefix.skipping(layer, n) if prefix is not None else contextlib.nullcontext()
+            with skipping:
+                return pair.run(target, n)
+        finally:
+            handle.remove()
+
+    output = forward()
+    if prefix is not None and not prefix.agreed():
+        # a reused block's arguments differed from the recorded run's (a model whose inputs
+        # to a block depend on the batch): run again, comparing before reusing
+        logger.debug(
+            "patch_heads: a reused layer's arguments differed from the recorded run's on layer "
+            "%d: compared before reuse from now on",
+            layer,
+        )
+        prefix.compare_first = True
+        output = forward()
+    pieces = split_output(output, single, n)
+    what = f"patched layer {layer}"
+    return torch.stack([metric_value(metric, piece, pair.batch, what) for piece in pieces])
