@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 
 from multihead import capture, hf  # noqa: E402
-from multihead.head_shard import held_heads  # noqa: E402
+from multihead.head_shard import HeadShard, held_heads  # noqa: E402
 from multihead.observe.importance import head_importance  # noqa: E402
 from multihead.observe.statistics import head_statistics  # noqa: E402
 from multihead.observe.steering import intervene, record_heads  # noqa: E402
@@ -119,17 +119,19 @@ def _ids(seed: int) -> torch.Tensor:
     return torch.cat([half, half], dim=1)  # (B, T) = (2, 8)
 
 
-def _halve_query(head: int) -> Callable[[Any], Any]:
-    """A q/k/v editor halving the queries of global head ``head``, on the rank that holds it."""
+def _triple_values(head: int) -> Callable[[Any], Any]:
+    """A q/k/v editor tripling the values global query head ``head`` reads (values per query
+    head: its key/value siblings keep theirs), on the rank that holds it."""
 
     def editor(call: Any) -> Any:
         site = call.module
         held = held_heads(site.num_heads, site.head_shard)  # the global heads call.q holds
         if head not in held:
             return None
-        q = call.q.clone()
-        q[:, head - held.start] *= 0.5
-        return q, call.k, call.v
+        group = call.q.shape[1] // call.v.shape[1]
+        v = call.v.repeat_interleave(group, dim=1)  # (B, heads held, S, Dv), a copy
+        v[:, head - held.start] *= 3.0
+        return call.q, call.k, v
 
     return editor
 
@@ -163,7 +165,7 @@ def _cases(model: Any) -> dict[str, Any]:
         out["record"] = torch.stack([recording[k] for k in keys])
         with intervene(model, {(1, last): recording[(0, last)], (0, 0): recording[(1, 0)]}):
             out["patch"] = model(ids).logits
-        with sites[0][1].register_qkv_editor(_halve_query(last)):
+        with sites[0][1].register_qkv_editor(_triple_values(last)):
             out["qkv_editor"] = model(ids).logits
         stats = head_statistics(model, ids)
         for metric in ("entropy", "previous_token", "induction"):
@@ -364,10 +366,12 @@ def test_an_edit_on_another_rank_changes_every_rank_output(group: Any) -> None:
     # head H-1 lives on the last rank only; rank 0's logits move as one process's do
     world, ranks, single = group
     for family in _mapped(world, ranks):
-        clean, ablated = single[family]["logits"], single[family]["ablate_last"]
-        assert (clean - ablated).abs().max() > 100 * OUT_ATOL  # the edit is visible at all
+        clean = single[family]["logits"]
+        for case in ("ablate_last", "intervene", "patch", "qkv_editor"):
+            # each edit is visible at all, so that equal results say something
+            assert (single[family][case] - clean).abs().max() > 100 * OUT_ATOL, (family, case)
         got = ranks[0][family]["ablate_last"]
-        torch.testing.assert_close(got, ablated, atol=OUT_ATOL, rtol=0)
+        torch.testing.assert_close(got, single[family]["ablate_last"], atol=OUT_ATOL, rtol=0)
         assert (got - ranks[0][family]["logits"]).abs().max() > 100 * OUT_ATOL
 
 
@@ -428,3 +432,32 @@ def _one_rank_raises(rank: int, world: int, root: str, queue: Any) -> None:
 def test_a_rank_that_raises_fails_the_group_without_hanging(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="rank 1 fails alone"):
         run_group(2, tmp_path, _one_rank_raises)
+
+
+# -- in this process: the shard's own rules, and the check every call makes ---------------------
+
+
+def test_a_shard_splits_heads_evenly_or_not_at_all() -> None:
+    shard = HeadShard(num_heads=6, rank=2, world_size=3)
+    assert shard.heads == range(4, 6)
+    assert [shard.owner(h) for h in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert held_heads(6, shard) == range(4, 6) and held_heads(6, None) == range(6)
+    with pytest.raises(ValueError, match="4 heads cannot be split evenly over 3 ranks"):
+        HeadShard(num_heads=4, rank=0, world_size=3)
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
+        HeadShard(num_heads=4, rank=2, world_size=2)
+
+
+def test_a_call_holding_other_heads_than_the_shard_says_is_refused(tmp_path: Path) -> None:
+    # a site told it holds half the heads, whose calls hold them all: never observed wrongly
+    _save_model("llama", tmp_path)
+    model = _load(tmp_path, tensor_parallel=False)
+    for _, site in hf.attention_sites(model):
+        site.head_shard = HeadShard(num_heads=4, rank=0, world_size=2)
+    with pytest.raises(
+        ValueError,
+        match=r"llama \(LlamaAttention\): the attention call has 4 heads of width 16, but the "
+        r"module was read as heads 0-1 of 4 \(rank 0 of 2\) of width 16",
+    ):
+        with torch.no_grad(), capture(model, rows=[-1]):
+            model(_ids(1))

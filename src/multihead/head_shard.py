@@ -70,11 +70,11 @@ class HeadShard:
         return head // self.per_rank
 
     def describe(self) -> str:
-        """E.g. "heads 2-3 of 4 on rank 1 of 2", for error messages."""
+        """E.g. "heads 2-3 of 4 (rank 1 of 2)", for error messages."""
         heads = self.heads
         return (
-            f"heads {heads.start}-{heads.stop - 1} of {self.num_heads} on rank {self.rank} of "
-            f"{self.world_size}"
+            f"heads {heads.start}-{heads.stop - 1} of {self.num_heads} (rank {self.rank} of "
+            f"{self.world_size})"
         )
 
     def sum(self, x: Tensor) -> Tensor:
