@@ -19,6 +19,13 @@ from torch import nn
 
 from multihead.head_shard import HeadShard
 
+if torch.distributed.is_available():  # a torch built without it shards nothing
+    from torch.distributed.tensor import DTensor, Shard
+try:  # the styles of transformers' plans
+    from transformers.integrations import tensor_parallel as _styles
+except ImportError:  # pragma: no cover - a transformers without them: nothing is read from them
+    _styles = None  # type: ignore[assignment]
+
 __all__ = ["head_shard"]
 
 
@@ -103,10 +110,9 @@ def _head_splitting(
         )
     if not sharded:
         return []
-    try:
-        from transformers.integrations import tensor_parallel as tp
-    except ImportError as error:  # pragma: no cover - a transformers without the TP styles
-        raise _refusal(family)("this transformers has no tensor-parallel styles to read") from error
+    tp = _styles
+    if tp is None:  # pragma: no cover - a transformers without the TP styles
+        raise _refusal(family)("this transformers has no tensor-parallel styles to read")
     plan = getattr(root, "tp_plan", None) or {}
     found: list[tuple[str, bool]] = []
     for child, _ in sharded:
@@ -132,8 +138,6 @@ def _head_splitting(
 
 def _sharded(layouts: Any) -> bool:
     """Whether a style's activation layout (a placement, or a tuple of them) is sharded."""
-    from torch.distributed.tensor import Shard
-
     items = layouts if isinstance(layouts, tuple) else (layouts,)
     return any(isinstance(p, Shard) for p in items)
 
@@ -142,14 +146,11 @@ def _style(plan: dict[str, str], name: str) -> str | None:
     """The plan's style for a module: by its exact name, else with layer numbers as ``*``."""
     if name in plan:
         return plan[name]
-    from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
-
-    return plan.get(replace_layer_number_by_wildcard(name))
+    assert _styles is not None
+    return plan.get(_styles.replace_layer_number_by_wildcard(name))
 
 
 def _has_dtensor(module: nn.Module, recurse: bool = True) -> bool:
-    if not torch.distributed.is_available():  # a torch built without it shards nothing
+    if not torch.distributed.is_available():
         return False
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in module.parameters(recurse=recurse))
