@@ -116,11 +116,11 @@ def _load(run: Run) -> Any:
 
     if run.world == 0:
         return transformers.AutoModelForCausalLM.from_pretrained(run.model_dir)
-    distributed_config = getattr(transformers, "DistributedConfig", None)
-    if distributed_config is None:
-        return transformers.AutoModelForCausalLM.from_pretrained(run.model_dir, tp_plan="auto")
+    # tp_plan="auto" in the form every transformers >= 5.15 takes: the model's own plan
+    from transformers.distributed import DistributedConfig
+
     return transformers.AutoModelForCausalLM.from_pretrained(
-        run.model_dir, distributed_config=distributed_config(tp_plan="auto")
+        run.model_dir, distributed_config=DistributedConfig(tp_size=run.world)
     )
 
 

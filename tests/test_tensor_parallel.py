@@ -46,7 +46,8 @@ GROUP_TIMEOUT_S = 30.0  # a collective a rank waits in for longer raises there
 OUT_ATOL = 1e-5  # outputs (logits, per-head outputs, importance): the ranks' sums differ in order
 WEIGHT_ATOL = 1e-6  # attention weights and statistics
 
-# (family, config class, config keywords): tiny random models, 2 layers, vocabulary 97
+# (family, config class, config keywords): tiny random models, 2 layers, vocabulary 96 (which
+# older transformers shard only when it divides by the ranks)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # grouped-query heads: 4 query heads over 2 key/value heads
     "llama": (
@@ -65,7 +66,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 32}),
 }
-COMMON = {"vocab_size": 97, "intermediate_size": 96, "num_hidden_layers": 2}
+COMMON = {"vocab_size": 96, "intermediate_size": 96, "num_hidden_layers": 2}
 
 
 def _has_tp_plan(family: str) -> bool:
@@ -101,11 +102,12 @@ def _num_heads(family: str) -> int:
 def _load(path: Path, tensor_parallel: bool) -> Any:
     if not tensor_parallel:
         return transformers.AutoModelForCausalLM.from_pretrained(path)
-    distributed_config = getattr(transformers, "DistributedConfig", None)
-    if distributed_config is None:  # a transformers that takes the plan as a keyword alone
-        return transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    # tp_plan="auto" in the form every transformers >= 5.15 takes: the model's own plan, split
+    # over every rank of the group
+    from transformers.distributed import DistributedConfig
+
     return transformers.AutoModelForCausalLM.from_pretrained(
-        path, distributed_config=distributed_config(tp_plan="auto")
+        path, distributed_config=DistributedConfig(tp_size=dist.get_world_size())
     )
 
 
@@ -222,7 +224,7 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
         for family, mapped in GROUPS[world]:
             model = _load(Path(root, family), tensor_parallel=True)
             if not _sharded_as_dtensors(model):
-                results[family] = {"plain": True}  # the verdicts skip it, saying why
+                results[family] = {"plain": _refusal(model)}  # mapped or not: refused
             elif mapped:
                 results[family] = _cases(model)
             else:
@@ -327,13 +329,18 @@ CASES = {
 }
 
 
+def _plain(world: int, ranks: list[dict[str, Any]]) -> list[str]:
+    """The families this transformers sharded as plain tensors (refused: see below)."""
+    return [family for family, _ in GROUPS[world] if "plain" in ranks[0][family]]
+
+
 def _mapped(world: int, ranks: list[dict[str, Any]]) -> list[str]:
-    """The families whose heads the group maps (skips the test when none is left)."""
-    plain = [family for family, _ in GROUPS[world] if "plain" in ranks[0][family]]
-    if plain:
+    """The families whose heads the group maps (skips the test when this transformers shards
+    as plain tensors, which multihead refuses)."""
+    if _plain(world, ranks):
         pytest.skip(
-            f"transformers {transformers.__version__} sharded {', '.join(plain)} as plain "
-            f"tensors, not DTensors: multihead reads which heads a rank holds from DTensors"
+            f"transformers {transformers.__version__} shards weights as plain tensors, not "
+            f"DTensors: multihead refuses them (test_plain_tensor_layouts_are_refused_by_name)"
         )
     return [family for family, mapped in GROUPS[world] if mapped]
 
@@ -396,6 +403,18 @@ def test_uneven_heads_are_refused_by_name_on_every_rank(group: Any) -> None:
         assert messages.pop().startswith(f"{family} ("), f"the refusal names the family: {messages}"
         message = ranks[0][family]["refused"]
         assert f"splits {h} heads over {world} ranks unevenly" in message
+
+
+def test_plain_tensor_layouts_are_refused_by_name(group: Any) -> None:
+    world, ranks, _ = group
+    plain = _plain(world, ranks)
+    if not plain:
+        pytest.skip(f"transformers {transformers.__version__} shards weights as DTensors")
+    for family in plain:
+        messages = [r[family]["plain"] for r in ranks]
+        assert messages == [messages[0]] * world
+        assert messages[0].startswith(f"{family} (")
+        assert "is sharded as a plain tensor, not a DTensor" in messages[0]
 
 
 def test_gpt2_runs_where_transformers_has_a_plan_for_it() -> None:

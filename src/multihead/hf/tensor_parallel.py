@@ -11,20 +11,18 @@ heads the rank holds. :func:`head_shard` reads it; layouts it cannot map are ref
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 import torch.distributed
+import transformers
 from torch import nn
 
 from multihead.head_shard import HeadShard
 
 if torch.distributed.is_available():  # a torch built without it shards nothing
-    from torch.distributed.tensor import DTensor, Shard
-try:  # the styles of transformers' plans
-    from transformers.integrations import tensor_parallel as _styles
-except ImportError:  # pragma: no cover - a transformers without them: nothing is read from them
-    _styles = None  # type: ignore[assignment]
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["head_shard"]
 
@@ -50,7 +48,8 @@ def head_shard(
     Raises:
         ValueError: a layout multihead cannot map to global heads: heads that do not split
             evenly over the ranks, no row-wise output projection inside the module, a style
-            that packs or reorders heads, a device mesh of more than one dimension.
+            that packs or reorders heads, a device mesh of more than one dimension, weights
+            sharded as plain tensors rather than DTensors (older transformers).
     """
     splitting = _head_splitting(root, name, module, family)
     if not splitting:
@@ -65,10 +64,13 @@ def head_shard(
         )
     child = rowwise[0]
     weight = getattr(module.get_submodule(child), "weight", None)
-    placements = getattr(weight, "placements", None)
-    mesh = getattr(weight, "device_mesh", None)
-    if weight is None or placements is None or mesh is None:
-        raise refuse(f"its output projection {child} is not a sharded DTensor")
+    if not (torch.distributed.is_available() and isinstance(weight, DTensor)):
+        raise refuse(
+            f"its output projection {child} is sharded as a plain tensor, not a DTensor (as "
+            f"transformers {transformers.__version__} shards it): no global shape or device "
+            f"mesh says which heads this rank holds"
+        )
+    placements, mesh = weight.placements, weight.device_mesh
     if mesh.ndim != 1 or len(placements) != 1:
         raise refuse(f"its output projection {child} is sharded over a {mesh.ndim}-D device mesh")
     shard_dim = getattr(placements[0], "dim", None)
@@ -97,57 +99,63 @@ def _refusal(family: str) -> Any:
     return refuse
 
 
+# The styles of transformers' plans, by the names plans use (the same across releases): those
+# that split heads over ranks (True: a row-wise projection reading this rank's heads; False: a
+# column-wise one writing them), and those that keep every head whole on every rank.
+_SPLITS = {"colwise": False, "rowwise": True}
+_WHOLE = frozenset(
+    {
+        "colwise_gather_output",
+        "colwise_rep",
+        "rowwise_split_input",
+        "rowwise_rep",
+        "replicated_with_grad_allreduce",
+        "replicate",
+    }
+)
+
+
 def _head_splitting(
     root: nn.Module, name: str, module: nn.Module, family: str
 ) -> list[tuple[str, bool]]:
     """The module's children whose tensor-parallel style splits heads over ranks, each with
     whether it is a row-wise projection reading sharded heads (True) or a column-wise one
     writing them (False). Children whose style keeps whole heads on every rank are left out."""
-    sharded = [(n, c) for n, c in module.named_children() if _has_dtensor(c)]
     if _has_dtensor(module, recurse=False):
         raise _refusal(family)(
             "parameters of the attention module itself are sharded over ranks (attention sinks?)"
         )
-    if not sharded:
-        return []
-    tp = _styles
-    if tp is None:  # pragma: no cover - a transformers without the TP styles
-        raise _refusal(family)("this transformers has no tensor-parallel styles to read")
+    children = list(module.named_children())
+    sharded = {n for n, c in children if _has_dtensor(c)}
+    size = getattr(root, "tp_size", None)
+    if not sharded and not (isinstance(size, int) and size > 1):
+        return []  # no tensor parallelism here
     plan = getattr(root, "tp_plan", None) or {}
     found: list[tuple[str, bool]] = []
-    for child, _ in sharded:
-        style_name = _style(plan, f"{name}.{child}" if name else child)
-        style = tp.ALL_PARALLEL_STYLES.get(style_name) if style_name else None
+    for child, _ in children:
+        style = _style(plan, f"{name}.{child}" if name else child)
         if style is None:
+            if child in sharded:
+                raise _refusal(family)(
+                    f"its projection {child} is sharded, but the model's tp_plan names no "
+                    f"style for it"
+                )
+            continue
+        if style in _SPLITS:
+            found.append((child, _SPLITS[style]))
+        elif style not in _WHOLE:
             raise _refusal(family)(
-                f"its projection {child} is sharded, but the model's tp_plan names no style for it"
-            )
-        kind = type(style)
-        if kind is tp.ColwiseParallel:
-            if _sharded(getattr(style, "output_layouts", None)):
-                found.append((child, False))
-        elif kind is tp.RowwiseParallel:
-            if _sharded(getattr(style, "input_layouts", None)):
-                found.append((child, True))
-        elif kind is not tp.ReplicatedWithGradAllReduce and kind is not tp.TensorParallelLayer:
-            raise _refusal(family)(
-                f"its projection {child} has the tensor-parallel style {style_name!r}"
+                f"its projection {child} has the tensor-parallel style {style!r}"
             )
     return found
-
-
-def _sharded(layouts: Any) -> bool:
-    """Whether a style's activation layout (a placement, or a tuple of them) is sharded."""
-    items = layouts if isinstance(layouts, tuple) else (layouts,)
-    return any(isinstance(p, Shard) for p in items)
 
 
 def _style(plan: dict[str, str], name: str) -> str | None:
     """The plan's style for a module: by its exact name, else with layer numbers as ``*``."""
     if name in plan:
         return plan[name]
-    assert _styles is not None
-    return plan.get(_styles.replace_layer_number_by_wildcard(name))
+    # numbers between dots are layers: "model.layers.3.self_attn" -> "model.layers.*.self_attn"
+    return plan.get(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name))
 
 
 def _has_dtensor(module: nn.Module, recurse: bool = True) -> bool:
