@@ -45,3 +45,34 @@ def test_bench_attention_quick(tmp_path: Path) -> None:
     assert all(row["peak_rss"] >= row["rss_before"] > 0 for row in memory.values())
     assert payload["targets"], "no target was evaluated"
     assert "multihead ÷ impl" in done.stdout
+
+
+@pytest.mark.slow
+def test_bench_tensor_parallel_quick(tmp_path: Path) -> None:
+    for name in ("transformers", "accelerate"):
+        pytest.importorskip(name, reason=f"bench_tensor_parallel.py needs {name}")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_tensor_parallel.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "tensor_parallel_quick.json").read_text(encoding="utf-8"))
+    assert payload["machine"]["torch"]
+    assert set(payload["results"]) == {
+        "tp forward",
+        "tp capture",
+        "1 process forward",
+        "1 process capture",
+    }
+    for result in payload["results"].values():
+        assert len(result["ranks"]) == max(result["config"]["world"], 1)
+        assert all(rank["peak_mib"] >= rank["resident_mib"] > 0 for rank in result["ranks"])
+        assert result["time_s"] > 0
+    # the capture on 2 ranks is the capture of one process
+    assert payload["max_abs_difference"] < 1e-6
+    assert len(payload["targets"]) == 3
+    assert "vs tp forward" in done.stdout

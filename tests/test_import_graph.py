@@ -50,8 +50,10 @@ FLOORS: dict[str, int] = {
     "weights_kernel": 2,
     # 3: need_weights on CUDA, beside kernels (loads weights_kernel lazily: triton is optional)
     "fused_weights": 3,
-    # 4: attention(): checks, masks, the backend choice
+    # 4: attention(): checks, masks, the backend choice; which heads a rank holds (tensor
+    #    parallelism), what the observer channel names them by
     "functional": 4,
+    "head_shard": 4,
     # 5: what attention and layers are built with: the observer channel, ragged batches,
     #    positions, the KV cache
     "observers": 5,

@@ -21,6 +21,7 @@ from multihead._checks import (
     check_probability,
 )
 from multihead.attention_checks import check_call, check_packed_call, combined_mask
+from multihead.head_shard import HeadShard
 from multihead.observers import (
     AttentionCall,
     AttentionObserver,
@@ -101,6 +102,9 @@ class MultiHeadAttention(nn.Module):
         >>> out.shape, weights.shape
         (torch.Size([2, 10, 64]), torch.Size([2, 4, 10, 10]))
     """
+
+    # every call holds all H heads (ring attention splits the sequence, never the heads)
+    head_shard: HeadShard | None = None
 
     def __init__(
         self,

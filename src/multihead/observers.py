@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from multihead.head_shard import HeadShard
+
 __all__ = [
     "AttentionCall",
     "AttentionObserver",
@@ -279,11 +281,17 @@ class ObservableAttention(Protocol):
 
     ``num_heads`` is H (query heads), ``head_dim`` Dv (one head's output width), ``observers``
     the site's :class:`Observers` (read it to count or test for registrations; register through
-    the two methods).
+    the two methods). ``head_shard`` is None when every call holds all H heads; under tensor
+    parallelism it is the :class:`~multihead.head_shard.HeadShard` naming the global heads this
+    rank's calls hold (its observers and editors see those, in that order: ``call.q`` and ``out``
+    carry H/W heads, and ``num_heads`` stays the global H).
     """
 
     @property
     def num_heads(self) -> int: ...
+
+    @property
+    def head_shard(self) -> HeadShard | None: ...
 
     @property
     def head_dim(self) -> int: ...

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import functional, kernels
+from multihead.head_shard import held_heads
 from multihead.observers import AttentionCall, ObservableAttention
 
 # The oldest transformers the bridge is tested on (pyproject.toml's hf extra says the same;
@@ -199,11 +200,15 @@ def attention_forward(
 def _check_heads(
     module: nn.Module, site: ObservableAttention, query: Tensor, value: Tensor
 ) -> None:
-    """Refuse a call whose heads disagree with what the site told the observe functions."""
-    if query.shape[1] != site.num_heads or value.shape[-1] != site.head_dim:
+    """Refuse a call whose heads disagree with what the site told the observe functions (under
+    tensor parallelism: the heads this rank holds)."""
+    shard = site.head_shard
+    heads = len(held_heads(site.num_heads, shard))
+    if query.shape[1] != heads or value.shape[-1] != site.head_dim:
+        read = f"{site.num_heads} heads" if shard is None else shard.describe()
         raise ValueError(
             f"{family_name(module)}: the attention call has {query.shape[1]} heads of width "
-            f"{value.shape[-1]}, but the module was read as {site.num_heads} heads of width "
+            f"{value.shape[-1]}, but the module was read as {read} of width "
             f"{site.head_dim}; its heads cannot be observed"
         )
 

@@ -11,7 +11,9 @@ from typing import Any, cast
 from torch import nn
 from transformers import PreTrainedModel
 
+from multihead.head_shard import HeadShard
 from multihead.hf.forward import NAME, SITE, family_name
+from multihead.hf.tensor_parallel import head_shard
 from multihead.observers import AttentionObserver, ObserverHandle, Observers, QKVEditor
 
 __all__ = ["AttentionSite", "attention_sites", "routed", "uses_transformers"]
@@ -118,8 +120,11 @@ class AttentionSite:
 
     Attributes:
         module: the transformers attention module.
-        num_heads: H, its query heads.
+        num_heads: H, its query heads (over all ranks, under tensor parallelism).
         head_dim: Dv, the width of one head's output.
+        head_shard: None when each call holds all H heads; for a model split by tensor
+            parallelism, the :class:`~multihead.head_shard.HeadShard` naming the global heads
+            this rank's calls hold (:func:`attention_sites` reads it from the model's plan).
     """
 
     dropout = 0.0  # transformers applies attention dropout only in training, inside the call
@@ -144,6 +149,7 @@ class AttentionSite:
         self.module = module
         self.num_heads = heads
         self.head_dim = dim
+        self.head_shard: HeadShard | None = None
         # each registration keeps the model on "multihead"; the last removal switches it back
         self._observers = Observers(acquire=switch.acquire, release=switch.release)
 
@@ -173,11 +179,14 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
     """The routed attention modules of every transformers model in ``model``, in module order.
 
     Attaches an :class:`AttentionSite` to each (once). Layers are numbered by module order,
-    not ``module.layer_idx`` (which many families lack).
+    not ``module.layer_idx`` (which many families lack). A model loaded with a tensor-parallel
+    plan (``tp_plan="auto"`` under ``torchrun``) gives each site the global heads this rank
+    holds (:func:`multihead.hf.tensor_parallel.head_shard`).
 
     Raises:
         ValueError: no transformers model inside, or one whose attention is not routed through
-            ``AttentionInterface`` (the error names its family).
+            ``AttentionInterface``, or one whose tensor-parallel layout does not map to global
+            heads (the error names its family).
     """
     # one walk of the module tree: entering a capture block runs this, and on a GPU the host's
     # time before the forward is time the device waits
@@ -229,6 +238,9 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
             site = getattr(m, SITE, None)
             if site is None:
                 site = AttentionSite(m, switch)
+                site.head_shard = head_shard(
+                    root, name, m, family_name(m), site.num_heads, site.head_dim
+                )
                 object.__setattr__(m, SITE, site)
                 switch.sites.append(site)
             full = f"{prefix}.{name}" if prefix and name else prefix or name

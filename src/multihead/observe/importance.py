@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice
+from multihead.head_shard import held_heads
 from multihead.observe.prefix_reuse import PrefixCache
 from multihead.observe.steering import intervene, model_heads
 from multihead.observers import AttentionCall, ObservableAttention
@@ -91,6 +92,10 @@ def head_importance(
         method: ``"ablation"`` or ``"gradient"``.
         reuse_prefix: let ablation runs skip the unchanged blocks (see above).
 
+    Under tensor parallelism every rank calls this together (each ablation is a forward all
+    ranks run) and gets the whole table; ``metric()`` must give every rank the same value (as
+    the gathered logits of a tensor-parallel model do).
+
     Returns:
         (L, H) in the metric's dtype and device, L the number of attention modules in module
         order (as :func:`multihead.capture` numbers them), H the most heads a module has (NaN
@@ -122,14 +127,21 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
         for _, mha in found
     ]
 
-    def make_observer(xi: Tensor) -> Callable[[AttentionCall, Tensor], Tensor]:
+    def make_observer(
+        xi: Tensor, mha: ObservableAttention
+    ) -> Callable[[AttentionCall, Tensor], Tensor]:
+        # under tensor parallelism a rank's call holds its own heads: their slice of ξ
+        held = held_heads(mha.num_heads, mha.head_shard)
+
         def observer(call: AttentionCall, out: Tensor) -> Tensor:
-            return out * xi.to(out.dtype)[:, None]  # (B, T, H, Dv) · (H, 1)
+            part = xi[held.start : held.stop]  # sliced here, where gradients are recorded
+            return out * part.to(out.dtype)[:, None]  # (B, T, H, Dv) · (H, 1)
 
         return observer
 
     handles = [
-        mha.register_observer(make_observer(xi)) for (_, mha), xi in zip(found, xis, strict=True)
+        mha.register_observer(make_observer(xi, mha))
+        for (_, mha), xi in zip(found, xis, strict=True)
     ]
     try:
         with torch.enable_grad():
@@ -145,6 +157,10 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
             handle.remove()
     scores = _table(found, value)
     for layer, grad in enumerate(grads):
+        shard = found[layer][1].head_shard
+        if shard is not None and grad is not None:
+            # each rank's gradient is zero but at the heads it holds: the sum is every head's
+            grad = shard.sum(grad)
         if grad is not None:
             scores[layer, : grad.shape[0]] = grad.abs().to(scores.dtype)
         else:  # the layer never ran: the metric does not depend on it

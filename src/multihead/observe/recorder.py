@@ -118,6 +118,10 @@ def capture(
 
     Yields:
         A :class:`Recorder`; ``rec.weights`` lists one (B, H', R, S) tensor per recorded call.
+        Under tensor parallelism (a transformers model loaded with a ``tp_plan``; every rank
+        runs the block) each rank computes the chosen heads it holds and every rank's recorder
+        gets all of them, (B, H', R, S) with global head numbers (``torch.distributed``
+        all_gather).
 
     Raises:
         ValueError: no MultiHeadAttention in the model, layer/head/row indices out of range.

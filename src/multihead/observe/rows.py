@@ -265,7 +265,9 @@ def observe_rows(
     """Install observers on the chosen attention modules; yields (layer, name, heads) per slot.
 
     Each call of a chosen module hands its weights to ``consume`` chunk by chunk of query rows.
-    The observers are removed on exit, even when the body raised.
+    The observers are removed on exit, even when the body raised. A module whose heads are split
+    over ranks (``site.head_shard``, tensor parallelism) computes the chosen heads each rank
+    holds there and gathers them: ``consume`` sees every chosen head, on every rank.
     """
     check_optional_positive_int("chunk_size", chunk_size)
     row_index = RowIndex(rows)
@@ -291,15 +293,20 @@ def observe_rows(
     def make_observer(
         slot: int, site: ObservableAttention, head_list: list[int] | None
     ) -> AttentionObserver:
+        # Under tensor parallelism each rank computes the chosen heads it holds (their positions
+        # among its own) and the gather hands every rank all of them, in the order chosen.
+        shard = site.head_shard
+        gather = None if shard is None else shard.gatherer(head_list)
+        own_heads = head_list if gather is None else gather.local
         # the head indices (H',) per device, made before the forward (on the module's device)
         # or at its first call on another: no host-to-device copy inside later forwards
         head_ids: dict[torch.device, Tensor] = {}
 
         def heads_on(device: torch.device) -> Tensor | None:
-            if head_list is None:
+            if own_heads is None:
                 return None
             if device not in head_ids:
-                head_ids[device] = torch.tensor(head_list, dtype=torch.long, device=device)
+                head_ids[device] = torch.tensor(own_heads, dtype=torch.long, device=device)
             return head_ids[device]
 
         def observer(call: AttentionCall, out: Tensor) -> None:
@@ -325,12 +332,16 @@ def observe_rows(
                             causal_masks[key] = kernels.causal_mask(t, s, rows=chunk)
                         causal = causal_masks[key]
                     w = row_weights(call, chosen_heads, chunk, causal)
+                    if gather is not None:
+                        w = gather(w, dim=1)  # (B, H', R, S): every chosen head, on every rank
                     consume(slot, chunk, w, t, call)
 
         device = _device_of(site)
         if device is not None:
             heads_on(device)
             row_index.to(device)
+            if gather is not None:
+                gather.to(device)
         return observer
 
     handles = []

@@ -63,6 +63,10 @@ def head_statistics(
         chunk_size: query rows per step.
         **forward_kwargs: passed to the model when ``inputs`` is a tensor.
 
+    Under tensor parallelism (a transformers model loaded with a ``tp_plan``; every rank calls
+    this together) each rank computes its heads' weights, gathered chunk by chunk, and every
+    rank gets the statistics of every chosen head (global head numbers).
+
     Returns:
         A :class:`HeadStatistics` over the chosen layers and heads.
     """

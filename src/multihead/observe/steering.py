@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_index, describe, is_int
+from multihead.head_shard import held_heads
 from multihead.observe.rows import attention_modules
 from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention
 
@@ -151,37 +152,48 @@ def _mean_over_real(x: Tensor, query_mask: Tensor | None) -> Tensor:
 def _edit_observer(
     layer: int, mha: ObservableAttention, edits: Mapping[int, float | str | Tensor]
 ) -> AttentionObserver:
-    """The observer applying one module's edits (head -> edit) to its per-head output."""
-    h = mha.num_heads
-    scales = {head: e for head, e in edits.items() if isinstance(e, float)}
-    replaced = [(head, e) for head, e in edits.items() if not isinstance(e, float)]
+    """The observer applying one module's edits (head -> edit) to its per-head output.
+
+    Under tensor parallelism (``mha.head_shard``) a rank's output holds its own heads only: it
+    applies the edits of those, at their positions there, and leaves the others' to their ranks.
+    """
+    held = held_heads(mha.num_heads, mha.head_shard)  # the global heads in out, in order
+    h = len(held)
+    # (global head, its position in out, edit), for the heads this call holds
+    own = [(head, head - held.start, e) for head, e in edits.items() if head in held]
+    scales = {at: e for _, at, e in own if isinstance(e, float)}
+    replaced = [(head, at, e) for head, at, e in own if not isinstance(e, float)]
+    # every patch is checked on every rank, so that a wrong one stops all ranks at the same
+    # call (one rank raising alone would leave the others waiting in the next collective)
+    patches = [(head, e.shape[:2]) for head, e in edits.items() if isinstance(e, Tensor)]
     factors: Tensor | None = None
     if scales:
         # One multiply for every scaled or zeroed head; x · 1.0 leaves the others bit-exact.
         factors = torch.ones(h, dtype=_module_dtype(mha), device=_module_device(mha))
-        for head, a in scales.items():
-            factors[head] = a
+        for at, a in scales.items():
+            factors[at] = a
 
     def observer(call: AttentionCall, out: Tensor) -> Tensor:
         # out: (B, T, H, Dv) before out_proj; never modified in place (autograd may need it)
+        b, t = out.shape[0], out.shape[1]
+        for head, bt in patches:
+            if bt != (b, t):
+                raise ValueError(
+                    f"edits[({layer}, {head})]: the patch has (B, T) = {tuple(bt)} but this "
+                    f"call of layer {layer} has (B, T) = ({b}, {t}); record the patch on an "
+                    f"input of the same shape"
+                )
         new = out
         if factors is not None:
             new = out * factors.to(out.dtype)[:, None]  # (B, T, H, Dv) · (H, 1)
         if replaced:
             if new is out:
                 new = out.clone()
-            b, t = out.shape[0], out.shape[1]
-            for head, e in replaced:
+            for _, at, e in replaced:
                 if isinstance(e, Tensor):
-                    if e.shape[:2] != (b, t):
-                        raise ValueError(
-                            f"edits[({layer}, {head})]: the patch has (B, T) = "
-                            f"{tuple(e.shape[:2])} but this call of layer {layer} has "
-                            f"(B, T) = ({b}, {t}); record the patch on an input of the same shape"
-                        )
-                    new[:, :, head] = e.to(out.dtype)
+                    new[:, :, at] = e.to(out.dtype)
                 else:  # "mean": one (Dv,) vector for every position
-                    new[:, :, head] = _mean_over_real(out[:, :, head], call.query_mask)
+                    new[:, :, at] = _mean_over_real(out[:, :, at], call.query_mask)
         return new
 
     return observer
@@ -228,6 +240,10 @@ def intervene(model: nn.Module, edits: Mapping[HeadKey, Edit]) -> Iterator[None]
     registered before see the unedited output, later ones (e.g. :func:`record_heads` entered
     inside this block) the edited one. :func:`multihead.capture` may run in the same forward: the
     weights do not depend on the output edits of their own layer.
+
+    Under tensor parallelism (a transformers model loaded with a ``tp_plan``, every rank in the
+    block together) heads keep their global numbers: an edit applies on the rank that holds its
+    head, and every rank's output equals the one-process run's.
 
     Nothing is registered for an empty ``edits`` (no overhead at all); on leaving the block,
     normally or by an exception, every observer it added is removed, and the model's outputs
@@ -335,6 +351,8 @@ def record_heads(model: nn.Module, heads: Sequence[HeadKey]) -> Iterator[HeadRec
 
     Yields:
         A :class:`HeadRecording`: ``rec[(layer, head)]`` is the output (B, T, Dv), detached.
+        Under tensor parallelism every rank records every chosen head (each gathered from the
+        rank that holds it), so a patch recorded on one input applies on any rank.
 
     Raises:
         ValueError, TypeError: as :func:`intervene` for bad keys; an empty ``heads``.
@@ -350,17 +368,33 @@ def record_heads(model: nn.Module, heads: Sequence[HeadKey]) -> Iterator[HeadRec
     for layer, head in keys:
         by_layer.setdefault(layer, []).append(head)
 
-    def make_observer(layer: int, chosen: list[int]) -> AttentionObserver:
-        def observer(call: AttentionCall, out: Tensor) -> None:
-            for head in chosen:
-                recording._calls[(layer, head)].append(out[:, :, head].detach().clone())
+    def make_observer(
+        layer: int, chosen: list[int], site: ObservableAttention
+    ) -> AttentionObserver:
+        shard = site.head_shard
+        if shard is None:
 
-        return observer
+            def observer(call: AttentionCall, out: Tensor) -> None:
+                for head in chosen:
+                    recording._calls[(layer, head)].append(out[:, :, head].detach().clone())
+
+            return observer
+        # tensor parallelism: each rank takes the chosen heads it holds, and every rank gets all
+        gather = shard.gatherer(chosen)
+        gather.to(_module_device(site))
+
+        def gathering_observer(call: AttentionCall, out: Tensor) -> None:
+            every = gather.take(out.detach(), dim=2)  # (B, T, len(chosen), Dv), on every rank
+            for j, head in enumerate(chosen):
+                recording._calls[(layer, head)].append(every[:, :, j].clone())
+
+        return gathering_observer
 
     handles = []
     try:
         for layer, chosen in by_layer.items():
-            handles.append(found[layer][1].register_observer(make_observer(layer, chosen)))
+            site = found[layer][1]
+            handles.append(site.register_observer(make_observer(layer, chosen, site)))
         yield recording
     finally:
         for handle in handles:

@@ -1,0 +1,482 @@
+"""Heads of tensor-parallel transformers models on real process groups: gloo on the CPU, 2 and 3
+spawned ranks, each loading a tiny random model saved to tmp_path with ``tp_plan="auto"``,
+against the same cases run here in one process on the same weights.
+
+Spawning costs seconds (every rank imports torch and transformers), so each world size is
+spawned once: every rank runs every case of every model and saves what it got; the tests below
+compare them one case at a time. A group's collectives time out (``GROUP_TIMEOUT_S``) and the
+parent kills the ranks at ``TIMEOUT_S``, so a rank that raises alone fails a test, never hangs it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+
+from multihead import capture, hf  # noqa: E402
+from multihead.head_shard import HeadShard, held_heads  # noqa: E402
+from multihead.observe.importance import head_importance  # noqa: E402
+from multihead.observe.statistics import head_statistics  # noqa: E402
+from multihead.observe.steering import intervene, record_heads  # noqa: E402
+
+pytestmark = pytest.mark.cpu_only  # gloo process groups on the CPU
+
+NO_ACCELERATE = (
+    "transformers loads a model with tp_plan only when accelerate is installed "
+    "(pip install accelerate, in multihead's test extra)"
+)
+
+TIMEOUT_S = 180.0  # for one spawned group, start-up included
+GROUP_TIMEOUT_S = 30.0  # a collective a rank waits in for longer raises there
+OUT_ATOL = 1e-5  # outputs (logits, per-head outputs, importance): the ranks' sums differ in order
+WEIGHT_ATOL = 1e-6  # attention weights and statistics
+
+# (family, config class, config keywords): tiny random models, 2 layers, vocabulary 96 (which
+# older transformers shard only when it divides by the ranks)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    # grouped-query heads: 4 query heads over 2 key/value heads
+    "llama": (
+        "LlamaConfig",
+        {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+    ),
+    # 3 query heads per key/value head, biased q/k/v projections
+    "qwen2": (
+        "Qwen2Config",
+        {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8},
+    ),
+    # 6 heads over 3 key/value heads: 2 and 1 on each of 3 ranks
+    "mistral": (
+        "MistralConfig",
+        {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8},
+    ),
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 32}),
+}
+COMMON = {"vocab_size": 96, "intermediate_size": 96, "num_hidden_layers": 2}
+
+
+def _has_tp_plan(family: str) -> bool:
+    """Whether the installed transformers has a tensor-parallel plan for this family."""
+    config_class = getattr(transformers, MODELS[family][0])
+    return bool(getattr(config_class, "base_model_tp_plan", None))
+
+
+# what each world size runs: (family, whether its heads can be mapped on that many ranks)
+GROUPS: dict[int, list[tuple[str, bool]]] = {
+    2: [("llama", True), ("qwen2", True)] + ([("gpt2", True)] if _has_tp_plan("gpt2") else []),
+    # 4 heads do not split over 3 ranks: refused; 6 heads over 3 ranks are mapped
+    3: [("mistral", True), ("llama", False)],
+}
+
+
+def _save_model(family: str, path: Path) -> None:
+    config_name, keywords = MODELS[family]
+    config_class = getattr(transformers, config_name)
+    extra = {} if family == "gpt2" else COMMON
+    config = config_class(**{**extra, **keywords})
+    if family == "gpt2":
+        config.vocab_size = COMMON["vocab_size"]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def _num_heads(family: str) -> int:
+    keywords = MODELS[family][1]
+    return int(keywords.get("num_attention_heads", keywords.get("n_head", 0)))
+
+
+def _load(path: Path, tensor_parallel: bool) -> Any:
+    if not tensor_parallel:
+        return transformers.AutoModelForCausalLM.from_pretrained(path)
+    # tp_plan="auto" in the form every transformers >= 5.15 takes: the model's own plan, split
+    # over every rank of the group
+    from transformers.distributed import DistributedConfig
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_size=dist.get_world_size())
+    )
+
+
+# -- the cases, run on every rank and in one process --------------------------------------------
+
+
+def _ids(seed: int) -> torch.Tensor:
+    # repeated tokens give the induction and duplicate-token statistics something to find
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(0, COMMON["vocab_size"], (2, 4), generator=g)
+    return torch.cat([half, half], dim=1)  # (B, T) = (2, 8)
+
+
+def _triple_values(head: int) -> Callable[[Any], Any]:
+    """A q/k/v editor tripling the values global query head ``head`` reads (values per query
+    head: its key/value siblings keep theirs), on the rank that holds it."""
+
+    def editor(call: Any) -> Any:
+        site = call.module
+        held = held_heads(site.num_heads, site.head_shard)  # the global heads call.q holds
+        if head not in held:
+            return None
+        group = call.q.shape[1] // call.v.shape[1]
+        v = call.v.repeat_interleave(group, dim=1)  # (B, heads held, S, Dv), a copy
+        v[:, head - held.start] *= 3.0
+        return call.q, call.k, v
+
+    return editor
+
+
+def _cases(model: Any) -> dict[str, Any]:
+    """Everything the tests compare, keyed by case: tensors, the same on every rank."""
+    sites = hf.attention_sites(model)
+    last = sites[0][1].num_heads - 1  # held by the last rank
+    ids, other = _ids(1), _ids(2)
+    out: dict[str, Any] = {
+        "shards": [None if s.head_shard is None else tuple(s.head_shard.heads) for _, s in sites],
+    }
+    with torch.no_grad():
+        out["logits"] = model(ids).logits
+        with capture(model, rows=[-1]) as rec:
+            model(ids)
+        out["capture"] = rec.stack()  # (L, B, H, 1, S)
+        with capture(model, layers=[1], heads=[last, 0, 2], rows=[0, -1]) as rec:
+            model(ids)
+        out["capture_chosen"] = rec.stack()  # heads of several ranks, out of order
+        with capture(model, heads=[last], rows=None) as rec:
+            model(ids)
+        out["capture_one_rank"] = rec.stack()  # a head only the last rank holds
+        with intervene(model, {(0, last): 0.0}):
+            out["ablate_last"] = model(ids).logits
+        with intervene(model, {(0, last): 0.0, (1, 1): 2.0, (1, 0): "mean"}):
+            out["intervene"] = model(ids).logits
+        keys = [(0, 2), (1, 0), (0, last)]
+        with record_heads(model, keys) as recording:
+            model(other)
+        out["record"] = torch.stack([recording[k] for k in keys])
+        with intervene(model, {(1, last): recording[(0, last)], (0, 0): recording[(1, 0)]}):
+            out["patch"] = model(ids).logits
+        with sites[0][1].register_qkv_editor(_triple_values(last)):
+            out["qkv_editor"] = model(ids).logits
+        stats = head_statistics(model, ids)
+        for metric in ("entropy", "previous_token", "induction"):
+            out[f"statistics_{metric}"] = getattr(stats, metric)
+        try:  # a patch of the wrong (B, T): every rank refuses at the same call
+            with intervene(model, {(0, last): torch.zeros(1, 3, sites[0][1].head_dim)}):
+                model(ids)
+        except ValueError as error:
+            out["wrong_patch"] = str(error)
+
+    def metric() -> torch.Tensor:
+        return model(ids).logits[0, -1, 5]
+
+    out["importance_ablation"] = head_importance(model, metric)
+    out["importance_gradient"] = head_importance(model, metric, method="gradient")
+    return out
+
+
+def _sharded_as_dtensors(model: Any) -> bool:
+    """Whether transformers sharded the model's weights as DTensors (the layout multihead reads:
+    each knows its device mesh and global shape)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _refusal(model: Any) -> str:
+    """The error entering a capture block raises (every rank must raise it alike)."""
+    try:
+        with capture(model, rows=[-1]):
+            pass
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+# -- the spawned groups --------------------------------------------------------------------------
+
+
+def _worker(rank: int, world: int, root: str, queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{root}/rendezvous",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        )
+        results: dict[str, Any] = {}
+        for family, mapped in GROUPS[world]:
+            model = _load(Path(root, family), tensor_parallel=True)
+            if not _sharded_as_dtensors(model):
+                results[family] = {"plain": _refusal(model)}  # mapped or not: refused
+            elif mapped:
+                results[family] = _cases(model)
+            else:
+                results[family] = {"refused": _refusal(model)}
+        torch.save(results, Path(root, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, None))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+def run_group(world: int, root: Path, worker: Callable[..., None] = _worker) -> None:
+    """Run ``worker(rank, world, root, queue)`` on ``world`` spawned ranks; fail (and kill the
+    rest) as soon as one rank reports an error, or when they are not done in ``TIMEOUT_S``."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        procs = [
+            ctx.Process(target=worker, args=(rank, world, str(root), queue), daemon=True)
+            for rank in range(world)
+        ]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    done: dict[int, str | None] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while len(done) < world and time.monotonic() < deadline:
+            if not queue.empty():
+                rank, error = queue.get()
+                done[rank] = error
+                if error is not None:
+                    break  # the others may be waiting for it in a collective
+            elif any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(0.5)  # its report may still be on its way
+                if queue.empty():
+                    break
+            else:
+                time.sleep(0.05)
+        for p in procs:
+            if not any(done.values()):
+                p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {rank: error for rank, error in done.items() if error is not None}
+    assert not errors, f"ranks raised: {errors}"
+    assert len(done) == world, (
+        f"only ranks {sorted(done)} of {world} finished within {TIMEOUT_S} s "
+        f"(exit codes {[p.exitcode for p in procs]})"
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(GROUPS), ids=lambda w: f"world{w}")
+def group(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(world size, each rank's results, the one-process results) for one spawned group."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip(NO_ACCELERATE)
+    world = int(request.param)
+    root = tmp_path_factory.mktemp(f"world{world}")
+    for family, _ in GROUPS[world]:
+        _save_model(family, root / family)
+    run_group(world, root)
+    ranks = [torch.load(root / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    single = {
+        family: _cases(_load(root / family, tensor_parallel=False))
+        for family, mapped in GROUPS[world]
+        if mapped
+    }
+    return world, ranks, single
+
+
+# -- the verdicts --------------------------------------------------------------------------------
+
+CASES = {
+    "logits": OUT_ATOL,
+    "capture": WEIGHT_ATOL,
+    "capture_chosen": WEIGHT_ATOL,
+    "capture_one_rank": WEIGHT_ATOL,
+    "ablate_last": OUT_ATOL,
+    "intervene": OUT_ATOL,
+    "record": OUT_ATOL,
+    "patch": OUT_ATOL,
+    "qkv_editor": OUT_ATOL,
+    "statistics_entropy": WEIGHT_ATOL,
+    "statistics_previous_token": WEIGHT_ATOL,
+    "statistics_induction": WEIGHT_ATOL,
+    "importance_ablation": OUT_ATOL,
+    "importance_gradient": OUT_ATOL,
+}
+
+
+def _plain(world: int, ranks: list[dict[str, Any]]) -> list[str]:
+    """The families this transformers sharded as plain tensors (refused: see below)."""
+    return [family for family, _ in GROUPS[world] if "plain" in ranks[0][family]]
+
+
+def _mapped(world: int, ranks: list[dict[str, Any]]) -> list[str]:
+    """The families whose heads the group maps (skips the test when this transformers shards
+    as plain tensors, which multihead refuses)."""
+    if _plain(world, ranks):
+        pytest.skip(
+            f"transformers {transformers.__version__} shards weights as plain tensors, not "
+            f"DTensors: multihead refuses them (test_plain_tensor_layouts_are_refused_by_name)"
+        )
+    return [family for family, mapped in GROUPS[world] if mapped]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_rank_gets_the_one_process_result(case: str, group: Any) -> None:
+    world, ranks, single = group
+    for family in _mapped(world, ranks):
+        expected = single[family][case]
+        for rank, results in enumerate(ranks):
+            got = results[family][case]
+            assert got.shape == expected.shape, (family, rank)
+            torch.testing.assert_close(
+                got, expected, atol=CASES[case], rtol=0, equal_nan=True, msg=f"{family} rank {rank}"
+            )
+
+
+def test_each_rank_holds_its_slice_of_the_heads(group: Any) -> None:
+    world, ranks, single = group
+    for family in _mapped(world, ranks):
+        h = _num_heads(family)
+        assert single[family]["shards"] == [None, None]  # one process: every call holds all
+        for rank, results in enumerate(ranks):
+            per_rank = h // world
+            mine = tuple(range(rank * per_rank, (rank + 1) * per_rank))
+            assert results[family]["shards"] == [mine, mine], (family, rank)
+
+
+def test_an_edit_on_another_rank_changes_every_rank_output(group: Any) -> None:
+    # head H-1 lives on the last rank only; rank 0's logits move as one process's do
+    world, ranks, single = group
+    for family in _mapped(world, ranks):
+        clean = single[family]["logits"]
+        for case in ("ablate_last", "intervene", "patch", "qkv_editor"):
+            # each edit is visible at all, so that equal results say something
+            assert (single[family][case] - clean).abs().max() > 100 * OUT_ATOL, (family, case)
+        got = ranks[0][family]["ablate_last"]
+        torch.testing.assert_close(got, single[family]["ablate_last"], atol=OUT_ATOL, rtol=0)
+        assert (got - ranks[0][family]["logits"]).abs().max() > 100 * OUT_ATOL
+
+
+def test_a_wrong_patch_stops_every_rank_at_the_same_call(group: Any) -> None:
+    world, ranks, single = group
+    for family in _mapped(world, ranks):
+        expected = single[family]["wrong_patch"]
+        assert "the patch has (B, T) = (1, 3)" in expected
+        assert [r[family]["wrong_patch"] for r in ranks] == [expected] * world
+
+
+def test_uneven_heads_are_refused_by_name_on_every_rank(group: Any) -> None:
+    world, ranks, _ = group
+    _mapped(world, ranks)
+    refused = [family for family, mapped in GROUPS[world] if not mapped]
+    if not refused:
+        pytest.skip(f"every model's heads split evenly over {world} ranks")
+    for family in refused:
+        messages = {r[family]["refused"] for r in ranks}
+        assert len(messages) == 1, messages  # the same refusal on every rank
+        h = _num_heads(family)
+        assert messages.pop().startswith(f"{family} ("), f"the refusal names the family: {messages}"
+        message = ranks[0][family]["refused"]
+        assert f"splits {h} heads over {world} ranks unevenly" in message
+
+
+def test_plain_tensor_layouts_are_refused_by_name(group: Any) -> None:
+    world, ranks, _ = group
+    plain = _plain(world, ranks)
+    if not plain:
+        pytest.skip(f"transformers {transformers.__version__} shards weights as DTensors")
+    for family in plain:
+        messages = [r[family]["plain"] for r in ranks]
+        assert messages == [messages[0]] * world
+        assert messages[0].startswith(f"{family} (")
+        assert "is sharded as a plain tensor, not a DTensor" in messages[0]
+
+
+def test_gpt2_runs_where_transformers_has_a_plan_for_it() -> None:
+    if _has_tp_plan("gpt2"):
+        assert any(family == "gpt2" for family, _ in GROUPS[2])  # run with the others
+        return
+    pytest.skip(
+        f"transformers {transformers.__version__} has no tensor-parallel plan for GPT-2 "
+        f"(GPT2Config.base_model_tp_plan is empty): tp_plan='auto' cannot load it"
+    )
+
+
+# -- the harness itself: a rank that raises alone ------------------------------------------------
+
+
+def _one_rank_raises(rank: int, world: int, root: str, queue: Any) -> None:
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{root}/rendezvous",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        )
+        if rank == 1:
+            raise RuntimeError("rank 1 fails alone")
+        dist.barrier()  # rank 0 waits for a rank that is gone
+        queue.put((rank, None))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+def test_a_rank_that_raises_fails_the_group_without_hanging(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="rank 1 fails alone"):
+        run_group(2, tmp_path, _one_rank_raises)
+
+
+# -- in this process: the shard's own rules, and the check every call makes ---------------------
+
+
+def test_a_shard_splits_heads_evenly_or_not_at_all() -> None:
+    shard = HeadShard(num_heads=6, rank=2, world_size=3)
+    assert shard.heads == range(4, 6)
+    assert [shard.owner(h) for h in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert held_heads(6, shard) == range(4, 6) and held_heads(6, None) == range(6)
+    with pytest.raises(ValueError, match="4 heads cannot be split evenly over 3 ranks"):
+        HeadShard(num_heads=4, rank=0, world_size=3)
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
+        HeadShard(num_heads=4, rank=2, world_size=2)
+
+
+def test_a_call_holding_other_heads_than_the_shard_says_is_refused(tmp_path: Path) -> None:
+    # a site told it holds half the heads, whose calls hold them all: never observed wrongly
+    _save_model("llama", tmp_path)
+    model = _load(tmp_path, tensor_parallel=False)
+    for _, site in hf.attention_sites(model):
+        site.head_shard = HeadShard(num_heads=4, rank=0, world_size=2)
+    with pytest.raises(
+        ValueError,
+        match=r"llama \(LlamaAttention\): the attention call has 4 heads of width 16, but the "
+        r"module was read as heads 0-1 of 4 \(rank 0 of 2\) of width 16",
+    ):
+        with torch.no_grad(), capture(model, rows=[-1]):
+            model(_ids(1))
