@@ -526,17 +526,6 @@ def test_config_fields_are_checked() -> None:
         train(config)
 
 
-def test_no_module_of_training_or_the_cli_is_too_long() -> None:
-    src = Path(__file__).resolve().parents[1] / "src" / "multihead"
-    lengths = {
-        p.name: len(p.read_text().splitlines())
-        for folder in ("training", "cli")
-        for p in (src / folder).glob("*.py")
-    }
-    assert "ddp.py" in lengths and "loop.py" in lengths
-    assert max(lengths.values()) <= 400, lengths
-
-
 def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> None:
     """Checkpoints written when the LM's stack was a TransformerEncoder named 'layers'
     (``layers.layers.{i}.…``, ``layers.norm.…``) resume under today's ``blocks``/``norm``."""
