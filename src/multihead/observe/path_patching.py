@@ -95,7 +95,8 @@ def path_patching(
     before the patched layer are not run again (see the module docstring): with N senders, R
     receivers and V inputs, N variants of run 1 and N·R·V of run 2, besides one corrupt
     forward (to the last sender's layer), one clean forward recording the heads to freeze (to
-    the last receiver's layer), and the clean and check runs of the prefix reuse.
+    the last receiver's layer), and the clean and check runs of the prefix reuse. Between the
+    two runs it holds, per receiver input, N·R·B·(T or S)·D values.
 
     Args:
         model, clean, corrupt, metric: as for :func:`~multihead.patch_heads`. Heads are
@@ -192,9 +193,9 @@ def path_patching(
                 for kind in range(len(unique_kinds))
             ]
             where = [
-                (unique_senders.index(sender), unique_receivers.index((layer, head)), kind)
+                (i, unique_receivers.index((layer, head)), kind)
                 for head in heads
-                for sender in unique_senders
+                for i in range(len(unique_senders))
                 for kind in range(len(unique_kinds))
             ]
             for start in range(0, len(variants), size):
