@@ -20,6 +20,9 @@ of :func:`~multihead.observe.steering.record_heads` and
 - the blocks before the patched layer are not run again: they hand back their outputs from the
   unpatched run, repeated for every variant (:class:`~multihead.observe.prefix_reuse.PrefixCache`).
 
+:func:`run_stacked` (one forward of stacked variants, the prefix reused) and
+:func:`stacked_metrics` serve :mod:`~multihead.observe.path_patching` too.
+
 Shapes: B batch, T tokens, L attention layers, H heads (the most any layer has), Dv one head's
 output width, n stacked variants.
 """
