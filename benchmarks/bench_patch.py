@@ -13,6 +13,11 @@ key/value heads, vocabulary 32,000; B = 4 sequences of T = 64 tokens), through t
   difference).
 - ``attribution_patching(per_position=True)`` (two forwards and one backward) ÷ one plain
   forward of the same batch under ``torch.no_grad()``. Target ≤ 5×.
+- ``path_patching`` (senders: two heads of the first layer; receivers: the last layer's heads;
+  via q, k and v) ÷ the naive loop, Wang et al.'s two full forwards per number (``intervene``
+  freezing every later head at its clean output with the sender's from corrupt, a q/k/v editor
+  recording the receiver's input; then a q/k/v editor replacing it). No target; its values
+  must equal ``path_patching``'s (printed: the largest difference).
 
 Each measure is the median of ``--rounds`` rounds (wall clock; on a GPU with a synchronisation
 around each call). ``--quick`` runs a small model (2 layers, width 64, 4 heads on 2, T = 16,
@@ -102,6 +107,55 @@ def naive_patches(
     return out
 
 
+def naive_paths(
+    model: Any,
+    clean: torch.Tensor,
+    corrupt: torch.Tensor,
+    metric: Callable[[Any], torch.Tensor],
+    senders: list[tuple[int, int]],
+    receivers: list[tuple[int, int]],
+) -> torch.Tensor:
+    """(senders, receivers, 3): Wang et al.'s two runs per number, one full forward each."""
+    sites = [site for _, site in multihead.observe.attention_modules(model)]
+    every = [(layer, h) for layer, site in enumerate(sites) for h in range(site.num_heads)]
+    out = torch.zeros(len(senders), len(receivers), 3)
+    with torch.no_grad():
+        base = metric(model(clean, use_cache=False)).mean()
+        with multihead.record_heads(model, every) as clean_rec:
+            model(clean, use_cache=False)
+        with multihead.record_heads(model, senders) as corrupt_rec:
+            model(corrupt, use_cache=False)
+        for i, sender in enumerate(senders):
+            edits = {key: clean_rec[key] for key in every if key[0] > sender[0]}
+            edits[sender] = corrupt_rec[sender]
+            for j, (layer, head) in enumerate(receivers):
+                for k, kind in enumerate("qkv"):
+                    seen: list[torch.Tensor] = []
+
+                    def record(
+                        call: Any, kind: str = kind, head: int = head, seen: Any = seen
+                    ) -> None:
+                        x = getattr(call, kind)  # (B, H or Hk, T, D)
+                        seen.append(x[:, head * x.shape[1] // call.q.shape[1]])
+
+                    def replace(call: Any, k: int = k, head: int = head, seen: Any = seen) -> Any:
+                        h = call.q.shape[1]
+                        new = [call.q.clone()] + [
+                            x.repeat_interleave(h // x.shape[1], 1) for x in (call.k, call.v)
+                        ]  # keys and values per query head: the siblings keep theirs
+                        new[k][:, head] = seen[0]
+                        return tuple(new)
+
+                    with (
+                        multihead.intervene(model, edits),
+                        sites[layer].register_qkv_editor(record),
+                    ):
+                        model(clean, use_cache=False)  # run 1
+                    with sites[layer].register_qkv_editor(replace):
+                        out[i, j, k] = metric(model(clean, use_cache=False)).mean() - base  # run 2
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -145,24 +199,42 @@ def main() -> int:
         with torch.no_grad():
             model(corrupt, use_cache=False)
 
+    senders = [(0, 0), (0, 1)]
+    receivers = [(shape["layers"] - 1, h) for h in range(shape["heads"])]
+
+    def paths() -> torch.Tensor:
+        return multihead.path_patching(model, clean, corrupt, metric, senders, receivers)
+
+    naive_path_values = []
+
+    def naive_path() -> None:
+        naive_path_values[:] = [naive_paths(model, clean, corrupt, metric, senders, receivers)]
+
     naive_values: dict[tuple[int, int, int], float] = {}
 
     def naive() -> None:
         naive_values.update(naive_patches(model, clean, corrupt, metric, patches))
 
-    times: dict[str, list[float]] = {"patch": [], "naive": [], "attribute": [], "forward": []}
+    times: dict[str, list[float]] = {
+        "patch": [], "naive": [], "attribute": [], "forward": [], "paths": [], "naive_paths": []
+    }  # fmt: skip
     effects = patch()  # warm-up, and the values compared
     attribute()
     forward()
+    path_effects = paths()
     for _ in range(rounds):  # interleaved, so that a busy moment hits every contender
         times["patch"].append(timed(patch, device))
         times["naive"].append(timed(naive, device))
         times["attribute"].append(timed(attribute, device))
         times["forward"].append(timed(forward, device))
+        times["paths"].append(timed(paths, device))
+        times["naive_paths"].append(timed(naive_path, device))
     median = {k: statistics.median(v) for k, v in times.items()}
     naive_all = median["naive"] / len(patches) * every
     difference = max(abs(float(effects[k]) - v) for k, v in naive_values.items())
     scale = max(abs(v) for v in naive_values.values())
+    path_difference = float((path_effects.float().cpu() - naive_path_values[0]).abs().max())
+    n_paths = path_effects.numel()
     rows = [
         [
             "patch_heads, every head and position",
@@ -182,12 +254,26 @@ def main() -> int:
             "-",
             "<= 5x",
         ],
+        [
+            "path_patching",
+            f"{median['paths'] * 1e3:.1f}",
+            f"{median['naive_paths'] * 1e3:.1f}",
+            f"naive loop, {2 * n_paths} forwards",
+            f"{median['paths'] / median['naive_paths']:.3f}x",
+            f"{median['naive_paths'] / median['paths']:.1f}x faster",
+            "-",
+        ],
     ]
     headers = ["measure", "ms", "baseline ms", "baseline", "ratio", "speed-up", "target"]
     print(format_table(headers, rows))
     print(
         f"\nlargest |patch_heads - naive| over the {len(patches)} timed patches: {difference:.2e} "
         f"(largest effect {scale:.2e}); {shape}; {dtype}"
+    )
+    print(
+        f"largest |path_patching - naive| over its {n_paths} numbers ({len(senders)} senders x "
+        f"{len(receivers)} receivers x q, k, v): {path_difference:.2e} (largest effect "
+        f"{float(naive_path_values[0].abs().max()):.2e})"
     )
     info = machine_info()
     where = info["gpu"]["name"] if gpu else f"{info['cpu']}, {torch.get_num_threads()} threads"
@@ -207,6 +293,9 @@ def main() -> int:
             "ratio_patch_to_naive": median["patch"] / naive_all,
             "ratio_attribution_to_forward": median["attribute"] / median["forward"],
             "max_abs_difference": difference,
+            "path_numbers": n_paths,
+            "ratio_paths_to_naive": median["paths"] / median["naive_paths"],
+            "max_abs_path_difference": path_difference,
             "targets": TARGETS,
         },
         directory=None if args.results_dir is None else Path(args.results_dir),

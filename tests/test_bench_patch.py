@@ -30,5 +30,6 @@ def test_bench_patch_quick(tmp_path: Path) -> None:
     assert payload["machine"]["torch"]
     assert payload["patches"] == 2 * 4 * 16 and payload["patches_timed"] == 128
     assert payload["max_abs_difference"] < 1e-5
+    assert payload["path_numbers"] == 2 * 4 * 3 and payload["max_abs_path_difference"] < 1e-5
     assert all(s > 0 for times in payload["seconds"].values() for s in times)
     assert "patch_heads, every head and position" in done.stdout

@@ -114,3 +114,31 @@ def test_flag_errors(
     err = fails(capsys, ["patch", "--model", str(tmp_path)])
     assert "--model needs --clean, --corrupt and --answer" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_path_patching_table(
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = ["patch", "--checkpoint", str(induction_run), "--out", str(tmp_path / "out")]
+    argv = [*run, "--format", "png", "--senders", "L0H1", "l0 h0", "--receivers", "L1H1"]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    rows = re.findall(
+        r"^  L(\d+) H(\d+)\s+L(\d+) H(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$",
+        stdout,
+        re.MULTILINE,
+    )
+    model = TransformerLM.load(induction_run).eval()
+    pair = induction_pair(16)
+    senders, receivers = [(0, 1), (0, 0)], [(1, 1)]
+    table = multihead.path_patching(
+        model, pair.clean, pair.corrupt, pair.metric, senders, receivers
+    )
+    assert [tuple(map(int, row[:4])) for row in rows] == [(0, 1, 1, 1), (0, 0, 1, 1)]
+    for i, row in enumerate(rows):
+        assert [float(x) for x in row[4:]] == pytest.approx(table[i, 0].tolist(), abs=1e-3)
+    assert "--senders and --receivers go together" in fails(capsys, [*run, "--senders", "L0H1"])
+    err = fails(capsys, [*run, "--senders", "0:1", "--receivers", "L1H1"])
+    assert "--senders takes heads such as L0H1 (layer 0, head 1), got '0:1'" in err
+    err = fails(capsys, [*run, "--senders", "L1H0", "--receivers", "L1H1"])
+    assert "senders item (1, 0) must be in an earlier layer than every receiver" in err

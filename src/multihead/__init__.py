@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "head_importance": "multihead.observe.importance",
     "patch_heads": "multihead.observe.patching",
     "attribution_patching": "multihead.observe.attribution",
+    "path_patching": "multihead.observe.path_patching",
     "logit_attribution": "multihead.observe.logit_attribution",
     "LogitAttribution": "multihead.observe.logit_attribution",
     "explain": "multihead.explanation",

@@ -1,20 +1,24 @@
 """``multihead patch``: which heads carry a behaviour? Activation patching from the command line.
 
     multihead patch --checkpoint runs/induction          # the built-in induction pair
+    multihead patch --checkpoint runs/induction --senders L0H1 --receivers L1H0 L1H1
     multihead patch --model DIR --clean "The Eiffel Tower is in" \\
         --corrupt "The Colosseum is in" --answer " Paris" --wrong " Rome"
 
 The command parses, builds the inputs and the metric, calls :func:`multihead.patch_heads` (and
 :func:`multihead.attribution_patching` beside it), prints the heads that matter most and writes
 an (L × H) heatmap, a heads × positions map of the top heads and a page (the clean text's
-attention, with each head's patching effect in the table's importance column). Errors are one
-line and exit code 2 (``multihead.cli.main``).
+attention, with each head's patching effect in the table's importance column). With
+``--senders`` and ``--receivers`` it also prints :func:`multihead.path_patching`'s table (each
+sender through each receiver's q, k and v). Errors are one line and exit code 2
+(``multihead.cli.main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +90,20 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--top", type=int, default=5, metavar="K", help="heads to list and map (default 5)"
     )
+    p.add_argument(
+        "--senders",
+        nargs="+",
+        metavar="HEAD",
+        help="path patching: heads such as L0H1 (layer 0, head 1) whose output is taken from the "
+        "corrupt run; with --receivers, prints how much each changes the metric through each "
+        "receiver's queries, keys and values alone (docs/circuits.md)",
+    )
+    p.add_argument(
+        "--receivers",
+        nargs="+",
+        metavar="HEAD",
+        help="path patching: heads in later layers than every sender, such as L1H1",
+    )
     add_device_arguments(p)
     p.add_argument(
         "--out", default="patching", metavar="DIR", help="where to write (default ./patching/)"
@@ -122,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     texts = (args.clean, args.corrupt, args.answer)
     if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
         raise CLIError("--clean, --corrupt and --answer go together: give all three")
+    if (args.senders is None) != (args.receivers is None):
+        raise CLIError("--senders and --receivers go together: give both")
+    senders = _head_names("--senders", args.senders or [])
+    receivers = _head_names("--receivers", args.receivers or [])
 
     with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -136,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
         clean_value = float(_mean(experiment.metric(_run(model, experiment.clean))))
         corrupt_value = float(_mean(experiment.metric(_run(model, experiment.corrupt))))
     with status("Patching…"):
+        paths_table = None
+        if senders:  # first: its checks of the heads come before the long runs
+            paths_table = multihead.path_patching(
+                model, experiment.clean, experiment.corrupt, experiment.metric, senders, receivers
+            )  # (senders, receivers, 3)
         effects = multihead.patch_heads(
             model, experiment.clean, experiment.corrupt, experiment.metric,
             direction=args.direction,
@@ -153,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
             direction=args.direction, per_position=True, heads=top,
         )  # fmt: skip
     _report(experiment, args.direction, clean_value, corrupt_value, effects, estimates, top)
+    if paths_table is not None:
+        _report_paths(senders, receivers, paths_table)
 
     with status("Drawing…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -163,6 +192,17 @@ def run(args: argparse.Namespace) -> int:
     for path in paths:
         print(f"  {printable(os.fspath(path))}")
     return 0
+
+
+def _head_names(flag: str, names: list[str]) -> list[tuple[int, int]]:
+    """``L0H1``-style names as (layer, head) pairs."""
+    heads = []
+    for name in names:
+        match = re.fullmatch(r"[Ll](\d+)\s*[Hh](\d+)", name.strip())
+        if match is None:
+            raise CLIError(f"{flag} takes heads such as L0H1 (layer 0, head 1), got {name!r}")
+        heads.append((int(match[1]), int(match[2])))
+    return heads
 
 
 def _run(model: Any, inputs: Any) -> Any:
@@ -346,6 +386,19 @@ def _report(
     for layer, head in top:
         effect, estimate = float(effects[layer, head]), float(estimates[layer, head])
         print(f"  L{layer} H{head:<5d}{effect:>22.3f}{estimate:>24.3f}")
+
+
+def _report_paths(
+    senders: list[tuple[int, int]], receivers: list[tuple[int, int]], table: Any
+) -> None:
+    print()
+    print("Path patching (clean run, the sender's output from the corrupt run reaching the metric")
+    print("only through the receiver's q, k or v; every other head frozen at its clean output):")
+    print(f"  {'sender':9s}{'receiver':10s}{'via q':>10s}{'via k':>10s}{'via v':>10s}")
+    for i, (sl, sh) in enumerate(senders):
+        for j, (rl, rh) in enumerate(receivers):
+            q, k, v = (float(x) for x in table[i, j])
+            print(f"  L{sl} H{sh:<5d}L{rl} H{rh:<6d}{q:>10.3f}{k:>10.3f}{v:>10.3f}")
 
 
 def _write(

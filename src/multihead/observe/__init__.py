@@ -6,8 +6,8 @@ by how alike they attend; the loops over texts, ``corpus_statistics`` and ``head
 :mod:`multihead.text`'s: nothing here reads text);
 ``intervene`` ablates, scales or patches heads, ``record_heads`` records their outputs and
 ``head_importance`` scores them; ``patch_heads`` finds the heads that carry what differs between
-two inputs. Everything here is an observer
-(:meth:`multihead.MultiHeadAttention.register_observer`).
+two inputs, ``path_patching`` through which later head's queries, keys or values. Everything here
+is an observer (:meth:`multihead.MultiHeadAttention.register_observer`) or a q/k/v editor.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "head_importance": "multihead.observe.importance",
     "patch_heads": "multihead.observe.patching",
     "attribution_patching": "multihead.observe.attribution",
+    "path_patching": "multihead.observe.path_patching",
     "logit_attribution": "multihead.observe.logit_attribution",
     "LogitAttribution": "multihead.observe.logit_attribution",
 }

@@ -20,6 +20,9 @@ of :func:`~multihead.observe.steering.record_heads` and
 - the blocks before the patched layer are not run again: they hand back their outputs from the
   unpatched run, repeated for every variant (:class:`~multihead.observe.prefix_reuse.PrefixCache`).
 
+:func:`run_stacked` (one forward of stacked variants, the prefix reused) and
+:func:`stacked_metrics` serve :mod:`~multihead.observe.path_patching` too.
+
 Shapes: B batch, T tokens, L attention layers, H heads (the most any layer has), Dv one head's
 output width, n stacked variants.
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,9 +42,19 @@ from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value, split_output
 from multihead.observe.prefix_reuse import PrefixCache
 from multihead.observe.steering import HeadKey, model_heads, resolve_head
-from multihead.observers import AttentionCall, ObservableAttention
+from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle
 
-__all__ = ["patch_heads", "DIRECTIONS", "record_layers", "chosen_heads", "head_table"]
+__all__ = [
+    "patch_heads",
+    "DIRECTIONS",
+    "EndOfRun",
+    "record_layers",
+    "chosen_heads",
+    "head_table",
+    "run_stacked",
+    "stacked_metrics",
+    "variants_per_forward",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -294,26 +307,67 @@ def _run_variants(
         stacked = out.unflatten(0, (n, b))  # (n, B, T, H, Dv)
         return torch.where(where, src.to(out.dtype), stacked).flatten(0, 1)
 
+    output = run_stacked(
+        pair, target, n, layer, prefix, lambda: [site.register_observer(observer)], "patch_heads"
+    )
+    return stacked_metrics(pair, metric, output, single, n, f"patched layer {layer}")
+
+
+class EndOfRun(Exception):  # noqa: N818  (an end, not an error)
+    """Raised by an observer or editor during :func:`run_stacked` when nothing later in the
+    forward is needed (the run only records): the forward stops there."""
+
+
+def run_stacked(
+    pair: InputPair,
+    inputs: Any,
+    copies: int,
+    layer: int,
+    prefix: PrefixCache | None,
+    attach: Callable[[], list[ObserverHandle]],
+    caller: str,
+) -> Any:
+    """The model's output on ``copies`` copies of ``inputs`` stacked along the batch, with the
+    observers and editors ``attach()`` registers (removed after), the blocks before ``layer``'s
+    handing back ``prefix``'s recorded outputs; None when one raised :class:`EndOfRun`.
+
+    ``prefix`` records the run of ``inputs``. A run whose reused blocks' arguments differed from
+    the recorded ones (a model whose inputs to a block depend on the batch) is run again,
+    comparing before reusing from then on (``caller`` names the user in the log).
+    """
+
     def forward() -> Any:
-        handle = site.register_observer(observer)
+        handles = attach()
         try:
-            skipping = prefix.skipping(layer, n) if prefix is not None else contextlib.nullcontext()
+            skipping = (
+                prefix.skipping(layer, copies) if prefix is not None else contextlib.nullcontext()
+            )
             with skipping:
-                return pair.run(target, n)
+                return pair.run(inputs, copies)
+        except EndOfRun:
+            return None
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     output = forward()
     if prefix is not None and not prefix.agreed():
-        # a reused block's arguments differed from the recorded run's (a model whose inputs
-        # to a block depend on the batch): run again, comparing before reusing
         logger.debug(
-            "patch_heads: a reused layer's arguments differed from the recorded run's on layer "
-            "%d: compared before reuse from now on",
+            "%s: a reused layer's arguments differed from the recorded run's on layer %d: "
+            "compared before reuse from now on",
+            caller,
             layer,
         )
         prefix.compare_first = True
         output = forward()
-    pieces = split_output(output, single, n)
-    what = f"patched layer {layer}"
+    return output
+
+
+def stacked_metrics(
+    pair: InputPair, metric: Metric, output: Any, single: Any, copies: int, what: str
+) -> Tensor:
+    """The metric of each of ``copies`` stacked variants (n,), each on its own slice of
+    ``output`` (shaped like ``single``, one unstacked run's output; ``what`` names the run in
+    errors)."""
+    pieces = split_output(output, single, copies)
     return torch.stack([metric_value(metric, piece, pair.batch, what) for piece in pieces])

@@ -1,0 +1,434 @@
+"""Path patching: does a head's change reach the metric through a later head's q, k or v?
+
+Activation patching (:func:`~multihead.observe.patching.patch_heads`) says that a head matters;
+path patching (Wang et al. 2022, "Interpretability in the Wild", the IOI circuit) says through
+which later head, and through which of its inputs. For a sender head s, a receiver head r in a
+later layer and one of r's inputs x ∈ {q, k, v}:
+
+1. run the clean input with s's per-head output taken from the corrupt run and every other
+   head's output frozen at its clean value; feed-forward networks, norms and embeddings are
+   recomputed, so the change reaches r directly and through the feed-forward networks, never
+   through another head. Record r's x (its queries, or the keys or values its query head sees);
+2. run the clean input with only r's x replaced by the recorded one (everything else
+   recomputed);
+3. the effect is metric(run 2) - metric(clean).
+
+Both runs are stacked along the batch as in patch_heads (:func:`~multihead.observe.patching.
+run_stacked`): run 1 stacks the senders of one layer (one variant each, recording every
+receiver's inputs at once, and stopping after the last receiver's layer has been read), run 2
+the (sender, receiver, x) variants of one receiver layer; the blocks before the patched layer
+hand back their outputs from the clean run (:class:`~multihead.observe.prefix_reuse.PrefixCache`).
+A receiver's x is replaced by a q/k/v editor
+(:meth:`~multihead.MultiHeadAttention.register_qkv_editor`): on a grouped-query model the keys
+and values come back per query head, so r's siblings on its key/value head keep their own.
+
+Shapes: B batch, T query length, S key length, H query heads, Hk key/value heads, D head dim,
+n stacked variants, N senders, R receivers of one layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import check_choice, check_optional_positive_int, describe, is_int
+from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
+from multihead.observe.input_pair import InputPair, Metric, metric_value
+from multihead.observe.patching import (
+    EndOfRun,
+    record_layers,
+    run_stacked,
+    stacked_metrics,
+    variants_per_forward,
+)
+from multihead.observe.prefix_reuse import PrefixCache
+from multihead.observe.steering import HeadKey, model_heads, resolve_head
+from multihead.observers import (
+    AttentionCall,
+    AttentionObserver,
+    ObservableAttention,
+    ObserverHandle,
+    QKVEditor,
+)
+
+__all__ = ["path_patching", "VIA"]
+
+logger = logging.getLogger(__name__)
+
+VIA = ("q", "k", "v")
+
+
+def path_patching(
+    model: nn.Module,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric,
+    senders: Sequence[HeadKey],
+    receivers: Sequence[HeadKey],
+    *,
+    via: Sequence[str] = VIA,
+    batch_size: int | None = None,
+) -> Tensor:
+    r"""Path patching: the metric's change when a sender head's output changes from clean to
+    corrupt only through a receiver head's queries, keys or values.
+
+    With :math:`z_s(x)` sender s's per-head output (B, T, Dv) on input x and :math:`x_r`
+    receiver r's queries (B, T, D), or the keys or values (B, S, D) its query head attends
+    with::
+
+        run 1:  clean, z_s := z_s(corrupt), every other head's output := its clean value
+                (feed-forward networks and norms recomputed); record x_r
+        run 2:  clean, x_r := x_r(run 1)                     (everything else recomputed)
+        P[s, r, x] = metric(run 2) - metric(clean)
+
+    as Wang et al. (2022) define it. A sender changes its receiver directly and through the
+    feed-forward networks between them, never through another head; a receiver's effect goes
+    on to the metric through everything after it. On a grouped-query model replacing r's keys
+    or values leaves the query heads that share its key/value head as they were.
+
+    The runs are stacked along the batch, ``batch_size`` variants a forward, and the blocks
+    before the patched layer are not run again (see the module docstring): with N senders, R
+    receivers and V inputs, N variants of run 1 and N·R·V of run 2, besides one corrupt
+    forward (to the last sender's layer), one clean forward recording the heads to freeze (to
+    the last receiver's layer), and the clean and check runs of the prefix reuse. Between the
+    two runs it holds, per receiver input, N·R·B·(T or S)·D values.
+
+    Args:
+        model, clean, corrupt, metric: as for :func:`~multihead.patch_heads`. Heads are
+            ``(layer, head)`` as :func:`~multihead.capture` numbers them (negative indices
+            count from the end; on grouped-query models ``head`` is a query head), layers in
+            the order the model calls them.
+        senders: the heads whose output changes, each in an earlier layer than every receiver.
+        receivers: the heads whose inputs carry the change.
+        via: which inputs of the receiver: any of ``"q"``, ``"k"``, ``"v"``.
+        batch_size: variants per forward; default as for :func:`~multihead.patch_heads`.
+
+    Returns:
+        (len(senders), len(receivers), len(via)) in the metric's dtype and device.
+
+    Raises:
+        ValueError: a sender in the same layer as a receiver or after it, an unknown ``via``,
+            none of them given, ``clean`` and ``corrupt`` with different shapes or keys, a
+            metric that does not return a scalar (or (B,)) floating point tensor, heads out of
+            range, a bad ``batch_size``.
+        TypeError: inputs of another kind, a metric that is not callable, heads that are not
+            ``(layer, head)`` pairs of ints, ``via`` given as one string.
+
+    Example:
+        >>> effects = path_patching(lm, clean_ids, corrupt_ids, logit_diff,
+        ...                         senders=[(0, 1)], receivers=[(1, 1)])  # (1, 1, 3)
+        >>> effects[0, 0]  # via q, k, v
+    """
+    check_optional_positive_int("batch_size", batch_size)
+    found = model_heads(model)
+    pair = InputPair(model, clean, corrupt)
+    if not callable(metric):
+        raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
+    sent = _heads("senders", senders, found)
+    received = _heads("receivers", receivers, found)
+    kinds = _via(via)
+    first = min(received)
+    for key in sent:
+        if key[0] >= first[0]:
+            raise ValueError(
+                f"senders item {key} must be in an earlier layer than every receiver, got layer "
+                f"{key[0]} and receivers item {first} in layer {first[0]}: path patching follows "
+                f"what a sender writes into a later head's inputs"
+            )
+    unique_senders = list(dict.fromkeys(sent))
+    unique_receivers = list(dict.fromkeys(received))
+    unique_kinds = list(dict.fromkeys(kinds))
+    sender_layers = sorted({layer for layer, _ in unique_senders})
+    receiver_heads: dict[int, list[int]] = {}
+    for layer, head in unique_receivers:
+        receiver_heads.setdefault(layer, []).append(head)
+    frozen = list(range(sender_layers[0] + 1, max(receiver_heads)))
+
+    with torch.no_grad():
+        corrupt_out = _recorded(found, pair, pair.corrupt, sender_layers)
+        clean_out = _recorded(found, pair, pair.clean, frozen) if frozen else {}
+        outputs: list[Any] = []
+
+        def run_clean(what: str) -> Tensor:
+            outputs[:] = [pair.run(pair.clean)]
+            return metric_value(metric, outputs[0], pair.batch, what)
+
+        prefix = PrefixCache.build(model, found, run_clean, caller="path_patching", log=logger)
+        base = prefix.clean if prefix is not None else run_clean("clean run")
+        single = outputs[0]
+        size = batch_size or variants_per_forward(
+            single, [*corrupt_out.values(), *clean_out.values()], DEFAULT_MEMORY_LIMIT
+        )
+
+        runs = _Runs(found, pair, prefix, corrupt_out, clean_out, receiver_heads, unique_kinds)
+        # run 1, the senders of a layer stacked: the receivers' inputs, senders in ``row`` order
+        row: dict[HeadKey, int] = {}
+        parts: list[dict[int, dict[str, Tensor]]] = []
+        for layer in sender_layers:
+            heads = [head for sender_layer, head in unique_senders if sender_layer == layer]
+            for start in range(0, len(heads), size):
+                chunk = heads[start : start + size]
+                row.update({(layer, head): len(row) + i for i, head in enumerate(chunk)})
+                parts.append(runs.senders(layer, chunk))
+        recorded = {
+            receiver: {kind: torch.cat([p[receiver][kind] for p in parts]) for kind in unique_kinds}
+            for receiver in receiver_heads
+        }  # receiver layer -> kind -> (N, B, R, T or S, D)
+
+        # run 2, the (sender, receiver, kind) variants of a receiver layer stacked
+        table = torch.empty(
+            len(unique_senders), len(unique_receivers), len(unique_kinds),
+            dtype=base.dtype, device=base.device,
+        )  # fmt: skip
+        for layer, heads in receiver_heads.items():
+            variants = [
+                (row[sender], head, slot, kind)
+                for slot, head in enumerate(heads)
+                for sender in unique_senders
+                for kind in range(len(unique_kinds))
+            ]
+            where = [
+                (i, unique_receivers.index((layer, head)), kind)
+                for head in heads
+                for i in range(len(unique_senders))
+                for kind in range(len(unique_kinds))
+            ]
+            for start in range(0, len(variants), size):
+                values = runs.receivers(
+                    layer, variants[start : start + size], recorded[layer], metric, single
+                )
+                index = torch.tensor(where[start : start + size], device=table.device)
+                table[index.unbind(1)] = values.to(table.dtype) - base
+    pick = [
+        torch.tensor([order.index(key) for key in keys], device=table.device)
+        for order, keys in ((unique_senders, sent), (unique_receivers, received))
+    ]
+    kind_index = torch.tensor([unique_kinds.index(k) for k in kinds], device=table.device)
+    return table[pick[0]][:, pick[1]][:, :, kind_index]
+
+
+def _heads(name: str, keys: object, found: list[tuple[str, ObservableAttention]]) -> list[HeadKey]:
+    """``keys``, a non-empty sequence of ``(layer, head)`` pairs, resolved in order."""
+    if isinstance(keys, (str, bytes, Tensor)) or not isinstance(keys, Sequence):
+        raise TypeError(f"{name} must be a sequence of (layer, head) pairs, got {describe(keys)}")
+    if len(keys) == 2 and all(is_int(k) for k in keys):
+        raise TypeError(
+            f"{name} must be a sequence of (layer, head) pairs, got {describe(keys)} (one pair: "
+            f"write [{describe(tuple(keys))}])"
+        )
+    if not keys:
+        raise ValueError(f"{name} must name at least one (layer, head) pair, got none")
+    return [resolve_head(f"{name} item", key, found) for key in keys]
+
+
+def _via(via: object) -> list[str]:
+    """``via``, a non-empty sequence of ``"q"``, ``"k"``, ``"v"``."""
+    if isinstance(via, str) or not isinstance(via, Sequence):
+        raise TypeError(
+            f"via must be a sequence of 'q', 'k', 'v' (e.g. ('k',)), got {describe(via)}"
+        )
+    if not via:
+        raise ValueError("via must name at least one of 'q', 'k', 'v', got none")
+    return [check_choice("via item", kind, VIA) for kind in via]
+
+
+def _recorded(
+    found: list[tuple[str, ObservableAttention]],
+    pair: InputPair,
+    inputs: Any,
+    layers: list[int],
+) -> dict[int, Tensor]:
+    """layer -> its per-head output (B, T, H, Dv) on ``inputs``, the forward ended after the
+    last of ``layers``."""
+    last = found[layers[-1]][1]
+
+    def end(call: AttentionCall, out: Tensor) -> None:
+        raise EndOfRun
+
+    with record_layers(found, layers) as recorded, last.register_observer(end):
+        with contextlib.suppress(EndOfRun):
+            pair.run(inputs)
+    missing = [layer for layer in layers if layer not in recorded]
+    if missing:
+        raise ValueError(
+            f"the model did not call attention layer {missing[0]} ({found[missing[0]][0]}) on "
+            f"the inputs: there is nothing to patch there"
+        )
+    return dict(recorded)
+
+
+def _stacked(call_tensor: Tensor, n: int, batch: int, layer: int) -> Tensor:
+    """(n·B, ...) -> (n, B, ...), or a ValueError for a layer called on another batch."""
+    if call_tensor.shape[0] != n * batch:
+        raise ValueError(
+            f"path_patching: layer {layer} was called on a batch of {call_tensor.shape[0]} in a "
+            f"run of {n} stacked variants of {batch}; patch only layers the model calls once "
+            f"on the whole input"
+        )
+    return call_tensor.unflatten(0, (n, batch))
+
+
+class _Runs:
+    """The stacked runs of one :func:`path_patching` call, on the clean input: run 1 for some
+    senders of one layer, run 2 for some variants of one receiver layer.
+
+    Args:
+        found: the model's attention sites.
+        pair: the clean and corrupt inputs.
+        prefix: the clean run's block outputs, or None (full forwards).
+        corrupt_out: sender layer -> its per-head output (B, T, H, Dv) on corrupt.
+        clean_out: layer -> its per-head output on clean, for every layer to freeze.
+        receiver_heads: receiver layer -> its receivers' heads (R), in order.
+        kinds: the receivers' inputs to record, of "q", "k", "v".
+    """
+
+    def __init__(
+        self,
+        found: list[tuple[str, ObservableAttention]],
+        pair: InputPair,
+        prefix: PrefixCache | None,
+        corrupt_out: dict[int, Tensor],
+        clean_out: dict[int, Tensor],
+        receiver_heads: dict[int, list[int]],
+        kinds: list[str],
+    ) -> None:
+        self.found = found
+        self.pair = pair
+        self.prefix = prefix
+        self.corrupt_out = corrupt_out
+        self.clean_out = clean_out
+        self.receiver_heads = receiver_heads
+        self.kinds = kinds
+        self.last = max(receiver_heads)
+
+    def senders(self, layer: int, heads: list[int]) -> dict[int, dict[str, Tensor]]:
+        """Run 1 for the senders ``heads`` of ``layer``, one stacked variant each: receiver
+        layer -> kind -> the receivers' inputs (n, B, R, T or S, D), keys and values those of
+        each receiver's key/value head."""
+        got: dict[int, dict[str, Tensor]] = {}
+
+        def attach() -> list[ObserverHandle]:
+            got.clear()  # a run repeated (the prefix reuse's check failed) records anew
+            return self._sender_hooks(layer, heads, got)
+
+        run_stacked(
+            self.pair, self.pair.clean, len(heads), layer, self.prefix, attach, "path_patching"
+        )
+        missing = [receiver for receiver in self.receiver_heads if receiver not in got]
+        if missing:
+            raise ValueError(
+                f"the model did not call attention layer {missing[0]} "
+                f"({self.found[missing[0]][0]}) on the inputs: there is nothing to patch there"
+            )
+        return got
+
+    def _sender_hooks(
+        self, layer: int, heads: list[int], got: dict[int, dict[str, Tensor]]
+    ) -> list[ObserverHandle]:
+        """Register run 1: the sender's output from corrupt, every head of the later layers
+        before the last receiver's frozen at clean, the receivers' inputs into ``got``; the
+        run ends at the last receiver's layer."""
+        n = len(heads)
+        src = self.corrupt_out[layer]  # (B, T, H, Dv)
+        batch = self.pair.batch
+        patched = torch.zeros(n, 1, 1, src.shape[2], 1, dtype=torch.bool)
+        patched[torch.arange(n), 0, 0, heads] = True
+        patched = patched.to(src.device)  # (n, 1, 1, H, 1)
+
+        def sender(call: AttentionCall, out: Tensor) -> Tensor:
+            stacked = _stacked(out, n, batch, layer)  # (n, B, T, H, Dv)
+            return torch.where(patched, src.to(out.dtype), stacked).flatten(0, 1)
+
+        def freeze(frozen: int) -> AttentionObserver:
+            def observer(call: AttentionCall, out: Tensor) -> Tensor:
+                _stacked(out, n, batch, frozen)
+                return self.clean_out[frozen].to(out.dtype).repeat(n, 1, 1, 1)  # (n·B, T, H, Dv)
+
+            return observer
+
+        def record(receiver: int) -> QKVEditor:
+            heads_r = self.receiver_heads[receiver]
+
+            def editor(call: AttentionCall) -> None:
+                group = call.q.shape[1] // call.k.shape[1]  # query heads per key/value head
+                kv_heads = [head // group for head in heads_r]
+                for kind in self.kinds:
+                    x = _stacked(getattr(call, kind), n, batch, receiver)  # (n, B, H/Hk, ., D)
+                    got.setdefault(receiver, {})[kind] = x[
+                        :, :, heads_r if kind == "q" else kv_heads
+                    ]  # (n, B, R, T or S, D)
+                if receiver == self.last:
+                    raise EndOfRun  # nothing after the last receiver's inputs is needed
+
+            return editor
+
+        handles: list[ObserverHandle] = []
+        try:
+            handles.append(self.found[layer][1].register_observer(sender))
+            for frozen in range(layer + 1, self.last):
+                handles.append(self.found[frozen][1].register_observer(freeze(frozen)))
+            for receiver in self.receiver_heads:
+                handles.append(self.found[receiver][1].register_qkv_editor(record(receiver)))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles
+
+    def receivers(
+        self,
+        layer: int,
+        variants: list[tuple[int, int, int, int]],
+        recorded: dict[str, Tensor],
+        metric: Metric,
+        single: Any,
+    ) -> Tensor:
+        """Run 2 for ``variants`` of receiver layer ``layer`` (see :func:`_receiver_editor`),
+        one stacked variant each: the metric of each (n,)."""
+        n = len(variants)
+        editor = _receiver_editor(layer, variants, self.kinds, recorded, self.pair.batch)
+        site = self.found[layer][1]
+        output = run_stacked(
+            self.pair, self.pair.clean, n, layer, self.prefix,
+            lambda: [site.register_qkv_editor(editor)], "path_patching",
+        )  # fmt: skip
+        return stacked_metrics(self.pair, metric, output, single, n, f"receivers, layer {layer}")
+
+
+def _receiver_editor(
+    layer: int,
+    variants: list[tuple[int, int, int, int]],
+    kinds: list[str],
+    recorded: dict[str, Tensor],
+    batch: int,
+) -> QKVEditor:
+    """The q/k/v editor of run 2 for ``variants`` (sender row, receiver head, its slot among
+    the layer's receivers, index into ``kinds``), one stacked variant each: the receiver's
+    input of that kind from ``recorded`` (kind -> (N, B, R, T or S, D))."""
+    n = len(variants)
+    device = next(iter(recorded.values())).device
+    table = torch.tensor(variants, device=device)  # (n, 4)
+    rows, heads, slots, kind_of = table.unbind(1)
+    chosen = {
+        kind: (kind_of == i).nonzero().squeeze(1)
+        for i, kind in enumerate(kinds)
+        if any(v[3] == i for v in variants)
+    }
+
+    def editor(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+        new = {"q": call.q, "k": call.k, "v": call.v}
+        h = call.q.shape[1]
+        for kind, sel in chosen.items():
+            x = _stacked(new[kind], n, batch, layer)  # (n, B, H or Hk, T or S, D)
+            # keys and values per query head: the receiver's siblings keep their own
+            x = x.repeat_interleave(h // x.shape[2], dim=2) if x.shape[2] != h else x.clone()
+            x[sel, :, heads[sel]] = recorded[kind][rows[sel], :, slots[sel]].to(x.dtype)
+            new[kind] = x.flatten(0, 1)
+        return new["q"], new["k"], new["v"]
+
+    return editor
