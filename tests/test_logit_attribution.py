@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 import multihead
 from multihead.models import TransformerLM
-from multihead.observe.logit_attribution import logit_attribution
+from multihead.observe.direct_logit_attribution import logit_attribution
 
 
 def _lm(device: torch.device, **kw: Any) -> TransformerLM:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 import multihead
 from multihead import MultiHeadAttention
 from multihead.models import TransformerLM
-from multihead.observe.path_patching import path_patching
+from multihead.observe.paths import path_patching
 
 VIA = ("q", "k", "v")
 

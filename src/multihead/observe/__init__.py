@@ -31,9 +31,9 @@ _LAZY: dict[str, str] = {
     "head_importance": "multihead.observe.importance",
     "patch_heads": "multihead.observe.patching",
     "attribution_patching": "multihead.observe.attribution",
-    "path_patching": "multihead.observe.path_patching",
-    "logit_attribution": "multihead.observe.logit_attribution",
-    "LogitAttribution": "multihead.observe.logit_attribution",
+    "path_patching": "multihead.observe.paths",
+    "logit_attribution": "multihead.observe.direct_logit_attribution",
+    "LogitAttribution": "multihead.observe.direct_logit_attribution",
 }
 
 __all__ = list(_LAZY)

@@ -21,7 +21,7 @@ of :func:`~multihead.observe.steering.record_heads` and
   unpatched run, repeated for every variant (:class:`~multihead.observe.prefix_reuse.PrefixCache`).
 
 :func:`run_stacked` (one forward of stacked variants, the prefix reused) and
-:func:`stacked_metrics` serve :mod:`~multihead.observe.path_patching` too.
+:func:`stacked_metrics` serve :mod:`~multihead.observe.paths` too.
 
 Shapes: B batch, T tokens, L attention layers, H heads (the most any layer has), Dv one head's
 output width, n stacked variants.
