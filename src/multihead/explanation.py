@@ -29,7 +29,6 @@ from torch import Tensor
 from multihead._checks import check_indices, describe, is_int
 from multihead.explanation_result import Explanation
 from multihead.focus import (
-    AttendedWord,
     LayerFocus,
     choose_focus,
     layer_focus,
@@ -52,9 +51,6 @@ from multihead.tokenization import TokenBatch, TruncationWarning, check_text
 
 __all__ = [
     "explain",
-    "Explanation",
-    "LayerFocus",
-    "AttendedWord",
     "DEFAULT_TEXT",
     "DEFAULT_FOCUS",
     "explain_peak_bytes",

@@ -19,7 +19,8 @@ import torch
 
 from multihead.cli.common import add_device_arguments, load_model, print_warnings, printable, status
 from multihead.cli.explain_corpus import run_corpus
-from multihead.explanation import Explanation, explain
+from multihead.explanation import explain
+from multihead.explanation_result import Explanation
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 

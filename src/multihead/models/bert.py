@@ -33,7 +33,7 @@ from multihead.models.bert_config import BertConfig
 from multihead.packing import PackedBatch
 from multihead.positions import LearnedPositionalEmbedding
 
-__all__ = ["BertConfig", "BertModel", "BertOutput", "BertEmbeddings"]
+__all__ = ["BertModel", "BertOutput", "BertEmbeddings"]
 
 # Token ids index embeddings: torch takes int32 and int64; narrower ints would wrap silently.
 _ID_DTYPES = (torch.int32, torch.int64)

@@ -13,14 +13,13 @@ from typing import Any
 
 from multihead._checks import check_choice, describe
 from multihead._files import read_json  # public here as before; it lives with the other readers
-from multihead.models.bert import BertConfig
+from multihead.models.bert_config import BertConfig
 
 __all__ = [
     "HF_ACTIVATIONS",
     "REQUIRED_KEYS",
     "bert_config_from_dict",
     "read_bert_config",
-    "read_json",
 ]
 
 # Hugging Face's hidden_act names -> multihead.layers.ACTIVATIONS names.

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from multihead._files import few, layer_counts, read_header, read_json, read_tensors
 from multihead.devices import declared_dtype, resolve_device, resolve_dtype
-from multihead.models.bert import BertConfig, BertModel
+from multihead.models.bert import BertModel
+from multihead.models.bert_config import BertConfig
 from multihead.pretrained.config import read_bert_config
 
 __all__ = ["load_bert", "hf_to_multihead_names", "hf_shapes"]

@@ -42,11 +42,11 @@ __all__ = [
     "read_tokenizer",
     "read_max_seq_length",
     "DEFAULT_MODEL_NAME",
-    "BACKENDS",
+    "TEXT_BACKENDS",
 ]
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
-BACKENDS = ("multihead", "transformers")
+TEXT_BACKENDS = ("multihead", "transformers")
 Backend = Literal["multihead", "transformers"]
 
 _EXTRA = "pip install 'multihead[pretrained]'"
@@ -98,7 +98,7 @@ def load_text_model(
             them at random).
     """
     if backend is not None:
-        check_choice("backend", backend, BACKENDS)
+        check_choice("backend", backend, TEXT_BACKENDS)
     where = resolve_device("cpu" if device is None else device)
     resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
     if dir_or_name is None:
