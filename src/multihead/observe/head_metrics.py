@@ -3,7 +3,10 @@
 Shapes: B sequences, T query positions, S = T keys (self-attention), H' heads, R query rows of
 one chunk, L' layers (slots). Every metric is a mean over a set of queries of a sum of weights
 (or, for the entropies, of a function of one query's row), so the sums are folded in a chunk of
-query rows at a time and no head's (T, S) matrix is ever held.
+query rows at a time and no head's (T, S) matrix is ever held. What a chunk needs beside the
+weights (which queries each metric counts, which keys each reads, the chance levels) is made once
+per chunk (:class:`QueryChunk`) and shared by the layers, so that each layer's weights are folded
+in a handful of batched operations for every head, query and text at once.
 
 The token-identity metrics (``induction``, ``duplicate_token``) need the token ids; the
 metrics of Clark et al., "What Does BERT Look At?" (2019) (``to_cls``, ``to_sep``,
@@ -149,8 +152,17 @@ _SOURCES: dict[str, tuple[str, str]] = {
     "sep_to_sep": ("sep", "sep"),
     "cls_entropy": ("entropy", "cls"),
 }
-_QUERY_KINDS: tuple[str, ...] = ("all", "prev", "next", "repeat", "has_cls", "has_sep")
-_QUERY_KINDS += ("has_punctuation", "sep", "cls")
+_QUERY_KINDS = (
+    "all",
+    "prev",
+    "next",
+    "repeat",
+    "has_cls",
+    "has_sep",
+    "has_punctuation",
+    "sep",
+    "cls",
+)
 # The score of the same metric for a head that spreads its weight evenly over the keys each
 # query can see (its chance level), kept as CHANCE + metric: a causal model's first query sees
 # itself alone, so identity 1 there says nothing about the head.

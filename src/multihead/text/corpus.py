@@ -6,6 +6,11 @@ a memory limit, truncations said once, naming the texts' lines) and hand the bat
 :func:`multihead.observe.corpus.statistics_over_batches` and
 :func:`multihead.observe.head_distance.head_distances_over_batches`, which read no text.
 
+Under ``torch.distributed`` (``torchrun``) every rank plans the same batches, runs every
+``world``-th of them and hands its own to the observe functions with the
+:class:`~multihead.distributed.DataParallelGroup`, which combine the ranks' sums: each text runs
+on one rank, every rank gets the whole corpus' result.
+
 Shapes: N texts, L' layers, H' heads, T a batch's padded length.
 """
 
