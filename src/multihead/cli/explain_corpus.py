@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import torch
 import torch.distributed as dist
 
 from multihead.cli.common import (
@@ -200,7 +201,11 @@ def run_corpus(args: argparse.Namespace) -> int:
             "give the corpus as a file every rank reads"
         )
     texts, lines = read_corpus_lines(args.corpus)
-    world = setup_world(resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0"))))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(args.device, local_rank)
+    if world_size() > 1 and device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, local_rank)  # "cuda": each rank its own GPU
+    world = setup_world(device)
     try:
         return _explain_corpus(args, texts, lines, formats, out, world)
     except ValueError as e:  # the library names texts by index: name them by the file's lines
