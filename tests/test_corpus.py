@@ -101,6 +101,59 @@ def test_corpus_statistics_is_the_mean_of_per_text_statistics(model: Any) -> Non
     assert stats.layers == [0, 1] and stats.heads == [0, 1, 2, 3]
 
 
+def _by_hand(weights: torch.Tensor, ids: list[int], tokens: list[str]) -> dict[str, list[float]]:
+    """One text's metrics from its weights (H, T, T), every token real, element by element."""
+    h, t, _ = weights.shape
+    w = weights.double().tolist()
+    out: dict[str, list[float]] = {}
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else math.nan
+
+    special = [s for s, tok in enumerate(tokens) if tok in ("[CLS]", "[SEP]")]
+    for head in range(h):
+        a = w[head]
+        earlier = {q: [s for s in range(q) if ids[s] == ids[q]] for q in range(t)}
+        repeats = [q for q in range(t) if earlier[q]]
+        row = {
+            "entropy": mean([-sum(x * math.log(x) for x in a[q] if x > 0) for q in range(t)]),
+            "identity": mean([a[q][q] for q in range(t)]),
+            "previous_token": mean([a[q][q - 1] for q in range(1, t)]),
+            "next_token": mean([a[q][q + 1] for q in range(t - 1)]),
+            "special": mean([sum(a[q][s] for s in special) for q in range(t)]),
+            "duplicate_token": mean([sum(a[q][s] for s in earlier[q]) for q in repeats]),
+            "induction": mean([sum(a[q][s + 1] for s in earlier[q]) for q in repeats]),
+            "to_cls": mean([a[q][0] for q in range(t)]),
+            "to_sep": mean([a[q][t - 1] for q in range(t)]),
+        }
+        for name, value in row.items():
+            out.setdefault(name, []).append(value)
+    return out
+
+
+def test_corpus_statistics_against_weights_by_hand(model: Any) -> None:
+    # chunks of 2 query rows: several chunks per layer, each shared by both layers
+    stats = corpus_statistics(model, TEXTS, batch_size=3, chunk_size=2)
+    per_text = []
+    for text in TEXTS:
+        batch = model.tokenize([text])
+        with multihead.capture(model) as rec, torch.no_grad():
+            model(batch.input_ids, attention_mask=batch.attention_mask)
+        ids, tokens = batch.input_ids[0].tolist(), batch.tokens[0]
+        per_text.append([_by_hand(w[0], ids, tokens) for w in rec.weights])  # per layer
+    for name in per_text[0][0]:
+        for layer in range(2):
+            for head in range(4):
+                values = [text[layer][name][head] for text in per_text]
+                known = [v for v in values if not math.isnan(v)]
+                want = sum(known) / len(known) if known else math.nan
+                got = float(getattr(stats, name)[layer, head])
+                assert got == pytest.approx(want, abs=1e-5, nan_ok=True), (name, layer, head)
+    lengths = [len(model.tokenize([t]).tokens[0]) for t in TEXTS]
+    chance = sum(1 / n for n in lengths) / len(lengths)  # an even head's weight on itself
+    torch.testing.assert_close(stats.chance["identity"], torch.full((2, 4), chance))
+
+
 def test_corpus_statistics_batch_size_does_not_change_the_result(model: Any) -> None:
     results = [corpus_statistics(model, TEXTS, batch_size=b) for b in (1, 2, 4, 100)]
     for other in results[1:]:

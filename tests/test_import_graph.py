@@ -40,9 +40,11 @@ FLOORS: dict[str, int] = {
     "_checks": 0,
     "_lazy": 0,
     "devices": 0,
-    # 1: on the validation vocabulary: safetensors/JSON/atomic files, the memory budget
+    # 1: on the validation vocabulary: safetensors/JSON/atomic files, the memory budget;
     "_files": 1,
     "memory_budget": 1,
+    #    and which ranks share out independent items (texts, patched variants), summing results
+    "distributed.data_parallel": 1,
     # 2: any tokenizer's batch (TokenBatch, tokenize, the one word rule); the math once
     #    (kernels.py) and the Triton kernel (weights_kernel.py imports triton)
     "tokenization": 2,

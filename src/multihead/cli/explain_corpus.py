@@ -6,6 +6,10 @@ single-text command does (:func:`multihead.cli.common.load_model`), runs
 heads of each role and a per-layer summary, and writes ``heads_map.png``/``.svg`` and
 ``head_statistics.json``. Every check (flags, the file, the output directory) runs before
 anything is written.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank joins one process group (gloo on CPUs, nccl on
+GPUs, each rank on its local GPU), runs its share of the texts, and rank 0 prints and writes the
+files, which equal one process's (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ import re
 import sys
 import unicodedata
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import torch
+import torch.distributed as dist
 
 from multihead.cli.common import (
     CLIError,
@@ -29,11 +37,13 @@ from multihead.cli.common import (
     progress,
     status,
 )
+from multihead.devices import resolve_device
 from multihead.memory_budget import format_bytes
 from multihead.observe.head_distance import HeadMap
 from multihead.observe.head_metrics import BROAD, ROLES
 from multihead.observe.statistics import HeadStatistics
-from multihead.text.corpus import corpus_statistics, head_distances
+from multihead.text.corpus import Progress, corpus_statistics, head_distances
+from multihead.training.ddp import World, setup_world, world_size
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 from multihead.viz.heads_map import heads_map_figure, save_heads_map
 
@@ -185,11 +195,24 @@ def run_corpus(args: argparse.Namespace) -> int:
         print("note: --corpus writes no page (html): the page shows one text", file=sys.stderr)
     files = [f"heads_map.{f}" for f in formats] + [STATISTICS_FILE]
     out = check_output_dir("--out", args.out, files)
+    if args.corpus == "-" and world_size() > 1:
+        raise CLIError(
+            "--corpus - reads standard input, which one process alone has: under torchrun "
+            "give the corpus as a file every rank reads"
+        )
     texts, lines = read_corpus_lines(args.corpus)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(args.device, local_rank)
+    if world_size() > 1 and device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, local_rank)  # "cuda": each rank its own GPU
+    world = setup_world(device)
     try:
-        return _explain_corpus(args, texts, lines, formats, out)
+        return _explain_corpus(args, texts, lines, formats, out, world)
     except ValueError as e:  # the library names texts by index: name them by the file's lines
         raise CLIError(_file_lines(str(e), lines, args.corpus)) from None
+    finally:
+        if world.owns_group:
+            dist.destroy_process_group()
 
 
 def _file_lines(message: str, lines: list[int], path: str) -> str:
@@ -209,19 +232,26 @@ def _explain_corpus(
     lines: list[int],
     formats: list[str],
     out: Path,
+    world: World,
 ) -> int:
     chosen = {"layers": args.layer, "heads": args.head, "memory_limit": args.memory_limit}
+    # Under torchrun every rank runs its share of the texts (the library splits them over the
+    # process group) and gets the whole result; rank 0 alone shows progress and writes.
+    shown = not dist.is_initialized() or dist.get_rank() == 0
+    device = str(world.device) if world.size > 1 else args.device  # the local rank's GPU
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with status("Loading the model…"):
-            model = load_model(args.model, device=args.device, dtype=args.dtype)
+        with status("Loading the model…") if shown else contextlib.nullcontext():
+            model = load_model(args.model, device=device, dtype=args.dtype)
         name = printable(model.name)
         # The distances first: the heavier pass, and the one a text too long for the memory
         # limit is refused by, before any forward.
-        with progress("Distances between heads", len(texts)) as update:
-            head_map = head_distances(model, texts, progress=lambda d, _: update(d), **chosen)
-        with progress("Head statistics", len(texts)) as update:
-            stats = corpus_statistics(model, texts, progress=lambda d, _: update(d), **chosen)
+        with _progress("Distances between heads", len(texts), shown) as told:
+            head_map = head_distances(model, texts, progress=told, **chosen)
+        with _progress("Head statistics", len(texts), shown) as told:
+            stats = corpus_statistics(model, texts, progress=told, **chosen)
+        if not shown:
+            return 0
         with status("Drawing the head map…"):
             title = f"{name}: heads placed by Jensen–Shannon distance over {len(texts)} texts"
             fig = heads_map_figure(
@@ -236,6 +266,17 @@ def _explain_corpus(
     paths.append(json_path)
     _print_summary(stats, name, len(texts), paths, causal=model.causal)
     return 0
+
+
+@contextlib.contextmanager
+def _progress(description: str, total: int, shown: bool) -> Iterator[Progress]:
+    """A progress bar over ``total`` texts, told ``(done, of)`` by the library: with several
+    ranks, of this rank's share, so the bar shows the corpus done as far as this rank knows."""
+    if not shown:
+        yield lambda done, of: None
+        return
+    with progress(description, total) as update:
+        yield lambda done, of: update(done * total // max(of, 1))
 
 
 def _report(stats: HeadStatistics, head_map: HeadMap, name: str, num_texts: int) -> dict[str, Any]:

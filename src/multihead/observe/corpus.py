@@ -5,7 +5,9 @@ on each batch (chunked as always: no head's (T, T) matrix is held) and averages 
 the texts. The batches come from above, already tokenized (any object with ``input_ids``,
 ``attention_mask`` and, optionally, ``token_type_ids``, ``special_mask`` and ``tokens``, such as a
 :class:`~multihead.tokenization.TokenBatch`): this package reads no text.
-:func:`multihead.text.corpus_statistics` is the loop over texts.
+:func:`multihead.text.corpus_statistics` is the loop over texts. With ``split`` (a
+:class:`~multihead.distributed.DataParallelGroup`) each rank passes the batches of its own texts
+and every rank gets the statistics of all of them.
 
 Shapes: N texts, L' layers, H' heads, T a batch's padded length.
 """
@@ -14,13 +16,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_positive_int
+from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import FLOAT32_BYTES
+from multihead.observe.head_metrics import CHANCE, METRICS, ROLES
 from multihead.observe.head_summary import HeadStatistics, split_chance
 from multihead.observe.rows import attention_modules
 from multihead.observe.statistics import accumulate_statistics
@@ -53,14 +58,15 @@ def statistics_batch_bytes(
     chunk_size: int = 128,
 ) -> BatchBytes:
     """What :func:`statistics_over_batches` holds for a batch of B texts padded to T tokens:
-    a chunk's weights (B, H', chunk_size, T) float32 and their working copies, and the per-text
-    sums (checks ``layers`` and ``heads`` as :func:`chosen_size` does)."""
+    a chunk's weights (B, H', chunk_size, T) float32 and their working copies, every chunk's
+    earlier-occurrence keys (B, T, T) (kept for the layers that follow) and the per-text sums
+    (checks ``layers`` and ``heads`` as :func:`chosen_size` does)."""
     check_positive_int("chunk_size", chunk_size)
     num_layers, num_heads = chosen_size(model, layers, heads)
 
     def batch_bytes(b: int, t: int) -> int:
         rows = min(chunk_size, t)  # a chunk's weights, ~4 working copies, its (B, R, S) masks
-        per_token = 4 * num_heads * rows + 8 * rows + 2 * num_layers * num_heads
+        per_token = 4 * num_heads * rows + 8 * rows + t + 2 * num_layers * num_heads
         return FLOAT32_BYTES * b * t * per_token  # the last: float64 sums per key (L', B, H', T)
 
     return batch_bytes
@@ -73,6 +79,8 @@ def statistics_over_batches(
     layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
     chunk_size: int = 128,
+    split: DataParallelGroup | None = None,
+    positions: Sequence[int] | None = None,
 ) -> HeadStatistics:
     """What each head does over many texts: each metric is the mean over texts of that text's
     :func:`~multihead.observe.statistics.head_statistics` value.
@@ -88,9 +96,17 @@ def statistics_over_batches(
     Args:
         model: a module whose attention layers are observable.
         batches: tokenized batches (``input_ids`` (B, T), ``attention_mask`` (B, T), ...), one
-            forward each; at least one.
+            forward each; at least one (over all ranks, with ``split``).
         layers, heads: which to summarise (as for :func:`~multihead.observe.capture`).
         chunk_size: query rows per step inside each forward.
+        split: the ranks the texts were shared out over
+            (:class:`~multihead.distributed.DataParallelGroup`): each rank passes the batches
+            of its own texts, every rank calls this, and every rank gets the statistics of all
+            of them (the sums meet in one all-reduce). None: these batches are all.
+        positions: each text's place in the corpus, in the order the batches hold them
+            (``most_attended`` and ``tokens`` are in corpus order); with ``split``, this rank's
+            texts', all ranks' together 0..N-1 once each. Default: the order they come in (rank
+            after rank with ``split``).
 
     Returns:
         A :class:`HeadStatistics` whose metrics are (L', H') means over the texts;
@@ -99,11 +115,100 @@ def statistics_over_batches(
         ``tokens`` holds each text's tokens when the batches carry them.
 
     Raises:
-        ValueError: no batch; indices out of range.
+        ValueError: no batch; indices out of range; ``positions`` not one place per text, or
+            (over all ranks) not each place once. With ``split``, an error on any rank is
+            raised on every rank.
     """
     check_positive_int("chunk_size", chunk_size)
-    sums: dict[str, Tensor] = {}  # metric -> (L', H') float64 sum over texts where known
-    known: dict[str, Tensor] = {}  # metric -> (L', H') how many texts were summed
+    split = DataParallelGroup.single() if split is None else split
+    part: _Part | None = None
+    error: Exception | None = None
+    try:
+        part = _statistics_part(model, batches, layers, heads, chunk_size)
+        if positions is not None and len(positions) != part.count:
+            raise ValueError(
+                f"positions must give one place per text of the batches ({part.count}), got "
+                f"{len(positions)}"
+            )
+    except Exception as e:  # every rank must hear of it before the all-reduce
+        error = e
+    # what is not a sum travels in the one all-gather that tells every rank of any error
+    places = None if positions is None else [int(p) for p in positions]
+    reports = split.gather((part, places), error)
+    assert part is not None
+    parts: list[_Part] = [report[0] for report in reports]
+    counts = [p.count for p in parts]
+    if not sum(counts):
+        raise ValueError("batches must hold at least one batch, got none")
+    first = next(p for p in parts if p.count)
+    chosen, head_ids = first.layers, first.heads
+    order = _corpus_order([report[1] for report in reports], counts)
+    n = sum(counts)
+    # one all-reduce: the sums over each rank's texts (fixed names: a rank may have none)
+    names = [*METRICS, *(CHANCE + m for m in ROLES.values())]
+    table = torch.zeros(2 * len(names), len(chosen), len(head_ids), dtype=torch.float64)
+    if part.count:
+        table[: len(names)] = torch.stack([part.sums[k] for k in names])
+        table[len(names) :] = torch.stack([part.known[k] for k in names]).double()
+    totals = split.sum(torch.cat([table.flatten(), table.new_tensor([part.num_queries])]))
+    table = totals[:-1].view(table.shape)
+    sums, known = table[: len(names)], table[len(names) :]
+    means, chance = split_chance(
+        {
+            name: (sums[i] / known[i].clamp(min=1)).masked_fill(known[i] == 0, math.nan).float()
+            for i, name in enumerate(names)
+        }
+    )
+    top_pos = torch.zeros(n, len(chosen), len(head_ids), dtype=torch.long)
+    top_weight = torch.zeros(n, len(chosen), len(head_ids))
+    tokens: list[list[str]] = [[] for _ in range(n)]
+    for rank_part, places in zip(parts, order, strict=True):
+        if rank_part.count:
+            where = torch.tensor(places, dtype=torch.long)
+            top_pos[where] = rank_part.top_pos
+            top_weight[where] = rank_part.top_weight
+        for place, text_tokens in zip(places, rank_part.tokens, strict=True):
+            tokens[place] = text_tokens
+    return HeadStatistics(
+        layers=chosen,
+        heads=head_ids,
+        chance=chance,
+        **means,
+        most_attended=top_pos,
+        most_attended_weight=top_weight,
+        num_queries=int(totals[-1]),
+        tokens=tokens if any(tokens) else None,
+    )
+
+
+@dataclass
+class _Part:
+    """One rank's share of the corpus statistics: sums over its texts."""
+
+    sums: dict[str, Tensor]  # metric -> (L', H') float64 sum over texts where known
+    known: dict[str, Tensor]  # metric -> (L', H') how many texts were summed
+    top_pos: Tensor  # (n, L', H') per text
+    top_weight: Tensor
+    tokens: list[list[str]]
+    num_queries: int
+    layers: list[int]
+    heads: list[int]
+
+    @property
+    def count(self) -> int:
+        return int(self.top_pos.shape[0])
+
+
+def _statistics_part(
+    model: nn.Module,
+    batches: Iterable[Any],
+    layers: int | Sequence[int] | None,
+    heads: int | Sequence[int] | None,
+    chunk_size: int,
+) -> _Part:
+    """The sums of :func:`statistics_over_batches` over these batches (none: empty sums)."""
+    sums: dict[str, Tensor] = {}
+    known: dict[str, Tensor] = {}
     top_pos: list[Tensor] = []
     top_weight: list[Tensor] = []
     tokens: list[list[str]] = []
@@ -114,32 +219,42 @@ def statistics_over_batches(
         acc, chosen, head_ids, batch_tokens = accumulate_statistics(
             model, batch, layers=layers, heads=heads, chunk_size=chunk_size
         )
-        for name, per_text in acc.per_sequence_means().items():  # (B, L', H')
-            seen = ~per_text.isnan()
-            sums[name] = sums.get(name, 0) + per_text.nan_to_num(nan=0.0).sum(0)
-            known[name] = known.get(name, 0) + seen.sum(0)
+        per_text = acc.per_sequence_means()  # metric -> (B, L', H')
+        values = torch.stack(list(per_text.values()))  # (M, B, L', H')
+        seen = ~values.isnan()
+        batch_sums, batch_known = values.nan_to_num(nan=0.0).sum(1), seen.sum(1)
+        for i, name in enumerate(per_text):
+            sums[name] = sums.get(name, 0) + batch_sums[i]
+            known[name] = known.get(name, 0) + batch_known[i]
         pos, weight = acc.most_attended()
         top_pos.append(pos)
         top_weight.append(weight)
         tokens.extend(batch_tokens or [[] for _ in range(pos.shape[0])])
         num_queries += int(acc.counts["all"].item())
     if not top_pos:
-        raise ValueError("batches must hold at least one batch, got none")
-    means, chance = split_chance(
-        {
-            name: (sums[name] / known[name].clamp(min=1))
-            .masked_fill(known[name] == 0, math.nan)
-            .float()
-            for name in sums
-        }
-    )
-    return HeadStatistics(
-        layers=chosen,
-        heads=head_ids,
-        chance=chance,
-        **means,
-        most_attended=torch.cat(top_pos),
-        most_attended_weight=torch.cat(top_weight),
-        num_queries=num_queries,
-        tokens=tokens if any(tokens) else None,
-    )
+        return _Part({}, {}, torch.zeros(0, dtype=torch.long), torch.zeros(0), [], 0, [], [])
+    return _Part(
+        sums, known, torch.cat(top_pos), torch.cat(top_weight), tokens, num_queries, chosen,
+        head_ids,
+    )  # fmt: skip
+
+
+def _corpus_order(places: list[list[int] | None], counts: list[int]) -> list[list[int]]:
+    """Per rank, the corpus place of each of its texts: as given, or rank after rank.
+
+    Raises:
+        ValueError: places given by some ranks only, or not each of 0..N-1 once.
+    """
+    if all(p is None for p in places):
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
+    if any(p is None for p in places):
+        raise ValueError("positions must be given by every rank or by none")
+    given = [p for p in places if p is not None]
+    flat = sorted(i for p in given for i in p)
+    if flat != list(range(len(flat))):
+        raise ValueError(
+            f"positions must name each text's place in the corpus once, 0..{len(flat) - 1}, "
+            f"got {flat[:10]}{' ...' if len(flat) > 10 else ''}"
+        )
+    return given

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_positive_int
+from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import FLOAT32_BYTES
 from multihead.observe.corpus import BatchBytes, chosen_size
 from multihead.observe.recorder import capture
@@ -82,13 +83,14 @@ def pairwise_js_sums(weights: Tensor) -> Tensor:
     for start in range(0, q, step):
         w = weights[start : start + step].double()  # (Qc, N, S)
         # ½ KL(p ‖ m) + ½ KL(r ‖ m) = ½ (Σ p log p + Σ r log r) - Σ m log m: the first two
-        # once per head, only the last per pair (a third of the work of the KL form)
-        neg_entropy = torch.special.xlogy(w, w).sum(-1)  # (Qc, N)
+        # once per head, only the last per pair (a third of the work of the KL form). The
+        # logarithms are what a pair costs: entr (-m log m, 0 at 0) takes them in one pass.
+        neg_entropy = -torch.special.entr(w).sum(-1)  # (Qc, N)
         for i in range(n - 1):
             # head i against every later head; the lower triangle is the mirror (exactly)
-            m = (w[:, i : i + 1] + w[:, i + 1 :]) / 2  # (Qc, N-i-1, S)
+            m = (w[:, i : i + 1] + w[:, i + 1 :]).mul_(0.5)  # (Qc, N-i-1, S)
             own = (neg_entropy[:, i : i + 1] + neg_entropy[:, i + 1 :]) / 2
-            divergence = (own - torch.special.xlogy(m, m).sum(-1)) / math.log(2)
+            divergence = (own + torch.special.entr(m).sum(-1)) / math.log(2)
             # rounding can leave -1e-17 where two heads agree
             sums[i, i + 1 :] += divergence.clamp(min=0.0).sqrt().sum(0)
     return sums + sums.T
@@ -179,6 +181,7 @@ def head_distances_over_batches(
     *,
     layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
+    split: DataParallelGroup | None = None,
 ) -> HeadMap:
     """The mean Jensen–Shannon distance between every pair of heads over a corpus, and its map.
 
@@ -191,28 +194,45 @@ def head_distances_over_batches(
     Args:
         model: a module whose attention layers are observable.
         batches: tokenized batches (``input_ids`` (B, T), ``attention_mask`` (B, T), and
-            optionally ``token_type_ids``); at least one.
+            optionally ``token_type_ids``); at least one (over all ranks, with ``split``).
         layers, heads: which heads to compare (as for ``capture``).
+        split: the ranks the texts were shared out over
+            (:class:`~multihead.distributed.DataParallelGroup`): each rank passes the batches
+            of its own texts, every rank calls this, and every rank gets the map of all of them
+            (the sums meet in one all-reduce). None: these batches are all.
 
     Returns:
         A :class:`HeadMap`.
 
     Raises:
-        ValueError: no batch; indices out of range.
+        ValueError: no batch; indices out of range. With ``split``, an error on any rank is
+            raised on every rank.
     """
+    split = DataParallelGroup.single() if split is None else split
     sums: Tensor | None = None
     count = 0
     chosen: list[int] = []
     head_ids: list[int] = []
-    for batch in batches:
-        weights, chosen, head_ids = _batch_weights(model, batch, layers, heads)  # (Q, N, S)
-        part = pairwise_js_sums(weights)
-        sums = part if sums is None else sums + part
-        count += weights.shape[0]
-        del weights
-    if sums is None:
+    error: Exception | None = None
+    try:
+        for batch in batches:
+            weights, chosen, head_ids = _batch_weights(model, batch, layers, heads)  # (Q, N, S)
+            part = pairwise_js_sums(weights)
+            sums = part if sums is None else sums + part
+            count += weights.shape[0]
+            del weights
+    except Exception as e:  # every rank must hear of it before the all-reduce
+        error = e
+    found = [about for about in split.gather((chosen, head_ids), error) if about[0]]
+    if not found:
         raise ValueError("batches must hold at least one batch, got none")
-    distances = sums / max(count, 1)
+    chosen, head_ids = found[0]
+    n = len(chosen) * len(head_ids)
+    if sums is None:  # this rank had no batch
+        sums = torch.zeros(n, n, dtype=torch.float64)
+    totals = split.sum(torch.cat([sums.flatten(), sums.new_tensor([count])]))
+    count = int(totals[-1])
+    distances = totals[:-1].view(n, n) / max(count, 1)
     return HeadMap(chosen, head_ids, distances, classical_mds(distances), count)
 
 

