@@ -44,7 +44,7 @@ from multihead.memory_budget import (
     check_memory_limit,
     format_bytes,
 )
-from multihead.observe.statistics import HeadStatistics
+from multihead.observe.head_summary import HeadStatistics
 from multihead.pretrained.text_loader import load_text_model
 from multihead.text.model import TextModel
 from multihead.tokenization import TokenBatch, TruncationWarning, check_text

@@ -20,7 +20,7 @@ from torch import Tensor
 from multihead._checks import check_index
 from multihead.focus import LayerFocus
 from multihead.head_effects import Ablation
-from multihead.observe.statistics import HeadStatistics
+from multihead.observe.head_summary import HeadStatistics
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 from multihead.viz.page import check_page_size, render_page
 from multihead.viz.plots import grid_figure, head_figure, importance_figure, save_figure

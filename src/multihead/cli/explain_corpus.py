@@ -41,7 +41,7 @@ from multihead.devices import resolve_device
 from multihead.memory_budget import format_bytes
 from multihead.observe.head_distance import HeadMap
 from multihead.observe.head_metrics import BROAD, ROLES
-from multihead.observe.statistics import HeadStatistics
+from multihead.observe.head_summary import HeadStatistics
 from multihead.text.corpus import Progress, corpus_statistics, head_distances
 from multihead.training.ddp import World, setup_world, world_size
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir

@@ -20,7 +20,7 @@ _LAZY: dict[str, str] = {
     "CapturedAttention": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
     "HeadStatistics": "multihead.observe.head_summary",
-    "METRICS": "multihead.observe.statistics",
+    "METRICS": "multihead.observe.head_metrics",
     "statistics_over_batches": "multihead.observe.corpus",
     "head_distances_over_batches": "multihead.observe.head_distance",
     "HeadMap": "multihead.observe.head_distance",

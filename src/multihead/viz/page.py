@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from multihead.memory_budget import format_bytes
-from multihead.observe.statistics import HeadStatistics
+from multihead.observe.head_summary import HeadStatistics
 
 __all__ = ["encode_weights", "render_page", "write_page", "check_page_size", "PAGE_WEIGHTS_LIMIT"]
 
