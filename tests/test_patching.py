@@ -169,7 +169,10 @@ def test_patching_a_head_with_equal_inputs_changes_nothing(device: torch.device)
     lm = _lm(device)
     ids = torch.randint(20, (2, 5), device=device)
     got = patch_heads(lm, ids, ids.clone(), _last_logprob(2), per_position=True)
-    assert torch.equal(got, torch.zeros_like(got))
+    # exactly zero on the CPU; on a GPU the stacked variants' larger batch may take another
+    # matmul kernel than the unpatched run, whose rounding differs in the last bits
+    exact = {"rtol": 0.0, "atol": 0.0 if device.type == "cpu" else 1e-5}
+    torch.testing.assert_close(got, torch.zeros_like(got), **exact)
 
 
 # -- MiniLM: padded, unpadded and without padding -----------------------------------------------
