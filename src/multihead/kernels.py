@@ -192,27 +192,31 @@ def math_attention(
         dropout, both in q's dtype.
     """
     dtype = q.dtype
-    group = q.shape[-3] // k.shape[-3]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=-3)  # (..., H, S, D)
-        v = v.repeat_interleave(group, dim=-3)  # (..., H, S, Dv)
+    h, hk = q.shape[-3], k.shape[-3]
     compute = torch.promote_types(q.dtype, torch.float32)
     # Batched matmul merges the leading dims into one batch dim. Heads split off a projection,
     # (..., T, H, D) seen as (..., H, T, D), cannot merge, so matmul would copy each operand
     # itself, k through a slow transposing copy: one dense copy of each, made here, is cheaper.
     # The scale rides on q's copy (always a copy), a (T, D) pass rather than one over (T, S).
-    q = _dense(q, compute, copy=True).mul_(scale)  # (..., H, T, D)
-    k, v = _dense(k, compute), _dense(v, compute)
+    graph_q = torch.is_grad_enabled() and q.requires_grad
+    if q.dtype == compute and not graph_q:  # the scale written with the copy: one pass, not two
+        q = torch.mul(q, scale, out=torch.empty(q.shape, dtype=compute, device=q.device))
+    else:  # half q: converted first, so that the scale is applied in float32
+        q = _dense(q, compute, copy=True).mul_(scale)  # (..., H, T, D)
+    k, v = _dense(k, compute), _dense(v, compute)  # grouped heads keep their Hk heads
     weights = scaled_weights(q, k, mask)  # (..., H, T, S)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    # (..., H, T, S) x (..., H, S, Dv) -> (..., H, T, Dv)
+    # (..., H, T, S) x (..., Hk, S, Dv) -> (..., H, T, Dv): the query heads of one key/value
+    # head, stacked as rows, multiply its values once (no copy of the values per query head)
+    *lead, _, t, s = dropped.shape
+    grouped = dropped.reshape(*lead, hk, (h // hk) * t, s)  # (..., Hk, G·T, S)
     graph = torch.is_grad_enabled() and (dropped.requires_grad or v.requires_grad)
     if (*dropped.shape[:-1], v.shape[-1]) == q.shape and not graph:
         # Outside autograd the output takes q's copy, done with: one large buffer fewer.
-        out = torch.matmul(dropped, v, out=q)
+        out = torch.matmul(grouped, v, out=q.view(*lead, hk, (h // hk) * t, q.shape[-1]))
     else:
-        out = torch.matmul(dropped, v)
-    return out.to(dtype), weights.to(dtype)
+        out = torch.matmul(grouped, v)
+    return out.view(*lead, h, t, v.shape[-1]).to(dtype), weights.to(dtype)
 
 
 # -- blocks with log-sum-exp (ring attention) -----------------------------------------------------
