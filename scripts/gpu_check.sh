@@ -100,7 +100,7 @@ esac
 # -- the benchmarks ------------------------------------------------------------------------------
 # --device/--dtype are passed to a benchmark that has them; on the CPU, one without them still runs.
 bench_failed=0
-for bench in bench_attention bench_hf bench_intervene; do
+for bench in bench_attention bench_hf bench_intervene bench_patch; do
   script=benchmarks/$bench.py
   flags=(--results-dir "$results")
   [ "$quick" = 1 ] && flags+=(--quick)
