@@ -9,10 +9,10 @@ matrix: scores are accumulated in float32 (``tl.dot``), the softmax is taken in 
 weight is written once, in q's dtype (see :mod:`multihead.weights_kernel`). The weights are at
 least as accurate as those of the math path, which rounds nothing before the softmax either.
 
-:func:`multihead.functional.attention` runs it for ``backend="fused"`` (``"auto"`` keeps the
-math path until the kernel has been measured on a GPU: so far it has run only under Triton's
-interpreter). It serves forward passes only, and :func:`unsupported` names why it cannot serve
-a call; the math path (the reference, and the path on every other device) is the one for
+:func:`multihead.functional.attention` runs it for ``backend="fused"``, and for ``"auto"``
+with weights wherever :func:`unsupported` finds nothing in the way. It serves forward passes
+only, and :func:`unsupported` names why it cannot serve a call; the math path (the reference,
+and the path on every other device) is the one for
 
 - a gradient is to flow (autograd is on and q, k, v or a float mask requires grad): the math
   path's weights have a graph, this kernel's have none;
