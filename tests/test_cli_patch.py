@@ -96,6 +96,8 @@ def test_hugging_face_gpt2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(FILES)
     err = fails(capsys, [*argv, *texts, "--answer", " street"])
     assert "--answer must be one token of the model's vocabulary, got ' street': 4 tokens" in err
+    err = fails(capsys, [*argv, "--clean", "", "--corrupt", "", "--answer", " it"])
+    assert "--clean must hold at least one token" in err
 
 
 def test_flag_errors(

@@ -133,7 +133,20 @@ def test_errors() -> None:
     with pytest.raises(TypeError, match=r"wrong must be a token id \(int\) or a tensor of ids"):
         logit_attribution(lm, ids, 1, wrong=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"answer must be broadcastable to \(B, T\) = \(2, 5\)"):
-        logit_attribution(lm, ids, torch.zeros(3, dtype=torch.long))
+        logit_attribution(lm, ids, torch.zeros(3, 1, dtype=torch.long))
+    # one id per example, (B,), would broadcast along T: refused, naming the two 2-D spellings
+    with pytest.raises(ValueError, match=r"one id per example as \(B, 1\) and one per position"):
+        logit_attribution(lm, ids, torch.tensor([1, 2]))
+    per_example = logit_attribution(lm, ids, torch.tensor([[1], [2]]))
+    first = logit_attribution(lm, ids[:1], 1)
+    second = logit_attribution(lm, ids[1:], 2)
+    torch.testing.assert_close(per_example.heads, (first.heads + second.heads) / 2)
+    with pytest.raises(ValueError, match=r"k must be a positive int, got 0"):
+        per_example.top(0)
+    with pytest.raises(
+        ValueError, match=r"position index 5 is out of range: there are 5 positions"
+    ):
+        per_example.top(3, position=5)
     encoder = multihead.TransformerEncoder([multihead.TransformerEncoderLayer(24, 6, 40)])
     with pytest.raises(ValueError, match=r"needs a causal LM with an unembedding"):
         logit_attribution(encoder, torch.randn(2, 5, 24), 1)

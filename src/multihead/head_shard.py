@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead._checks import check_indices
+
 __all__ = ["HeadGather", "HeadShard", "held_heads"]
 
 
@@ -107,7 +109,8 @@ class HeadGather:
     """
 
     def __init__(self, shard: HeadShard, heads: Sequence[int] | None) -> None:
-        chosen = list(range(shard.num_heads)) if heads is None else list(heads)
+        checked = check_indices("heads", heads, shard.num_heads, "heads")
+        chosen = list(range(shard.num_heads)) if checked is None else checked
         # per rank, the positions (in chosen) of the chosen heads it holds
         positions: list[list[int]] = [[] for _ in range(shard.world_size)]
         for j, head in enumerate(chosen):

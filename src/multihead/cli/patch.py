@@ -350,6 +350,8 @@ def _from_model_dir(args: argparse.Namespace, device: Any) -> _Experiment:
 
 
 def _same_length(clean: int, corrupt: int) -> None:
+    if clean == 0:
+        raise CLIError("--clean must hold at least one token, got a text that gives none")
     if clean != corrupt:
         raise CLIError(
             f"--clean and --corrupt must have as many tokens, got {clean} and {corrupt}: "

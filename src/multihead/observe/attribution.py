@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, describe
 from multihead.observe.input_pair import InputPair, Metric, metric_value
 from multihead.observe.patching import DIRECTIONS, head_table, record_layers
-from multihead.observe.steering import model_heads
+from multihead.observe.steering import unsharded_heads
 from multihead.observers import AttentionCall
 
 __all__ = ["attribution_patching"]
@@ -76,7 +76,7 @@ def attribution_patching(
     check_choice("direction", direction, DIRECTIONS)
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
-    found = model_heads(model)
+    found = unsharded_heads(model, "attribution_patching")
     pair = InputPair(model, clean, corrupt)
     if not callable(metric):
         raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
@@ -87,10 +87,10 @@ def attribution_patching(
         pair.run(source)
     xis: dict[int, Tensor] = {}
     targets: dict[int, Tensor] = {}
-    handles = [
-        site.register_observer(_leaf(layer, xis, targets)) for layer, (_, site) in enumerate(found)
-    ]
-    try:
+    handles = []
+    try:  # a registration that fails (a model that won't switch) leaves none behind
+        for layer, (_, site) in enumerate(found):
+            handles.append(site.register_observer(_leaf(layer, xis, targets)))
         with torch.enable_grad():
             value = metric_value(metric, pair.run(target), pair.batch, "target run")
             if not value.requires_grad:

@@ -123,6 +123,7 @@ def statistics_over_batches(
     split = DataParallelGroup.single() if split is None else split
     part: _Part | None = None
     error: Exception | None = None
+    places: list[int] | None = None
     try:
         part = _statistics_part(model, batches, layers, heads, chunk_size)
         if positions is not None and len(positions) != part.count:
@@ -130,10 +131,10 @@ def statistics_over_batches(
                 f"positions must give one place per text of the batches ({part.count}), got "
                 f"{len(positions)}"
             )
+        places = None if positions is None else [int(p) for p in positions]
     except Exception as e:  # every rank must hear of it before the all-reduce
         error = e
     # what is not a sum travels in the one all-gather that tells every rank of any error
-    places = None if positions is None else [int(p) for p in positions]
     reports = split.gather((part, places), error)
     assert part is not None
     parts: list[_Part] = [report[0] for report in reports]

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import describe, is_int
+from multihead._checks import check_index, check_positive_int, describe, is_int
 from multihead.models.lm import TransformerLM
 from multihead.observe.input_pair import run_model
 from multihead.observe.patching import head_table, record_layers
-from multihead.observe.steering import model_heads
+from multihead.observe.steering import unsharded_heads
 from multihead.observers import ObservableAttention
 
 __all__ = ["LogitAttribution", "logit_attribution"]
@@ -90,7 +90,14 @@ class LogitAttribution:
         )
 
     def top(self, k: int = 5, position: int = -1) -> list[tuple[int, int, float]]:
-        """The ``k`` heads with the largest |contribution| at ``position``: (layer, head, value)."""
+        """The ``k`` heads with the largest |contribution| at ``position``: (layer, head, value).
+
+        Raises:
+            ValueError: ``k`` not positive, ``position`` out of range.
+            TypeError: either not an int.
+        """
+        check_positive_int("k", k)
+        position = check_index("position", position, self.heads.shape[2], "positions")
         values = self.heads[:, :, position]
         flat = values.flatten().nan_to_num(0.0)
         order = flat.abs().argsort(descending=True)[:k].tolist()
@@ -165,6 +172,12 @@ def _tokens(name: str, value: object, b: int, t: int, vocab: int, device: torch.
             f"{name} must be a token id (int) or a tensor of ids broadcastable to (B, T), got "
             f"{describe(value)}"
         )
+    if ids.dim() == 1 and b > 1:  # (B,) per example or (T,) per position: say which
+        raise ValueError(
+            f"{name} must be an int or ids broadcastable to (B, T) = ({b}, {t}) with 2 dims: "
+            f"give one id per example as (B, 1) and one per position as (1, T), got shape "
+            f"{tuple(ids.shape)}"
+        )
     try:
         ids = ids.expand(b, t)
     except RuntimeError:
@@ -204,7 +217,7 @@ def logit_attribution(
             stack of one attention module each, token ids out of range.
         TypeError: answer/wrong that are not token ids; inputs of another kind.
     """
-    found = model_heads(model)
+    found = unsharded_heads(model, "logit_attribution")
     norm, unembedding = _final_parts(model)
     blocks = _blocks(model, found)
     hidden: dict[str, list[Any]] = {"in": [None] * len(blocks), "out": [None] * len(blocks)}

@@ -42,7 +42,7 @@ from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value, split_output
 from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.steering import HeadKey, model_heads, resolve_head
+from multihead.observe.steering import HeadKey, resolve_head, unsharded_heads
 from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle
 
 __all__ = [
@@ -109,12 +109,24 @@ def record_layers(found: list[tuple[str, ObservableAttention]], layers: Sequence
 
         return observer
 
-    handles = [found[layer][1].register_observer(make(layer)) for layer in layers]
-    try:
+    handles = []
+    try:  # a registration that fails (a model that won't switch) leaves none behind
+        for layer in layers:
+            handles.append(found[layer][1].register_observer(make(layer)))
         yield recorded
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _variant_mask(variants: list[tuple[int, int | None]], src: Tensor) -> Tensor:
+    """(n, T, H) bool on ``src``'s device: True where variant i takes head h (at position t, or
+    at every position for t None) from the source run; ``src`` is (B, T, H, Dv). Made per
+    forward, so that a sweep never holds the masks of all its variants at once."""
+    patched = torch.zeros(len(variants), src.shape[1], src.shape[2], dtype=torch.bool)
+    for i, (h, t) in enumerate(variants):
+        patched[i, slice(None) if t is None else t, h] = True
+    return patched.to(src.device)
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -206,8 +218,7 @@ def patch_heads(
             (each variant runs on one rank; every rank gets the whole result); default every
             rank when ``torch.distributed`` is initialised, else this process alone. Every rank
             calls this with the same arguments and runs the two unpatched forwards itself. A
-            model sharded over the ranks (tensor parallel) runs every variant on every rank
-            (:class:`~multihead.distributed.DataParallelGroup`).
+            tensor-parallel model (whose calls hold a rank's share of the heads) is refused.
 
     Returns:
         (L, H), or (L, H, T) with ``per_position``, in the metric's dtype and device; NaN
@@ -229,7 +240,7 @@ def patch_heads(
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     check_optional_positive_int("batch_size", batch_size)
-    found = model_heads(model)
+    found = unsharded_heads(model, "patch_heads")
     pair = InputPair(model, clean, corrupt)
     if not callable(metric):
         raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
@@ -266,7 +277,7 @@ def patch_heads(
             )
         positions = lengths.pop()
         result = head_table(found, base, positions if per_position else None)
-        masks: dict[int, Tensor] = {}  # layer -> (V, T, H): which (position, head) each replaces
+        masks: dict[int, list[tuple[int, int | None]]] = {}  # layer -> its variants (head, t)
         places: dict[int, tuple[Any, ...]] = {}  # layer -> where its values go in the result
         forwards: list[tuple[int, int, int]] = []  # (layer, first variant, end): one forward each
         for layer, layer_heads in by_layer.items():
@@ -274,10 +285,7 @@ def patch_heads(
             # every variant of the layer, built on the host and copied to the device once
             spans = range(src.shape[1]) if per_position else [None]
             variants = [(h, t) for h in layer_heads for t in spans]
-            patched = torch.zeros(len(variants), src.shape[1], src.shape[2], dtype=torch.bool)
-            for i, (h, t) in enumerate(variants):
-                patched[i, slice(None) if t is None else t, h] = True
-            masks[layer] = patched.to(src.device)
+            masks[layer] = variants  # each forward's (n, T, H) mask is made for its n alone
             index = torch.tensor([[h, t or 0] for h, t in variants], device=result.device)
             places[layer] = (layer, *index.unbind(1)) if per_position else (layer, index[:, 0])
             forwards += [
@@ -288,9 +296,10 @@ def patch_heads(
         error: Exception | None = None
         try:
             for layer, start, stop in split.share(forwards):
+                mask = _variant_mask(masks[layer][start:stop], recorded[layer])
                 values = _run_variants(
                     pair, target, metric, single, found[layer][1], layer, recorded[layer],
-                    masks[layer][start:stop], prefix,
+                    mask, prefix,
                 )  # fmt: skip
                 where = tuple(p if isinstance(p, int) else p[start:stop] for p in places[layer])
                 changes[where] = values.to(result.dtype) - base

@@ -47,7 +47,7 @@ from multihead.observe.patching import (
     variants_per_forward,
 )
 from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.steering import HeadKey, model_heads, resolve_head
+from multihead.observe.steering import HeadKey, resolve_head, unsharded_heads
 from multihead.observers import (
     AttentionCall,
     AttentionObserver,
@@ -125,7 +125,7 @@ def path_patching(
         >>> effects[0, 0]  # via q, k, v
     """
     check_optional_positive_int("batch_size", batch_size)
-    found = model_heads(model)
+    found = unsharded_heads(model, "path_patching")
     pair = InputPair(model, clean, corrupt)
     if not callable(metric):
         raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
