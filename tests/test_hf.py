@@ -724,3 +724,14 @@ def test_an_older_transformers_is_named_with_the_minimum() -> None:
         check_transformers_version("5.0.0")
     check_transformers_version(MIN_TRANSFORMERS)  # the minimum itself passes
     check_transformers_version("6.0.0")
+
+
+def test_the_names_that_moved_to_the_text_floor_say_where() -> None:
+    import multihead.hf
+
+    with pytest.raises(AttributeError, match=r"multihead\.hf\.load_hf has moved .*backend='tr"):
+        multihead.hf.load_hf  # noqa: B018
+    with pytest.raises(AttributeError, match=r"HFTextModel has moved .*multihead\.TextModel"):
+        multihead.hf.HFTextModel  # noqa: B018
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing'"):
+        multihead.hf.nothing  # noqa: B018

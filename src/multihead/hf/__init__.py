@@ -46,3 +46,15 @@ __all__ = [
     "routed",
     "uses_transformers",
 ]
+
+# Names that moved to the text floor (hf/ is the bridge only; an alias here would be an arrow up)
+_MOVED = {
+    "load_hf": "multihead.load_text_model(dir_or_name, backend='transformers')",
+    "HFTextModel": "multihead.TextModel (multihead.text)",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise AttributeError(f"multihead.hf.{name} has moved to the text floor: use {_MOVED[name]}")
+    raise AttributeError(f"module 'multihead.hf' has no attribute {name!r}")
