@@ -31,6 +31,7 @@ import multihead
 from multihead.cli.common import CLIError, add_device_arguments, print_warnings, printable, status
 from multihead.devices import DTYPES, resolve_device
 from multihead.models import TransformerLM
+from multihead.observe.patching import DIRECTIONS
 from multihead.pretrained.text_loader import locate_model, read_tokenizer
 from multihead.tokenization import prepare_tokenizer, tokenize
 from multihead.training import load_run
@@ -42,7 +43,6 @@ from multihead.viz.plots import effects_figure, save_figure
 __all__ = ["register", "run"]
 
 _DEFAULT_FORMATS = ",".join(FORMATS)
-_DIRECTIONS = ("denoise", "noise")
 
 
 def register(subparsers: Any) -> None:
@@ -82,7 +82,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--direction",
-        choices=_DIRECTIONS,
+        choices=DIRECTIONS,
         default="denoise",
         help="denoise (default): run corrupt with one head from clean (is the head enough?); "
         "noise: run clean with one head from corrupt (is the head needed?)",

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
 from multihead.observe.input_pair import InputPair, Metric, metric_value
-from multihead.observe.patching import DIRECTIONS, head_table, record_layers
-from multihead.observe.steering import unsharded_heads
+from multihead.observe.patching import DIRECTIONS, record_layers
+from multihead.observe.steering import head_table, unsharded_heads
 from multihead.observers import AttentionCall
 
 __all__ = ["attribution_patching"]

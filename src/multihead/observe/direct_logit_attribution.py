@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from multihead._checks import check_index, check_positive_int, describe, is_int
 from multihead.models.lm import TransformerLM
 from multihead.observe.input_pair import run_model
-from multihead.observe.patching import head_table, record_layers
-from multihead.observe.steering import unsharded_heads
+from multihead.observe.patching import record_layers
+from multihead.observe.steering import head_table, unsharded_heads
 from multihead.observers import ObservableAttention
 
 __all__ = ["LogitAttribution", "logit_attribution"]

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from multihead._checks import check_choice
 from multihead.head_shard import held_heads
 from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.steering import intervene, model_heads
+from multihead.observe.steering import head_table, intervene, model_heads
 from multihead.observers import AttentionCall, ObservableAttention
 
 __all__ = ["head_importance", "METHODS"]
@@ -155,7 +155,7 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
     finally:
         for handle in handles:
             handle.remove()
-    scores = _table(found, value)
+    scores = head_table(found, value, None)
     for layer, grad in enumerate(grads):
         shard = found[layer][1].head_shard
         if shard is not None and grad is not None:
@@ -166,12 +166,6 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
         else:  # the layer never ran: the metric does not depend on it
             scores[layer, : found[layer][1].num_heads] = 0.0
     return scores
-
-
-def _table(found: list[tuple[str, ObservableAttention]], like: Tensor) -> Tensor:
-    """An (L, H) table of NaN: the heads a layer lacks stay NaN."""
-    most = max(mha.num_heads for _, mha in found)
-    return torch.full((len(found), most), float("nan"), dtype=like.dtype, device=like.device)
 
 
 def _ablation_importance(
@@ -187,7 +181,7 @@ def _ablation_importance(
             clean = _scalar(metric, "clean run")
         else:
             clean = prefix.clean
-        scores = _table(found, clean)
+        scores = head_table(found, clean, None)
         for layer, (_, mha) in enumerate(found):
             for head in range(mha.num_heads):
                 what = f"head ({layer}, {head}) ablated"

@@ -42,7 +42,7 @@ from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value, split_output
 from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.steering import HeadKey, resolve_head, unsharded_heads
+from multihead.observe.steering import HeadKey, head_table, resolve_head, unsharded_heads
 from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "EndOfRun",
     "record_layers",
     "chosen_heads",
-    "head_table",
     "run_stacked",
     "stacked_metrics",
     "variants_per_forward",
@@ -86,15 +85,6 @@ def chosen_heads(
     for layer, head in sorted(keys):
         by_layer.setdefault(layer, []).append(head)
     return by_layer
-
-
-def head_table(
-    found: list[tuple[str, ObservableAttention]], like: Tensor, positions: int | None
-) -> Tensor:
-    """(L, H) or (L, H, T) of NaN in ``like``'s dtype and device: unscored heads stay NaN."""
-    most = max(site.num_heads for _, site in found)
-    shape = (len(found), most) if positions is None else (len(found), most, positions)
-    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
 @contextlib.contextmanager

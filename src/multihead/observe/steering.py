@@ -36,7 +36,14 @@ from multihead.head_shard import held_heads
 from multihead.observe.rows import attention_modules
 from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention
 
-__all__ = ["intervene", "record_heads", "HeadRecording", "Edit", "HeadKey"]
+__all__ = [
+    "head_table",
+    "intervene",
+    "record_heads",
+    "HeadRecording",
+    "Edit",
+    "HeadKey",
+]
 
 HeadKey = tuple[int, int]
 # 0.0: zero ablation; another number: a scale; "mean": the mean over real tokens; a Tensor
@@ -59,6 +66,15 @@ def model_heads(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
             f"transformers model, through multihead.hf)"
         )
     return found
+
+
+def head_table(
+    found: list[tuple[str, ObservableAttention]], like: Tensor, positions: int | None
+) -> Tensor:
+    """(L, H) or (L, H, T) of NaN in ``like``'s dtype and device: unscored heads stay NaN."""
+    most = max(site.num_heads for _, site in found)
+    shape = (len(found), most) if positions is None else (len(found), most, positions)
+    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
 def unsharded_heads(model: nn.Module, what: str) -> list[tuple[str, ObservableAttention]]:
