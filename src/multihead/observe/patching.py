@@ -46,6 +46,7 @@ from multihead.observe.steering import HeadKey, head_table, resolve_head, unshar
 from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle
 
 __all__ = [
+    "check_recorded",
     "patch_heads",
     "DIRECTIONS",
     "EndOfRun",
@@ -107,6 +108,18 @@ def record_layers(found: list[tuple[str, ObservableAttention]], layers: Sequence
     finally:
         for handle in handles:
             handle.remove()
+
+
+def check_recorded(
+    found: list[tuple[str, ObservableAttention]], layers: Sequence[int], recorded: dict[int, Tensor]
+) -> None:
+    """Every layer of ``layers`` was called (and so recorded) by the run: else a ValueError."""
+    missing = [layer for layer in layers if layer not in recorded]
+    if missing:
+        raise ValueError(
+            f"the model did not call attention layer {missing[0]} ({found[missing[0]][0]}) on "
+            f"the inputs: there is nothing to patch there"
+        )
 
 
 def _variant_mask(variants: list[tuple[int, int | None]], src: Tensor) -> Tensor:
@@ -241,12 +254,7 @@ def patch_heads(
     with torch.no_grad():
         with record_layers(found, list(by_layer)) as recorded:
             pair.run(source)
-        missing = [layer for layer in by_layer if layer not in recorded]
-        if missing:
-            raise ValueError(
-                f"the model did not call attention layer {missing[0]} ({found[missing[0]][0]}) "
-                f"on the inputs: there is nothing to patch there"
-            )
+        check_recorded(found, list(by_layer), recorded)
         outputs: list[Any] = []
 
         def run_target(what: str) -> Tensor:

@@ -41,6 +41,7 @@ from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value
 from multihead.observe.patching import (
     EndOfRun,
+    check_recorded,
     record_layers,
     run_stacked,
     stacked_metrics,
@@ -253,12 +254,7 @@ def _recorded(
     with record_layers(found, layers) as recorded, last.register_observer(end):
         with contextlib.suppress(EndOfRun):
             pair.run(inputs)
-    missing = [layer for layer in layers if layer not in recorded]
-    if missing:
-        raise ValueError(
-            f"the model did not call attention layer {missing[0]} ({found[missing[0]][0]}) on "
-            f"the inputs: there is nothing to patch there"
-        )
+    check_recorded(found, layers, recorded)
     return dict(recorded)
 
 
