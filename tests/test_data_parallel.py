@@ -143,23 +143,37 @@ def _cli_case(rank: int, port: int, model_dir: str, corpus: str, out: str) -> di
         "MASTER_PORT": str(port),
     }
     os.environ.update(env)
-    printed = io.StringIO()
+    printed, said = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
             code = main(["explain", "--corpus", corpus, "--model", model_dir, "--out", out])
     finally:
         for key in env:
             os.environ.pop(key)
-    return {"code": code, "printed": printed.getvalue(), "joined_after": dist.is_initialized()}
+    return {
+        "code": code,
+        "printed": printed.getvalue(),
+        "errors": [
+            line.partition("error: ")[2]
+            for line in said.getvalue().splitlines()
+            if "error: " in line
+        ],
+        "joined_after": dist.is_initialized(),
+    }
 
 
-def _worker(rank: int, port: int, cli_port: int, tmp: str, queue: Any) -> None:
+def _worker(rank: int, port: int, cli_ports: tuple[int, int], tmp: str, queue: Any) -> None:
     try:
         torch.set_num_threads(1)
         results: dict[str, Any] = {}
         model_dir, corpus = os.path.join(tmp, "model"), os.path.join(tmp, "corpus.txt")
         results["cli"] = _cli_case(
-            rank, cli_port, model_dir, corpus, os.path.join(tmp, f"out{rank}")
+            rank, cli_ports[0], model_dir, corpus, os.path.join(tmp, f"out{rank}")
+        )
+        # the model directory missing on rank 1's machine alone: both ranks stop, neither waits
+        missing = model_dir if rank == 0 else os.path.join(tmp, "not-here")
+        results["cli_missing"] = _cli_case(
+            rank, cli_ports[1], missing, corpus, os.path.join(tmp, f"missing{rank}")
         )
         dist.init_process_group(
             "gloo",
@@ -229,12 +243,12 @@ def _worker(rank: int, port: int, cli_port: int, tmp: str, queue: Any) -> None:
 def _run_group(tmp: Path) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port, cli_port = _free_port(), _free_port()
+    port, cli_ports = _free_port(), (_free_port(), _free_port())
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         procs = [
-            ctx.Process(target=_worker, args=(rank, port, cli_port, str(tmp), queue), daemon=True)
+            ctx.Process(target=_worker, args=(rank, port, cli_ports, str(tmp), queue), daemon=True)
             for rank in range(WORLD)
         ]
         for p in procs:
@@ -436,6 +450,19 @@ def test_cli_explain_corpus_on_two_ranks_writes_on_rank_0_alone(
         json.loads((out0 / "head_statistics.json").read_text()),
         json.loads((alone / "head_statistics.json").read_text()),
     )
+
+
+def test_cli_model_missing_on_one_rank_stops_every_rank(
+    ranks: dict[int, dict[str, Any]], workdir: Path
+) -> None:
+    first, second = ranks[0]["cli_missing"], ranks[1]["cli_missing"]
+    assert (first["code"], second["code"]) == (2, 2)  # one line each, no traceback, no hang
+    assert second["errors"] == [
+        "model directory " + repr(str(workdir / "not-here")) + " does not exist"
+    ]
+    assert first["errors"] == [f"rank 1 of 2 failed (FileNotFoundError): {second['errors'][0]}"]
+    assert not first["joined_after"] and not second["joined_after"]
+    assert not (workdir / "missing0").exists() and not (workdir / "missing1").exists()
 
 
 # -- in one process ------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention
-from multihead.head_shard import HeadShard
 from multihead.models import TransformerLM
 from multihead.observe.patching import patch_heads
 
@@ -348,23 +347,3 @@ def test_head_importance_reuses_transformers_layers(
     assert torch.equal(cached, plain)
     assert "called with a cache or another stateful argument" in caplog.text
     assert all(r.levelno == logging.INFO for r in caplog.records)
-
-
-def test_circuit_functions_refuse_a_tensor_parallel_model_by_name() -> None:
-    """A rank of a tensor-parallel model holds a share of each layer's heads: the circuit
-    functions, which read every head of a call on one process, refuse it rather than number
-    heads wrongly."""
-    lm = _lm(torch.device("cpu"))
-    lm.blocks[1].self_attn.head_shard = HeadShard(num_heads=6, rank=0, world_size=2)
-    ids = torch.randint(20, (2, 5))
-    metric = _last_logprob(1)
-    calls = {
-        "patch_heads": lambda: patch_heads(lm, ids, ids, metric),
-        "attribution_patching": lambda: multihead.attribution_patching(lm, ids, ids, metric),
-        "path_patching": lambda: multihead.path_patching(lm, ids, ids, metric, [(0, 0)], [(1, 0)]),
-        "logit_attribution": lambda: multihead.logit_attribution(lm, ids, 1),
-    }
-    for name, call in calls.items():
-        with pytest.raises(ValueError, match=rf"{name} does not support tensor-parallel models "
-                           r"yet: blocks\.1\.self_attn holds 3 of its 6 heads"):  # fmt: skip
-            call()

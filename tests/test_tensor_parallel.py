@@ -28,7 +28,14 @@ pytest.importorskip("transformers")
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 
-from multihead import capture, hf  # noqa: E402
+from multihead import (  # noqa: E402
+    attribution_patching,
+    capture,
+    hf,
+    logit_attribution,
+    patch_heads,
+    path_patching,
+)
 from multihead.head_shard import HeadShard, held_heads  # noqa: E402
 from multihead.observe.importance import head_importance  # noqa: E402
 from multihead.observe.statistics import head_statistics  # noqa: E402
@@ -183,6 +190,33 @@ def _cases(model: Any) -> dict[str, Any]:
 
     out["importance_ablation"] = head_importance(model, metric)
     out["importance_gradient"] = head_importance(model, metric, method="gradient")
+    out.update(_circuits(model, ids, other, last))
+    return out
+
+
+def _circuits(model: Any, clean: torch.Tensor, corrupt: torch.Tensor, last: int) -> dict[str, Any]:
+    """The circuit functions, with heads on every rank (``last`` on the last rank only)."""
+
+    def logit_diff(output: Any) -> torch.Tensor:  # (B,): differentiable, for attribution too
+        return output.logits[:, -1, 5] - output.logits[:, -1, 7]
+
+    out: dict[str, Any] = {}
+    out["patch_denoise"] = patch_heads(model, clean, corrupt, logit_diff)  # (L, H)
+    out["patch_noise_per_position"] = patch_heads(
+        model, clean, corrupt, logit_diff, direction="noise", per_position=True,
+        heads=[(1, last), (1, 0), (0, 1)], batch_size=3,
+    )  # fmt: skip
+    out["attribution"] = attribution_patching(model, clean, corrupt, logit_diff, per_position=True)
+    out["paths"] = path_patching(
+        model, clean, corrupt, logit_diff, senders=[(0, last), (0, 0)],
+        receivers=[(1, 1), (1, last)], batch_size=3,
+    )  # fmt: skip
+    parts = logit_attribution(model, clean, answer=5, wrong=7)
+    out["logit_attribution_heads"] = parts.heads  # (L, H, T)
+    out["logit_attribution_rest"] = torch.stack(
+        [parts.attention_bias.sum(0), parts.mlp.sum(0), parts.embeddings, parts.logit]
+    )
+    out["logit_attribution_total"] = parts.total() - parts.logit  # ~0: the parts add up
     return out
 
 
@@ -326,6 +360,13 @@ CASES = {
     "statistics_induction": WEIGHT_ATOL,
     "importance_ablation": OUT_ATOL,
     "importance_gradient": OUT_ATOL,
+    "patch_denoise": OUT_ATOL,
+    "patch_noise_per_position": OUT_ATOL,
+    "attribution": OUT_ATOL,
+    "paths": OUT_ATOL,
+    "logit_attribution_heads": OUT_ATOL,
+    "logit_attribution_rest": OUT_ATOL,
+    "logit_attribution_total": OUT_ATOL,
 }
 
 
@@ -380,6 +421,22 @@ def test_an_edit_on_another_rank_changes_every_rank_output(group: Any) -> None:
         got = ranks[0][family]["ablate_last"]
         torch.testing.assert_close(got, single[family]["ablate_last"], atol=OUT_ATOL, rtol=0)
         assert (got - ranks[0][family]["logits"]).abs().max() > 100 * OUT_ATOL
+
+
+def test_circuits_see_heads_of_every_rank(group: Any) -> None:
+    # the heads each rank holds have effects of their own (so that equal results say something):
+    # head 0 on rank 0, the last head on the last rank
+    world, ranks, single = group
+    for family in _mapped(world, ranks):
+        got = single[family]
+        last = _num_heads(family) - 1
+        for case in ("patch_denoise", "attribution", "logit_attribution_heads"):
+            per_head = got[case] if got[case].dim() == 2 else got[case].sum(-1)  # (L, H)
+            assert per_head[:, 0].abs().max() > 100 * OUT_ATOL, (family, case)
+            assert per_head[:, last].abs().max() > 100 * OUT_ATOL, (family, case)
+        assert got["paths"][0].abs().max() > 100 * OUT_ATOL, family  # sender (0, last)
+        assert got["paths"][:, 1].abs().max() > 100 * OUT_ATOL, family  # receiver (1, last)
+        assert got["logit_attribution_total"].abs().max() < 1e-4, family  # the parts add up
 
 
 def test_a_wrong_patch_stops_every_rank_at_the_same_call(group: Any) -> None:

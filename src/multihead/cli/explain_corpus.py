@@ -32,12 +32,14 @@ import torch.distributed as dist
 from multihead.cli.common import (
     CLIError,
     load_model,
+    one_line,
     print_warnings,
     printable,
     progress,
     status,
 )
 from multihead.devices import resolve_device
+from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import format_bytes
 from multihead.observe.head_distance import HeadMap
 from multihead.observe.head_metrics import BROAD, ROLES
@@ -241,8 +243,7 @@ def _explain_corpus(
     device = str(world.device) if world.size > 1 else args.device  # the local rank's GPU
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with status("Loading the model…") if shown else contextlib.nullcontext():
-            model = load_model(args.model, device=device, dtype=args.dtype)
+        model = _load_on_every_rank(args, device, shown)
         name = printable(model.name)
         # The distances first: the heavier pass, and the one a text too long for the memory
         # limit is refused by, before any forward.
@@ -266,6 +267,26 @@ def _explain_corpus(
     paths.append(json_path)
     _print_summary(stats, name, len(texts), paths, causal=model.causal)
     return 0
+
+
+def _load_on_every_rank(args: argparse.Namespace, device: str, shown: bool) -> Any:
+    """The ``--model``, or the error one rank's load raised, raised on every rank: a rank that
+    failed alone (a directory missing on one machine, memory) would leave the others waiting
+    in the first collective of the corpus loop."""
+    error: Exception | None = None
+    model = None
+    try:
+        with status("Loading the model…") if shown else contextlib.nullcontext():
+            model = load_model(args.model, device=device, dtype=args.dtype)
+    except Exception as e:  # every rank must hear of it
+        error = e
+    try:
+        DataParallelGroup.of().gather(None, error)
+    except Exception as e:
+        if e is error:
+            raise
+        raise CLIError(one_line(str(e))) from None  # "rank 1 of 2 failed (...): ..."
+    return model
 
 
 @contextlib.contextmanager

@@ -23,9 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
+from multihead.head_shard import every_head
 from multihead.observe.input_pair import InputPair, Metric, metric_value
 from multihead.observe.patching import DIRECTIONS, record_layers
-from multihead.observe.steering import head_table, unsharded_heads
+from multihead.observe.steering import head_table, model_heads
 from multihead.observers import AttentionCall
 
 __all__ = ["attribution_patching"]
@@ -67,7 +68,9 @@ def attribution_patching(
 
     Returns:
         (L, H), or (L, H, T) with ``per_position``, in the metric's dtype (float32 at least)
-        and device; NaN where a layer has fewer heads than the most.
+        and device; NaN where a layer has fewer heads than the most. On a tensor-parallel model
+        (every rank calling this together) each rank scores the heads it holds and every rank
+        gets every head's.
 
     Raises:
         ValueError, TypeError: as :func:`~multihead.patch_heads`, and a metric that does not
@@ -76,7 +79,7 @@ def attribution_patching(
     check_choice("direction", direction, DIRECTIONS)
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
-    found = unsharded_heads(model, "attribution_patching")
+    found = model_heads(model)
     pair = InputPair(model, clean, corrupt)
     if not callable(metric):
         raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
@@ -112,11 +115,12 @@ def attribution_patching(
         )
     result = head_table(found, value.detach().to(dtype), lengths.pop() if per_position else None)
     for layer, grad in zip(ran, grads, strict=True):
-        if grad is None:  # the metric does not depend on this layer
-            result[layer, : found[layer][1].num_heads] = 0.0
-            continue
+        if grad is None:  # the metric does not depend on this layer: 0 (every rank gathers)
+            grad = torch.zeros_like(targets[layer])
         delta = sources[layer].to(dtype) - targets[layer].to(dtype)  # (B, T, H, Dv)
         per_token = (grad.to(dtype) * delta).sum(dim=(0, 3))  # (T, H)
+        # under tensor parallelism each rank scored the heads it holds: every rank gets all
+        per_token = every_head(per_token, 1, found[layer][1].head_shard)
         heads = per_token.shape[1]
         result[layer, :heads] = per_token.T if per_position else per_token.sum(0)
     return result

@@ -36,14 +36,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int, describe, is_int
+from multihead.head_shard import every_head
 from multihead.models.lm import TransformerLM
 from multihead.observe.input_pair import run_model
 from multihead.observe.patching import record_layers
-from multihead.observe.steering import head_table, unsharded_heads
+from multihead.observe.steering import head_table, model_heads
 from multihead.observers import ObservableAttention
+
+if dist.is_available():  # a torch built without distributed has no DTensor
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["LogitAttribution", "logit_attribution"]
 
@@ -209,7 +214,9 @@ def logit_attribution(
         wrong: optionally a second token (or ids): explain ``logit(answer) - logit(wrong)``.
 
     Returns:
-        A :class:`LogitAttribution`, every field a mean over the batch, per position.
+        A :class:`LogitAttribution`, every field a mean over the batch, per position. On a
+        tensor-parallel model (every rank calling this together) each rank computes the terms
+        of the heads it holds, and every rank gets every head's.
 
     Raises:
         ValueError: a model without a final norm or unembedding that can be found, a final norm
@@ -217,7 +224,7 @@ def logit_attribution(
             stack of one attention module each, token ids out of range.
         TypeError: answer/wrong that are not token ids; inputs of another kind.
     """
-    found = unsharded_heads(model, "logit_attribution")
+    found = model_heads(model)
     norm, unembedding = _final_parts(model)
     blocks = _blocks(model, found)
     hidden: dict[str, list[Any]] = {"in": [None] * len(blocks), "out": [None] * len(blocks)}
@@ -265,20 +272,19 @@ def logit_attribution(
             f"logit_attribution needs the last block's output to go straight into the final "
             f"norm ({type(norm).__name__}); {type(model).__name__} changes it in between"
         )
-    weight = unembedding.weight
+    weight = _whole(unembedding.weight)
+    bias = _whole(unembedding.bias)
     vocab = weight.shape[0]
     answer_ids = _tokens("answer", answer, b, t, vocab, x.device)
     direction = weight[answer_ids].to(dtype)  # (B, T, E)
     logit = logits[-1].to(dtype).gather(-1, answer_ids[..., None])[..., 0]  # (B, T)
-    unembedding_bias = (
-        unembedding.bias[answer_ids].to(dtype) if unembedding.bias is not None else None
-    )
+    unembedding_bias = bias[answer_ids].to(dtype) if bias is not None else None
     if wrong is not None:
         wrong_ids = _tokens("wrong", wrong, b, t, vocab, x.device)
         direction = direction - weight[wrong_ids].to(dtype)
         logit = logit - logits[-1].to(dtype).gather(-1, wrong_ids[..., None])[..., 0]
-        if unembedding.bias is not None and unembedding_bias is not None:
-            unembedding_bias = unembedding_bias - unembedding.bias[wrong_ids].to(dtype)
+        if bias is not None and unembedding_bias is not None:
+            unembedding_bias = unembedding_bias - bias[wrong_ids].to(dtype)
 
     read, norm_beta = _frozen_norm(norm, x.to(dtype), norm_io[1].to(dtype), direction)
 
@@ -303,7 +309,9 @@ def logit_attribution(
             (back,) = torch.autograd.grad((written.to(dtype) * read).sum(), z)
         bias = term(projection(torch.zeros_like(flat)))  # (B, T): b^O's share
         per_head_term = (flat.to(dtype) * back.to(dtype)).unflatten(-1, out.shape[2:]).sum(-1)
-        heads[layer, : out.shape[2]] = per_head_term.mean(0).T  # (H, T)
+        # under tensor parallelism each rank has the terms of the heads it holds: gather all
+        per_head_term = every_head(per_head_term, 2, found[layer][1].head_shard)  # (B, T, H)
+        heads[layer, : per_head_term.shape[2]] = per_head_term.mean(0).T  # (H, T)
         attention_bias[layer] = bias.mean(0)
         block_in, block_out = hidden["in"][layer], hidden["out"][layer]
         mlp[layer] = term(block_out.to(dtype) - block_in.to(dtype) - written.detach()).mean(0)
@@ -319,6 +327,14 @@ def logit_attribution(
     )
 
 
+def _whole(value: Any) -> Any:
+    """A parameter sharded over ranks (a ``DTensor``: tensor parallelism splits the unembedding
+    over the vocabulary) as the whole tensor, on every rank (a collective); else as it is."""
+    if dist.is_available() and isinstance(value, DTensor):
+        return value.full_tensor()
+    return value
+
+
 def _frozen_norm(
     norm: nn.Module, x: Tensor, y: Tensor, direction: Tensor
 ) -> tuple[Tensor, Tensor | None]:
@@ -329,8 +345,8 @@ def _frozen_norm(
     LayerNorm: ``γ ⊙ (c - mean c) / σ`` · d = c · (u - mean u), u = γ ⊙ d / σ;
     RMSNorm: ``γ ⊙ c / rms`` · d = c · u.
     """
-    gamma = getattr(norm, "weight", None)
-    beta = getattr(norm, "bias", None)
+    gamma = _whole(getattr(norm, "weight", None))
+    beta = _whole(getattr(norm, "bias", None))
     eps = next(
         (
             float(getattr(norm, n))

@@ -39,10 +39,11 @@ from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe
 from multihead.distributed.data_parallel import DataParallelGroup
+from multihead.head_shard import held_heads
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value, split_output
 from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.steering import HeadKey, head_table, resolve_head, unsharded_heads
+from multihead.observe.steering import HeadKey, head_table, model_heads, resolve_head
 from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle
 
 __all__ = [
@@ -122,14 +123,19 @@ def check_recorded(
         )
 
 
-def _variant_mask(variants: list[tuple[int, int | None]], src: Tensor) -> Tensor:
-    """(n, T, H) bool on ``src``'s device: True where variant i takes head h (at position t, or
-    at every position for t None) from the source run; ``src`` is (B, T, H, Dv). Made per
-    forward, so that a sweep never holds the masks of all its variants at once."""
-    patched = torch.zeros(len(variants), src.shape[1], src.shape[2], dtype=torch.bool)
+def _variant_mask(
+    variants: list[tuple[int, int | None]], src: Tensor, site: ObservableAttention
+) -> Tensor:
+    """(n, T, H) bool on ``src``'s device: True where variant i takes global head h (at position
+    t, or at every position for t None) from the source run; ``src`` is the site's per-head
+    output (B, T, H, Dv). Under tensor parallelism H is the heads this rank holds (a variant of
+    another rank's head patches nothing here: its rank patches it). Made per forward, so that a
+    sweep never holds the masks of all its variants at once."""
+    patched = torch.zeros(len(variants), src.shape[1], site.num_heads, dtype=torch.bool)
     for i, (h, t) in enumerate(variants):
         patched[i, slice(None) if t is None else t, h] = True
-    return patched.to(src.device)
+    held = held_heads(site.num_heads, site.head_shard)
+    return patched[:, :, held.start : held.stop].to(src.device)
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -221,7 +227,9 @@ def patch_heads(
             (each variant runs on one rank; every rank gets the whole result); default every
             rank when ``torch.distributed`` is initialised, else this process alone. Every rank
             calls this with the same arguments and runs the two unpatched forwards itself. A
-            tensor-parallel model (whose calls hold a rank's share of the heads) is refused.
+            tensor-parallel model (every rank in the call together) is not split again: every
+            rank runs every variant, each patching the heads it holds, and gets the result one
+            process would.
 
     Returns:
         (L, H), or (L, H, T) with ``per_position``, in the metric's dtype and device; NaN
@@ -243,7 +251,7 @@ def patch_heads(
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     check_optional_positive_int("batch_size", batch_size)
-    found = unsharded_heads(model, "patch_heads")
+    found = model_heads(model)
     pair = InputPair(model, clean, corrupt)
     if not callable(metric):
         raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
@@ -294,10 +302,10 @@ def patch_heads(
         error: Exception | None = None
         try:
             for layer, start, stop in split.share(forwards):
-                mask = _variant_mask(masks[layer][start:stop], recorded[layer])
+                site = found[layer][1]
+                mask = _variant_mask(masks[layer][start:stop], recorded[layer], site)
                 values = _run_variants(
-                    pair, target, metric, single, found[layer][1], layer, recorded[layer],
-                    mask, prefix,
+                    pair, target, metric, single, site, layer, recorded[layer], mask, prefix,
                 )  # fmt: skip
                 where = tuple(p if isinstance(p, int) else p[start:stop] for p in places[layer])
                 changes[where] = values.to(result.dtype) - base

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe, is_int
+from multihead.head_shard import held_heads
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value
 from multihead.observe.patching import (
@@ -48,7 +49,7 @@ from multihead.observe.patching import (
     variants_per_forward,
 )
 from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.steering import HeadKey, resolve_head, unsharded_heads
+from multihead.observe.steering import HeadKey, model_heads, resolve_head
 from multihead.observers import (
     AttentionCall,
     AttentionObserver,
@@ -110,7 +111,10 @@ def path_patching(
         batch_size: variants per forward; default as for :func:`~multihead.patch_heads`.
 
     Returns:
-        (len(senders), len(receivers), len(via)) in the metric's dtype and device.
+        (len(senders), len(receivers), len(via)) in the metric's dtype and device. On a
+        tensor-parallel model (every rank calling this together) a sender's output and a
+        receiver's inputs are replaced on the rank that holds the head, and every rank gets the
+        one-process result.
 
     Raises:
         ValueError: a sender in the same layer as a receiver or after it, an unknown ``via``,
@@ -126,7 +130,7 @@ def path_patching(
         >>> effects[0, 0]  # via q, k, v
     """
     check_optional_positive_int("batch_size", batch_size)
-    found = unsharded_heads(model, "path_patching")
+    found = model_heads(model)
     pair = InputPair(model, clean, corrupt)
     if not callable(metric):
         raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
@@ -332,9 +336,11 @@ class _Runs:
         n = len(heads)
         src = self.corrupt_out[layer]  # (B, T, H, Dv)
         batch = self.pair.batch
-        patched = torch.zeros(n, 1, 1, src.shape[2], 1, dtype=torch.bool)
+        site = self.found[layer][1]
+        patched = torch.zeros(n, 1, 1, site.num_heads, 1, dtype=torch.bool)
         patched[torch.arange(n), 0, 0, heads] = True
-        patched = patched.to(src.device)  # (n, 1, 1, H, 1)
+        held = held_heads(site.num_heads, site.head_shard)  # another rank's sender: its rank's
+        patched = patched[:, :, :, held.start : held.stop].to(src.device)  # (n, 1, 1, H, 1)
 
         def sender(call: AttentionCall, out: Tensor) -> Tensor:
             stacked = _stacked(out, n, batch, layer)  # (n, B, T, H, Dv)
@@ -348,7 +354,7 @@ class _Runs:
             return observer
 
         def record(receiver: int) -> QKVEditor:
-            heads_r = self.receiver_heads[receiver]
+            heads_r = self._held(receiver)[1]  # the receivers this rank's calls hold
 
             def editor(call: AttentionCall) -> None:
                 group = call.q.shape[1] // call.k.shape[1]  # query heads per key/value head
@@ -376,6 +382,17 @@ class _Runs:
             raise
         return handles
 
+    def _held(self, layer: int) -> tuple[dict[int, int], list[int]]:
+        """The receivers of ``layer`` this rank's calls hold (all without tensor parallelism):
+        (their slot among the layer's receivers -> their slot among the held ones, their heads
+        among the call's heads)."""
+        site = self.found[layer][1]
+        held = held_heads(site.num_heads, site.head_shard)
+        receivers = self.receiver_heads[layer]
+        mine = [(slot, head) for slot, head in enumerate(receivers) if head in held]
+        slots = {slot: j for j, (slot, _) in enumerate(mine)}
+        return slots, [head - held.start for _, head in mine]
+
     def receivers(
         self,
         layer: int,
@@ -384,10 +401,18 @@ class _Runs:
         metric: Metric,
         single: Any,
     ) -> Tensor:
-        """Run 2 for ``variants`` of receiver layer ``layer`` (see :func:`_receiver_editor`),
-        one stacked variant each: the metric of each (n,)."""
+        """Run 2 for ``variants`` of receiver layer ``layer`` (sender row, receiver head, its
+        slot among the layer's receivers, index into the kinds), one stacked variant each: the
+        metric of each (n,). ``recorded`` holds the receivers this rank holds (all of them
+        without tensor parallelism); another rank's receiver is edited by its rank."""
         n = len(variants)
-        editor = _receiver_editor(layer, variants, self.kinds, recorded, self.pair.batch)
+        slots, heads = self._held(layer)
+        own = [
+            (i, row, heads[slots[slot]], slots[slot], kind)
+            for i, (row, _, slot, kind) in enumerate(variants)
+            if slot in slots
+        ]
+        editor = _receiver_editor(layer, n, own, self.kinds, recorded, self.pair.batch)
         site = self.found[layer][1]
         output = run_stacked(
             self.pair, self.pair.clean, n, layer, self.prefix,
@@ -398,32 +423,36 @@ class _Runs:
 
 def _receiver_editor(
     layer: int,
-    variants: list[tuple[int, int, int, int]],
+    n: int,
+    variants: list[tuple[int, int, int, int, int]],
     kinds: list[str],
     recorded: dict[str, Tensor],
     batch: int,
 ) -> QKVEditor:
-    """The q/k/v editor of run 2 for ``variants`` (sender row, receiver head, its slot among
-    the layer's receivers, index into ``kinds``), one stacked variant each: the receiver's
-    input of that kind from ``recorded`` (kind -> (N, B, R, T or S, D))."""
-    n = len(variants)
+    """The q/k/v editor of run 2 for ``n`` stacked variants, of which ``variants`` (its place
+    in the stack, sender row, receiver head among the call's, its slot in ``recorded``, index
+    into ``kinds``) are edited here: the receiver's input of that kind from ``recorded`` (kind
+    -> (N, B, R, T or S, D))."""
     device = next(iter(recorded.values())).device
-    table = torch.tensor(variants, device=device)  # (n, 4)
-    rows, heads, slots, kind_of = table.unbind(1)
+    # built on the host and copied once, before any forward
+    table = torch.tensor(variants, dtype=torch.long).reshape(-1, 5).to(device)  # (n', 5)
+    places, rows, heads, slots, kind_of = table.unbind(1)
     chosen = {
-        kind: (kind_of == i).nonzero().squeeze(1)
+        kind: (places[selected], heads[selected], rows[selected], slots[selected])
         for i, kind in enumerate(kinds)
-        if any(v[3] == i for v in variants)
+        if (selected := [j for j, v in enumerate(variants) if v[4] == i])
     }
 
     def editor(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
         new = {"q": call.q, "k": call.k, "v": call.v}
         h = call.q.shape[1]
-        for kind, sel in chosen.items():
+        for kind in kinds:  # every rank checks the shapes, whether it edits or not
+            _stacked(new[kind], n, batch, layer)
+        for kind, (place, head, row, slot) in chosen.items():
             x = _stacked(new[kind], n, batch, layer)  # (n, B, H or Hk, T or S, D)
             # keys and values per query head: the receiver's siblings keep their own
             x = x.repeat_interleave(h // x.shape[2], dim=2) if x.shape[2] != h else x.clone()
-            x[sel, :, heads[sel]] = recorded[kind][rows[sel], :, slots[sel]].to(x.dtype)
+            x[place, :, head] = recorded[kind][row, :, slot].to(x.dtype)
             new[kind] = x.flatten(0, 1)
         return new["q"], new["k"], new["v"]
 

@@ -77,21 +77,6 @@ def head_table(
     return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
-def unsharded_heads(model: nn.Module, what: str) -> list[tuple[str, ObservableAttention]]:
-    """:func:`model_heads`, for a function (``what``) that reads every head of a call on one
-    process: a tensor-parallel model, whose calls hold a rank's share of the heads, is refused
-    by name rather than numbered wrongly."""
-    found = model_heads(model)
-    for name, site in found:
-        if site.head_shard is not None:
-            raise ValueError(
-                f"{what} does not support tensor-parallel models yet: {name or 'the model'} "
-                f"holds {site.head_shard.per_rank} of its {site.num_heads} heads on this rank "
-                f"(capture, head_statistics, intervene, record_heads and head_importance do)"
-            )
-    return found
-
-
 def resolve_head(
     name: str, key: object, found: Sequence[tuple[str, ObservableAttention]]
 ) -> HeadKey:
