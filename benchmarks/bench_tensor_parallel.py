@@ -16,8 +16,15 @@ Every forward keeps only the last position's logits (``logits_to_keep=1``): a ca
 model, warms up on 16 tokens, then resets its peak resident memory (``echo 5 >
 /proc/self/clear_refs`` sets VmHWM to VmRSS) and runs ``--repeat`` forwards at ``--seq-len``
 tokens; "peak RSS" is VmHWM after them: the weights it holds plus everything the forwards needed.
-Time is the wall time of one forward between barriers, the slowest rank's, the median over the
-repeats. Ranks run ``--threads`` threads each, the single process W times as many (the same total).
+RSS counts every page a process maps, also the pages of the model file (transformers maps the
+safetensors file and a rank's shards are views into it) that the other ranks map too: a row-wise
+shard, half of each row, touches every page of its whole matrix, so both ranks count those pages.
+"peak PSS" counts each shared page once over the processes sharing it (its proportional share,
+``Pss`` of /proc/self/smaps_rollup, after the forwards) plus what the forwards held above that
+at their peak (VmHWM - VmRSS then: activations, which no one shares): what the machine really
+spends per rank. Time is the wall time of one forward between barriers, the slowest rank's, the
+median over the repeats. Ranks run ``--threads`` threads each, the single process W times as
+many (the same total).
 
 Rank 0's captured weights are compared with the single process's (the largest difference is
 printed and saved): the tensor-parallel capture must be the same capture.
@@ -82,6 +89,18 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+
+
+def _rollup_kib(field: str) -> int | None:
+    """A field of /proc/self/smaps_rollup (e.g. Pss), or None where the kernel has none."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
 def _reset_peak() -> bool:
@@ -175,6 +194,7 @@ def _process(rank: int, run: Run, queue: Any) -> None:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
         peak = _status_kib("VmHWM")
+        now, pss, file_backed = _status_kib("VmRSS"), _rollup_kib("Pss"), _status_kib("RssFile")
         if rank == 0 and run.weights_out and weights is not None:
             torch.save(weights, run.weights_out)
         queue.put(
@@ -183,6 +203,9 @@ def _process(rank: int, run: Run, queue: Any) -> None:
                 {
                     "resident_mib": resident / 1024,
                     "peak_mib": peak / 1024,
+                    # the shared pages in proportion, plus the forwards' transient peak
+                    "peak_pss_mib": None if pss is None else (pss + peak - now) / 1024,
+                    "file_backed_mib": file_backed / 1024,
                     "peak_reset": reset,
                     "times_s": times,
                     "cpu_times_s": cpu_times,
@@ -235,6 +258,8 @@ def measure(run: Run) -> dict[str, Any]:
         "config": asdict(run),
         "ranks": ranks,
         "peak_mib": max(r["peak_mib"] for r in ranks),
+        "peak_pss_mib": max((r["peak_pss_mib"] or float("nan")) for r in ranks),
+        "file_backed_mib": max(r["file_backed_mib"] for r in ranks),
         "resident_mib": max(r["resident_mib"] for r in ranks),
         "time_s": statistics.median(times),
         "cpu_s": max(statistics.median(r["cpu_times_s"]) for r in ranks),
@@ -321,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['peak_mib']:.0f}",
                 f"{r['peak_mib'] / base_tp['peak_mib']:.2f}x",
                 f"{r['peak_mib'] / base_one['peak_mib']:.2f}x",
+                f"{r['file_backed_mib']:.0f}",
+                f"{r['peak_pss_mib']:.0f}",
+                f"{r['peak_pss_mib'] / base_one['peak_pss_mib']:.2f}x",
                 f"{r['time_s']:.3g}",
                 f"{r['time_s'] / base_tp['time_s']:.2f}x",
                 f"{r['cpu_s']:.3g}",
@@ -333,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         "peak RSS MiB/rank",
         "vs tp forward",
         "vs 1 proc capture",
+        "of it file-backed MiB",
+        "peak PSS MiB/rank",
+        "PSS vs 1 proc capture",
         "time s",
         "vs tp forward",
         "CPU s busiest",
@@ -355,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         (
             "peak RSS per rank ≤ 0.7× 1 process capture's",
             tp["peak_mib"] / base_one["peak_mib"],
+            0.7,
+        ),
+        (
+            "peak PSS per rank (shared pages in proportion) ≤ 0.7× 1 process capture's",
+            tp["peak_pss_mib"] / base_one["peak_pss_mib"],
             0.7,
         ),
         ("capture time ≤ 1.15× the tp forward's", tp["time_s"] / base_tp["time_s"], 1.15),
