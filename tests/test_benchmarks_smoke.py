@@ -70,9 +70,13 @@ def test_bench_tensor_parallel_quick(tmp_path: Path) -> None:
     }
     for result in payload["results"].values():
         assert len(result["ranks"]) == max(result["config"]["world"], 1)
-        assert all(rank["peak_mib"] >= rank["resident_mib"] > 0 for rank in result["ranks"])
+        for rank in result["ranks"]:
+            assert rank["peak_mib"] >= rank["resident_mib"] > 0
+            # shared pages counted in proportion: never more than counted whole
+            assert 0 < rank["peak_pss_mib"] <= rank["peak_mib"]
+            assert 0 < rank["file_backed_mib"] <= rank["peak_mib"]
         assert result["time_s"] > 0
     # the capture on 2 ranks is the capture of one process
     assert payload["max_abs_difference"] < 1e-6
-    assert len(payload["targets"]) == 3
+    assert [t["limit"] for t in payload["targets"]] == [1.1, 0.7, 0.7, 1.15]
     assert "vs tp forward" in done.stdout
