@@ -113,6 +113,36 @@ def test_grouped_query_llama_equals_finite_differences(device: torch.device) -> 
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
 
 
+class _SecondLayerUnread(nn.Module):
+    """Two attention layers over the embeddings; only the first reaches the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.first = MultiHeadAttention(16, 4)
+        self.second = MultiHeadAttention(16, 4)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids)
+        self.second(x)  # called, never read
+        return self.head(self.first(x))
+
+
+def test_a_layer_the_metric_does_not_read_scores_zero(device: torch.device) -> None:
+    torch.manual_seed(0)
+    model = _SecondLayerUnread().to(device, torch.float64)
+    clean = torch.randint(20, (2, 5), device=device)
+    corrupt = torch.randint(20, (2, 5), device=device)
+    got = attribution_patching(model, clean, corrupt, lambda out: _metric(out), per_position=True)
+    assert got.shape == (2, 4, 5)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))  # no gradient reaches it
+    projections = [(model.first.out_proj, 4), (model.second.out_proj, 4)]
+    want = finite_differences(model, projections, clean, corrupt, _metric, 1e-6).to(device)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+    assert got[0].abs().max() > 1e-3  # the first layer does matter
+
+
 def test_errors() -> None:
     lm = TransformerLM(20, 24, 6, 2, 40, max_len=16).eval()
     ids = torch.randint(20, (2, 5))

@@ -211,6 +211,10 @@ def _circuits(model: Any, clean: torch.Tensor, corrupt: torch.Tensor, last: int)
         model, clean, corrupt, logit_diff, senders=[(0, last), (0, 0)],
         receivers=[(1, 1), (1, last)], batch_size=3,
     )  # fmt: skip
+    out["paths_kv"] = path_patching(
+        model, clean, corrupt, logit_diff, senders=[(0, 0)], receivers=[(1, last)],
+        via=("v", "k"),
+    )  # fmt: skip
     parts = logit_attribution(model, clean, answer=5, wrong=7)
     out["logit_attribution_heads"] = parts.heads  # (L, H, T)
     out["logit_attribution_rest"] = torch.stack(
@@ -364,6 +368,7 @@ CASES = {
     "patch_noise_per_position": OUT_ATOL,
     "attribution": OUT_ATOL,
     "paths": OUT_ATOL,
+    "paths_kv": OUT_ATOL,
     "logit_attribution_heads": OUT_ATOL,
     "logit_attribution_rest": OUT_ATOL,
     "logit_attribution_total": OUT_ATOL,

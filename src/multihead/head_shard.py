@@ -84,14 +84,6 @@ class HeadShard:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_heads(self, x: Tensor, dim: int) -> Tensor:
-        """Every head along ``dim``, on every rank, from ``x`` holding this rank's H/W heads
-        there (e.g. a per-head score (T, H/W) with ``dim=1`` -> (T, H)). Not differentiable."""
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=dim)  # ranks hold contiguous slices, in rank order
-
     def gatherer(self, heads: Sequence[int] | None) -> HeadGather:
         """A :class:`HeadGather` for the chosen global ``heads`` (None: every head)."""
         return HeadGather(self, heads)
@@ -104,10 +96,10 @@ def held_heads(num_heads: int, shard: HeadShard | None) -> range:
 
 
 def every_head(x: Tensor, dim: int, shard: HeadShard | None) -> Tensor:
-    """``x``, holding a call's heads along ``dim``, with every head of the module there: ``x``
-    itself without a shard, else :meth:`HeadShard.gather_heads` (a collective every rank of the
-    shard's group reaches)."""
-    return x if shard is None else shard.gather_heads(x, dim)
+    """``x``, holding a call's heads along ``dim`` (e.g. a per-head score (T, H/W) with
+    ``dim=1``), with every head of the module there, in order: ``x`` itself without a shard,
+    else gathered from every rank (a collective every rank of the shard's group reaches)."""
+    return x if shard is None else shard.gatherer(None)(x, dim)
 
 
 class HeadGather:

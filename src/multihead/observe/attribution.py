@@ -116,9 +116,10 @@ def attribution_patching(
     result = head_table(found, value.detach().to(dtype), lengths.pop() if per_position else None)
     for layer, grad in zip(ran, grads, strict=True):
         if grad is None:  # the metric does not depend on this layer: 0 (every rank gathers)
-            grad = torch.zeros_like(targets[layer])
-        delta = sources[layer].to(dtype) - targets[layer].to(dtype)  # (B, T, H, Dv)
-        per_token = (grad.to(dtype) * delta).sum(dim=(0, 3))  # (T, H)
+            per_token = targets[layer].new_zeros(targets[layer].shape[1:3], dtype=dtype)
+        else:
+            delta = sources[layer].to(dtype) - targets[layer].to(dtype)  # (B, T, H, Dv)
+            per_token = (grad.to(dtype) * delta).sum(dim=(0, 3))  # (T, H)
         # under tensor parallelism each rank scored the heads it holds: every rank gets all
         per_token = every_head(per_token, 1, found[layer][1].head_shard)
         heads = per_token.shape[1]

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int, describe, is_int
@@ -48,7 +49,7 @@ from multihead.observe.steering import head_table, model_heads
 from multihead.observers import ObservableAttention
 
 if dist.is_available():  # a torch built without distributed has no DTensor
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["LogitAttribution", "logit_attribution"]
 
@@ -272,19 +273,26 @@ def logit_attribution(
             f"logit_attribution needs the last block's output to go straight into the final "
             f"norm ({type(norm).__name__}); {type(model).__name__} changes it in between"
         )
-    weight = _whole(unembedding.weight)
-    bias = _whole(unembedding.bias)
+    weight, vocab_bias = unembedding.weight, unembedding.bias
     vocab = weight.shape[0]
+
+    def looked_up(ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The unembedding's rows (B, T, E) and bias (B, T) (None without one) for ids (B, T)."""
+        rows = _rows(weight, ids).to(dtype)
+        if vocab_bias is None:
+            return rows, None
+        return rows, _rows(vocab_bias[:, None], ids)[..., 0].to(dtype)
+
     answer_ids = _tokens("answer", answer, b, t, vocab, x.device)
-    direction = weight[answer_ids].to(dtype)  # (B, T, E)
+    direction, unembedding_bias = looked_up(answer_ids)  # (B, T, E), (B, T)
     logit = logits[-1].to(dtype).gather(-1, answer_ids[..., None])[..., 0]  # (B, T)
-    unembedding_bias = bias[answer_ids].to(dtype) if bias is not None else None
     if wrong is not None:
         wrong_ids = _tokens("wrong", wrong, b, t, vocab, x.device)
-        direction = direction - weight[wrong_ids].to(dtype)
+        wrong_rows, wrong_bias = looked_up(wrong_ids)
+        direction = direction - wrong_rows
         logit = logit - logits[-1].to(dtype).gather(-1, wrong_ids[..., None])[..., 0]
-        if bias is not None and unembedding_bias is not None:
-            unembedding_bias = unembedding_bias - bias[wrong_ids].to(dtype)
+        if unembedding_bias is not None and wrong_bias is not None:
+            unembedding_bias = unembedding_bias - wrong_bias
 
     read, norm_beta = _frozen_norm(norm, x.to(dtype), norm_io[1].to(dtype), direction)
 
@@ -327,9 +335,26 @@ def logit_attribution(
     )
 
 
+def _rows(table: Tensor, ids: Tensor) -> Tensor:
+    """``table[ids]``: rows of a (V, E) parameter for ids (B, T) -> (B, T, E).
+
+    A table split over ranks (a ``DTensor``: tensor parallelism splits the unembedding over the
+    vocabulary) is never gathered whole: each rank looks up the ids its rows hold and the
+    lookups are summed (DTensor's vocabulary-parallel embedding), a collective every rank
+    reaches; every rank gets the rows.
+    """
+    if dist.is_available() and isinstance(table, DTensor):
+        mesh = table.device_mesh
+        spread = DTensor.from_local(ids.contiguous(), mesh, [Replicate()] * mesh.ndim)
+        looked = F.embedding(spread, table)
+        assert isinstance(looked, DTensor)  # a DTensor op's result
+        return looked.full_tensor()
+    return table[ids]
+
+
 def _whole(value: Any) -> Any:
-    """A parameter sharded over ranks (a ``DTensor``: tensor parallelism splits the unembedding
-    over the vocabulary) as the whole tensor, on every rank (a collective); else as it is."""
+    """A norm's parameter sharded over ranks (a ``DTensor``) as the whole (E,) tensor on every
+    rank (a collective); else as it is."""
     if dist.is_available() and isinstance(value, DTensor):
         return value.full_tensor()
     return value

@@ -151,20 +151,28 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def variants_per_forward(output: Any, per_head: Sequence[Tensor], limit: int) -> int:
+def variants_per_forward(
+    output: Any,
+    per_head: Sequence[Tensor],
+    limit: int,
+    found: list[tuple[str, ObservableAttention]],
+) -> int:
     """How many stacked variants one forward should hold.
 
     Within ``limit`` bytes: each variant holds its own output (twice: the model's and its
     slices' results) and the activations of one run, estimated from the per-head outputs
-    (B, T, H, Dv): ``_WIDTHS_PER_TOKEN`` widths a token, plus a T × T score map per head (the
-    attention kernels' working set). And at most ``_TOKENS_PER_FORWARD`` tokens in all: stacking
-    pays where a forward is too small to keep the device busy (a GPU's launches); past that it
-    only moves more memory (on a CPU, forwards of more than a few thousand tokens ran slower
-    per token than one variant at a time).
+    (B, T, H, Dv) of ``found``'s sites: ``_WIDTHS_PER_TOKEN`` widths a token, plus a T × T score
+    map per head (the attention kernels' working set). Under tensor parallelism a call holds
+    H/W heads but the residual stream stays whole on every rank: the widths count W times.
+    And at most ``_TOKENS_PER_FORWARD`` tokens in all: stacking pays where a forward is too
+    small to keep the device busy (a GPU's launches); past that it only moves more memory (on a
+    CPU, forwards of more than a few thousand tokens ran slower per token than one variant at a
+    time).
     """
     first = per_head[0]
+    ranks = max((site.head_shard.world_size for _, site in found if site.head_shard), default=1)
     activations = max(
-        _WIDTHS_PER_TOKEN * out.numel() * max(out.element_size(), 4)
+        _WIDTHS_PER_TOKEN * ranks * out.numel() * max(out.element_size(), 4)
         + 2 * out.shape[0] * out.shape[2] * out.shape[1] ** 2 * 4
         for out in per_head
     )
@@ -273,7 +281,7 @@ def patch_heads(
         base = prefix.clean if prefix is not None else run_target("unpatched run")
         single = outputs[0]
         size = batch_size or variants_per_forward(
-            single, list(recorded.values()), DEFAULT_MEMORY_LIMIT
+            single, list(recorded.values()), DEFAULT_MEMORY_LIMIT, found
         )
         lengths = {out.shape[1] for out in recorded.values()}
         if per_position and len(lengths) > 1:

@@ -167,7 +167,7 @@ def path_patching(
         base = prefix.clean if prefix is not None else run_clean("clean run")
         single = outputs[0]
         size = batch_size or variants_per_forward(
-            single, [*corrupt_out.values(), *clean_out.values()], DEFAULT_MEMORY_LIMIT
+            single, [*corrupt_out.values(), *clean_out.values()], DEFAULT_MEMORY_LIMIT, found
         )
 
         runs = _Runs(found, pair, prefix, corrupt_out, clean_out, receiver_heads, unique_kinds)
@@ -354,16 +354,19 @@ class _Runs:
             return observer
 
         def record(receiver: int) -> QKVEditor:
-            heads_r = self._held(receiver)[1]  # the receivers this rank's calls hold
+            site = self.found[receiver][1]
+            # the receivers this rank's calls hold, (R,) on the site's device, made here: no
+            # copy from the host inside the forward
+            heads_r = self._held(receiver)[1]
+            index = torch.tensor(heads_r, dtype=torch.long, device=next(site.parameters()).device)
 
             def editor(call: AttentionCall) -> None:
                 group = call.q.shape[1] // call.k.shape[1]  # query heads per key/value head
-                kv_heads = [head // group for head in heads_r]
                 for kind in self.kinds:
                     x = _stacked(getattr(call, kind), n, batch, receiver)  # (n, B, H/Hk, ., D)
-                    got.setdefault(receiver, {})[kind] = x[
-                        :, :, heads_r if kind == "q" else kv_heads
-                    ]  # (n, B, R, T or S, D)
+                    chosen = index if kind == "q" else index // group  # the key/value heads
+                    got.setdefault(receiver, {})[kind] = x.index_select(2, chosen.to(x.device))
+                    # (n, B, R, T or S, D)
                 if receiver == self.last:
                     raise EndOfRun  # nothing after the last receiver's inputs is needed
 
@@ -434,14 +437,13 @@ def _receiver_editor(
     into ``kinds``) are edited here: the receiver's input of that kind from ``recorded`` (kind
     -> (N, B, R, T or S, D))."""
     device = next(iter(recorded.values())).device
-    # built on the host and copied once, before any forward
-    table = torch.tensor(variants, dtype=torch.long).reshape(-1, 5).to(device)  # (n', 5)
-    places, rows, heads, slots, kind_of = table.unbind(1)
-    chosen = {
-        kind: (places[selected], heads[selected], rows[selected], slots[selected])
-        for i, kind in enumerate(kinds)
-        if (selected := [j for j, v in enumerate(variants) if v[4] == i])
-    }
+    # kind -> (places, heads, rows, slots), each (n_kind,): built on the host and copied to the
+    # device once, before any forward
+    chosen: dict[str, tuple[Tensor, ...]] = {}
+    for i, kind in enumerate(kinds):
+        mine = [(place, head, row, slot) for place, row, head, slot, k in variants if k == i]
+        if mine:
+            chosen[kind] = torch.tensor(mine, dtype=torch.long).to(device).unbind(1)
 
     def editor(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
         new = {"q": call.q, "k": call.k, "v": call.v}
