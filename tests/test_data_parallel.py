@@ -42,6 +42,7 @@ from multihead.observe.corpus import statistics_over_batches  # noqa: E402
 from multihead.observe.head_metrics import METRICS  # noqa: E402
 from multihead.pretrained import load_text_model  # noqa: E402
 from multihead.text.corpus import corpus_statistics, head_distances  # noqa: E402
+from multihead.training import TrainConfig, train  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only  # gloo process groups on the CPU
 
@@ -135,6 +136,12 @@ def _error_of(fn: Any) -> str | None:
 
 def _cli_case(rank: int, port: int, model_dir: str, corpus: str, out: str) -> dict[str, Any]:
     """``multihead explain --corpus`` as torchrun starts it: the command joins the group."""
+    return _cli(rank, port, ["explain", "--corpus", corpus, "--model", model_dir, "--out", out])
+
+
+def _cli(rank: int, port: int, argv: list[str]) -> dict[str, Any]:
+    """A ``multihead`` command as torchrun starts it on ``rank`` (its exit code, what it
+    printed, its one-line errors)."""
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -146,7 +153,7 @@ def _cli_case(rank: int, port: int, model_dir: str, corpus: str, out: str) -> di
     printed, said = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
-            code = main(["explain", "--corpus", corpus, "--model", model_dir, "--out", out])
+            code = main(argv)
     finally:
         for key in env:
             os.environ.pop(key)
@@ -162,7 +169,7 @@ def _cli_case(rank: int, port: int, model_dir: str, corpus: str, out: str) -> di
     }
 
 
-def _worker(rank: int, port: int, cli_ports: tuple[int, int], tmp: str, queue: Any) -> None:
+def _worker(rank: int, port: int, cli_ports: tuple[int, ...], tmp: str, queue: Any) -> None:
     try:
         torch.set_num_threads(1)
         results: dict[str, Any] = {}
@@ -174,6 +181,12 @@ def _worker(rank: int, port: int, cli_ports: tuple[int, int], tmp: str, queue: A
         missing = model_dir if rank == 0 else os.path.join(tmp, "not-here")
         results["cli_missing"] = _cli_case(
             rank, cli_ports[1], missing, corpus, os.path.join(tmp, f"missing{rank}")
+        )
+        patch = ["patch", "--checkpoint", os.path.join(tmp, "induction"), "--top", "3"]
+        results["cli_patch"] = _cli(
+            rank,
+            cli_ports[2],
+            [*patch, "--format", "png", "--out", os.path.join(tmp, f"patch{rank}")],
         )
         dist.init_process_group(
             "gloo",
@@ -243,7 +256,7 @@ def _worker(rank: int, port: int, cli_ports: tuple[int, int], tmp: str, queue: A
 def _run_group(tmp: Path) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port, cli_ports = _free_port(), (_free_port(), _free_port())
+    port, cli_ports = _free_port(), (_free_port(), _free_port(), _free_port())
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -292,6 +305,11 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("dp")
     torch.manual_seed(0)
     write_dir(tmp / "model", tokenizer=True)
+    config = TrainConfig.for_task(
+        "induction", seq_len=12, steps=2, batch_size=8, embed_dim=32, num_heads=2, threads=1,
+        probe_every=2, plots=False, out=str(tmp / "induction"),
+    )  # fmt: skip
+    train(config)
     (tmp / "corpus.txt").write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     return tmp
 
@@ -463,6 +481,24 @@ def test_cli_model_missing_on_one_rank_stops_every_rank(
     assert first["errors"] == [f"rank 1 of 2 failed (FileNotFoundError): {second['errors'][0]}"]
     assert not first["joined_after"] and not second["joined_after"]
     assert not (workdir / "missing0").exists() and not (workdir / "missing1").exists()
+
+
+def test_cli_patch_on_two_ranks_prints_and_writes_on_rank_0_alone(
+    ranks: dict[int, dict[str, Any]], workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = ranks[0]["cli_patch"], ranks[1]["cli_patch"]
+    assert (first["code"], second["code"]) == (0, 0)
+    assert not first["joined_after"] and not second["joined_after"]
+    assert second["printed"] == "" and first["errors"] == second["errors"] == []
+    assert sorted(os.listdir(workdir / "patch0")) == ["heads.png", "positions.png"]
+    assert not (workdir / "patch1").exists()
+    # the same report as one process: every effect, the attribution and the top heads
+    alone = workdir / "patch-alone"
+    argv = ["patch", "--checkpoint", str(workdir / "induction"), "--top", "3", "--format", "png"]
+    assert main([*argv, "--out", str(alone)]) == 0
+    printed = capsys.readouterr().out
+    assert "Heads that move the metric most" in printed
+    assert printed.replace(str(alone), str(workdir / "patch0")) == first["printed"]
 
 
 # -- in one process ------------------------------------------------------------------------------

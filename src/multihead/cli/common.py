@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from multihead.devices import DTYPES
+import torch
+import torch.distributed as dist
+
+from multihead.devices import DTYPES, resolve_device
+from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.pretrained import load_text_model
+from multihead.training.ddp import World, setup_world, world_size
 from multihead.viz.fonts import MissingGlyphsWarning
 
 __all__ = [
@@ -22,7 +28,11 @@ __all__ = [
     "print_warnings",
     "progress",
     "load_model",
+    "load_on_every_rank",
+    "torchrun_world",
 ]
+
+T = TypeVar("T")
 
 # On a terminal the bar is redrawn at most this often (seconds); elsewhere (a log, a pipe) a
 # line is written at most this often.
@@ -57,6 +67,51 @@ def load_model(given: str | None, *, device: str = "auto", dtype: str | None = N
         return load_text_model(given, device=device, dtype=dtype)
     except ImportError as e:
         raise CLIError(str(e)) from None  # it names the extra to install
+
+
+@contextlib.contextmanager
+def torchrun_world(device: str) -> Iterator[World]:
+    """The ranks torchrun started, for the block: with ``WORLD_SIZE`` > 1 this process joins
+    their group (gloo on CPUs, nccl on GPUs) and leaves it after, if it joined; else one process.
+
+    ``World.device`` is where this rank's model goes: ``device`` (a ``--device`` value), and for
+    a GPU without an index each rank its own (``LOCAL_RANK``).
+
+    Raises:
+        TypeError, ValueError: a ``--device`` that is unknown or not on this machine (before any
+            group is joined).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    where = resolve_device(device, local_rank)
+    if world_size() > 1 and where.type != "cpu" and where.index is None:
+        where = torch.device(where.type, local_rank)  # "cuda": each rank its own GPU
+    world = setup_world(where)
+    try:
+        yield world
+    finally:
+        if world.owns_group:
+            dist.destroy_process_group()
+
+
+def load_on_every_rank(load: Callable[[], T]) -> T:
+    """``load()``; under torchrun (a process group initialised), the error any rank's load
+    raised is raised on every rank: a rank that failed alone (a directory missing on one
+    machine, memory) would leave the others waiting in their first collective. The failing
+    rank raises its own error, the others a :class:`CLIError` naming the rank and the message.
+    """
+    error: Exception | None = None
+    loaded: T | None = None
+    try:
+        loaded = load()
+    except Exception as e:  # every rank must hear of it
+        error = e
+    try:
+        DataParallelGroup.of().gather(None, error)
+    except Exception as e:
+        if e is error:
+            raise
+        raise CLIError(one_line(str(e))) from None  # "rank 1 of 2 failed (...): ..."
+    return loaded  # type: ignore[return-value]  # not None: load() returned
 
 
 def printable(text: str) -> str:

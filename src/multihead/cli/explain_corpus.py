@@ -26,26 +26,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
 import torch.distributed as dist
 
 from multihead.cli.common import (
     CLIError,
     load_model,
-    one_line,
+    load_on_every_rank,
     print_warnings,
     printable,
     progress,
     status,
+    torchrun_world,
 )
-from multihead.devices import resolve_device
-from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import format_bytes
 from multihead.observe.head_distance import HeadMap
 from multihead.observe.head_metrics import BROAD, ROLES
 from multihead.observe.head_summary import HeadStatistics
 from multihead.text.corpus import Progress, corpus_statistics, head_distances
-from multihead.training.ddp import World, setup_world, world_size
+from multihead.training.ddp import World, world_size
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 from multihead.viz.heads_map import heads_map_figure, save_heads_map
 
@@ -203,18 +201,11 @@ def run_corpus(args: argparse.Namespace) -> int:
             "give the corpus as a file every rank reads"
         )
     texts, lines = read_corpus_lines(args.corpus)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(args.device, local_rank)
-    if world_size() > 1 and device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, local_rank)  # "cuda": each rank its own GPU
-    world = setup_world(device)
-    try:
-        return _explain_corpus(args, texts, lines, formats, out, world)
-    except ValueError as e:  # the library names texts by index: name them by the file's lines
-        raise CLIError(_file_lines(str(e), lines, args.corpus)) from None
-    finally:
-        if world.owns_group:
-            dist.destroy_process_group()
+    with torchrun_world(args.device) as world:
+        try:
+            return _explain_corpus(args, texts, lines, formats, out, world)
+        except ValueError as e:  # the library names texts by index: name them by file lines
+            raise CLIError(_file_lines(str(e), lines, args.corpus)) from None
 
 
 def _file_lines(message: str, lines: list[int], path: str) -> str:
@@ -243,7 +234,10 @@ def _explain_corpus(
     device = str(world.device) if world.size > 1 else args.device  # the local rank's GPU
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = _load_on_every_rank(args, device, shown)
+        with status("Loading the model…") if shown else contextlib.nullcontext():
+            model = load_on_every_rank(
+                lambda: load_model(args.model, device=device, dtype=args.dtype)
+            )
         name = printable(model.name)
         # The distances first: the heavier pass, and the one a text too long for the memory
         # limit is refused by, before any forward.
@@ -267,26 +261,6 @@ def _explain_corpus(
     paths.append(json_path)
     _print_summary(stats, name, len(texts), paths, causal=model.causal)
     return 0
-
-
-def _load_on_every_rank(args: argparse.Namespace, device: str, shown: bool) -> Any:
-    """The ``--model``, or the error one rank's load raised, raised on every rank: a rank that
-    failed alone (a directory missing on one machine, memory) would leave the others waiting
-    in the first collective of the corpus loop."""
-    error: Exception | None = None
-    model = None
-    try:
-        with status("Loading the model…") if shown else contextlib.nullcontext():
-            model = load_model(args.model, device=device, dtype=args.dtype)
-    except Exception as e:  # every rank must hear of it
-        error = e
-    try:
-        DataParallelGroup.of().gather(None, error)
-    except Exception as e:
-        if e is error:
-            raise
-        raise CLIError(one_line(str(e))) from None  # "rank 1 of 2 failed (...): ..."
-    return model
 
 
 @contextlib.contextmanager

@@ -11,12 +11,15 @@ an (L × H) heatmap, a heads × positions map of the top heads and a page (the c
 attention, with each head's patching effect in the table's importance column). With
 ``--senders`` and ``--receivers`` it also prints :func:`multihead.path_patching`'s table (each
 sender through each receiver's q, k and v). Errors are one line and exit code 2
-(``multihead.cli.main``).
+(``multihead.cli.main``). Under ``torchrun`` every rank joins one process group and loads the
+model, :func:`multihead.patch_heads` shares its patched forwards out over the ranks, and rank 0
+alone prints and writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import warnings
@@ -28,13 +31,22 @@ from typing import Any
 import torch
 
 import multihead
-from multihead.cli.common import CLIError, add_device_arguments, print_warnings, printable, status
-from multihead.devices import DTYPES, resolve_device
+from multihead.cli.common import (
+    CLIError,
+    add_device_arguments,
+    load_on_every_rank,
+    print_warnings,
+    printable,
+    status,
+    torchrun_world,
+)
+from multihead.devices import DTYPES
 from multihead.models import TransformerLM
 from multihead.observe.patching import DIRECTIONS
 from multihead.pretrained.text_loader import locate_model, read_tokenizer
 from multihead.tokenization import prepare_tokenizer, tokenize
 from multihead.training import load_run
+from multihead.training.ddp import World
 from multihead.training.induction_pair import induction_pair
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
@@ -145,19 +157,43 @@ def run(args: argparse.Namespace) -> int:
     senders = _head_names("--senders", args.senders or [])
     receivers = _head_names("--receivers", args.receivers or [])
 
-    with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
+    with torchrun_world(args.device) as world:
+        return _patch(args, world, out, formats, senders, receivers)
+
+
+def _patch(
+    args: argparse.Namespace,
+    world: World,
+    out: Path,
+    formats: list[str],
+    senders: list[tuple[int, int]],
+    receivers: list[tuple[int, int]],
+) -> int:
+    """Load, patch, report and write. Under torchrun every rank loads the model and runs the
+    patching (``patch_heads`` shares its patched forwards out over the ranks); rank 0 alone
+    shows progress, prints and writes."""
+    shown = world.rank == 0
+
+    def showing(message: str) -> Any:
+        return status(message) if shown else contextlib.nullcontext()
+
+    with showing("Loading the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        device = resolve_device(args.device)
-        experiment = (
-            _from_checkpoint(args, device) if args.checkpoint else _from_model_dir(args, device)
+        experiment = load_on_every_rank(
+            lambda: (
+                _from_checkpoint(args, world.device)
+                if args.checkpoint
+                else _from_model_dir(args, world.device)
+            )
         )
-    print_warnings(caught)
+    if shown:
+        print_warnings(caught)
 
     model = experiment.model
-    with status("Patching…"), torch.no_grad():
+    with showing("Patching…"), torch.no_grad():
         clean_value = float(_mean(experiment.metric(_run(model, experiment.clean))))
         corrupt_value = float(_mean(experiment.metric(_run(model, experiment.corrupt))))
-    with status("Patching…"):
+    with showing("Patching…"):
         paths_table = None
         if senders:  # first: its checks of the heads come before the long runs
             paths_table = multihead.path_patching(
@@ -179,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
             model, experiment.clean, experiment.corrupt, experiment.metric,
             direction=args.direction, per_position=True, heads=top,
         )  # fmt: skip
+    if not shown:
+        return 0
     _report(experiment, args.direction, clean_value, corrupt_value, effects, estimates, top)
     if paths_table is not None:
         _report_paths(senders, receivers, paths_table)
