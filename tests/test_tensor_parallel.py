@@ -10,10 +10,13 @@ parent kills the ranks at ``TIMEOUT_S``, so a rank that raises alone fails a tes
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
+import io
 import multiprocessing as mp
 import os
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -36,6 +39,7 @@ from multihead import (  # noqa: E402
     patch_heads,
     path_patching,
 )
+from multihead.cli import main  # noqa: E402
 from multihead.head_shard import HeadShard, held_heads  # noqa: E402
 from multihead.observe.importance import head_importance  # noqa: E402
 from multihead.observe.statistics import head_statistics  # noqa: E402
@@ -267,6 +271,8 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
                 results[family] = _cases(model)
             else:
                 results[family] = {"refused": _refusal(model)}
+        if Path(root, "llama-cli").is_dir():
+            results["cli"] = _cli_patch(rank, root)
         torch.save(results, Path(root, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -274,6 +280,27 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
     except BaseException:
         queue.put((rank, traceback.format_exc()))
         raise
+
+
+CLI_TEXTS = ["--clean", "The cat was tired", "--corrupt", "The animal was tired"]
+CLI_ANSWER = ["--answer", " it", "--wrong", " the", "--top", "4"]
+
+
+def _cli_patch(rank: int, root: str) -> dict[str, Any]:
+    """``multihead patch --tensor-parallel`` on this rank (the group is already joined, as
+    torchrun's ranks would have it): its exit code and what it printed."""
+    out = str(Path(root, f"cli-out{rank}"))
+    argv = ["patch", "--model", str(Path(root, "llama-cli")), "--tensor-parallel", "--out", out]
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        code = main([*argv, *CLI_TEXTS, *CLI_ANSWER, "--format", "png,html"])
+    return {
+        "code": code,
+        "printed": printed.getvalue(),
+        "said": said.getvalue(),
+        "model": argv[2],
+        "out": out,
+    }
 
 
 def run_group(world: int, root: Path, worker: Callable[..., None] = _worker) -> None:
@@ -337,6 +364,10 @@ def group(
     root = tmp_path_factory.mktemp(f"world{world}")
     for family, _ in GROUPS[world]:
         _save_model(family, root / family)
+    if world == 2:  # the command line on a tensor-parallel Llama with its tokenizer
+        from test_hf_explain import BY_NAME, save_family
+
+        save_family(BY_NAME["llama"], root / "llama-cli")
     run_group(world, root)
     ranks = [torch.load(root / f"rank{r}.pt", weights_only=True) for r in range(world)]
     single = {
@@ -487,6 +518,64 @@ def test_gpt2_runs_where_transformers_has_a_plan_for_it() -> None:
         f"transformers {transformers.__version__} has no tensor-parallel plan for GPT-2 "
         f"(GPT2Config.base_model_tp_plan is empty): tp_plan='auto' cannot load it"
     )
+
+
+def _printed_heads(stdout: str) -> list[tuple[int, int, float, float]]:
+    rows = re.findall(r"^  L(\d+) H(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
+    return [(int(a), int(b), float(c), float(d)) for a, b, c, d in rows]
+
+
+def test_cli_patch_on_a_tensor_parallel_model_prints_what_one_process_prints(
+    group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    world, ranks, _ = group
+    if world != 2:
+        pytest.skip("the command line runs on the 2-rank group")
+    _mapped(world, ranks)
+    first, second = ranks[0]["cli"], ranks[1]["cli"]
+    assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
+    assert second["printed"] == ""  # rank 0 alone prints and writes
+    assert "llama-cli: 3 layers x 6 heads" in first["printed"]
+    assert sorted(os.listdir(first["out"])) == ["heads.png", "patching.html", "positions.png"]
+    assert not os.path.exists(second["out"])
+    argv = ["patch", "--model", first["model"], "--out", str(tmp_path / "alone"), "--format", "png"]
+    assert main([*argv, *CLI_TEXTS, *CLI_ANSWER]) == 0
+    alone = capsys.readouterr().out
+    got, want = _printed_heads(first["printed"]), _printed_heads(alone)
+    assert len(want) == 4 and [g[:2] for g in got] == [w[:2] for w in want]
+    for g, w in zip(got, want, strict=True):  # printed to 3 decimals; the ranks' sums to ~1e-6
+        assert g[2:] == pytest.approx(w[2:], abs=1.5e-3)
+
+
+def test_cli_tensor_parallel_needs_torchrun_and_a_model_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cli_support import fails
+
+    argv = ["patch", "--tensor-parallel", "--out", str(tmp_path / "out")]
+    err = fails(capsys, [*argv, "--model", str(tmp_path), *CLI_TEXTS, *CLI_ANSWER])
+    assert "--tensor-parallel splits the model over torchrun's ranks: run it under torchrun" in err
+    err = fails(capsys, [*argv, "--checkpoint", str(tmp_path)])
+    assert "--tensor-parallel splits a Hugging Face --model over the ranks" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_family_without_a_plan_is_refused_by_name() -> None:
+    config = transformers.LlamaConfig()
+    config.base_model_tp_plan = None  # as transformers has it for a family it cannot split
+    with pytest.raises(ValueError, match=r"model 'tiny' \(llama\): transformers .* has no "
+                       r"tensor-parallel plan for this family"):  # fmt: skip
+        hf.loading.tensor_parallel_options(transformers, config, "tiny", 2)
+    config = transformers.LlamaConfig()
+    options = hf.loading.tensor_parallel_options(transformers, config, "tiny", 2)
+    assert list(options) in (["distributed_config"], ["tp_plan"])
+
+
+def test_loading_tensor_parallel_alone_is_refused(tmp_path: Path) -> None:
+    _save_model("llama", tmp_path)
+    with pytest.raises(ValueError, match=r"tensor parallelism splits the model over the ranks "
+                       r"of a process group, and this process is alone"):  # fmt: skip
+        hf.loading.load_model(tmp_path, given="tiny", causal_lm=True, tensor_parallel=True)
 
 
 # -- the harness itself: a rank that raises alone ------------------------------------------------

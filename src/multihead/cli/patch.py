@@ -46,7 +46,7 @@ from multihead.observe.patching import DIRECTIONS
 from multihead.pretrained.text_loader import locate_model, read_tokenizer
 from multihead.tokenization import prepare_tokenizer, tokenize
 from multihead.training import load_run
-from multihead.training.ddp import World
+from multihead.training.ddp import World, world_size
 from multihead.training.induction_pair import induction_pair
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
@@ -118,6 +118,12 @@ def register(subparsers: Any) -> None:
     )
     add_device_arguments(p)
     p.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="under torchrun, split the --model over the ranks by its family's tensor-parallel "
+        "plan (each rank holds a slice of every layer's heads); rank 0 prints and writes",
+    )
+    p.add_argument(
         "--out", default="patching", metavar="DIR", help="where to write (default ./patching/)"
     )
     p.add_argument(
@@ -154,6 +160,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--clean, --corrupt and --answer go together: give all three")
     if (args.senders is None) != (args.receivers is None):
         raise CLIError("--senders and --receivers go together: give both")
+    if args.tensor_parallel and not args.model:
+        raise CLIError(
+            "--tensor-parallel splits a Hugging Face --model over the ranks; a --checkpoint "
+            "run is patched under torchrun without it (its patched forwards are shared out)"
+        )
+    if args.tensor_parallel and world_size() < 2:
+        raise CLIError(
+            "--tensor-parallel splits the model over torchrun's ranks: run it under torchrun "
+            "with 2 processes or more (torchrun --nproc-per-node 2 -m multihead patch ...)"
+        )
     senders = _head_names("--senders", args.senders or [])
     receivers = _head_names("--receivers", args.receivers or [])
 
@@ -215,6 +231,8 @@ def _patch(
             model, experiment.clean, experiment.corrupt, experiment.metric,
             direction=args.direction, per_position=True, heads=top,
         )  # fmt: skip
+        # the page's forwards run on every rank: a tensor-parallel model's forward is collective
+        page = _page_inputs(experiment) if "html" in formats else None
     if not shown:
         return 0
     _report(experiment, args.direction, clean_value, corrupt_value, effects, estimates, top)
@@ -223,7 +241,7 @@ def _patch(
 
     with status("Drawing…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        paths = _write(experiment, args.direction, effects, positions, top, out, formats)
+        paths = _write(experiment, args.direction, effects, positions, top, out, formats, page)
     print_warnings(caught)
     print()
     print("Wrote:")
@@ -352,7 +370,10 @@ def _from_model_dir(args: argparse.Namespace, device: Any) -> _Experiment:
         raise CLIError(f"--model needs transformers: {e}") from None
     given, directory, name = locate_model(args.model)
     tokenizer = read_tokenizer(directory, given)
-    model = load_model(directory, given=given, device=device, dtype=args.dtype, causal_lm=True)
+    model = load_model(
+        directory, given=given, device=device, dtype=args.dtype, causal_lm=True,
+        tensor_parallel=args.tensor_parallel,
+    )  # fmt: skip
     clean = tokenizer.encode(args.clean).ids
     corrupt = tokenizer.encode(args.corrupt).ids
     _same_length(len(clean), len(corrupt))
@@ -449,7 +470,9 @@ def _write(
     top: list[tuple[int, int]],
     out: Path,
     formats: list[str],
+    page: tuple[Any, Any] | None,
 ) -> list[Path]:
+    """Write the figures of ``formats`` and, with ``page`` (:func:`_page_inputs`), the page."""
     out.mkdir(parents=True, exist_ok=True)
     label = f"metric change ({direction})"
     layers, heads = effects.shape
@@ -478,14 +501,14 @@ def _write(
         for fmt in formats
         if fmt != "html"
     ]
-    if "html" in formats:
-        paths.append(_page(experiment, direction, effects, out / "patching.html"))
+    if page is not None:
+        paths.append(_page(experiment, direction, effects, out / "patching.html", *page))
     return paths
 
 
-def _page(experiment: _Experiment, direction: str, effects: Any, path: Path) -> Path:
-    """The page of the clean input's first sequence (weights, roles), each head's patching
-    effect in the table's importance column."""
+def _page_inputs(experiment: _Experiment) -> tuple[Any, Any]:
+    """The weights (L, H, T, T) and statistics of the clean input's first sequence, for the
+    page."""
     clean = experiment.clean
     first = (
         {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in clean.items()}
@@ -495,7 +518,14 @@ def _page(experiment: _Experiment, direction: str, effects: Any, path: Path) -> 
     with torch.no_grad(), multihead.capture(experiment.model) as rec:
         _run(experiment.model, first)
     weights = torch.stack([w[0] for w in rec.weights])  # (L, H, T, T)
-    stats = multihead.head_statistics(experiment.model, first)
+    return weights, multihead.head_statistics(experiment.model, first)
+
+
+def _page(
+    experiment: _Experiment, direction: str, effects: Any, path: Path, weights: Any, stats: Any
+) -> Path:
+    """The page of the clean input's first sequence (weights, roles), each head's patching
+    effect in the table's importance column."""
     return write_page(
         path,
         weights.float(),

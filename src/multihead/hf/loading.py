@@ -26,7 +26,7 @@ from multihead.hf.forward import NAME
 from multihead.hf.sites import attention_sites
 from multihead.hf.sizes import check_sizes, read_weight_headers, shape_disagreements
 
-__all__ = ["from_cache", "load_model"]
+__all__ = ["from_cache", "load_model", "tensor_parallel_options"]
 
 
 def load_model(
@@ -37,6 +37,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     stacklevel: int = 2,
     causal_lm: bool = False,
+    tensor_parallel: bool = False,
 ) -> Any:
     """The transformers model of a local directory, on ``attn_implementation="multihead"``, in
     eval mode (an encoder-decoder model whole: the caller takes its encoder).
@@ -52,13 +53,20 @@ def load_model(
             called here (2: the caller of this function).
         causal_lm: load the model with its language-modelling head
             (``AutoModelForCausalLM``: logits, as ``multihead patch`` needs).
+        tensor_parallel: split the model over every rank of ``torch.distributed``'s default
+            group (as under ``torchrun``) by the family's own tensor-parallel plan
+            (transformers' ``tp_plan="auto"``): each rank holds a slice of every layer's heads,
+            on its own device (transformers places it: the CPU under gloo, ``cuda:LOCAL_RANK``
+            under nccl; ``device`` is not used). Every rank must call this together.
 
     Raises:
         FileNotFoundError: no ``config.json``.
         ImportError: transformers is not installed.
         ValueError: a config transformers cannot read, or whose sizes the weights don't have
             (checked before anything is built); a config that builds no model; a family not
-            routed through transformers' AttentionInterface; a device this machine lacks.
+            routed through transformers' AttentionInterface; a device this machine lacks;
+            ``tensor_parallel`` without a process group of 2 ranks or more, or for a family
+            transformers has no tensor-parallel plan for.
         TypeError: a bad ``dtype``.
 
     Warns:
@@ -70,6 +78,7 @@ def load_model(
         raise ImportError(f"model {given!r} needs transformers: pip install 'multihead[hf]'") from e
     where = resolve_device("cpu" if device is None else device)
     resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
+    ranks = _tensor_parallel_ranks(given) if tensor_parallel else 1
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"model {given!r} has no config.json: expected a Hugging Face model directory "
@@ -88,7 +97,9 @@ def load_model(
             ) from None
         dtype = resolve_dtype(dtype, getattr(config, "dtype", None), where)
         placed: dict[str, Any] = {"dtype": dtype}
-        if where.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        if ranks > 1:
+            placed.update(tensor_parallel_options(transformers, config, given, ranks))
+        elif where.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             placed["device_map"] = {"": where}  # the weights go straight onto the device
         # Loaded on transformers' default implementation and switched after the check: a family
         # without the interface fails inside from_pretrained with a bare KeyError otherwise.
@@ -114,7 +125,8 @@ def load_model(
                 f"model {given!r}: transformers cannot build it from its files: "
                 f"{type(e).__name__}: {e}"
             ) from None
-    model.to(where)  # without accelerate, loaded on the CPU first
+    if ranks == 1:
+        model.to(where)  # without accelerate, loaded on the CPU first
     # transformers initialises weights missing from the files at random, and says so only in a
     # log line we silenced: say it as a warning (BERT's pooler is never read here).
     missing = [k for k in info.get("missing_keys", ()) if not k.startswith("pooler.")]
@@ -128,6 +140,43 @@ def load_model(
     attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
     model.set_attn_implementation(NAME)
     return model.eval()
+
+
+def _tensor_parallel_ranks(given: str) -> int:
+    """The ranks a tensor-parallel load splits the model over: every rank of the default
+    process group, which must exist and hold 2 ranks or more."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world < 2:
+        raise ValueError(
+            f"model {given!r}: tensor parallelism splits the model over the ranks of a process "
+            f"group, and this process is alone ({'no group' if world == 1 else world}): run it "
+            f"under torchrun with 2 processes or more (torchrun --nproc-per-node 2 ...)"
+        )
+    return world
+
+
+def tensor_parallel_options(
+    transformers: Any, config: Any, given: str, ranks: int
+) -> dict[str, Any]:
+    """``from_pretrained``'s keywords splitting the model over ``ranks`` ranks by its family's
+    own plan: ``distributed_config`` where transformers has it, else ``tp_plan="auto"``.
+
+    Raises:
+        ValueError: transformers has no tensor-parallel plan for the family.
+    """
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(
+            f"model {given!r} ({getattr(config, 'model_type', type(config).__name__)}): "
+            f"transformers {transformers.__version__} has no tensor-parallel plan for this "
+            f"family, so it cannot be split over ranks: load it without tensor parallelism"
+        )
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # a transformers before DistributedConfig
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_size=ranks)}
 
 
 def _check_files(directory: Path, given: str) -> dict[str, TensorInfo] | None:
