@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import importlib.util
 import io
+import json
 import multiprocessing as mp
 import os
 import re
@@ -273,6 +274,8 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
                 results[family] = {"refused": _refusal(model)}
         if Path(root, "llama-cli").is_dir():
             results["cli"] = _cli_patch(rank, root)
+            results["cli_explain"] = _cli(rank, root, "explain", EXPLAIN)
+            results["cli_corpus"] = _cli(rank, root, "corpus", CORPUS(root))
         torch.save(results, Path(root, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -284,6 +287,27 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
 
 CLI_TEXTS = ["--clean", "The cat was tired", "--corrupt", "The animal was tired"]
 CLI_ANSWER = ["--answer", " it", "--wrong", " the", "--top", "4"]
+
+
+EXPLAIN = ["explain", "The cat was tired", "--format", "png"]
+SPLIT = (
+    "the model is split over 2 ranks by tensor parallelism: each rank holds 3 of every layer's 6"
+)
+
+
+def CORPUS(root: str) -> list[str]:  # noqa: N802 - the corpus command's arguments
+    return ["explain", "--corpus", str(Path(root, "corpus.txt")), "--format", "png"]
+
+
+def _cli(rank: int, root: str, name: str, argv: list[str]) -> dict[str, Any]:
+    """``multihead ARGV --model llama-cli --tensor-parallel`` on this rank, writing to
+    ``NAME-out<rank>``: its exit code, what it printed and said."""
+    out = str(Path(root, f"{name}-out{rank}"))
+    model = ["--model", str(Path(root, "llama-cli")), "--tensor-parallel", "--out", out]
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        code = main([*argv, *model])
+    return {"code": code, "printed": printed.getvalue(), "said": said.getvalue(), "out": out}
 
 
 def _cli_patch(rank: int, root: str) -> dict[str, Any]:
@@ -368,6 +392,7 @@ def group(
         from test_hf_explain import BY_NAME, save_family
 
         save_family(BY_NAME["llama"], root / "llama-cli")
+        (root / "corpus.txt").write_text("The cat was tired\nA dog sat on the mat\nIt was\n")
     run_group(world, root)
     ranks = [torch.load(root / f"rank{r}.pt", weights_only=True) for r in range(world)]
     single = {
@@ -535,6 +560,7 @@ def test_cli_patch_on_a_tensor_parallel_model_prints_what_one_process_prints(
     first, second = ranks[0]["cli"], ranks[1]["cli"]
     assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
     assert second["printed"] == ""  # rank 0 alone prints and writes
+    assert SPLIT in first["said"]  # the model was split, not loaded whole on each rank
     assert "llama-cli: 3 layers x 6 heads" in first["printed"]
     assert sorted(os.listdir(first["out"])) == ["heads.png", "patching.html", "positions.png"]
     assert not os.path.exists(second["out"])
@@ -547,6 +573,42 @@ def test_cli_patch_on_a_tensor_parallel_model_prints_what_one_process_prints(
         assert g[2:] == pytest.approx(w[2:], abs=1.5e-3)
 
 
+def _same_report(got: str, want: str, places: float) -> None:
+    """Two printed reports: the same words, and numbers equal to the last printed place."""
+    number = r"-?\d+\.\d+"
+    assert re.sub(number, "#", got) == re.sub(number, "#", want)
+    a, b = [float(x) for x in re.findall(number, got)], [float(x) for x in re.findall(number, want)]
+    assert a == pytest.approx(b, abs=places)
+
+
+def test_cli_explain_on_a_tensor_parallel_model_equals_one_process(
+    group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    world, ranks, _ = group
+    if world != 2:
+        pytest.skip("the command line runs on the 2-rank group")
+    _mapped(world, ranks)
+    model = ranks[0]["cli"]["model"]
+    for case, argv in (("cli_explain", EXPLAIN), ("cli_corpus", CORPUS(os.path.dirname(model)))):
+        first, second = ranks[0][case], ranks[1][case]
+        assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
+        assert second["printed"] == "" and not os.path.exists(second["out"])  # rank 0 writes
+        assert SPLIT in first["said"] and SPLIT not in second["said"]
+        alone = str(tmp_path / case)
+        assert main([*argv, "--model", model, "--out", alone]) == 0
+        printed = capsys.readouterr().out.replace(alone, first["out"])
+        _same_report(first["printed"], printed, 0.0101)  # 2 decimals, ranks' sums to ~1e-6
+        assert sorted(os.listdir(first["out"])) == sorted(os.listdir(alone))
+    # the corpus statistics as one process writes them
+    got = json.loads(Path(ranks[0]["cli_corpus"]["out"], "head_statistics.json").read_text())
+    want = json.loads(Path(tmp_path, "cli_corpus", "head_statistics.json").read_text())
+    assert got.keys() == want.keys() and got["num_texts"] == want["num_texts"] == 3
+    for metric in ("entropy", "previous_token"):  # (L, H), written to 4 decimals
+        torch.testing.assert_close(
+            torch.tensor(got[metric]), torch.tensor(want[metric]), atol=1.5e-4, rtol=0
+        )
+
+
 def test_cli_tensor_parallel_needs_torchrun_and_a_model_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -556,7 +618,9 @@ def test_cli_tensor_parallel_needs_torchrun_and_a_model_directory(
     err = fails(capsys, [*argv, "--model", str(tmp_path), *CLI_TEXTS, *CLI_ANSWER])
     assert "--tensor-parallel splits the model over torchrun's ranks: run it under torchrun" in err
     err = fails(capsys, [*argv, "--checkpoint", str(tmp_path)])
-    assert "--tensor-parallel splits a Hugging Face --model over the ranks" in err
+    assert "--tensor-parallel splits a Hugging Face model over the ranks: give its directory" in err
+    err = fails(capsys, ["explain", "some text", "--tensor-parallel", "--out", str(tmp_path)])
+    assert "--tensor-parallel splits a Hugging Face model over the ranks: give its directory" in err
     assert not (tmp_path / "out").exists()
 
 

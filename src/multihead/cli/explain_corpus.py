@@ -32,6 +32,7 @@ from multihead.cli.common import (
     CLIError,
     load_model,
     load_on_every_rank,
+    print_split,
     print_warnings,
     printable,
     progress,
@@ -236,8 +237,15 @@ def _explain_corpus(
         warnings.simplefilter("always")
         with status("Loading the model…") if shown else contextlib.nullcontext():
             model = load_on_every_rank(
-                lambda: load_model(args.model, device=device, dtype=args.dtype)
+                lambda: load_model(
+                    args.model,
+                    device=device,
+                    dtype=args.dtype,
+                    tensor_parallel=args.tensor_parallel,
+                )  # fmt: skip
             )
+        if shown:
+            print_split(model)
         name = printable(model.name)
         # The distances first: the heavier pass, and the one a text too long for the memory
         # limit is refused by, before any forward.

@@ -34,7 +34,10 @@ import multihead
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
+    add_tensor_parallel_argument,
+    check_tensor_parallel,
     load_on_every_rank,
+    print_split,
     print_warnings,
     printable,
     status,
@@ -46,7 +49,7 @@ from multihead.observe.patching import DIRECTIONS
 from multihead.pretrained.text_loader import locate_model, read_tokenizer
 from multihead.tokenization import prepare_tokenizer, tokenize
 from multihead.training import load_run
-from multihead.training.ddp import World, world_size
+from multihead.training.ddp import World
 from multihead.training.induction_pair import induction_pair
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
@@ -117,12 +120,7 @@ def register(subparsers: Any) -> None:
         help="path patching: heads in later layers than every sender, such as L1H1",
     )
     add_device_arguments(p)
-    p.add_argument(
-        "--tensor-parallel",
-        action="store_true",
-        help="under torchrun, split the --model over the ranks by its family's tensor-parallel "
-        "plan (each rank holds a slice of every layer's heads); rank 0 prints and writes",
-    )
+    add_tensor_parallel_argument(p)
     p.add_argument(
         "--out", default="patching", metavar="DIR", help="where to write (default ./patching/)"
     )
@@ -160,16 +158,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--clean, --corrupt and --answer go together: give all three")
     if (args.senders is None) != (args.receivers is None):
         raise CLIError("--senders and --receivers go together: give both")
-    if args.tensor_parallel and not args.model:
-        raise CLIError(
-            "--tensor-parallel splits a Hugging Face --model over the ranks; a --checkpoint "
-            "run is patched under torchrun without it (its patched forwards are shared out)"
-        )
-    if args.tensor_parallel and world_size() < 2:
-        raise CLIError(
-            "--tensor-parallel splits the model over torchrun's ranks: run it under torchrun "
-            "with 2 processes or more (torchrun --nproc-per-node 2 -m multihead patch ...)"
-        )
+    check_tensor_parallel(args)
     senders = _head_names("--senders", args.senders or [])
     receivers = _head_names("--receivers", args.receivers or [])
 
@@ -204,6 +193,7 @@ def _patch(
         )
     if shown:
         print_warnings(caught)
+        print_split(experiment.model)
 
     model = experiment.model
     with showing("Patching…"), torch.no_grad():

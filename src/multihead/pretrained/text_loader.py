@@ -61,6 +61,7 @@ def load_text_model(
     cache_dir: str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    tensor_parallel: bool = False,
 ) -> TextModel:
     """A text model (model + tokenizer) from local files only (see the module docstring).
 
@@ -78,6 +79,9 @@ def load_text_model(
             read straight onto it.
         dtype: a floating torch.dtype or its name (``"bfloat16"``); default the one config.json
             declares, except that half types load as float32 on the CPU.
+        tensor_parallel: split the model over the ranks of ``torch.distributed``'s default group
+            by its family's tensor-parallel plan, through transformers
+            (:func:`multihead.hf.loading.load_model`; every rank calls this together).
 
     Returns:
         A :class:`~multihead.text.TextModel` in eval mode, named after the directory (or the
@@ -89,7 +93,8 @@ def load_text_model(
         ValueError: no or an unreadable ``tokenizer.json``, or one with ids beyond the
             embedding; a bad ``sentence_bert_config.json``; every refusal of the model's loader
             (:func:`~multihead.pretrained.load_bert`, :func:`multihead.hf.loading.load_model`);
-            a device this machine lacks; an unknown ``backend``.
+            a device this machine lacks; an unknown ``backend``; ``tensor_parallel`` with the
+            default model or ``backend="multihead"`` (multihead's own BERT is not split).
         TypeError: ``dir_or_name`` is not a str or path; a bad ``dtype``.
         ImportError: the package a backend or the default needs (named with its extra).
 
@@ -101,10 +106,16 @@ def load_text_model(
         check_choice("backend", backend, TEXT_BACKENDS)
     where = resolve_device("cpu" if device is None else device)
     resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
+    if tensor_parallel and (dir_or_name is None or backend == "multihead"):
+        raise ValueError(
+            "tensor_parallel splits a model through transformers' tensor parallelism: give a "
+            "model directory or name, and backend='transformers' or None (multihead's own BERT, "
+            "and the default MiniLM on it, are not split)"
+        )
     if dir_or_name is None:
         return _default(where, dtype, backend)
     given, directory, name = locate_model(dir_or_name, cache_dir)
-    return _load(directory, given, name, backend, where, dtype)
+    return _load(directory, given, name, backend, where, dtype, tensor_parallel=tensor_parallel)
 
 
 def minilm(
@@ -161,11 +172,13 @@ def _load(
     backend: Backend | None,
     where: torch.device,
     dtype: torch.dtype | str | None,
+    *,
+    tensor_parallel: bool = False,
 ) -> TextModel:
     config = _config(directory)
     model_type = config.get("model_type", "bert") if isinstance(config, dict) else "bert"
     if backend is None:
-        backend = "multihead" if model_type == "bert" else "transformers"
+        backend = "transformers" if tensor_parallel or model_type != "bert" else "multihead"
     # The files are checked before anything is built: config.json (by the model's loader when
     # it cannot be read), tokenizer.json and its ids against config.json's vocab_size, then the
     # weights' headers against the config.
@@ -188,7 +201,10 @@ def _load(
             raise ImportError(
                 f"model {given!r} ({model_type}) runs through transformers: {e}"
             ) from e
-        model = load_model(directory, given=given, device=where, dtype=dtype, stacklevel=4)
+        model = load_model(
+            directory, given=given, device=where, dtype=dtype, stacklevel=4,
+            tensor_parallel=tensor_parallel,
+        )  # fmt: skip
     if tokenizer is None:  # a config.json only the model's loader could read
         tokenizer = read_tokenizer(directory, given)
     try:
