@@ -273,7 +273,7 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
             else:
                 results[family] = {"refused": _refusal(model)}
         if Path(root, "llama-cli").is_dir():
-            results["cli"] = _cli_patch(rank, root)
+            results["cli_patch"] = _cli(rank, root, "patch", PATCH)
             results["cli_explain"] = _cli(rank, root, "explain", EXPLAIN)
             results["cli_corpus"] = _cli(rank, root, "corpus", CORPUS(root))
         torch.save(results, Path(root, f"rank{rank}.pt"))
@@ -289,6 +289,7 @@ CLI_TEXTS = ["--clean", "The cat was tired", "--corrupt", "The animal was tired"
 CLI_ANSWER = ["--answer", " it", "--wrong", " the", "--top", "4"]
 
 
+PATCH = ["patch", *CLI_TEXTS, *CLI_ANSWER, "--format", "png,html"]
 EXPLAIN = ["explain", "The cat was tired", "--format", "png"]
 SPLIT = (
     "the model is split over 2 ranks by tensor parallelism: each rank holds 3 of every layer's 6"
@@ -307,22 +308,11 @@ def _cli(rank: int, root: str, name: str, argv: list[str]) -> dict[str, Any]:
     printed, said = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
         code = main([*argv, *model])
-    return {"code": code, "printed": printed.getvalue(), "said": said.getvalue(), "out": out}
-
-
-def _cli_patch(rank: int, root: str) -> dict[str, Any]:
-    """``multihead patch --tensor-parallel`` on this rank (the group is already joined, as
-    torchrun's ranks would have it): its exit code and what it printed."""
-    out = str(Path(root, f"cli-out{rank}"))
-    argv = ["patch", "--model", str(Path(root, "llama-cli")), "--tensor-parallel", "--out", out]
-    printed, said = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
-        code = main([*argv, *CLI_TEXTS, *CLI_ANSWER, "--format", "png,html"])
     return {
         "code": code,
         "printed": printed.getvalue(),
         "said": said.getvalue(),
-        "model": argv[2],
+        "model": model[1],
         "out": out,
     }
 
@@ -545,34 +535,6 @@ def test_gpt2_runs_where_transformers_has_a_plan_for_it() -> None:
     )
 
 
-def _printed_heads(stdout: str) -> list[tuple[int, int, float, float]]:
-    rows = re.findall(r"^  L(\d+) H(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
-    return [(int(a), int(b), float(c), float(d)) for a, b, c, d in rows]
-
-
-def test_cli_patch_on_a_tensor_parallel_model_prints_what_one_process_prints(
-    group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    world, ranks, _ = group
-    if world != 2:
-        pytest.skip("the command line runs on the 2-rank group")
-    _mapped(world, ranks)
-    first, second = ranks[0]["cli"], ranks[1]["cli"]
-    assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
-    assert second["printed"] == ""  # rank 0 alone prints and writes
-    assert SPLIT in first["said"]  # the model was split, not loaded whole on each rank
-    assert "llama-cli: 3 layers x 6 heads" in first["printed"]
-    assert sorted(os.listdir(first["out"])) == ["heads.png", "patching.html", "positions.png"]
-    assert not os.path.exists(second["out"])
-    argv = ["patch", "--model", first["model"], "--out", str(tmp_path / "alone"), "--format", "png"]
-    assert main([*argv, *CLI_TEXTS, *CLI_ANSWER]) == 0
-    alone = capsys.readouterr().out
-    got, want = _printed_heads(first["printed"]), _printed_heads(alone)
-    assert len(want) == 4 and [g[:2] for g in got] == [w[:2] for w in want]
-    for g, w in zip(got, want, strict=True):  # printed to 3 decimals; the ranks' sums to ~1e-6
-        assert g[2:] == pytest.approx(w[2:], abs=1.5e-3)
-
-
 def _same_report(got: str, want: str, places: float) -> None:
     """Two printed reports: the same words, and numbers equal to the last printed place."""
     number = r"-?\d+\.\d+"
@@ -581,32 +543,40 @@ def _same_report(got: str, want: str, places: float) -> None:
     assert a == pytest.approx(b, abs=places)
 
 
-def test_cli_explain_on_a_tensor_parallel_model_equals_one_process(
-    group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("case", "places"), [("cli_patch", 0.00101), ("cli_explain", 0.0101), ("cli_corpus", 0.0101)]
+)
+def test_cli_on_a_tensor_parallel_model_prints_what_one_process_prints(
+    case: str, places: float, group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``multihead patch`` / ``explain`` / ``explain --corpus`` with ``--tensor-parallel``:
+    rank 0 alone prints (numbers to their last printed place: the ranks' sums differ by ~1e-6)
+    and writes the files one process writes; rank 1 runs every forward with it."""
     world, ranks, _ = group
     if world != 2:
         pytest.skip("the command line runs on the 2-rank group")
     _mapped(world, ranks)
-    model = ranks[0]["cli"]["model"]
-    for case, argv in (("cli_explain", EXPLAIN), ("cli_corpus", CORPUS(os.path.dirname(model)))):
-        first, second = ranks[0][case], ranks[1][case]
-        assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
-        assert second["printed"] == "" and not os.path.exists(second["out"])  # rank 0 writes
-        assert SPLIT in first["said"] and SPLIT not in second["said"]
-        alone = str(tmp_path / case)
-        assert main([*argv, "--model", model, "--out", alone]) == 0
-        printed = capsys.readouterr().out.replace(alone, first["out"])
-        _same_report(first["printed"], printed, 0.0101)  # 2 decimals, ranks' sums to ~1e-6
-        assert sorted(os.listdir(first["out"])) == sorted(os.listdir(alone))
-    # the corpus statistics as one process writes them
-    got = json.loads(Path(ranks[0]["cli_corpus"]["out"], "head_statistics.json").read_text())
-    want = json.loads(Path(tmp_path, "cli_corpus", "head_statistics.json").read_text())
-    assert got.keys() == want.keys() and got["num_texts"] == want["num_texts"] == 3
-    for metric in ("entropy", "previous_token"):  # (L, H), written to 4 decimals
-        torch.testing.assert_close(
-            torch.tensor(got[metric]), torch.tensor(want[metric]), atol=1.5e-4, rtol=0
-        )
+    first, second = ranks[0][case], ranks[1][case]
+    assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
+    assert second["printed"] == "" and not os.path.exists(second["out"])
+    assert SPLIT in first["said"] and SPLIT not in second["said"]  # split, not whole per rank
+    argv = {"cli_patch": PATCH, "cli_explain": EXPLAIN}.get(case) or CORPUS(
+        os.path.dirname(first["model"])
+    )
+    alone = str(tmp_path / "alone")
+    assert main([*argv, "--model", first["model"], "--out", alone]) == 0
+    printed = capsys.readouterr().out.replace(alone, first["out"])
+    assert "llama-cli" in printed and printed.count(".") > 10  # a report with numbers
+    _same_report(first["printed"], printed, places)
+    assert sorted(os.listdir(first["out"])) == sorted(os.listdir(alone))
+    if case == "cli_corpus":  # the statistics as one process writes them, (L, H) to 4 decimals
+        got = json.loads(Path(first["out"], "head_statistics.json").read_text())
+        want = json.loads(Path(alone, "head_statistics.json").read_text())
+        assert got.keys() == want.keys() and got["num_texts"] == want["num_texts"] == 3
+        for metric in ("entropy", "previous_token"):
+            torch.testing.assert_close(
+                torch.tensor(got[metric]), torch.tensor(want[metric]), atol=1.5e-4, rtol=0
+            )
 
 
 def test_cli_tensor_parallel_needs_torchrun_and_a_model_directory(
