@@ -23,8 +23,6 @@ import contextlib
 import os
 import re
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +41,9 @@ from multihead.cli.common import (
     status,
     torchrun_world,
 )
-from multihead.devices import DTYPES
-from multihead.models import TransformerLM
+from multihead.cli.patch_experiment import PatchExperiment
 from multihead.observe.patching import DIRECTIONS
-from multihead.pretrained.text_loader import locate_model, read_tokenizer
-from multihead.tokenization import prepare_tokenizer, tokenize
-from multihead.training import load_run
 from multihead.training.ddp import World
-from multihead.training.induction_pair import induction_pair
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
 from multihead.viz.plots import effects_figure, save_figure
@@ -133,19 +126,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-@dataclass
-class _Experiment:
-    """What ``patch_heads`` needs, and how to show it."""
-
-    model: Any
-    name: str
-    clean: Any
-    corrupt: Any
-    metric: Callable[[Any], Any]
-    describe: str  # the metric, in words
-    tokens: list[str]  # the clean input's first sequence, for labels
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead patch``; returns the exit code."""
     formats = check_formats("--format", args.format)
@@ -184,21 +164,15 @@ def _patch(
 
     with showing("Loading the model…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        experiment = load_on_every_rank(
-            lambda: (
-                _from_checkpoint(args, world.device)
-                if args.checkpoint
-                else _from_model_dir(args, world.device)
-            )
-        )
+        experiment = load_on_every_rank(lambda: PatchExperiment.from_args(args, world.device))
     if shown:
         print_warnings(caught)
         print_split(experiment.model)
 
     model = experiment.model
     with showing("Patching…"), torch.no_grad():
-        clean_value = float(_mean(experiment.metric(_run(model, experiment.clean))))
-        corrupt_value = float(_mean(experiment.metric(_run(model, experiment.corrupt))))
+        clean_value = float(_mean(experiment.metric(experiment.run(experiment.clean))))
+        corrupt_value = float(_mean(experiment.metric(experiment.run(experiment.corrupt))))
     with showing("Patching…"):
         paths_table = None
         if senders:  # first: its checks of the heads come before the long runs
@@ -251,171 +225,12 @@ def _head_names(flag: str, names: list[str]) -> list[tuple[int, int]]:
     return heads
 
 
-def _run(model: Any, inputs: Any) -> Any:
-    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
-
-
 def _mean(value: Any) -> Any:
     return value.float().mean()
 
 
-def _logits(output: Any) -> Any:
-    return output if not hasattr(output, "logits") else output.logits
-
-
-def _last_token_metric(answer: int, wrong: int | None) -> Callable[[Any], Any]:
-    def metric(output: Any) -> Any:
-        logits = _logits(output)[:, -1].float()  # (B, V) at the last position
-        if wrong is None:
-            return logits.log_softmax(-1)[:, answer]
-        return logits[:, answer] - logits[:, wrong]
-
-    return metric
-
-
-def _last_token_words(answer: str, wrong: str | None) -> str:
-    if wrong is None:
-        return f"log-probability of {answer!r} at the last position"
-    return f"logit of {answer!r} minus {wrong!r} at the last position"
-
-
-def _from_checkpoint(args: argparse.Namespace, device: Any) -> _Experiment:
-    path = Path(args.checkpoint)
-    info = TransformerLM.read_config(path).get("task")
-    name = printable(path.resolve().name)
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    if isinstance(info, dict) and info.get("name") == "induction":
-        model = TransformerLM.load(path, device=device).to(dtype=dtype).eval()
-        seq_len = int(info["seq_len"])
-        if args.clean is None:
-            pair = induction_pair(seq_len)
-
-            def metric(output: Any) -> Any:
-                return pair.metric(_logits(output))
-
-            n, s1, s2 = pair.layout
-            return _Experiment(
-                model,
-                name,
-                pair.clean.to(device),
-                pair.corrupt.to(device),
-                metric,
-                f"mean log-probability of the repeated tokens ({pair.clean.shape[0]} sequences "
-                f"of {seq_len} tokens, a segment of {n} at {s1} repeated at {s2}, its first "
-                f"occurrence resampled in corrupt)",
-                [str(int(i)) for i in pair.clean[0]],
-            )
-        vocab = model.config.vocab_size
-
-        def encode(flag: str, text: str) -> list[int]:
-            try:
-                ids = [int(t) for t in text.split()]
-            except ValueError:
-                ids = []
-            if not ids or not all(0 <= i < vocab for i in ids):
-                raise CLIError(
-                    f"{flag} must be token ids of the induction task (space-separated, 0 to "
-                    f"{vocab - 1}), got {text!r}"
-                )
-            return ids
-
-    else:
-        model, task = load_run(path)
-        model = model.to(device=device, dtype=dtype).eval()
-        if args.clean is None:
-            raise CLIError(
-                "--clean, --corrupt and --answer are needed: the built-in pair serves induction "
-                "runs only"
-            )
-
-        def encode(flag: str, text: str) -> list[int]:
-            try:
-                return task.encode(text)
-            except ValueError as e:
-                raise CLIError(f"{flag}: {e}") from None
-
-    clean, corrupt = encode("--clean", args.clean), encode("--corrupt", args.corrupt)
-    _same_length(len(clean), len(corrupt))
-    answer = _one(encode("--answer", args.answer), "--answer", args.answer)
-    wrong = None
-    if args.wrong is not None:
-        wrong = _one(encode("--wrong", args.wrong), "--wrong", args.wrong)
-    return _Experiment(
-        model,
-        name,
-        torch.tensor([clean], device=device),
-        torch.tensor([corrupt], device=device),
-        _last_token_metric(answer, wrong),
-        _last_token_words(args.answer, args.wrong),
-        args.clean.split(),
-    )
-
-
-def _from_model_dir(args: argparse.Namespace, device: Any) -> _Experiment:
-    if args.clean is None:
-        raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
-    try:
-        from multihead.hf.loading import load_model
-    except ImportError as e:
-        raise CLIError(f"--model needs transformers: {e}") from None
-    given, directory, name = locate_model(args.model)
-    tokenizer = read_tokenizer(directory, given)
-    model = load_model(
-        directory, given=given, device=device, dtype=args.dtype, causal_lm=True,
-        tensor_parallel=args.tensor_parallel,
-    )  # fmt: skip
-    clean = tokenizer.encode(args.clean).ids
-    corrupt = tokenizer.encode(args.corrupt).ids
-    _same_length(len(clean), len(corrupt))
-
-    def token(flag: str, text: str) -> int:
-        encoding = tokenizer.encode(text, add_special_tokens=False)
-        ids = encoding.ids
-        if len(ids) != 1:
-            raise CLIError(
-                f"{flag} must be one token of the model's vocabulary, got {text!r}: "
-                f"{len(ids)} tokens {encoding.tokens} (a word after a "
-                f"space is often its own token with the space: try {' ' + text.strip()!r})"
-            )
-        return int(ids[0])
-
-    answer = token("--answer", args.answer)
-    wrong = None if args.wrong is None else token("--wrong", args.wrong)
-    return _Experiment(
-        model,
-        printable(name),
-        torch.tensor([clean], device=device),
-        torch.tensor([corrupt], device=device),
-        _last_token_metric(answer, wrong),
-        _last_token_words(args.answer, args.wrong),
-        # the clean text's tokens shown as the text writes them (the text floor's one rule)
-        [
-            printable(t)
-            for t in tokenize(
-                prepare_tokenizer(tokenizer, pad_id=0), args.clean, max_seq_length=len(clean)
-            ).tokens[0]
-        ],
-    )
-
-
-def _same_length(clean: int, corrupt: int) -> None:
-    if clean == 0:
-        raise CLIError("--clean must hold at least one token, got a text that gives none")
-    if clean != corrupt:
-        raise CLIError(
-            f"--clean and --corrupt must have as many tokens, got {clean} and {corrupt}: "
-            f"patching replaces a head's output position by position"
-        )
-
-
-def _one(ids: list[int], flag: str, text: str) -> int:
-    if len(ids) != 1:
-        raise CLIError(f"{flag} must be one token, got {text!r} ({len(ids)} tokens)")
-    return ids[0]
-
-
 def _report(
-    experiment: _Experiment,
+    experiment: PatchExperiment,
     direction: str,
     clean: float,
     corrupt: float,
@@ -453,7 +268,7 @@ def _report_paths(
 
 
 def _write(
-    experiment: _Experiment,
+    experiment: PatchExperiment,
     direction: str,
     effects: Any,
     positions: Any,
@@ -496,7 +311,7 @@ def _write(
     return paths
 
 
-def _page_inputs(experiment: _Experiment) -> tuple[Any, Any]:
+def _page_inputs(experiment: PatchExperiment) -> tuple[Any, Any]:
     """The weights (L, H, T, T) and statistics of the clean input's first sequence, for the
     page."""
     clean = experiment.clean
@@ -506,13 +321,13 @@ def _page_inputs(experiment: _Experiment) -> tuple[Any, Any]:
         else clean[:1]
     )
     with torch.no_grad(), multihead.capture(experiment.model) as rec:
-        _run(experiment.model, first)
+        experiment.run(first)
     weights = torch.stack([w[0] for w in rec.weights])  # (L, H, T, T)
     return weights, multihead.head_statistics(experiment.model, first)
 
 
 def _page(
-    experiment: _Experiment, direction: str, effects: Any, path: Path, weights: Any, stats: Any
+    experiment: PatchExperiment, direction: str, effects: Any, path: Path, weights: Any, stats: Any
 ) -> Path:
     """The page of the clean input's first sequence (weights, roles), each head's patching
     effect in the table's importance column."""

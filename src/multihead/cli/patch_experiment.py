@@ -1,0 +1,219 @@
+"""What ``multihead patch`` patches: a model, a clean and a corrupt input of the same length, a
+metric of the model's output, and how to show them; built from a training run (``--checkpoint``:
+the built-in induction pair, or prompts of its task) or from a Hugging Face causal LM directory
+(``--model``, its tokenizer, optionally split over torchrun's ranks with ``--tensor-parallel``).
+Errors a user can fix are :class:`~multihead.cli.common.CLIError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multihead.cli.common import CLIError, printable
+from multihead.devices import DTYPES
+from multihead.models import TransformerLM
+from multihead.pretrained.text_loader import locate_model, read_tokenizer
+from multihead.tokenization import prepare_tokenizer, tokenize
+from multihead.training import load_run
+from multihead.training.induction_pair import induction_pair
+
+__all__ = ["PatchExperiment"]
+
+
+@dataclass
+class PatchExperiment:
+    """What :func:`multihead.patch_heads` needs, and how to show it.
+
+    Attributes:
+        model: the model, in eval mode.
+        name: how reports and titles name it.
+        clean, corrupt: token ids (B, T) on the model's device (B = 1 for prompts).
+        metric: ``metric(output) -> (B,)``.
+        describe: the metric, in words.
+        tokens: the clean input's first sequence, shown token by token, for labels.
+    """
+
+    model: Any
+    name: str
+    clean: Any
+    corrupt: Any
+    metric: Callable[[Any], Any]
+    describe: str
+    tokens: list[str]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, device: Any) -> PatchExperiment:
+        """From ``multihead patch``'s flags: ``--checkpoint`` or ``--model``, the texts,
+        ``--dtype`` and ``--tensor-parallel``, on ``device``.
+
+        Raises:
+            CLIError: texts that are not the task's tokens, of different lengths, an answer
+                that is not one token; the built-in pair on a run of another task.
+            ValueError, OSError: the loaders' refusals (the command prints them in one line).
+        """
+        return _from_checkpoint(args, device) if args.checkpoint else _from_model_dir(args, device)
+
+    def run(self, inputs: Any) -> Any:
+        """The model's output on ``inputs`` (ids, or a dict of keyword arguments)."""
+        return self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+
+
+def _logits(output: Any) -> Any:
+    return output if not hasattr(output, "logits") else output.logits
+
+
+def _last_token_metric(answer: int, wrong: int | None) -> Callable[[Any], Any]:
+    def metric(output: Any) -> Any:
+        logits = _logits(output)[:, -1].float()  # (B, V) at the last position
+        if wrong is None:
+            return logits.log_softmax(-1)[:, answer]
+        return logits[:, answer] - logits[:, wrong]
+
+    return metric
+
+
+def _last_token_words(answer: str, wrong: str | None) -> str:
+    if wrong is None:
+        return f"log-probability of {answer!r} at the last position"
+    return f"logit of {answer!r} minus {wrong!r} at the last position"
+
+
+def _from_checkpoint(args: argparse.Namespace, device: Any) -> PatchExperiment:
+    path = Path(args.checkpoint)
+    info = TransformerLM.read_config(path).get("task")
+    name = printable(path.resolve().name)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if isinstance(info, dict) and info.get("name") == "induction":
+        model = TransformerLM.load(path, device=device).to(dtype=dtype).eval()
+        seq_len = int(info["seq_len"])
+        if args.clean is None:
+            pair = induction_pair(seq_len)
+
+            def metric(output: Any) -> Any:
+                return pair.metric(_logits(output))
+
+            n, s1, s2 = pair.layout
+            return PatchExperiment(
+                model,
+                name,
+                pair.clean.to(device),
+                pair.corrupt.to(device),
+                metric,
+                f"mean log-probability of the repeated tokens ({pair.clean.shape[0]} sequences "
+                f"of {seq_len} tokens, a segment of {n} at {s1} repeated at {s2}, its first "
+                f"occurrence resampled in corrupt)",
+                [str(int(i)) for i in pair.clean[0]],
+            )
+        vocab = model.config.vocab_size
+
+        def encode(flag: str, text: str) -> list[int]:
+            try:
+                ids = [int(t) for t in text.split()]
+            except ValueError:
+                ids = []
+            if not ids or not all(0 <= i < vocab for i in ids):
+                raise CLIError(
+                    f"{flag} must be token ids of the induction task (space-separated, 0 to "
+                    f"{vocab - 1}), got {text!r}"
+                )
+            return ids
+
+    else:
+        model, task = load_run(path)
+        model = model.to(device=device, dtype=dtype).eval()
+        if args.clean is None:
+            raise CLIError(
+                "--clean, --corrupt and --answer are needed: the built-in pair serves induction "
+                "runs only"
+            )
+
+        def encode(flag: str, text: str) -> list[int]:
+            try:
+                return task.encode(text)
+            except ValueError as e:
+                raise CLIError(f"{flag}: {e}") from None
+
+    clean, corrupt = encode("--clean", args.clean), encode("--corrupt", args.corrupt)
+    _same_length(len(clean), len(corrupt))
+    answer = _one(encode("--answer", args.answer), "--answer", args.answer)
+    wrong = None
+    if args.wrong is not None:
+        wrong = _one(encode("--wrong", args.wrong), "--wrong", args.wrong)
+    return PatchExperiment(
+        model,
+        name,
+        torch.tensor([clean], device=device),
+        torch.tensor([corrupt], device=device),
+        _last_token_metric(answer, wrong),
+        _last_token_words(args.answer, args.wrong),
+        args.clean.split(),
+    )
+
+
+def _from_model_dir(args: argparse.Namespace, device: Any) -> PatchExperiment:
+    if args.clean is None:
+        raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
+    try:
+        from multihead.hf.loading import load_model
+    except ImportError as e:
+        raise CLIError(f"--model needs transformers: {e}") from None
+    given, directory, name = locate_model(args.model)
+    tokenizer = read_tokenizer(directory, given)
+    model = load_model(
+        directory, given=given, device=device, dtype=args.dtype, causal_lm=True,
+        tensor_parallel=args.tensor_parallel,
+    )  # fmt: skip
+    clean = tokenizer.encode(args.clean).ids
+    corrupt = tokenizer.encode(args.corrupt).ids
+    _same_length(len(clean), len(corrupt))
+
+    def token(flag: str, text: str) -> int:
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        if len(ids) != 1:
+            raise CLIError(
+                f"{flag} must be one token of the model's vocabulary, got {text!r}: "
+                f"{len(ids)} tokens {encoding.tokens} (a word after a "
+                f"space is often its own token with the space: try {' ' + text.strip()!r})"
+            )
+        return int(ids[0])
+
+    answer = token("--answer", args.answer)
+    wrong = None if args.wrong is None else token("--wrong", args.wrong)
+    return PatchExperiment(
+        model,
+        printable(name),
+        torch.tensor([clean], device=device),
+        torch.tensor([corrupt], device=device),
+        _last_token_metric(answer, wrong),
+        _last_token_words(args.answer, args.wrong),
+        # the clean text's tokens shown as the text writes them (the text floor's one rule)
+        [
+            printable(t)
+            for t in tokenize(
+                prepare_tokenizer(tokenizer, pad_id=0), args.clean, max_seq_length=len(clean)
+            ).tokens[0]
+        ],
+    )
+
+
+def _same_length(clean: int, corrupt: int) -> None:
+    if clean == 0:
+        raise CLIError("--clean must hold at least one token, got a text that gives none")
+    if clean != corrupt:
+        raise CLIError(
+            f"--clean and --corrupt must have as many tokens, got {clean} and {corrupt}: "
+            f"patching replaces a head's output position by position"
+        )
+
+
+def _one(ids: list[int], flag: str, text: str) -> int:
+    if len(ids) != 1:
+        raise CLIError(f"{flag} must be one token, got {text!r} ({len(ids)} tokens)")
+    return ids[0]
