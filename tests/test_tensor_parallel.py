@@ -276,6 +276,10 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
             results["cli_patch"] = _cli(rank, root, "patch", PATCH)
             results["cli_explain"] = _cli(rank, root, "explain", EXPLAIN)
             results["cli_corpus"] = _cli(rank, root, "corpus", CORPUS(root))
+            # the model directory missing on rank 1's machine alone: both stop in one line and
+            # neither waits (the files are agreed on before the build, which can be collective)
+            missing = "llama-cli" if rank == 0 else "not-here"
+            results["cli_missing"] = _cli(rank, root, "missing", PATCH, missing)
         torch.save(results, Path(root, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -300,11 +304,13 @@ def CORPUS(root: str) -> list[str]:  # noqa: N802 - the corpus command's argumen
     return ["explain", "--corpus", str(Path(root, "corpus.txt")), "--format", "png"]
 
 
-def _cli(rank: int, root: str, name: str, argv: list[str]) -> dict[str, Any]:
-    """``multihead ARGV --model llama-cli --tensor-parallel`` on this rank, writing to
+def _cli(
+    rank: int, root: str, name: str, argv: list[str], model_dir: str = "llama-cli"
+) -> dict[str, Any]:
+    """``multihead ARGV --model MODEL_DIR --tensor-parallel`` on this rank, writing to
     ``NAME-out<rank>``: its exit code, what it printed and said."""
     out = str(Path(root, f"{name}-out{rank}"))
-    model = ["--model", str(Path(root, "llama-cli")), "--tensor-parallel", "--out", out]
+    model = ["--model", str(Path(root, model_dir)), "--tensor-parallel", "--out", out]
     printed, said = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
         code = main([*argv, *model])
@@ -579,6 +585,23 @@ def test_cli_on_a_tensor_parallel_model_prints_what_one_process_prints(
             )
 
 
+def test_cli_model_missing_on_one_rank_stops_both_before_the_collective_load(
+    group: Any,
+) -> None:
+    world, ranks, _ = group
+    if world != 2:
+        pytest.skip("the command line runs on the 2-rank group")
+    _mapped(world, ranks)
+    first, second = ranks[0]["cli_missing"], ranks[1]["cli_missing"]
+    assert (first["code"], second["code"]) == (2, 2)
+    errors = [
+        [line for line in r["said"].splitlines() if "error: " in line] for r in (first, second)
+    ]
+    assert [len(e) for e in errors] == [1, 1], errors  # one line each, no traceback
+    assert "not-here" in errors[1][0] and "rank 1 of 2 failed (" in errors[0][0]
+    assert not os.path.exists(first["out"]) and not os.path.exists(second["out"])
+
+
 def test_cli_tensor_parallel_needs_torchrun_and_a_model_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -591,6 +614,11 @@ def test_cli_tensor_parallel_needs_torchrun_and_a_model_directory(
     assert "--tensor-parallel splits a Hugging Face model over the ranks: give its directory" in err
     err = fails(capsys, ["explain", "some text", "--tensor-parallel", "--out", str(tmp_path)])
     assert "--tensor-parallel splits a Hugging Face model over the ranks: give its directory" in err
+    err = fails(
+        capsys, [*argv, "--model", str(tmp_path), "--device", "cpu", *CLI_TEXTS, *CLI_ANSWER]
+    )
+    assert "--tensor-parallel places each rank's slice of the model on the machine's" in err
+    assert "leave --device at auto, got 'cpu'" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -599,9 +627,9 @@ def test_a_family_without_a_plan_is_refused_by_name() -> None:
     config.base_model_tp_plan = None  # as transformers has it for a family it cannot split
     with pytest.raises(ValueError, match=r"model 'tiny' \(llama\): transformers .* has no "
                        r"tensor-parallel plan for this family"):  # fmt: skip
-        hf.loading.tensor_parallel_options(transformers, config, "tiny", 2)
+        hf.loading.tensor_parallel_options(config, "tiny", 2)
     config = transformers.LlamaConfig()
-    options = hf.loading.tensor_parallel_options(transformers, config, "tiny", 2)
+    options = hf.loading.tensor_parallel_options(config, "tiny", 2)
     assert list(options) in (["distributed_config"], ["tp_plan"])
 
 

@@ -582,3 +582,18 @@ def test_the_progress_lines_of_a_resumed_run_estimate_from_its_own_steps(
         "sort L=8: 225/250 steps, loss 0.1, 0:00:06 elapsed, about 0:00:06 left",
         "sort L=8: 250/250 steps, loss 0.05, 0:00:12 elapsed, done",
     ]
+
+
+def test_setup_world_alone_on_cuda_without_an_index_keeps_the_current_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "--device cuda" in one process: no index to switch to (set_device would refuse one)
+    from multihead.training import ddp
+
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    world = ddp.setup_world(torch.device("cuda"))
+    assert (world.size, world.device, chosen) == (1, torch.device("cuda"), [])
+    ddp.setup_world(torch.device("cuda", 1))
+    assert chosen == [torch.device("cuda", 1)]

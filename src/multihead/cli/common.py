@@ -19,6 +19,7 @@ from multihead.devices import DTYPES, resolve_device
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.observe.rows import attention_modules
 from multihead.pretrained import load_text_model
+from multihead.pretrained.text_loader import check_text_model_files
 from multihead.training.ddp import World, setup_world, world_size
 from multihead.viz.fonts import MissingGlyphsWarning
 
@@ -76,10 +77,17 @@ def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
-    """``--tensor-parallel`` needs a ``--model`` and torchrun's ranks: else a CLIError, before
-    anything is loaded."""
+    """``--tensor-parallel`` needs a ``--model``, torchrun's ranks and ``--device auto``
+    (transformers places each rank's slice itself): else a CLIError, before anything is
+    loaded."""
     if not args.tensor_parallel:
         return
+    if args.device != "auto":
+        raise CLIError(
+            f"--tensor-parallel places each rank's slice of the model on the machine's "
+            f"accelerator at LOCAL_RANK (the CPU without one): leave --device at auto, got "
+            f"{args.device!r}"
+        )
     if not args.model:
         raise CLIError(
             "--tensor-parallel splits a Hugging Face model over the ranks: give its directory "
@@ -113,11 +121,24 @@ def load_model(
 ) -> Any:
     """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
     default, loaded once per process, without one); a missing extra becomes a CLIError that
-    names it."""
-    try:
-        return load_text_model(given, device=device, dtype=dtype, tensor_parallel=tensor_parallel)
-    except ImportError as e:
-        raise CLIError(str(e)) from None  # it names the extra to install
+    names it. Under torchrun every rank calls this together (:func:`load_on_every_rank`); with
+    ``tensor_parallel`` the files are checked and agreed on before the collective build."""
+
+    def load() -> Any:
+        try:
+            return load_text_model(
+                given, device=device, dtype=dtype, tensor_parallel=tensor_parallel
+            )
+        except ImportError as e:
+            raise CLIError(str(e)) from None  # it names the extra to install
+
+    def check() -> None:
+        try:
+            check_text_model_files(given or "")
+        except ImportError as e:
+            raise CLIError(str(e)) from None
+
+    return load_on_every_rank(load, check if tensor_parallel and given else None)
 
 
 @contextlib.contextmanager
@@ -144,16 +165,27 @@ def torchrun_world(device: str) -> Iterator[World]:
             dist.destroy_process_group()
 
 
-def load_on_every_rank(load: Callable[[], T]) -> T:
+def load_on_every_rank(load: Callable[[], T], check: Callable[[], object] | None = None) -> T:
     """``load()``; under torchrun (a process group initialised), the error any rank's load
     raised is raised on every rank: a rank that failed alone (a directory missing on one
     machine, memory) would leave the others waiting in their first collective. The failing
     rank raises its own error, the others a :class:`CLIError` naming the rank and the message.
+
+    With ``check``, every rank runs it first and the ranks agree on it before any starts
+    ``load()``: a load that is itself collective (a tensor-parallel build) must not start on
+    some ranks while another has already failed on its files.
     """
+    if check is not None:
+        _on_every_rank(check)
+    return _on_every_rank(load)
+
+
+def _on_every_rank(fn: Callable[[], T]) -> T:
+    """``fn()``, its error (on any rank) raised on every rank: see :func:`load_on_every_rank`."""
     error: Exception | None = None
-    loaded: T | None = None
+    result: T | None = None
     try:
-        loaded = load()
+        result = fn()
     except Exception as e:  # every rank must hear of it
         error = e
     try:
@@ -162,7 +194,7 @@ def load_on_every_rank(load: Callable[[], T]) -> T:
         if e is error:
             raise
         raise CLIError(one_line(str(e))) from None  # "rank 1 of 2 failed (...): ..."
-    return loaded  # type: ignore[return-value]  # not None: load() returned
+    return result  # type: ignore[return-value]  # not None: fn() returned
 
 
 def printable(text: str) -> str:
@@ -176,11 +208,14 @@ def one_line(text: str) -> str:
     return printable(" ".join(text.split()))
 
 
-def status(message: str) -> Any:
+def status(message: str, shown: bool = True) -> Any:
     """A context manager: ``message`` on stderr while a slow step runs, on a terminal, cleared
     when it ends (a nicety: nothing without rich, and the command works the same). It does not
     animate: an animating thread competes for the CPU with torch's threads, which then wait
-    for each other (a 4× slower corpus run on a shared machine)."""
+    for each other (a 4× slower corpus run on a shared machine). Nothing when not ``shown``
+    (the ranks other than 0 under torchrun)."""
+    if not shown:
+        return contextlib.nullcontext()
     try:
         from rich.console import Console
         from rich.live import Live

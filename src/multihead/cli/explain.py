@@ -9,7 +9,6 @@ load when the command runs, behind a status line on stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import warnings
@@ -23,7 +22,6 @@ from multihead.cli.common import (
     add_tensor_parallel_argument,
     check_tensor_parallel,
     load_model,
-    load_on_every_rank,
     print_split,
     print_warnings,
     printable,
@@ -180,12 +178,11 @@ def run(args: argparse.Namespace) -> int:
     formats = check_formats("--format", args.format)
     out = check_output_dir("--out", args.out)
 
-    with status("Loading the model…"):
-        threads = torch.get_num_threads()
-        if "OMP_NUM_THREADS" not in os.environ:
-            # One text through a small model is a few dozen small matmuls: a second thread buys
-            # nothing, and its spin-waits cost seconds when the CPU is shared.
-            torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        # One text through a small model is a few dozen small matmuls: a second thread buys
+        # nothing, and its spin-waits cost seconds when the CPU is shared.
+        torch.set_num_threads(1)
     try:
         if not args.tensor_parallel:
             ex, paths = _explain(args, formats, out, World())
@@ -207,22 +204,17 @@ def _explain(
     run the forwards with rank 0 and return no paths."""
     shown = world.rank == 0
 
-    def showing(message: str) -> Any:
-        return status(message) if shown else contextlib.nullcontext()
-
-    with showing("Loading the model…"), warnings.catch_warnings(record=True) as caught:
+    with status("Loading the model…", shown), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         device = str(world.device) if args.tensor_parallel else args.device
-        model = load_on_every_rank(
-            lambda: load_model(
-                args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel
-            )
+        model = load_model(
+            args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel
         )
     if shown:
         print_warnings(caught)
         print_split(model)
 
-    with showing("Running the model…"), warnings.catch_warnings(record=True) as caught:
+    with status("Running the model…", shown), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ex = explain(
             args.text,

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from multihead.cli.common import (
     CLIError,
     load_model,
-    load_on_every_rank,
     print_split,
     print_warnings,
     printable,
@@ -235,14 +234,9 @@ def _explain_corpus(
     device = str(world.device) if world.size > 1 else args.device  # the local rank's GPU
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with status("Loading the model…") if shown else contextlib.nullcontext():
-            model = load_on_every_rank(
-                lambda: load_model(
-                    args.model,
-                    device=device,
-                    dtype=args.dtype,
-                    tensor_parallel=args.tensor_parallel,
-                )  # fmt: skip
+        with status("Loading the model…", shown):
+            model = load_model(
+                args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel
             )
         if shown:
             print_split(model)

@@ -19,7 +19,6 @@ alone prints and writes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import warnings
@@ -157,23 +156,23 @@ def _patch(
     """Load, patch, report and write. Under torchrun every rank loads the model and runs the
     patching (``patch_heads`` shares its patched forwards out over the ranks); rank 0 alone
     shows progress, prints and writes."""
-    shown = world.rank == 0
+    shown, tp = world.rank == 0, args.tensor_parallel
 
-    def showing(message: str) -> Any:
-        return status(message) if shown else contextlib.nullcontext()
-
-    with showing("Loading the model…"), warnings.catch_warnings(record=True) as caught:
+    with status("Loading the model…", shown), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        experiment = load_on_every_rank(lambda: PatchExperiment.from_args(args, world.device))
+        experiment = load_on_every_rank(
+            lambda: PatchExperiment.from_args(args, world.device),
+            check=(lambda: PatchExperiment.check(args)) if tp else None,
+        )
     if shown:
         print_warnings(caught)
         print_split(experiment.model)
 
     model = experiment.model
-    with showing("Patching…"), torch.no_grad():
+    with status("Patching…", shown), torch.no_grad():
         clean_value = float(_mean(experiment.metric(experiment.run(experiment.clean))))
         corrupt_value = float(_mean(experiment.metric(experiment.run(experiment.corrupt))))
-    with showing("Patching…"):
+    with status("Patching…", shown):
         paths_table = None
         if senders:  # first: its checks of the heads come before the long runs
             paths_table = multihead.path_patching(
@@ -195,8 +194,8 @@ def _patch(
             model, experiment.clean, experiment.corrupt, experiment.metric,
             direction=args.direction, per_position=True, heads=top,
         )  # fmt: skip
-        # the page's forwards run on every rank: a tensor-parallel model's forward is collective
-        page = _page_inputs(experiment) if "html" in formats else None
+        # the page's forwards: rank 0's, and every rank's when the model's forward is collective
+        page = _page_inputs(experiment) if "html" in formats and (shown or tp) else None
     if not shown:
         return 0
     _report(experiment, args.direction, clean_value, corrupt_value, effects, estimates, top)

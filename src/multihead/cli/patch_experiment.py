@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,6 +58,19 @@ class PatchExperiment:
             ValueError, OSError: the loaders' refusals (the command prints them in one line).
         """
         return _from_checkpoint(args, device) if args.checkpoint else _from_model_dir(args, device)
+
+    @staticmethod
+    def check(args: argparse.Namespace) -> None:
+        """Check what a process can alone before :meth:`from_args` builds the model: for
+        ``--model``, its directory, tokenizer, config and weights' sizes and the texts' tokens.
+        Under ``--tensor-parallel`` the build is collective: every rank checks this first and
+        the ranks agree before any builds.
+
+        Raises:
+            as :meth:`from_args` for these.
+        """
+        if args.model:
+            _check_model_dir(args)
 
     def run(self, inputs: Any) -> Any:
         """The model's output on ``inputs`` (ids, or a dict of keyword arguments)."""
@@ -156,19 +169,25 @@ def _from_checkpoint(args: argparse.Namespace, device: Any) -> PatchExperiment:
     )
 
 
-def _from_model_dir(args: argparse.Namespace, device: Any) -> PatchExperiment:
+class _Prompts(NamedTuple):
+    """What ``--model``'s texts say, read before the model is built."""
+
+    given: str  # the directory or name as the user wrote it
+    directory: Path
+    name: str
+    clean: list[int]
+    corrupt: list[int]
+    answer: int
+    wrong: int | None
+    tokens: list[str]  # the clean text's tokens shown as the text writes them
+
+
+def _read_prompts(args: argparse.Namespace) -> _Prompts:
+    """``--model``'s directory and tokenizer, and the texts as its token ids, all checked."""
     if args.clean is None:
         raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
-    try:
-        from multihead.hf.loading import load_model
-    except ImportError as e:
-        raise CLIError(f"--model needs transformers: {e}") from None
     given, directory, name = locate_model(args.model)
     tokenizer = read_tokenizer(directory, given)
-    model = load_model(
-        directory, given=given, device=device, dtype=args.dtype, causal_lm=True,
-        tensor_parallel=args.tensor_parallel,
-    )  # fmt: skip
     clean = tokenizer.encode(args.clean).ids
     corrupt = tokenizer.encode(args.corrupt).ids
     _same_length(len(clean), len(corrupt))
@@ -186,20 +205,41 @@ def _from_model_dir(args: argparse.Namespace, device: Any) -> PatchExperiment:
 
     answer = token("--answer", args.answer)
     wrong = None if args.wrong is None else token("--wrong", args.wrong)
+    # the clean text's tokens shown as the text writes them (the text floor's one rule)
+    shown = tokenize(prepare_tokenizer(tokenizer, pad_id=0), args.clean, max_seq_length=len(clean))
+    tokens = [printable(t) for t in shown.tokens[0]]
+    return _Prompts(given, directory, name, clean, corrupt, answer, wrong, tokens)
+
+
+def _hf_loading() -> Any:
+    try:
+        from multihead.hf import loading
+    except ImportError as e:
+        raise CLIError(f"--model needs transformers: {e}") from None
+    return loading
+
+
+def _check_model_dir(args: argparse.Namespace) -> None:
+    """Everything about ``--model`` a process can check before the model is built."""
+    prompts = _read_prompts(args)
+    _hf_loading().read_config(prompts.directory, prompts.given)
+
+
+def _from_model_dir(args: argparse.Namespace, device: Any) -> PatchExperiment:
+    prompts = _read_prompts(args)  # the texts are checked before the model is loaded
+    model = _hf_loading().load_model(
+        prompts.directory, given=prompts.given, device=device, dtype=args.dtype, causal_lm=True,
+        tensor_parallel=args.tensor_parallel,
+    )  # fmt: skip
+    device = next(model.parameters()).device  # where the model (a rank's slice) lives
     return PatchExperiment(
         model,
-        printable(name),
-        torch.tensor([clean], device=device),
-        torch.tensor([corrupt], device=device),
-        _last_token_metric(answer, wrong),
+        printable(prompts.name),
+        torch.tensor([prompts.clean], device=device),
+        torch.tensor([prompts.corrupt], device=device),
+        _last_token_metric(prompts.answer, prompts.wrong),
         _last_token_words(args.answer, args.wrong),
-        # the clean text's tokens shown as the text writes them (the text floor's one rule)
-        [
-            printable(t)
-            for t in tokenize(
-                prepare_tokenizer(tokenizer, pad_id=0), args.clean, max_seq_length=len(clean)
-            ).tokens[0]
-        ],
+        prompts.tokens,
     )
 
 

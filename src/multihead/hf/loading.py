@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from multihead.hf.forward import NAME
 from multihead.hf.sites import attention_sites
 from multihead.hf.sizes import check_sizes, read_weight_headers, shape_disagreements
 
-__all__ = ["from_cache", "load_model", "tensor_parallel_options"]
+__all__ = ["from_cache", "load_model", "read_config", "tensor_parallel_options"]
 
 
 def load_model(
@@ -56,8 +57,9 @@ def load_model(
         tensor_parallel: split the model over every rank of ``torch.distributed``'s default
             group (as under ``torchrun``) by the family's own tensor-parallel plan
             (transformers' ``tp_plan="auto"``): each rank holds a slice of every layer's heads,
-            on its own device (transformers places it: the CPU under gloo, ``cuda:LOCAL_RANK``
-            under nccl; ``device`` is not used). Every rank must call this together.
+            which transformers places on the machine's accelerator at ``LOCAL_RANK``
+            (``cuda:LOCAL_RANK``), or the CPU without one; ``device`` is not used. Every rank
+            must call this together: it is collective.
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -76,29 +78,20 @@ def load_model(
         import transformers
     except ImportError as e:  # removed after multihead.hf was imported
         raise ImportError(f"model {given!r} needs transformers: pip install 'multihead[hf]'") from e
-    where = resolve_device("cpu" if device is None else device)
-    resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
     ranks = _tensor_parallel_ranks(given) if tensor_parallel else 1
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {given!r} has no config.json: expected a Hugging Face model directory "
-            f"(config.json, the weights, tokenizer.json)"
-        )
-    tensors = _check_files(directory, given)
+    if ranks > 1:
+        # transformers places each rank's slice on the machine's accelerator at LOCAL_RANK (the
+        # CPU without one): the default dtype is the one for that device
+        where = resolve_device("auto", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        where = resolve_device("cpu" if device is None else device)
+    resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
+    config, tensors = read_config(directory, given)
     with _quiet(transformers):
-        try:
-            config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-        except MemoryError:
-            raise
-        except Exception as e:  # transformers' config validation raises several kinds
-            raise ValueError(
-                f"model {given!r}: transformers cannot read its config.json: "
-                f"{type(e).__name__}: {e}"
-            ) from None
         dtype = resolve_dtype(dtype, getattr(config, "dtype", None), where)
         placed: dict[str, Any] = {"dtype": dtype}
         if ranks > 1:
-            placed.update(tensor_parallel_options(transformers, config, given, ranks))
+            placed.update(tensor_parallel_options(config, given, ranks))
         elif where.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             placed["device_map"] = {"": where}  # the weights go straight onto the device
         # Loaded on transformers' default implementation and switched after the check: a family
@@ -147,25 +140,26 @@ def _tensor_parallel_ranks(given: str) -> int:
     process group, which must exist and hold 2 ranks or more."""
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    grouped = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if grouped else 1
     if world < 2:
         raise ValueError(
             f"model {given!r}: tensor parallelism splits the model over the ranks of a process "
-            f"group, and this process is alone ({'no group' if world == 1 else world}): run it "
-            f"under torchrun with 2 processes or more (torchrun --nproc-per-node 2 ...)"
+            f"group, and this process is alone ({'a group of 1' if grouped else 'no group'}): "
+            f"run it under torchrun with 2 processes or more (torchrun --nproc-per-node 2 ...)"
         )
     return world
 
 
-def tensor_parallel_options(
-    transformers: Any, config: Any, given: str, ranks: int
-) -> dict[str, Any]:
+def tensor_parallel_options(config: Any, given: str, ranks: int) -> dict[str, Any]:
     """``from_pretrained``'s keywords splitting the model over ``ranks`` ranks by its family's
     own plan: ``distributed_config`` where transformers has it, else ``tp_plan="auto"``.
 
     Raises:
         ValueError: transformers has no tensor-parallel plan for the family.
     """
+    import transformers
+
     if not getattr(config, "base_model_tp_plan", None):
         raise ValueError(
             f"model {given!r} ({getattr(config, 'model_type', type(config).__name__)}): "
@@ -177,6 +171,38 @@ def tensor_parallel_options(
     except ImportError:  # a transformers before DistributedConfig
         return {"tp_plan": "auto"}
     return {"distributed_config": DistributedConfig(tp_size=ranks)}
+
+
+def read_config(directory: Path, given: str) -> tuple[Any, dict[str, TensorInfo] | None]:
+    """The directory's transformers config and its safetensors headers (None without
+    safetensors weights), every size in config.json checked against the weights: all a process
+    can check alone before a model is built (under tensor parallelism the build is collective,
+    so every rank checks this first and the ranks agree before any of them builds).
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: a config transformers cannot read, sizes the weights don't have.
+        ImportError: transformers is not installed.
+    """
+    import transformers
+
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {given!r} has no config.json: expected a Hugging Face model directory "
+            f"(config.json, the weights, tokenizer.json)"
+        )
+    tensors = _check_files(directory, given)
+    with _quiet(transformers):
+        try:
+            config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        except MemoryError:
+            raise
+        except Exception as e:  # transformers' config validation raises several kinds
+            raise ValueError(
+                f"model {given!r}: transformers cannot read its config.json: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+    return config, tensors
 
 
 def _check_files(directory: Path, given: str) -> dict[str, TensorInfo] | None:

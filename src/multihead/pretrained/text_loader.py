@@ -36,6 +36,7 @@ from multihead.text.model import TextModel, position_limit
 from multihead.tokenization import check_token_ids
 
 __all__ = [
+    "check_text_model_files",
     "load_text_model",
     "minilm",
     "minilm_directory",
@@ -182,15 +183,7 @@ def _load(
     # The files are checked before anything is built: config.json (by the model's loader when
     # it cannot be read), tokenizer.json and its ids against config.json's vocab_size, then the
     # weights' headers against the config.
-    tokenizer = None
-    if isinstance(config, dict):
-        tokenizer = read_tokenizer(directory, given)
-        vocab_size = config.get("vocab_size")
-        if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
-            try:
-                check_token_ids(tokenizer, vocab_size)
-            except ValueError as e:
-                raise ValueError(f"model {given!r}: {e}") from None
+    tokenizer = _checked_tokenizer(directory, given, config)
     model: Any
     if backend == "multihead":
         model = load_bert(directory, device=where, dtype=dtype)
@@ -213,6 +206,41 @@ def _load(
         )
     except ValueError as e:
         raise ValueError(f"model {given!r}: {e}") from None
+
+
+def check_text_model_files(
+    dir_or_name: str | os.PathLike[str], *, cache_dir: str | None = None
+) -> None:
+    """Check what :func:`load_text_model` reads from files before it builds a model through
+    transformers: the directory (or cached name), ``tokenizer.json`` and its ids, ``config.json``
+    against the weights. A process checks this alone; under tensor parallelism, where the build
+    is collective, every rank checks first and the ranks agree before any of them builds.
+
+    Raises:
+        as :func:`load_text_model` for these files.
+    """
+    given, directory, _ = locate_model(dir_or_name, cache_dir)
+    try:
+        from multihead.hf.loading import read_config
+    except ImportError as e:  # transformers missing or too old: the message names both
+        raise ImportError(f"model {given!r} runs through transformers: {e}") from e
+    _checked_tokenizer(directory, given, _config(directory))
+    read_config(directory, given)
+
+
+def _checked_tokenizer(directory: Path, given: str, config: Any) -> Any:
+    """The directory's tokenizer with its ids checked against config.json's ``vocab_size``;
+    None when config.json cannot be read here (the model's loader then says why)."""
+    if not isinstance(config, dict):
+        return None
+    tokenizer = read_tokenizer(directory, given)
+    vocab_size = config.get("vocab_size")
+    if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
+        try:
+            check_token_ids(tokenizer, vocab_size)
+        except ValueError as e:
+            raise ValueError(f"model {given!r}: {e}") from None
+    return tokenizer
 
 
 def _config(directory: Path) -> Any:

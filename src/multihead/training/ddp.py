@@ -52,7 +52,7 @@ def check_threads(threads: int | None) -> None:
 def setup_world(device: torch.device) -> World:
     """Join the process group when torchrun started several ranks; a single process joins none."""
     size = world_size()
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current GPU
         torch.cuda.set_device(device)
     if size <= 1:
         return World(device=device)
