@@ -118,11 +118,13 @@ def load_model(
     device: str = "auto",
     dtype: str | None = None,
     tensor_parallel: bool = False,
+    together: bool = False,
 ) -> Any:
     """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
     default, loaded once per process, without one); a missing extra becomes a CLIError that
-    names it. Under torchrun every rank calls this together (:func:`load_on_every_rank`); with
-    ``tensor_parallel`` the files are checked and agreed on before the collective build."""
+    names it. ``together``: every rank of the command's process group calls this
+    (:func:`load_on_every_rank`: a failure on one is raised on all; with ``tensor_parallel``
+    the files are checked and agreed on before the collective build)."""
 
     def load() -> Any:
         try:
@@ -138,6 +140,8 @@ def load_model(
         except ImportError as e:
             raise CLIError(str(e)) from None
 
+    if not together:
+        return load()
     return load_on_every_rank(load, check if tensor_parallel and given else None)
 
 

@@ -208,8 +208,9 @@ def _explain(
         warnings.simplefilter("always")
         device = str(world.device) if args.tensor_parallel else args.device
         model = load_model(
-            args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel
-        )
+            args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
+            together=args.tensor_parallel,
+        )  # fmt: skip
     if shown:
         print_warnings(caught)
         print_split(model)

@@ -236,8 +236,9 @@ def _explain_corpus(
         warnings.simplefilter("always")
         with status("Loading the model…", shown):
             model = load_model(
-                args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel
-            )
+                args.model, device=device, dtype=args.dtype,
+                tensor_parallel=args.tensor_parallel, together=world.size > 1,
+            )  # fmt: skip
         if shown:
             print_split(model)
         name = printable(model.name)

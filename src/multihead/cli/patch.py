@@ -160,10 +160,13 @@ def _patch(
 
     with status("Loading the model…", shown), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        experiment = load_on_every_rank(
-            lambda: PatchExperiment.from_args(args, world.device),
-            check=(lambda: PatchExperiment.check(args)) if tp else None,
-        )
+        if world.size > 1:  # every rank of torchrun's group together
+            experiment = load_on_every_rank(
+                lambda: PatchExperiment.from_args(args, world.device),
+                check=(lambda: PatchExperiment.check(args)) if tp else None,
+            )
+        else:
+            experiment = PatchExperiment.from_args(args, world.device)
     if shown:
         print_warnings(caught)
         print_split(experiment.model)
