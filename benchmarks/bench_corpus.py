@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import format_table, machine_info, write_json
+from common import format_table, free_port, machine_info, spawn, write_json
 
 from multihead.pretrained import minilm
 from multihead.pretrained.text_loader import minilm_directory
@@ -67,12 +64,6 @@ def explain_passes(model: Any, texts: list[str], batch_size: int) -> None:
     corpus_statistics(model, texts, batch_size=batch_size)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
     try:
         torch.set_num_threads(args["threads"])
@@ -92,38 +83,20 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) ->
             start = time.perf_counter()
             explain_passes(model, texts, args["batch_size"])
             seconds.append(time.perf_counter() - start)
-        queue.put((rank, seconds))
+        queue.put((rank, {"seconds": seconds}))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
-        queue.put((rank, traceback.format_exc()))
+        queue.put((rank, {"error": traceback.format_exc()}))
         raise
 
 
 def on_ranks(world: int, threads: int, n: int, batch_size: int, rounds: int) -> list[float]:
     """Per round, the slowest rank's seconds for the explain passes on ``world`` ranks."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
     args = {"threads": threads, "n": n, "batch_size": batch_size, "rounds": rounds}
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    results = dict(queue.get() for _ in range(world))
-    for p in procs:
-        p.join()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed:
-        raise RuntimeError(f"ranks failed: {failed}")
-    return [max(results[r][i] for r in range(world)) for i in range(rounds)]
+    env = {"OMP_NUM_THREADS": str(threads)}
+    results = [r["seconds"] for r in spawn(_rank, (world, free_port(), args), world, env)]
+    return [max(seconds[i] for seconds in results) for i in range(rounds)]
 
 
 def main() -> int:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -38,7 +36,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import format_table, machine_info, write_json
+from common import (
+    format_table,
+    free_port,
+    machine_info,
+    reset_peak,
+    spawn,
+    status_kib,
+    write_json,
+)
 
 from multihead import functional
 from multihead.distributed import ring_attention
@@ -56,30 +62,6 @@ class Config:
     kv_heads: int
     head_dim: int
     repeat: int
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current VmRSS; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _attend(cfg: Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -121,8 +103,8 @@ def _rank(rank: int, cfg: Config, port: int, queue: Any) -> None:
             _attend(cfg, *_inputs(cfg, 8, seed=rank))
         gc.collect()
         _barrier(cfg)
-        baseline = _status_kib("VmRSS")
-        reset = _reset_peak()
+        baseline = status_kib("VmRSS")
+        reset = reset_peak()
         # Each rank creates only its own part, as it would receive it from the layer before.
         q, k, v = _inputs(cfg, local, seed=rank)
         times, cpu_times = [], []
@@ -134,7 +116,7 @@ def _rank(rank: int, cfg: Config, port: int, queue: Any) -> None:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
             del out
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
         queue.put(
             (
                 rank,
@@ -157,24 +139,7 @@ def _rank(rank: int, cfg: Config, port: int, queue: Any) -> None:
 
 def run(cfg: Config) -> dict[str, Any]:
     """Run one configuration in fresh processes and collect every rank's numbers."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, cfg, port, queue)) for r in range(max(cfg.world, 1))
-    ]
-    for p in procs:
-        p.start()
-    ranks: dict[int, dict[str, Any]] = {}
-    while len(ranks) < len(procs):
-        rank, payload = queue.get()
-        if "error" in payload:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed: {payload['error']}")
-        ranks[rank] = payload
-    for p in procs:
-        p.join()
+    ranks = dict(enumerate(spawn(_rank, (cfg, free_port()), max(cfg.world, 1))))
     # A pass is as slow as its slowest rank.
     times = [max(ranks[r]["times_s"][i] for r in ranks) for i in range(cfg.repeat)]
     return {

@@ -42,7 +42,6 @@ import argparse
 import datetime
 import gc
 import importlib.util
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -54,7 +53,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import format_table, machine_info, write_json
+from common import (
+    format_table,
+    machine_info,
+    reset_peak,
+    rollup_kib,
+    spawn,
+    status_kib,
+    write_json,
+)
 
 
 @dataclass(frozen=True)
@@ -81,36 +88,6 @@ class Run:
     model_dir: str
     rendezvous: str  # a file for the group's rendezvous (unused by one process)
     weights_out: str  # where rank 0 saves its captured weights ("" for none)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
-
-
-def _rollup_kib(field: str) -> int | None:
-    """A field of /proc/self/smaps_rollup (e.g. Pss), or None where the kernel has none."""
-    try:
-        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current VmRSS; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def _save_model(shape: Shape, path: str) -> None:
@@ -183,8 +160,8 @@ def _process(rank: int, run: Run, queue: Any) -> None:
             forward(ids[:, :16])  # warm-up: kernels, thread pools, the group's connections
         gc.collect()
         _barrier(run)
-        resident = _status_kib("VmRSS")
-        reset = _reset_peak()
+        resident = status_kib("VmRSS")
+        reset = reset_peak()
         times, cpu_times, weights = [], [], None
         for _ in range(run.repeat):
             _barrier(run)
@@ -193,8 +170,8 @@ def _process(rank: int, run: Run, queue: Any) -> None:
                 weights = forward(ids)
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
-        peak = _status_kib("VmHWM")
-        now, pss, file_backed = _status_kib("VmRSS"), _rollup_kib("Pss"), _status_kib("RssFile")
+        peak = status_kib("VmHWM")
+        now, pss, file_backed = status_kib("VmRSS"), rollup_kib("Pss"), status_kib("RssFile")
         if rank == 0 and run.weights_out and weights is not None:
             torch.save(weights, run.weights_out)
         queue.put(
@@ -220,27 +197,6 @@ def _process(rank: int, run: Run, queue: Any) -> None:
         raise
 
 
-def _spawn(target: Any, args: tuple[Any, ...], count: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(count)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, Any]] = {}
-    try:
-        while len(got) < count:
-            rank, payload = queue.get()
-            if "error" in payload:
-                raise RuntimeError(f"process {rank} failed: {payload['error']}")
-            got[rank] = payload
-    finally:
-        for p in procs:
-            if got.keys() != set(range(count)):
-                p.kill()
-            p.join()
-    return [got[r] for r in range(count)]
-
-
 def _save_in_process(rank: int, shape: Shape, path: str, queue: Any) -> None:
     try:
         _save_model(shape, path)
@@ -252,7 +208,7 @@ def _save_in_process(rank: int, shape: Shape, path: str, queue: Any) -> None:
 
 def measure(run: Run) -> dict[str, Any]:
     """Run one configuration in fresh processes; every rank's numbers and the summary."""
-    ranks = _spawn(_process, (run,), max(run.world, 1))
+    ranks = spawn(_process, (run,), max(run.world, 1))
     times = [max(r["times_s"][i] for r in ranks) for i in range(run.repeat)]
     return {
         "config": asdict(run),
@@ -305,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (model_dir / "config.json").is_file():
             print(f"building and saving the model in {model_dir}...")
             sys.stdout.flush()
-            _spawn(_save_in_process, (shape, str(model_dir)), 1)
+            spawn(_save_in_process, (shape, str(model_dir)), 1)
 
         def run(world: int, capture: bool) -> Run:
             tag = f"{world}-{int(capture)}"

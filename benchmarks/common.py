@@ -23,8 +23,10 @@ Example::
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import platform
+import socket
 import sys
 import timeit
 from collections.abc import Callable, Sequence
@@ -269,3 +271,83 @@ def write_json(name: str, payload: dict[str, Any], *, directory: Path | None = N
     path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+# -- spawned processes and their memory ------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM, RssFile, ...); Linux only."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+
+
+def rollup_kib(field: str) -> int | None:
+    """A field of /proc/self/smaps_rollup (e.g. Pss), or None where the kernel has none."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current VmRSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def spawn(
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    count: int,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``target(rank, *args, queue)`` in ``count`` spawned processes (``env`` set while they
+    start); each puts ``(rank, payload)`` once, a dict, ``{"error": ...}`` when it failed.
+    Returns the payloads in rank order; a failure raises a RuntimeError naming the rank, and
+    the processes still running are killed."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(count)]
+        for p in procs:
+            p.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    got: dict[int, dict[str, Any]] = {}
+    try:
+        while len(got) < count:
+            rank, payload = queue.get()
+            if "error" in payload:
+                raise RuntimeError(f"rank {rank} failed: {payload['error']}")
+            got[rank] = payload
+    finally:
+        for p in procs:
+            if got.keys() != set(range(count)):
+                p.kill()
+            p.join()
+    return [got[r] for r in range(count)]

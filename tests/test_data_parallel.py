@@ -15,11 +15,9 @@ import datetime
 import io
 import json
 import math
-import multiprocessing as mp
 import os
 import pickle
 import socket
-import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -32,6 +30,7 @@ pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from spawned_group import run_spawned  # noqa: E402
 from tiny_bert import write_dir  # noqa: E402
 
 from multihead.cli import main  # noqa: E402
@@ -254,50 +253,9 @@ def _worker(rank: int, port: int, cli_ports: tuple[int, ...], tmp: str, queue: A
 
 
 def _run_group(tmp: Path) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     port, cli_ports = _free_port(), (_free_port(), _free_port(), _free_port())
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        procs = [
-            ctx.Process(target=_worker, args=(rank, port, cli_ports, str(tmp), queue), daemon=True)
-            for rank in range(WORLD)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(results) < WORLD and time.monotonic() < deadline:
-            if not queue.empty():
-                rank, payload = queue.get()
-                results[rank] = pickle.loads(payload)
-            elif any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-                time.sleep(0.5)  # a crash report may still be on its way
-                if queue.empty():
-                    break
-            else:
-                time.sleep(0.05)
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    crashes = {r: res["crash"] for r, res in results.items() if "crash" in res}
-    assert not crashes, f"ranks crashed: {crashes}"
-    assert len(results) == WORLD, (
-        f"only ranks {sorted(results)} of {WORLD} reported within {TIMEOUT_S} s "
-        f"(exit codes {[p.exitcode for p in procs]})"
-    )
-    return results
+    args = (port, cli_ports, str(tmp))
+    return run_spawned(_worker, WORLD, args, timeout_s=TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

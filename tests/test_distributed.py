@@ -11,10 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
-import multiprocessing as mp
-import os
 import socket
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from reference import reference_attention
+from spawned_group import run_spawned
 
 from multihead import MultiHeadAttention, functional, kernels
 from multihead.distributed import (
@@ -291,52 +289,8 @@ def _worker(rank: int, world: int, port: int, queue: Any) -> None:
 
 
 def _run_group(world: int) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    env = {"OMP_NUM_THREADS": "1"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        procs = [
-            ctx.Process(target=_worker, args=(rank, world, port, queue), daemon=True)
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            if not queue.empty():
-                rank, payload = queue.get()
-                results[rank] = payload
-            elif any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-                time.sleep(0.5)  # a crash report may still be on its way
-                if queue.empty():
-                    break
-            else:
-                time.sleep(0.05)
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    crashes = {r: res["crash"] for r, res in results.items() if "crash" in res}
-    assert not crashes, f"ranks crashed: {crashes}"
-    assert len(results) == world, (
-        f"only ranks {sorted(results)} of {world} reported within {TIMEOUT_S} s "
-        f"(exit codes {[p.exitcode for p in procs]})"
-    )
-    return results
+    args = (world, _free_port())
+    return run_spawned(_worker, world, args, timeout_s=TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")

@@ -15,10 +15,8 @@ import datetime
 import importlib.util
 import io
 import json
-import multiprocessing as mp
 import os
 import re
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
+from spawned_group import run_spawned  # noqa: E402
 
 from multihead import (  # noqa: E402
     attribution_patching,
@@ -283,9 +282,9 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
         torch.save(results, Path(root, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
-        queue.put((rank, None))
+        queue.put((rank, {}))
     except BaseException:
-        queue.put((rank, traceback.format_exc()))
+        queue.put((rank, {"crash": traceback.format_exc()}))
         raise
 
 
@@ -326,51 +325,8 @@ def _cli(
 def run_group(world: int, root: Path, worker: Callable[..., None] = _worker) -> None:
     """Run ``worker(rank, world, root, queue)`` on ``world`` spawned ranks; fail (and kill the
     rest) as soon as one rank reports an error, or when they are not done in ``TIMEOUT_S``."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        procs = [
-            ctx.Process(target=worker, args=(rank, world, str(root), queue), daemon=True)
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    done: dict[int, str | None] = {}
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(done) < world and time.monotonic() < deadline:
-            if not queue.empty():
-                rank, error = queue.get()
-                done[rank] = error
-                if error is not None:
-                    break  # the others may be waiting for it in a collective
-            elif any(p.exitcode not in (None, 0) for p in procs):
-                time.sleep(0.5)  # its report may still be on its way
-                if queue.empty():
-                    break
-            else:
-                time.sleep(0.05)
-        for p in procs:
-            if not any(done.values()):
-                p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = {rank: error for rank, error in done.items() if error is not None}
-    assert not errors, f"ranks raised: {errors}"
-    assert len(done) == world, (
-        f"only ranks {sorted(done)} of {world} finished within {TIMEOUT_S} s "
-        f"(exit codes {[p.exitcode for p in procs]})"
-    )
+    env = {"OMP_NUM_THREADS": "1"}
+    run_spawned(worker, world, (world, str(root)), timeout_s=TIMEOUT_S, env=env)
 
 
 @pytest.fixture(scope="module", params=sorted(GROUPS), ids=lambda w: f"world{w}")
@@ -655,9 +611,9 @@ def _one_rank_raises(rank: int, world: int, root: str, queue: Any) -> None:
         if rank == 1:
             raise RuntimeError("rank 1 fails alone")
         dist.barrier()  # rank 0 waits for a rank that is gone
-        queue.put((rank, None))
+        queue.put((rank, {}))
     except BaseException:
-        queue.put((rank, traceback.format_exc()))
+        queue.put((rank, {"crash": traceback.format_exc()}))
         raise
 
 
