@@ -13,7 +13,7 @@ later layer and one of r's inputs x ∈ {q, k, v}:
    recomputed);
 3. the effect is metric(run 2) - metric(clean).
 
-Both runs are stacked along the batch as in patch_heads (:func:`~multihead.observe.patching.
+Both runs are stacked along the batch as in patch_heads (:func:`~multihead.observe.stacked_runs.
 run_stacked`): run 1 stacks the senders of one layer (one variant each, recording every
 receiver's inputs at once, and stopping after the last receiver's layer has been read), run 2
 the (sender, receiver, x) variants of one receiver layer; the blocks before the patched layer
@@ -40,15 +40,14 @@ from multihead._checks import check_choice, check_optional_positive_int, describ
 from multihead.head_shard import held_heads
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observe.input_pair import InputPair, Metric, metric_value
-from multihead.observe.patching import (
+from multihead.observe.patching import check_recorded, record_layers
+from multihead.observe.prefix_reuse import PrefixCache
+from multihead.observe.stacked_runs import (
     EndOfRun,
-    check_recorded,
-    record_layers,
     run_stacked,
     stacked_metrics,
     variants_per_forward,
 )
-from multihead.observe.prefix_reuse import PrefixCache
 from multihead.observe.steering import HeadKey, model_heads, resolve_head
 from multihead.observers import (
     AttentionCall,
