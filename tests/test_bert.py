@@ -82,13 +82,15 @@ def assert_matches_hf(
             token_type_ids=token_type_ids,
             output_attentions=True,
         )
-        with multihead.capture(model) as rec:  # on the unpadded path when there is padding
-            plain = model(input_ids, attention_mask, token_type_ids)
-        model.unpad = False
+        before = model.unpad
         try:
+            model.unpad = True  # the unpadded path when there is padding, on every device
+            with multihead.capture(model) as rec:
+                plain = model(input_ids, attention_mask, token_type_ids)
+            model.unpad = False
             padded = model(input_ids, attention_mask, token_type_ids)
         finally:
-            model.unpad = True
+            model.unpad = before
     real = (
         torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask is None
@@ -214,13 +216,15 @@ def test_unpadded_path_equals_padded_path(ours: TextModel, device: torch.device)
     handle = bert.encoder.layers[0].register_forward_pre_hook(
         lambda module, args: seen.append(tuple(args[0].shape))
     )
+    before = bert.unpad
     try:
         with torch.no_grad():
+            bert.unpad = True
             packed = bert(batch.input_ids, batch.attention_mask).last_hidden_state
             bert.unpad = False
             padded = bert(batch.input_ids, batch.attention_mask).last_hidden_state
     finally:
-        bert.unpad = True
+        bert.unpad = before
         handle.remove()
     b, t = batch.input_ids.shape
     n = int(batch.attention_mask.sum())
@@ -229,6 +233,30 @@ def test_unpadded_path_equals_padded_path(ours: TextModel, device: torch.device)
     assert seen == [(n, 384), (b, t, 384)]
     torch.testing.assert_close(packed, padded, atol=TOL, rtol=0)
     assert padded[batch.attention_mask == 0].abs().max().item() == 0.0
+
+
+def test_auto_unpads_on_the_cpu_only(ours: TextModel, device: torch.device) -> None:
+    batch = ours.tokenize(SENTENCES).to(device)
+    bert = ours.model
+    assert bert.unpad == "auto"  # the default
+    seen: list[tuple[int, ...]] = []
+    handle = bert.encoder.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.append(tuple(args[0].shape))
+    )
+    try:
+        with torch.no_grad():
+            bert(batch.input_ids, batch.attention_mask)
+            bert(batch.input_ids)  # no padding: nothing to unpad on any device
+            bert.unpad = "yes"  # type: ignore[assignment]
+            with pytest.raises(ValueError, match=r"unpad must be True, False or 'auto', got 'yes'"):
+                bert(batch.input_ids, batch.attention_mask)
+    finally:
+        bert.unpad = "auto"
+        handle.remove()
+    b, t = batch.input_ids.shape
+    n = int(batch.attention_mask.sum())
+    # the packed real tokens on the CPU; on a GPU the padded batch (see BertModel's docstring)
+    assert seen == [(n, 384) if device.type == "cpu" else (b, t, 384), (b, t, 384)]
 
 
 def test_observer_sees_every_layer_on_the_unpadded_path(
@@ -244,10 +272,12 @@ def test_observer_sees_every_layer_on_the_unpadded_path(
 
     b, t = batch.input_ids.shape
     handles = [layer.self_attn.register_observer(observer) for layer in ours.model.encoder.layers]
+    before, ours.model.unpad = ours.model.unpad, True
     try:
         with torch.no_grad():
             ours(batch.input_ids, batch.attention_mask)
     finally:
+        ours.model.unpad = before
         for handle in handles:
             handle.remove()
     assert seen == [(b, 12, t, 32)] * 6
@@ -397,6 +427,7 @@ def test_load_bert_options_and_training_mode(tmp_path: Path, device: torch.devic
     assert all(p.requires_grad for p in model.parameters())
     # Trainable: gradients flow through the unpadded path to every parameter.
     model.train()
+    model.unpad = True
     ids, mask, types = (x.to(device) for x in random_batch())
     model(ids, mask, types).last_hidden_state.sum().backward()
     assert all(p.grad is not None for p in model.parameters())

@@ -203,7 +203,7 @@ def test_minilm(minilm: Any, path: str) -> None:
         mask[1, 4:] = 0
     clean = {"input_ids": clean_ids, "attention_mask": mask}
     corrupt = {"input_ids": corrupt_ids, "attention_mask": mask}
-    minilm.unpad = path != "padded"
+    before, minilm.unpad = minilm.unpad, path != "padded"
     try:
         projections = _own_projections(minilm)
         every = [(layer, h) for layer in range(6) for h in range(12)]
@@ -215,7 +215,7 @@ def test_minilm(minilm: Any, path: str) -> None:
         want = reference(minilm, projections, clean, corrupt, _similarity, few, 6, key_mask)
         _compare(got, want)
     finally:
-        minilm.unpad = True
+        minilm.unpad = before
 
 
 # -- Hugging Face: GPT-2 and a grouped-query Llama -------------------------------------------------

@@ -347,7 +347,8 @@ def test_bert_padded(device: torch.device) -> None:
         return out.last_hidden_state[:, 0] @ direction
 
     senders, receivers = [(0, 0), (1, 2)], [(2, 1), (2, 3)]
-    got = path_patching(bert, clean, corrupt, metric, senders, receivers)  # unpadded
+    bert.unpad = True
+    got = path_patching(bert, clean, corrupt, metric, senders, receivers)
     bert.unpad = False  # the reference's hooks read (B, T, ·) projections
     want = _hook_reference(bert, _own_sites(bert), clean, corrupt, metric, senders, receivers)
     _compare(got, want, atol=5e-5)

@@ -8,12 +8,15 @@ The module names are ours (``embeddings.word``, ``encoder.layers[i].self_attn.qk
 onto them. At this model's boundary, and only here, masks follow Hugging Face: ``attention_mask``
 is int or bool (B, T) with 1/True at real tokens; inside it becomes the key mask.
 
-When a batch has padding, the forward runs *unpadded*: the embeddings, projections, LayerNorms
-and feed-forward networks see only the N real tokens (a :class:`multihead.packing.PackedBatch`
-passed down the layers as ``packing=``); only attention sees the (B, T) layout, under the key
-mask. Hugging Face's BertModel computes all B·T positions everywhere. The result on real tokens
-is the padded computation's; the padding positions of ``last_hidden_state`` hold zeros on every
-path. Observers, :func:`multihead.capture` and forward hooks see both paths alike.
+When a batch has padding, the forward on the CPU runs *unpadded*: the embeddings, projections,
+LayerNorms and feed-forward networks see only the N real tokens (a
+:class:`multihead.packing.PackedBatch` passed down the layers as ``packing=``); only attention
+sees the (B, T) layout, under the key mask. Hugging Face's BertModel computes all B·T positions
+everywhere, and so does this model on a GPU (``unpad="auto"``), where the padded positions cost
+less than the packing's gathers, scatters and host reads (BENCHMARKS.md, bench_bert on a GPU).
+The result on real tokens is the padded computation's; the padding positions of
+``last_hidden_state`` hold zeros on every path. Observers, :func:`multihead.capture` and forward
+hooks see both paths alike.
 
 The hyperparameters, :class:`BertConfig`, live in :mod:`multihead.models.bert_config` (and are
 importable from here).
@@ -22,7 +25,7 @@ importable from here).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -116,8 +119,9 @@ class BertModel(nn.Module):
 
     Attributes:
         config: the :class:`BertConfig`.
-        unpad: run padded batches on their real tokens only (default True); False computes
-            every padded position, e.g. to compare the two.
+        unpad: ``"auto"`` (default) runs padded batches on their real tokens only on the CPU
+            and computes every padded position elsewhere; True or False forces one path, e.g.
+            to compare the two.
 
     Submodules: ``embeddings`` (:class:`BertEmbeddings`), ``encoder``
     (:class:`~multihead.TransformerEncoder`; ``encoder.layers[i].self_attn`` is a
@@ -162,9 +166,9 @@ class BertModel(nn.Module):
             # BERT has separate dropout rates for attention weights and hidden states.
             layer.self_attn.dropout = float(config.attention_probs_dropout_prob)
         self.encoder = TransformerEncoder(layers)
-        # Run batches with padding unpadded (see the module docstring); False forces the padded
-        # computation, e.g. to compare the two.
-        self.unpad = True
+        # Batches with padding run unpadded on the CPU (see the module docstring); True or False
+        # forces one path on every device.
+        self.unpad: bool | Literal["auto"] = "auto"
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding (vocab_size, E), by the name torch and Hugging Face models use."""
@@ -214,7 +218,7 @@ class BertModel(nn.Module):
             )
         key_mask = self._key_mask(attention_mask, b, t)
 
-        if key_mask is not None and self.unpad:
+        if key_mask is not None and self._unpads(input_ids.device):
             # Everything but attention on the N real tokens only; exact on them.
             packing = PackedBatch(key_mask)
             ids = packing.pack(input_ids)  # (N,)
@@ -229,6 +233,14 @@ class BertModel(nn.Module):
         if key_mask is not None:
             x = x.masked_fill(~key_mask[..., None], 0.0)  # (B, T, E), as the unpadded path
         return BertOutput(x)
+
+    def _unpads(self, device: torch.device) -> bool:
+        """Whether a padded batch on ``device`` runs on its real tokens only (``unpad``)."""
+        if self.unpad == "auto":
+            return device.type == "cpu"
+        if not isinstance(self.unpad, bool):
+            raise ValueError(f"unpad must be True, False or 'auto', got {self.unpad!r}")
+        return self.unpad
 
     @staticmethod
     def _key_mask(attention_mask: Tensor | None, b: int, t: int) -> Tensor | None:
