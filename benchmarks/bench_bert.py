@@ -181,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                 return theirs(input_ids=ids, attention_mask=mask)
 
             def run_padded(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> object:
-                ours.unpad = False
+                before, ours.unpad = ours.unpad, False
                 try:
                     return ours(ids, mask)
                 finally:
-                    ours.unpad = True
+                    ours.unpad = before
 
             contenders: dict[str, Callable[[], object]] = {"ours": run_ours}
             if not bool(real.all()):
