@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from common import (
     cuda_peak_memory,
     cuda_time,
+    device_argument,
     format_table,
     gemm_peak,
     machine_info,
@@ -621,7 +622,10 @@ def main(argv: list[str] | None = None) -> int:
         "--results-dir", default=None, help="where to write the JSON (default benchmarks/results)"
     )
     parser.add_argument(
-        "--device", default="cpu", help="cpu (issue 2's grid) or cuda (issue 23's grid)"
+        "--device",
+        type=device_argument,
+        default="cpu",
+        help="cpu (issue 2's grid) or cuda (issue 23's grid)",
     )
     parser.add_argument(
         "--dtype",
@@ -637,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         memory_child(args.memory_child, args.memory_length)
         return 0
 
-    device = torch.device(args.device)
+    device = args.device
     if device.type == "cuda":
         return main_gpu(device, getattr(torch, args.dtype or "bfloat16"), args)
     if args.dtype not in (None, "float32"):

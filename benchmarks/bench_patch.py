@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import format_table, machine_info, write_json
+from common import device_argument, format_table, machine_info, write_json
 
 import multihead
 
@@ -160,12 +160,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--naive-patches", type=int, default=128)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device_argument, default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, help="default float32 (CPU), bfloat16 (GPU)")
     parser.add_argument("--quick", action="store_true", help="a small model, seconds")
     parser.add_argument("--results-dir", default=None)
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = args.device
     gpu = device.type == "cuda"
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     shape = QUICK if args.quick else FULL

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -182,6 +183,29 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def device_argument(value: str) -> torch.device:
+    """``--device`` for argparse (``type=``): cpu, cuda or cuda:N, on a machine that has it."""
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {value!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{value}: this machine has no CUDA device")
+    return device
+
+
+def minilm_argument(value: str) -> Path:
+    """``--model`` for argparse (``type=``): a directory of all-MiniLM-L6-v2's files."""
+    path = Path(value)
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} holds no config.json (scripts/minilm_files.py writes MiniLM's files)"
+        )
+    return path
 
 
 def gpu_info() -> dict[str, Any] | None:

@@ -32,16 +32,23 @@ bench_budget=70
 suite_runs=1
 benchmarks=all
 minilm=
+# an option's value, or a one-line error (exit 2) when it has none
+value() {
+  if [ $# -lt 2 ] || [ -z "$2" ] || [[ $2 == --* ]]; then
+    echo "gpu_check: $1 needs a value (see --help)" >&2
+    exit 2
+  fi
+}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --device) device=${2:?--device needs a value}; shift 2 ;;
+    --device) value "$@"; device=$2; shift 2 ;;
     --quick) quick=1; shift ;;
-    --workers) workers=${2:?--workers needs a value}; shift 2 ;;
-    --suite-budget) suite_budget=${2:?--suite-budget needs a value}; shift 2 ;;
-    --bench-budget) bench_budget=${2:?--bench-budget needs a value}; shift 2 ;;
+    --workers) value "$@"; workers=$2; shift 2 ;;
+    --suite-budget) value "$@"; suite_budget=$2; shift 2 ;;
+    --bench-budget) value "$@"; bench_budget=$2; shift 2 ;;
     --no-suite) suite_runs=0; shift ;;
-    --benchmarks) benchmarks=${2:?--benchmarks needs a value}; shift 2 ;;
-    --minilm) minilm=${2:?--minilm needs a value}; shift 2 ;;
+    --benchmarks) value "$@"; benchmarks=$2; shift 2 ;;
+    --minilm) value "$@"; minilm=$2; shift 2 ;;
     -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -49,7 +56,8 @@ done
 
 known=" bench_attention bench_hf bench_bert bench_intervene bench_patch bench_gpu_weights profile_capture "
 if [ "$benchmarks" != all ] && [ "$benchmarks" != none ]; then
-  for name in ${benchmarks//,/ }; do
+  IFS=, read -r -a chosen <<<"$benchmarks"
+  for name in "${chosen[@]}"; do
     [[ $known == *" $name "* ]] || {
       echo "gpu_check: --benchmarks: unknown benchmark '$name' (expected some of:$known)" >&2
       exit 2

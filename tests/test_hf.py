@@ -735,3 +735,26 @@ def test_the_names_that_moved_to_the_text_floor_say_where() -> None:
         multihead.hf.HFTextModel  # noqa: B018
     with pytest.raises(AttributeError, match=r"no attribute 'nothing'"):
         multihead.hf.nothing  # noqa: B018
+
+
+class _OwnLlama(transformers.LlamaForCausalLM):
+    """A user's own subclass, defined outside transformers (as remote code is)."""
+
+
+def test_holds_transformers_is_the_one_check_observe_and_hf_make() -> None:
+    from multihead.holds_transformers import holds_transformers
+    from multihead.observe import attention_modules
+
+    config = _decoder("LlamaConfig")()
+    llama = transformers.LlamaForCausalLM(config)
+    own = _OwnLlama(config)
+    layer = llama.model.layers[0]  # a decoder layer alone is no PreTrainedModel
+    wrapped = nn.Sequential(nn.Linear(4, 4), own)  # held inside a plain torch module
+    plain = multihead.TransformerEncoder([multihead.TransformerEncoderLayer(16, 4, 32)])
+    for model, want in [(llama, True), (own, True), (layer, True), (wrapped, True), (plain, False)]:
+        assert holds_transformers(model) is want, type(model).__name__
+        assert hf.uses_transformers(model) is want, type(model).__name__
+    assert type(own).__module__ == __name__  # the class itself is not from transformers
+    # observe takes the transformers sites for what holds them, multihead's modules otherwise
+    assert len(attention_modules(own)) == config.num_hidden_layers
+    assert [name for name, _ in attention_modules(plain)] == ["layers.0.self_attn"]

@@ -40,6 +40,7 @@ FLOORS: dict[str, int] = {
     "_checks": 0,
     "_lazy": 0,
     "devices": 0,
+    "holds_transformers": 0,
     # 1: on the validation vocabulary: safetensors/JSON/atomic files, the memory budget;
     "_files": 1,
     "memory_budget": 1,

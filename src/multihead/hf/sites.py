@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from multihead.head_shard import HeadShard
 from multihead.hf.forward import NAME, SITE, family_name
 from multihead.hf.tensor_parallel import head_shard
+from multihead.holds_transformers import holds_transformers
 from multihead.observers import AttentionObserver, ObserverHandle, Observers, QKVEditor
 
 __all__ = ["AttentionSite", "attention_sites", "routed", "uses_transformers"]
@@ -249,5 +250,6 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
 
 
 def uses_transformers(model: nn.Module) -> bool:
-    """Whether ``model`` holds a transformers model (the observe functions then use sites)."""
-    return any(isinstance(m, PreTrainedModel) for m in model.modules())
+    """Whether ``model`` holds transformers modules (the observe functions then use sites):
+    :func:`multihead.holds_transformers.holds_transformers`, the one check they make."""
+    return holds_transformers(model)

@@ -166,9 +166,24 @@ class BertModel(nn.Module):
             # BERT has separate dropout rates for attention weights and hidden states.
             layer.self_attn.dropout = float(config.attention_probs_dropout_prob)
         self.encoder = TransformerEncoder(layers)
-        # Batches with padding run unpadded on the CPU (see the module docstring); True or False
-        # forces one path on every device.
-        self.unpad: bool | Literal["auto"] = "auto"
+        self.unpad = "auto"
+
+    @property
+    def unpad(self) -> bool | Literal["auto"]:
+        """Whether padded batches run on their real tokens only: ``"auto"`` (the default) on
+        the CPU, where that is faster, and not elsewhere (see the module docstring); True or
+        False forces one path on every device.
+
+        Raises:
+            ValueError: on setting anything else.
+        """
+        return self._unpad
+
+    @unpad.setter
+    def unpad(self, value: bool | Literal["auto"]) -> None:
+        if value != "auto" and not isinstance(value, bool):
+            raise ValueError(f"unpad must be True, False or 'auto', got {value!r}")
+        self._unpad: bool | Literal["auto"] = value
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding (vocab_size, E), by the name torch and Hugging Face models use."""
@@ -236,11 +251,7 @@ class BertModel(nn.Module):
 
     def _unpads(self, device: torch.device) -> bool:
         """Whether a padded batch on ``device`` runs on its real tokens only (``unpad``)."""
-        if self.unpad == "auto":
-            return device.type == "cpu"
-        if not isinstance(self.unpad, bool):
-            raise ValueError(f"unpad must be True, False or 'auto', got {self.unpad!r}")
-        return self.unpad
+        return device.type == "cpu" if self._unpad == "auto" else self._unpad
 
     @staticmethod
     def _key_mask(attention_mask: Tensor | None, b: int, t: int) -> Tensor | None:

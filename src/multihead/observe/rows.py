@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from multihead import functional, kernels
 from multihead._checks import check_indices, check_optional_positive_int
 from multihead.attention import MultiHeadAttention
+from multihead.holds_transformers import holds_transformers
 from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention
 
 __all__ = [
@@ -48,27 +49,11 @@ def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    modules = list(model.named_modules())
-    if any(_from_transformers(type(m)) for _, m in modules):
+    if holds_transformers(model):
         from multihead import hf  # only here: transformers is an optional extra
 
         return list(hf.attention_sites(model))
-    return [(name, m) for name, m in modules if isinstance(m, MultiHeadAttention)]
-
-
-# module class -> whether it comes from transformers: every block a user enters walks the model
-_FROM_TRANSFORMERS: dict[type, bool] = {}
-
-
-def _from_transformers(cls: type) -> bool:
-    """Whether a module class or a base of it comes from transformers (checked without
-    importing transformers: a user's own or remote-code ``PreTrainedModel`` subclass lives in
-    another module); remembered per class."""
-    found = _FROM_TRANSFORMERS.get(cls)
-    if found is None:
-        found = any(c.__module__.startswith("transformers.") for c in cls.__mro__)
-        _FROM_TRANSFORMERS[cls] = found
-    return found
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
 
 
 def row_values(rows: Rows, t: int) -> list[int]:
