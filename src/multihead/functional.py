@@ -323,13 +323,16 @@ def attention(
         # torch's own causal flag (top-left) is ours when T == S: no mask is built at all.
         return _sdpa(q, k, v, None, is_causal, scale, dropout_p)
     mask, keep = _prepare_mask(mask, is_causal, q, k)
+    # Empty rows are zeroed with where, not masked_fill: where keeps the kernel's memory layout
+    # (torch's fused kernels write (..., T, H, Dv) memory), so that the caller's move of the
+    # heads back beside each other stays a view; masked_fill would copy to (..., H, T, Dv).
     if use_math:
         out, weights = kernels.math_attention(q, k, v, mask, scale, dropout_p)
         if keep is not None:
-            out = out.masked_fill(~keep, 0.0)
-            weights = weights.masked_fill(~keep, 0.0)
+            out = torch.where(keep, out, 0.0)
+            weights = torch.where(keep, weights, 0.0)
         return (out, weights) if need_weights else out
     out = _sdpa(q, k, v, mask, False, scale, dropout_p)
     if keep is not None:
-        out = out.masked_fill(~keep, 0.0)
+        out = torch.where(keep, out, 0.0)
     return out
