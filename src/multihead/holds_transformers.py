@@ -1,4 +1,4 @@
-"""Whether a module tree holds transformers modules, told without importing transformers."""
+"""Whether a module tree holds a transformers model, told without importing transformers."""
 
 from __future__ import annotations
 
@@ -8,24 +8,29 @@ from torch import nn
 
 __all__ = ["holds_transformers"]
 
-# module class -> whether it or a base comes from transformers. Every block a user enters asks,
-# so each class is looked at once; weak keys let classes made per model (torch.fx) go.
-_FROM_TRANSFORMERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+# module class -> whether it is a transformers PreTrainedModel. Every block a user enters asks, so
+# each class is looked at once; weak keys let classes made per model (torch.fx) go.
+_PRETRAINED: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def holds_transformers(model: nn.Module) -> bool:
-    """Whether ``model`` or a module inside it is a transformers module: its class or a base of
-    it comes from the ``transformers`` package (a user's own or remote-code ``PreTrainedModel``
-    subclass lives in another module, a decoder layer alone is no ``PreTrainedModel``).
+    """Whether ``model`` is or holds a transformers ``PreTrainedModel`` (a subclass too: a
+    user's own or remote-code model lives in another module), told from the classes' bases
+    without importing transformers.
 
-    :mod:`multihead.observe` then finds the attention sites through :mod:`multihead.hf`.
+    :mod:`multihead.observe` then finds the attention sites through :mod:`multihead.hf`; other
+    transformers modules (an activation, a decoder layer alone) do not count, so a model of
+    multihead's own modules that borrows one keeps its own attention modules.
     """
     for module in model.modules():
         cls = type(module)
-        found = _FROM_TRANSFORMERS.get(cls)
+        found = _PRETRAINED.get(cls)
         if found is None:
-            found = any(c.__module__.startswith("transformers.") for c in cls.__mro__)
-            _FROM_TRANSFORMERS[cls] = found
+            found = any(
+                c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+                for c in cls.__mro__
+            )
+            _PRETRAINED[cls] = found
         if found:
             return True
     return False

@@ -250,6 +250,6 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
 
 
 def uses_transformers(model: nn.Module) -> bool:
-    """Whether ``model`` holds transformers modules (the observe functions then use sites):
-    :func:`multihead.holds_transformers.holds_transformers`, the one check they make."""
+    """Whether ``model`` is or holds a transformers ``PreTrainedModel`` (the observe functions
+    then use sites): :func:`multihead.holds_transformers.holds_transformers`, the one check."""
     return holds_transformers(model)
