@@ -718,7 +718,61 @@ def main(argv: list[str] | None = None) -> int:
     name = "attention_quick" if args.quick else "attention"
     if args.cpu_time or args.threads is not None:
         name += f"_{'cpu' if args.cpu_time else 'wall'}_t{torch.get_num_threads()}"
-    path = write_json(name, payload, directory=directory)
+    path = write_json(
+        name,
+        payload,
+        directory=directory,
+        report={
+            "title": "Attention (issue 2): `benchmarks/bench_attention.py`",
+            "tables": (
+                [
+                    {
+                        "caption": f"fp32, E={E}, H={H}, B={B}; {torch.get_num_threads()} "
+                        f"threads, {payload['clock']}, {rounds} rounds. Multihead ÷ the others:",
+                        "header": ["section", *(f"T={t}" for t in lengths)],
+                        "rows": [
+                            [
+                                f"{title} ÷ {impl}",
+                                *(
+                                    f"{r['ours_over_this']:.3f}"
+                                    for t in lengths
+                                    for r in rows
+                                    if (r["section"], r["T"], r["impl"]) == (title, t, impl)
+                                ),
+                            ]
+                            for title, _, _, impls in SECTIONS
+                            for impl in ("torch", "floor")
+                            if impl in impls
+                        ],
+                    }
+                ]
+                if rows
+                else []
+            )
+            + (
+                [
+                    {
+                        "caption": f"Targets of issue 2 ({sum(t['met'] for t in targets)} of "
+                        f"{len(targets)} met): the missed ones, and those not in a table above:",
+                        "header": ["target", "measured", "met"],
+                        "rows": [
+                            [t["target"], f"{t['value']:.3f}", "yes" if t["met"] else "**no**"]
+                            for t in targets
+                            if not t["met"]
+                            or not t["target"].startswith(
+                                (f"multihead ÷ torch ≤ {TARGET_VS_TORCH} ", "multihead ÷ floor")
+                            )
+                        ],
+                        "target_column": "target",
+                    }
+                ]
+                if targets
+                else []
+            ),
+            "load_before": info["load_average"],
+            "load_after": payload["load_average_at_end"],
+        },
+    )
     print(f"\nwrote {os.path.relpath(path)}")
     return 0
 
@@ -743,7 +797,51 @@ def main_gpu(device: torch.device, dtype: torch.dtype, args: argparse.Namespace)
     print(gpu_table(payload))
     directory = None if args.results_dir is None else Path(args.results_dir)
     path = write_json(
-        "attention_gpu_quick" if args.quick else "attention_gpu", payload, directory=directory
+        "attention_gpu_quick" if args.quick else "attention_gpu",
+        payload,
+        directory=directory,
+        report={
+            "title": "need_weights on the GPU (issue 23): `bench_attention.py --device cuda`",
+            "gpu": True,
+            "load_before": info["load_average"],
+            "tables": [
+                {
+                    "caption": f"E = {GPU_E}, {GPU_H} heads, {str(dtype).removeprefix('torch.')}; "
+                    f"write bandwidth {payload['write_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; "
+                    f"largest difference from torch {payload['max_abs_difference']:.1e}:",
+                    "header": [
+                        "section",
+                        "B",
+                        "T",
+                        "multihead (ms)",
+                        "torch (ms)",
+                        "multihead ÷ torch",
+                        "peak MiB, multihead / torch",
+                        "weights written by multihead",
+                    ],
+                    "rows": [
+                        [
+                            m["section"],
+                            m["B"],
+                            m["T"],
+                            f"{m['seconds'] * 1e3:.3f}",
+                            f"{o['seconds'] * 1e3:.3f}",
+                            f"{o['ours_over_this']:.2f}",
+                            f"{m['peak_bytes'] / 2**20:.0f} / {o['peak_bytes'] / 2**20:.0f}",
+                            f"{m['weights_bytes_per_s'] / 1e12:.2f} TB/s "
+                            f"({m['write_limit_seconds'] / m['seconds']:.0%} of the write limit)"
+                            if "weights_bytes_per_s" in m
+                            else "—",
+                        ]
+                        for m in payload["rows"]
+                        for o in payload["rows"]
+                        if m["impl"] == "multihead"
+                        and (o["section"], o["B"], o["T"], o["impl"])
+                        == (m["section"], m["B"], m["T"], "torch")
+                    ],
+                }
+            ],
+        },
     )
     print(f"\nwrote {os.path.relpath(path)}")
     return 0

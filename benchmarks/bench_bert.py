@@ -293,6 +293,23 @@ def main(argv: list[str] | None = None) -> int:
             "rows": results,
         },
         directory=None if args.results_dir is None else Path(args.results_dir),
+        report={
+            "title": "MiniLM against transformers on the GPU: `bench_bert.py --device cuda`"
+            if gpu
+            else "MiniLM forward (issue 3): multihead vs transformers, `benchmarks/bench_bert.py`",
+            "tables": [
+                {
+                    "caption": f"{str(dtype).removeprefix('torch.')}, {rounds} rounds"
+                    + ("" if gpu else f" x {min_run_time:.1f} s, fp32 GEMM peak {peak:.0f} GFLOP/s")
+                    + "; ratios: the median of per-round ratios:",
+                    "header": headers,
+                    "rows": rows,
+                }
+            ],
+            "packages": ["transformers"],
+            "gpu": gpu,
+            "load_after": load,
+        },
     )
     print(f"wrote {path}")
     return 0

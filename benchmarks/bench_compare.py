@@ -10,7 +10,9 @@ machine hits both alike. Measures (float32, CPU unless ``--device``):
 - ``minilm_ragged``: MiniLM forward of 32 texts of 8 to 64 tokens (the packed path);
 - ``capture_hf``: ``capture(rows=[-1])`` around a random 4-layer Llama (width 512, 8/2 heads),
   T=1024, on ``attn_implementation="multihead"``;
-- ``intervene``: MiniLM forward of the 32 ragged texts with one head zeroed by ``intervene``.
+- ``intervene``: MiniLM forward of the 32 ragged texts with one head zeroed by ``intervene``;
+- ``patch``: ``patch_heads`` over every head of a random 4-layer ``LlamaForCausalLM`` (width 256,
+  8/2 heads), 2 clean/corrupt pairs of 32 tokens, metric: the last position's logit difference.
 
 Reported per measure: the median over rounds of each checkout's median time, and after ÷ before.
 
@@ -33,7 +35,9 @@ from pathlib import Path
 
 from common import format_table, machine_info, write_json
 
-MEASURES = ("mha", "mha_weights", "minilm_dense", "minilm_ragged", "capture_hf", "intervene")
+MEASURES = (
+    "mha", "mha_weights", "minilm_dense", "minilm_ragged", "capture_hf", "intervene", "patch"
+)
 
 # The child: builds what a measure needs with whichever multihead is on the path, times it and
 # prints the median seconds. Written against the public names both checkouts have.
@@ -90,6 +94,22 @@ elif measure == "capture_hf":
     def fn():
         with multihead.capture(model, rows=[-1]):
             model(input_ids=ids, use_cache=False)
+elif measure == "patch":
+    import multihead.hf  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=768,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    clean = torch.randint(0, 1000, (2, 32))
+    corrupt = clean.clone()
+    corrupt[:, 5] = (corrupt[:, 5] + 1) % 1000
+
+    def metric(out):
+        return out.logits[:, -1, 1] - out.logits[:, -1, 2]
+
+    def fn():
+        multihead.patch_heads(model, clean, corrupt, metric)
 else:
     raise SystemExit(f"unknown measure {measure}")
 
@@ -148,7 +168,23 @@ def main(argv: list[str] | None = None) -> int:
             {"measure": measure, "before_s": before, "after_s": after, "rounds": times[measure]}
         )
     print(format_table(["measure", "before ms", "after ms", "after ÷ before"], rows))
-    path = write_json("compare", payload, directory=args.results_dir)
+    path = write_json(
+        "compare",
+        payload,
+        directory=args.results_dir,
+        report={
+            "title": "Before and after a refactor: `benchmarks/bench_compare.py`",
+            "tables": [
+                {
+                    "caption": f"{args.threads} threads, {args.rounds} rounds:",
+                    "header": ["measure", "before ms", "after ms", "after ÷ before"],
+                    "rows": rows,
+                }
+            ],
+            "packages": ["transformers"],
+            "load_after": os.getloadavg(),
+        },
+    )
     print(f"\nwrote {path}")
     return 0
 

@@ -178,6 +178,55 @@ def main() -> int:
         "corpus_quick" if args.quick else "corpus",
         payload,
         directory=None if args.results_dir is None else Path(args.results_dir),
+        report={
+            "title": "Corpus statistics and data parallelism (issue 22): "
+            "`benchmarks/bench_corpus.py`",
+            "tables": [
+                {
+                    "caption": f"{n} sentences, batch {bs}, {args.threads} threads, medians of "
+                    f"{rounds} interleaved rounds:",
+                    "header": ["measure", "wall s", "CPU s", "÷ sentence-transformers"],
+                    "rows": rows,
+                },
+                *(
+                    [
+                        {
+                            "caption": "`explain --corpus`'s two passes:",
+                            "header": ["run", "wall s", "speed-up"],
+                            "rows": [
+                                [
+                                    f"1 process × {payload['ranks']['threads_one_process']} "
+                                    "threads",
+                                    f"{statistics.median(payload['ranks']['one_process_seconds']):.2f}",
+                                    "",
+                                ],
+                                [
+                                    f"{payload['ranks']['world']} ranks × "
+                                    f"{payload['ranks']['threads_per_rank']} threads (gloo)",
+                                    f"{statistics.median(payload['ranks']['ranks_seconds']):.2f}",
+                                    f"{payload['ranks']['speedup']:.2f}x",
+                                ],
+                            ],
+                        }
+                    ]
+                    if "ranks" in payload
+                    else []
+                ),
+            ],
+            "packages": ["sentence-transformers", "transformers"],
+            "load_after": info["load_average"],
+            "notes": [
+                f"corpus_statistics ÷ sentence-transformers encode: {ratio:.2f}x (target ≤ "
+                f"{TARGETS['corpus_statistics / sentence-transformers encode']}x)"
+                + (
+                    f"; speed-up on {payload['ranks']['world']} ranks "
+                    f"{payload['ranks']['speedup']:.2f}x (target ≥ "
+                    f"{TARGETS['speed-up on 2 ranks']}x with 2)"
+                    if "ranks" in payload
+                    else ""
+                )
+            ],
+        },
     )
     print(f"wrote {path}")
     return 0

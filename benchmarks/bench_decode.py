@@ -140,6 +140,43 @@ def main() -> None:
             "per_step": rows,
             "cached_flatness": flat,
         },
+        report={
+            "title": "Decoding (issue 5): KVCache vs recomputing the sequence, "
+            "`benchmarks/bench_decode.py`",
+            "tables": [
+                {
+                    "caption": f"TransformerLM L={LAYERS} E={E} H={H} FF={FF}, batch 1, prompt "
+                    f"{PROMPT}, {n} new tokens, {torch.get_num_threads()} threads:",
+                    "header": ["decoding", "total s", "ms/token", "speed-up"],
+                    "rows": [
+                        [
+                            "KVCache",
+                            f"{cached_total:.2f}",
+                            f"{cached_total / n * 1e3:.2f}",
+                            f"{recompute_total / cached_total:.1f}x",
+                        ],
+                        ["recompute", f"{recompute_total:.2f}", f"{recompute_total / n * 1e3:.2f}"]
+                        + ["1.0x"],
+                    ],
+                },
+                {
+                    "header": ["position", "cached ms/step", "recompute ms/step", "ratio"],
+                    "rows": [
+                        [
+                            r["position"],
+                            f"{r['cached_ms']:.2f}",
+                            f"{r['recompute_ms']:.2f}",
+                            f"{r['ratio']:.1f}x",
+                        ]
+                        for r in rows
+                    ],
+                },
+            ],
+            "notes": [
+                f"Identical tokens: {same}; cached step time, slowest / fastest position: "
+                f"{flat:.2f}x."
+            ],
+        },
     )
     print(f"wrote {path}")
 

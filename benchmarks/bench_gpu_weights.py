@@ -156,7 +156,25 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(headers, table))
     name = "gpu_weights_quick" if args.quick else "gpu_weights"
     payload = {"machine": info, "dtype": str(dtype), "causal": args.causal, "rows": rows}
-    print(f"\nwrote {write_json(name, payload, directory=args.results_dir)}")
+    path = write_json(
+        name,
+        payload,
+        directory=args.results_dir,
+        report={
+            "title": "The fused weights kernel alone: `benchmarks/bench_gpu_weights.py`",
+            "tables": [
+                {
+                    "caption": f"{str(dtype).removeprefix('torch.')}, H={H}, D={D}"
+                    f"{', causal' if args.causal else ''}:",
+                    "header": headers,
+                    "rows": table,
+                }
+            ],
+            "gpu": True,
+            "load_after": info["load_average"],
+        },
+    )
+    print(f"\nwrote {path}")
     return 0
 
 

@@ -149,6 +149,18 @@ def main(argv: list[str] | None = None) -> int:
             "size_mb": size_mb,
             "runs": runs,
         },
+        report={
+            "title": "The interactive page: `benchmarks/bench_page.py`",
+            "tables": [
+                {
+                    "caption": f"{shape}, {size_mb:.1f} MB, opened {args.repeats} times in "
+                    "headless Chromium:",
+                    "header": ["time (ms)", "median", "min"],
+                    "rows": rows,
+                }
+            ],
+            "load_after": load,
+        },
     )
     return 0
 

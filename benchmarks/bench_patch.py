@@ -299,6 +299,27 @@ def main() -> int:
             "targets": TARGETS,
         },
         directory=None if args.results_dir is None else Path(args.results_dir),
+        report={
+            "title": "Circuits on the GPU: `bench_patch.py --device cuda`"
+            if gpu
+            else "Circuits (issue 21): `benchmarks/bench_patch.py`",
+            "tables": [
+                {
+                    "caption": f"{', '.join(f'{k}={v}' for k, v in shape.items())}, "
+                    f"{str(dtype).removeprefix('torch.')}, {rounds} rounds (median):",
+                    "header": headers,
+                    "rows": rows,
+                    "target_column": "target",
+                }
+            ],
+            "gpu": gpu,
+            "load_after": info["load_average"],
+            "notes": [
+                f"Largest difference from the naive loop: {difference:.2e} over the "
+                f"{len(patches)} timed patches (largest effect {scale:.2e}), {path_difference:.2e} "
+                f"over the {n_paths} path-patching numbers."
+            ],
+        },
     )
     print(f"wrote {path}")
     return 0

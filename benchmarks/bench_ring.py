@@ -284,6 +284,32 @@ def main(argv: list[str] | None = None) -> int:
         "ring_quick" if args.quick else "ring" if args.seq_len == 32768 else f"ring_{args.seq_len}",
         {"machine": info, "headers": headers, "rows": rows, "results": results},
         directory=args.results_dir,
+        report={
+            "title": "Ring attention (issue 6): `benchmarks/bench_ring.py`"
+            if args.seq_len == 32768
+            else f"Ring attention at T = {args.seq_len}: `benchmarks/bench_ring.py --seq-len "
+            f"{args.seq_len}`",
+            "tables": [
+                {
+                    "caption": f"T = {args.seq_len}, B = {args.batch}, H = {args.heads}, Hk = "
+                    f"{args.kv_heads or args.heads}, D = {args.head_dim}, fp32, forward:",
+                    "header": headers,
+                    "rows": rows,
+                }
+            ],
+            "load_after": info["load_average"],
+            "notes": [
+                "Peak per rank ÷ one process's: "
+                + "; ".join(
+                    f"{r['peak_above_mib'] / ref['peak_above_mib']:.2f}× with "
+                    f"{r['config']['world']} ranks (target ≤ {limit}×)"
+                    for r in results
+                    for world, limit in targets.items()
+                    if ref and not r["config"]["causal"] and r["config"]["world"] == world
+                )
+                + "."
+            ],
+        },
     )
     print(f"wrote {path}")
     return 0

@@ -368,6 +368,30 @@ def main(argv: list[str] | None = None) -> int:
             ],
         },
         directory=args.results_dir,
+        report={
+            "title": "Tensor-parallel capture (issue 22): `benchmarks/bench_tensor_parallel.py`",
+            "tables": [
+                {
+                    "caption": f"Llama-shaped: {shape.layers} layers, width {shape.width}, "
+                    f"{shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}, "
+                    f"vocabulary {shape.vocab}, fp32; T = {args.seq_len}, one captured row per "
+                    "head; per rank, the busier rank's figure:",
+                    "header": headers,
+                    "rows": rows,
+                },
+                {
+                    "header": ["target", "measured", "met"],
+                    "rows": [
+                        [text, f"{ratio:.2f}×", "yes" if ratio <= limit else "**no**"]
+                        for text, ratio, limit in targets
+                    ],
+                    "target_column": "target",
+                },
+            ],
+            "packages": ["transformers", "accelerate"],
+            "load_after": info["load_average"],
+            "notes": [f"Largest difference, tp capture vs 1 process capture: {difference:.2e}."],
+        },
     )
     print(f"wrote {path}")
     return 0

@@ -132,7 +132,22 @@ def main() -> None:
         f"torch {torch.__version__}"
     )
     print(format_table(["config", "shape", "multihead ms", "torch ms", "ratio", "tokens/s"], rows))
-    path = write_json("train", {"machine": machine_info(), "rounds": args.rounds, "rows": results})
+    path = write_json(
+        "train",
+        {"machine": machine_info(), "rounds": args.rounds, "rows": results},
+        report={
+            "title": "Training step (issue 5): TransformerLM vs the same model from torch.nn "
+            "layers, `benchmarks/bench_train.py`",
+            "tables": [
+                {
+                    "caption": f"fp32, {torch.get_num_threads()} threads, {args.rounds} rounds:",
+                    "header": ["config", "shape", "multihead ms", "torch ms", "ratio", "tokens/s"],
+                    "rows": rows,
+                }
+            ],
+            "load_after": machine_info()["load_average"],
+        },
+    )
     print(f"wrote {path}")
 
 

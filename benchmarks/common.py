@@ -5,7 +5,9 @@ Every benchmark script follows the same shape: time a grid of callables with
 measure the machine's GEMM peak in the same run with :func:`gemm_peak` (the roofline that
 achieved GFLOP/s are compared against), print an aligned table with :func:`format_table`, and
 write everything, together with :func:`machine_info`, to ``benchmarks/results/<name>.json`` with
-:func:`write_json` (that directory is git-ignored).
+:func:`write_json`. Its ``report`` (the table the script prints, as :func:`report_block` makes
+it) is the section ``benchmarks/report.py`` renders into BENCHMARKS.md; the files of the current
+figures are committed (tests and smoke runs write elsewhere: ``--results-dir``).
 
 Scripts import this module as ``from common import ...``: Python puts the script's own
 directory on ``sys.path`` when it runs ``python benchmarks/<script>.py``.
@@ -16,21 +18,29 @@ Example::
 
     peak = gemm_peak(torch.float32)
     seconds = median_time(lambda: model(x), min_run_time=1.0)
-    print(format_table(["impl", "ms"], [["ours", f"{seconds * 1e3:.2f}"]]))
-    write_json("my_bench", {"machine": machine_info(), "peak": peak, "rows": [...]})
+    rows = [["ours", f"{seconds * 1e3:.2f}"]]
+    print(format_table(["impl", "ms"], rows))
+    write_json(
+        "my_bench",
+        {"machine": machine_info(), "peak": peak},
+        report={"title": "My benchmark", "tables": [{"header": ["impl", "ms"], "rows": rows}]},
+    )
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
 import multiprocessing as mp
 import os
 import platform
 import socket
+import subprocess
 import sys
 import timeit
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,22 +293,239 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
 
 
-def write_json(name: str, payload: dict[str, Any], *, directory: Path | None = None) -> Path:
+def write_json(
+    name: str,
+    payload: dict[str, Any],
+    *,
+    directory: Path | None = None,
+    report: Mapping[str, Any] | None = None,
+) -> Path:
     """Write ``payload`` as indented JSON to ``<directory>/<name>.json``.
 
     Args:
         name: File stem, usually the script's name without ``bench_``.
         payload: JSON-serialisable results (machine info, peaks, rows).
         directory: Where to write; defaults to ``benchmarks/results`` (created if missing).
+        report: Keyword arguments of :func:`report_block`, its ``tables`` those of
+            :func:`report_table` (``header``, ``rows``, ``caption``, ``target_column``): the
+            payload gets the block as ``"report"``, BENCHMARKS.md's section. Left out where
+            ``tables`` is empty (a run that measured nothing to show).
 
     Returns:
         The path written.
     """
+    if report is not None and report.get("tables"):
+        tables = [report_table(**table) for table in report["tables"]]
+        payload = {**payload, "report": report_block(**{**report, "tables": tables})}
     directory = RESULTS_DIR if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+# -- report blocks: what BENCHMARKS.md shows ------------------------------------------------------
+#
+# A results file's "report" key holds one section of BENCHMARKS.md, which benchmarks/report.py
+# renders (it reads nothing else of the file):
+#
+#   title     the section's heading
+#   source    "measured" (written by a script), or where the figures were copied from
+#   commands  the command line(s) that produced the figures
+#   machine   {"cpu", "cores", "cpu_flags" (the REPORT_FLAGS present; None: not recorded),
+#             "cpu_lacks" (["AVX-512", "AMX"] where absent), "gpu", "gpu_memory_gib"; "note"}
+#   versions  {"python", "torch", and "transformers" and the like where the run used them}
+#   date      YYYY-MM-DD
+#   load      the load average before the run (and at its end where known), or "not recorded"
+#   commit    the checkout measured (optional)
+#   tables    [{"caption", "header", "rows" (strings), "target_column"}], at least one
+#   notes     findings of this run, with their figures (optional)
+
+# The CPU flags named beside a timing (lscpu's spelling): vector widths, the bfloat16/int8 dot
+# products and AMX tiles.
+REPORT_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def parse_lscpu(text: str) -> dict[str, str]:
+    """``lscpu``'s ``Key: value`` lines as a dict (the first of a repeated key wins)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip():
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def lscpu() -> dict[str, str]:
+    """:func:`parse_lscpu` of this machine's ``lscpu``; empty where there is none."""
+    try:
+        done = subprocess.run(["lscpu"], capture_output=True, text=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return parse_lscpu(done.stdout)
+
+
+def report_machine(*, gpu: bool = False, fields: dict[str, str] | None = None) -> dict[str, Any]:
+    """The report block's ``machine``: CPU model, cores and flags from ``lscpu`` (``fields``,
+    default this machine's; /proc/cpuinfo where lscpu is missing), and with ``gpu`` the CUDA
+    device's name and memory."""
+    fields = lscpu() if fields is None else fields
+    flags = fields["Flags"].split() if "Flags" in fields else cpu_flags()
+    cores = fields.get("CPU(s)", "")
+    machine: dict[str, Any] = {
+        "cpu": fields.get("Model name") or cpu_model(),
+        "cores": int(cores) if cores.isdigit() else os.cpu_count(),
+        "cpu_flags": [f for f in REPORT_FLAGS if f in flags] if flags else None,
+        "cpu_lacks": [
+            name
+            for name, prefix in (("AVX-512", "avx512"), ("AMX", "amx"))
+            if not any(f.startswith(prefix) for f in flags)
+        ]
+        if flags
+        else [],
+        "gpu": None,
+    }
+    info = gpu_info() if gpu else None
+    if info is not None:
+        machine["gpu"] = info["name"]
+        machine["gpu_memory_gib"] = info["memory_gib"]
+    return machine
+
+
+def report_versions(packages: Sequence[str] = (), *, gpu: bool = False) -> dict[str, str]:
+    """Python's and torch's versions, and each of ``packages`` that is installed (with ``gpu``,
+    triton's too)."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in [*packages, *(["triton"] if gpu else [])]:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def report_commit() -> str | None:
+    """The checkout this file is in, ``git rev-parse --short HEAD`` (``"... with uncommitted
+    changes"`` when tracked files differ from it); None outside a git checkout."""
+    here = str(Path(__file__).resolve().parent)
+    try:
+        sha = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha} with uncommitted changes" if dirty else sha
+
+
+def report_command() -> str:
+    """This process's command line, the script named relative to the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    root = Path(__file__).resolve().parent.parent
+    name = str(script.relative_to(root)) if script.is_relative_to(root) else sys.argv[0]
+    return " ".join(["python", name, *sys.argv[1:]])
+
+
+def report_load(before: Sequence[float] | None = None, after: Sequence[float] | None = None) -> str:
+    """The one-minute load averages ``before`` and ``after`` the run, as the report shows them."""
+    parts = []
+    if before:
+        parts.append(f"{before[0]:.1f} before the run")
+    if after:
+        parts.append(f"{after[0]:.1f} at its end")
+    return ", ".join(parts) or "not recorded"
+
+
+def report_table(
+    header: Sequence[object],
+    rows: Sequence[Sequence[object]],
+    *,
+    caption: str | None = None,
+    target_column: str | None = None,
+) -> dict[str, Any]:
+    """One table of a report block: every cell a string (``str``; format floats first), every
+    row as long as ``header``; ``target_column`` names the column holding the targets."""
+    head = [str(c) for c in header]
+    body = [[str(c) for c in row] for row in rows]
+    for row in body:
+        if len(row) != len(head):
+            raise ValueError(f"a row of {len(row)} cells under {len(head)} headers: {row}")
+    if target_column is not None and target_column not in head:
+        raise ValueError(f"target column {target_column!r} is not a header: {head}")
+    return {"caption": caption, "header": head, "rows": body, "target_column": target_column}
+
+
+def report_block(
+    title: str,
+    tables: Sequence[dict[str, Any]],
+    *,
+    commands: Sequence[str] | None = None,
+    packages: Sequence[str] = (),
+    gpu: bool = False,
+    load_before: Sequence[float] | None = None,
+    load_after: Sequence[float] | None = None,
+    notes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The ``"report"`` of a results file: one section of BENCHMARKS.md (benchmarks/report.py).
+
+    Machine, versions, date, commit and command are read from this process; the script passes
+    what it measured.
+
+    Args:
+        title: The section's heading.
+        tables: :func:`report_table` results, at least one: the table the script prints.
+        commands: The command lines; default this process's (:func:`report_command`).
+        packages: Distributions besides Python and torch whose versions matter (transformers).
+        gpu: The run timed a CUDA device: name it (and triton's version).
+        load_before: ``os.getloadavg()`` before the run (``machine_info()["load_average"]``
+            taken at the start), where the script recorded it.
+        load_after: ``os.getloadavg()`` at the end.
+        notes: Findings of this run, with their figures (targets met or missed, say).
+
+    Returns:
+        The block, JSON-serialisable.
+    """
+    if not tables:
+        raise ValueError("a report block needs at least one table")
+    block: dict[str, Any] = {
+        "title": title,
+        "source": "measured",
+        "commands": list(commands) if commands is not None else [report_command()],
+        "machine": report_machine(gpu=gpu),
+        "versions": report_versions(packages, gpu=gpu),
+        "date": datetime.date.today().isoformat(),
+        "load": report_load(load_before, load_after),
+    }
+    commit = report_commit()
+    if commit is not None:
+        block["commit"] = commit
+    block["tables"] = list(tables)
+    if notes:
+        block["notes"] = list(notes)
+    return block
 
 
 # -- spawned processes and their memory ------------------------------------------------------------

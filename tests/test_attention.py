@@ -321,28 +321,42 @@ def test_forward_errors(args: tuple, kwargs: dict, error: type, match: str) -> N
         m(*args, **kwargs)
 
 
-def test_moved_names_keep_working_for_a_release_with_a_deprecation_warning() -> None:
-    import multihead.functional
-    import multihead.interop
-    import multihead.layers
-    from multihead import kernels, layer_parts
-    from multihead.layers import TransformerEncoderLayer
+def test_the_names_deprecated_in_0_1_are_gone_in_0_2() -> None:
+    """0.2.0 removed the paths that warned for one release (CHANGELOG.md lists them)."""
+    import importlib
 
-    with pytest.warns(DeprecationWarning, match="moved to multihead.kernels.causal_mask"):
-        assert multihead.functional.causal_mask is kernels.causal_mask
-    with pytest.warns(DeprecationWarning, match="moved to multihead.layer_parts.ACTIVATIONS"):
-        assert multihead.layers.ACTIVATIONS is layer_parts.ACTIVATIONS
-    ref = nn.MultiheadAttention(8, 2, batch_first=True)
-    with pytest.warns(DeprecationWarning, match="use MultiHeadAttention.from_torch"):
-        ours = multihead.interop.mha_from_torch(ref)
-    with pytest.warns(DeprecationWarning, match="use MultiHeadAttention.to_torch"):
-        back = multihead.interop.mha_to_torch(ours)
-    assert torch.equal(back.in_proj_weight, ref.in_proj_weight)
-    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
-    with pytest.warns(DeprecationWarning, match="use TransformerEncoderLayer.from_torch"):
-        converted = multihead.interop.encoder_layer_from_torch(layer)
-    assert isinstance(converted, TransformerEncoderLayer)
-    with pytest.warns(DeprecationWarning, match="use TransformerEncoderLayer.to_torch"):
-        assert isinstance(multihead.interop.encoder_layer_to_torch(converted), type(layer))
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        multihead.functional.nothing  # noqa: B018
+    import multihead.functional
+    import multihead.layers
+    import multihead.observers
+    import multihead.text.tokenization
+    import multihead.training.ddp
+    from multihead.models import generation, lm_io
+
+    for module, name in [
+        (multihead.functional, "causal_mask"),
+        (multihead.layers, "ACTIVATIONS"),
+        (multihead.observers, "run_observers"),
+        (multihead.text.tokenization, "BertBatch"),
+        (multihead.training.ddp, "check_device"),
+        (multihead.training.ddp, "resolve_device"),
+        (generation, "generate"),
+        (lm_io, "save_lm"),
+        (lm_io, "load_lm"),
+        (lm_io, "check_weights"),
+    ]:
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+            getattr(module, name)
+    for gone in ("multihead.interop", "multihead.models.text", "multihead.tokenization"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
+
+
+def test_a_deprecation_warning_from_multihead_s_own_code_fails_the_suite() -> None:
+    """pyproject's filterwarnings turns a DeprecationWarning attributed to a multihead module
+    into an error (one from another package's code stays a warning)."""
+    import warnings
+
+    with pytest.raises(DeprecationWarning, match="old api"):
+        warnings.warn_explicit("old api", DeprecationWarning, "x.py", 1, module="multihead.kernels")
+    with warnings.catch_warnings(record=True):
+        warnings.warn_explicit("old api", DeprecationWarning, "x.py", 1, module="somebody.else")

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention
+from multihead.circuits.attribution import attribution_patching
 from multihead.models import TransformerLM
-from multihead.observe.attribution import attribution_patching
 
 
 def _run(model: nn.Module, inputs: Tensor) -> Any:

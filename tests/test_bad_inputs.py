@@ -38,14 +38,14 @@ from tiny_bert import CONFIG, WORDS, hf_tensors, write_dir  # noqa: E402
 
 import multihead.cli.common as common  # noqa: E402
 import multihead.cli.explain_corpus as corpus_cli  # noqa: E402
-import multihead.explanation as explanation  # noqa: E402
+import multihead.explanation.explaining as explanation  # noqa: E402
 import multihead.viz.fonts as fonts  # noqa: E402
 import multihead.viz.page as page  # noqa: E402
 from multihead import explain  # noqa: E402
 from multihead.cli import main  # noqa: E402
 from multihead.pretrained import load_text_model  # noqa: E402
 from multihead.text import corpus_statistics, head_distances  # noqa: E402
-from multihead.tokenization import TruncationWarning  # noqa: E402
+from multihead.text.tokenization import TruncationWarning  # noqa: E402
 from multihead.training import TrainConfig  # noqa: E402
 from multihead.training.tasks import Task  # noqa: E402
 from multihead.viz.plots import grid_figure, head_figure, save_figure  # noqa: E402

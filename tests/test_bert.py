@@ -27,7 +27,7 @@ from multihead.pretrained import (  # noqa: E402
     minilm,
 )
 from multihead.text import TextModel  # noqa: E402
-from multihead.tokenization import TruncationWarning  # noqa: E402
+from multihead.text.tokenization import TruncationWarning  # noqa: E402
 
 TOL = 1e-5
 MINILM_DIR = Path(minilm_pkg.get_model_path())

@@ -17,9 +17,9 @@ from reference import bert_attentions
 import multihead
 from multihead.cli import main
 from multihead.explanation import DEFAULT_TEXT, explain
-from multihead.explanation_result import Explanation
+from multihead.explanation.result import Explanation
 from multihead.observe import HeadStatistics, head_statistics
-from multihead.tokenization import TruncationWarning
+from multihead.text.tokenization import TruncationWarning
 
 pytestmark = pytest.mark.cpu_only  # the explain CLI and its files, on the CPU
 
@@ -195,7 +195,7 @@ def test_explanation_outputs(default: Explanation, tmp_path: Path) -> None:
 
 
 def test_multihead_explain_is_the_function_after_importing_its_module() -> None:
-    import multihead.explanation as module
+    import multihead.explanation.explaining as module
 
     assert multihead.explain is module.explain  # the module is named apart: no shadowing
     # the default model (MiniLM) is loaded once per process
@@ -248,7 +248,7 @@ def test_cli_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert len(re.findall(r"\S+ \d\.\d\d \(h\d+ \d\.\d\d\)", line)) == 3
         assert re.search(r"\| \[CLS\] \d\.\d\d  \[SEP\] \d\.\d\d$", line)
     assert "most identity-like" in text and "most previous-token-like" in text
-    assert "L0 H2 1.00" in text  # MiniLM's previous-token head
+    assert "L0H2 1.00" in text  # MiniLM's previous-token head
     for name in FILES:
         assert (out / name).is_file() and str(out / name) in text
     assert captured.err.count("Traceback") == 0
@@ -364,12 +364,14 @@ def test_explain_ablate_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     code = main(["explain", "--ablate", "5:11", "--format", "html", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "With L5:H11 zeroed" in out and "sentence embedding: cosine 0.9" in out
-    assert "most important (zeroed: embedding moves):" in out and "L5 H11" in out
+    assert "With L5H11 zeroed" in out and "sentence embedding: cosine 0.9" in out
+    assert "most important (zeroed: embedding moves):" in out and "L5H11" in out
     for bad, message in (
-        ("5", "expected layer:head pairs"),
-        ("a:b", "expected layer:head pairs"),
+        ("5", "expected heads such as L5H11"),
+        ("a:b", "expected heads such as L5H11"),
         ("6:0", "ablate layer index 6 is out of range: there are 6 layers"),
+        ("L6H0", "ablate layer index 6 is out of range: there are 6 layers"),
+        ("L0H1,l0h1", "ablate names a head twice"),
         ("0:12", "ablate head index 12 is out of range: there are 12 heads"),
         ("1:1,1:1", "ablate names a head twice"),
     ):

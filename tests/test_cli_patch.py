@@ -34,7 +34,7 @@ def induction_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _heads(stdout: str) -> list[tuple[int, int, float, float]]:
-    rows = re.findall(r"^  L(\d+) H(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
+    rows = re.findall(r"^  L(\d+)H(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
     return [(int(a), int(b), float(c), float(d)) for a, b, c, d in rows]
 
 
@@ -126,7 +126,7 @@ def test_path_patching_table(
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     rows = re.findall(
-        r"^  L(\d+) H(\d+)\s+L(\d+) H(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$",
+        r"^  L(\d+)H(\d+)\s+L(\d+)H(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$",
         stdout,
         re.MULTILINE,
     )

@@ -184,7 +184,7 @@ def test_corpus_statistics_nan_only_when_nan_for_every_text(model: Any) -> None:
 
 
 def test_corpus_truncation_is_one_warning_naming_corpus_lines(model: Any) -> None:
-    from multihead.tokenization import TruncationWarning
+    from multihead.text.tokenization import TruncationWarning
 
     long = " ".join(["the cat sat on the mat ."] * 3)  # 21 words: over the 12 positions
     texts = ["a dog sat .", long, "the cat", long, "mat ."]

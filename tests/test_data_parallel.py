@@ -33,10 +33,10 @@ import torch.distributed as dist  # noqa: E402
 from spawned_group import run_spawned  # noqa: E402
 from tiny_bert import write_dir  # noqa: E402
 
+from multihead.circuits import patch_heads  # noqa: E402
 from multihead.cli import main  # noqa: E402
 from multihead.distributed import DataParallelGroup  # noqa: E402
 from multihead.models import TransformerLM  # noqa: E402
-from multihead.observe import patch_heads  # noqa: E402
 from multihead.observe.corpus import statistics_over_batches  # noqa: E402
 from multihead.observe.head_metrics import METRICS  # noqa: E402
 from multihead.pretrained import load_text_model  # noqa: E402

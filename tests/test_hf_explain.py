@@ -34,7 +34,7 @@ from multihead.cli import main  # noqa: E402
 from multihead.explanation import explain  # noqa: E402
 from multihead.pretrained import load_text_model  # noqa: E402
 from multihead.text import TextModel  # noqa: E402
-from multihead.tokenization import TruncationWarning  # noqa: E402
+from multihead.text.tokenization import TruncationWarning  # noqa: E402
 
 CORPUS = [
     "The animal didn't cross the street because it was too tired.",
@@ -512,7 +512,7 @@ def test_cli_ablates_a_gpt2_head(saved: dict[str, Path], tmp_path: Path, capsys:
     argv = ["explain", "--model", str(saved["gpt2"]), "--out", str(tmp_path / "o"), "--ablate"]
     assert main([*argv, "1:2", "--format", "png", "--no-importance"]) == 0
     report = capsys.readouterr().out
-    assert "With L1:H2 zeroed" in report and re.search(r"cosine 0\.\d{4} to the clean one", report)
+    assert "With L1H2 zeroed" in report and re.search(r"cosine 0\.\d{4} to the clean one", report)
 
 
 def test_cli_explains_bert_on_multiheads_own_model(

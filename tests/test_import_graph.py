@@ -46,9 +46,7 @@ FLOORS: dict[str, int] = {
     "memory_budget": 1,
     #    and which ranks share out independent items (texts, patched variants), summing results
     "distributed.data_parallel": 1,
-    # 2: any tokenizer's batch (TokenBatch, tokenize, the one word rule); the math once
-    #    (kernels.py) and the Triton kernel (weights_kernel.py imports triton)
-    "tokenization": 2,
+    # 2: the math once (kernels.py) and the Triton kernel (weights_kernel.py imports triton)
     "kernels": 2,
     "weights_kernel": 2,
     # 3: need_weights on CUDA, beside kernels (loads weights_kernel lazily: triton is optional)
@@ -71,35 +69,37 @@ FLOORS: dict[str, int] = {
     #    by name); what layers are built from
     "__init__": 8,
     "layer_parts": 8,
+    #    the model map's types (ModelMap, Site, Block, BlockParts: what layers declare)
+    "sites": 8,
     # 9: encoder/decoder layers and the stack
     "layers": 9,
-    # 10: the door to and from torch.nn
-    "interop": 10,
     # 11: pure modules on the layers: BERT, the LM, generation; ring attention
     "models": 11,
     "distributed": 11,
     # 12: the transformers bridge (the attention function, its mask, sites, loading refusals)
     "hf": 12,
-    # 13: capture, statistics, interventions, importance: tensors in, tensors out, no text
-    "observe": 13,
-    # 14: the text floor: TextModel (a pure model, its tokenizer, pooling), loops over texts
-    "text": 14,
-    # 15: local files -> models: load_text_model, minilm, load_bert
-    "pretrained": 15,
-    # 16: the focus word of an explanation; pictures, the page, the head map
-    "focus": 16,
-    "viz": 16,
-    # 17: head effects (importance, ablation for explain); training (tasks, loop, plots)
-    "head_effects": 17,
-    "training": 17,
-    # 18: the Explanation (pictures, page, files)
-    "explanation_result": 18,
-    # 19: explain()
-    "explanation": 19,
-    # 20: the command line
-    "cli": 20,
-    # 21: python -m multihead
-    "__main__": 21,
+    # 13: model_map(): a model's declared map, or hf's for a transformers model
+    "mapping": 13,
+    # 14: capture, statistics, head distances: seeing heads; tensors in, tensors out, no text
+    "observe": 14,
+    # 15: causing: interventions, importance, patching, path patching, attribution, logit
+    #     attribution (texts only through a text model's own tokenize)
+    "circuits": 15,
+    # 16: the text floor: any tokenizer's batch (TokenBatch, tokenize, the one word rule),
+    #     TextModel (a pure model, its tokenizer, pooling), loops over texts
+    "text": 16,
+    # 17: local files -> models: load_text_model, minilm, load_bert
+    "pretrained": 17,
+    # 18: pictures, the page, the head map
+    "viz": 18,
+    # 19: training (tasks, loop, plots)
+    "training": 19,
+    # 20: explain() and its parts (the Explanation, the focus word, head effects)
+    "explanation": 20,
+    # 21: the command line
+    "cli": 21,
+    # 22: python -m multihead
+    "__main__": 22,
 }
 
 # Third-party packages that may be imported inside a function or under TYPE_CHECKING: the
@@ -538,3 +538,105 @@ if __name__ == "__main__":  # python tests/test_import_graph.py: the report with
         ("lazy", lazy_not_allowed(GRAPH, PACKAGE, OPTIONAL_LAZY)),
     ]:
         print(_report(f"{title}: {len(found)}", found, SRC))
+
+
+# -- one place knows a model ---------------------------------------------------------------------
+
+# What only the two map builders may name (docs/design.md, "One map per model"): transformers'
+# classes, the attributes and config fields its families spell differently, and family names.
+# multihead's own models declare their map; hf/ builds a transformers model's; pretrained/ reads
+# Hugging Face-layout files (config.json) into multihead's BERT; holds_transformers.py is the one
+# check of whether a model comes from transformers at all.
+FAMILY_KNOWLEDGE: frozenset[str] = frozenset(
+    {
+        # transformers classes
+        "PreTrainedModel",
+        "PretrainedConfig",
+        "GradientCheckpointingLayer",
+        "AutoModel",
+        "AutoModelForCausalLM",
+        "AttentionInterface",
+        "ALL_ATTENTION_FUNCTIONS",
+        # attributes and methods of transformers models and configs
+        "get_input_embeddings",
+        "get_output_embeddings",
+        "get_encoder",
+        "base_model",
+        "is_encoder_decoder",
+        "is_decoder",
+        "max_position_embeddings",
+        "n_positions",
+        "n_ctx",
+        "type_vocab_size",
+        "num_key_value_heads",
+        "num_attention_heads",
+        "_attn_implementation",
+        "set_attn_implementation",
+        "use_cache",
+        "name_or_path",
+        "lm_head",
+        "ln_f",
+        "final_layernorm",
+        "variance_epsilon",
+        "attention_dropout",
+        "attn_dropout",
+        "tp_plan",
+        # family names
+        "gpt2",
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "gemma",
+        "t5",
+        "bart",
+        "roberta",
+        "distilbert",
+        "modernbert",
+    }
+)
+MAY_KNOW_FAMILIES = ("hf", "models", "pretrained", "holds_transformers")
+
+
+def family_knowledge(src: Path, package: str) -> list[str]:
+    """Every place outside :data:`MAY_KNOW_FAMILIES` whose code names one of
+    :data:`FAMILY_KNOWLEDGE`: an attribute, a name, an imported name, a keyword argument or a
+    whole string constant (``getattr(m, "ln_f")``); docstrings and messages are prose."""
+    found = []
+    for module, path in modules_of(src, package).items():
+        unit = module.split(".")[1] if "." in module else ""
+        if unit in MAY_KNOW_FAMILIES:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, ast.ImportFrom | ast.Import):
+                names = [alias.name.rpartition(".")[2] for alias in node.names]
+            elif isinstance(node, ast.keyword) and node.arg:
+                names = [node.arg]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]
+            for name in names:
+                if name in FAMILY_KNOWLEDGE:
+                    line = getattr(node, "lineno", 0)
+                    found.append(f"{path.relative_to(src)}:{line}: {name}")
+    return found
+
+
+def test_only_the_map_builders_name_families() -> None:
+    found = family_knowledge(SRC, PACKAGE)
+    assert not found, "family knowledge outside hf/ and the models:\n" + "\n".join(found)
+
+
+def test_the_family_check_sees_a_family_named_outside_the_builders(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "observe").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "observe" / "__init__.py").write_text("")
+    (package / "observe" / "x.py").write_text('def f(m):\n    return getattr(m, "ln_f")\n')
+    (package / "hf.py").write_text("def g(m):\n    return m.ln_f\n")
+    assert family_knowledge(tmp_path, "pkg") == ["pkg/observe/x.py:2: ln_f"]

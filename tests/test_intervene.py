@@ -17,10 +17,11 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
+from multihead.circuits import HeadRecording
 from multihead.models import TransformerLM
 from multihead.models.bert import BertModel
 from multihead.models.bert_config import BertConfig
-from multihead.observe import HeadRecording, attention_modules, capture
+from multihead.observe import attention_modules, capture
 
 intervene = multihead.intervene
 record_heads = multihead.record_heads
@@ -503,7 +504,7 @@ def test_gradient_importance_agrees_with_ablation_in_sign_of_size(device: torch.
 def test_importance_falls_back_and_says_why(
     caplog: pytest.LogCaptureFixture, device: torch.device
 ) -> None:
-    caplog.set_level(logging.INFO, logger="multihead.observe.importance")
+    caplog.set_level(logging.INFO, logger="multihead.circuits.importance")
     lm = _lm(device=device)
     ids = torch.randint(14, (2, 4), device=device)
 

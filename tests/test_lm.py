@@ -258,31 +258,6 @@ def test_generate_refuses_non_finite_temperature_and_bad_sampling_arguments() ->
         lm.generate(ids, -1)
 
 
-def test_the_old_function_paths_still_work_for_a_release_and_warn(
-    tmp_path: Path, device: torch.device
-) -> None:
-    from multihead._files import read_header
-    from multihead.models import generation, lm_io
-
-    lm = _lm(device)
-    ids = torch.randint(V, (2, 3), device=device)
-    with pytest.warns(DeprecationWarning, match=r"generate\(model, \.\.\.\) is deprecated"):
-        out = generation.generate(lm, ids, 4)
-    assert torch.equal(out, lm.generate(ids, 4))
-    with pytest.warns(DeprecationWarning, match=r"use model\.save\(\.\.\.\)"):
-        lm_io.save_lm(lm, tmp_path)
-    with pytest.warns(DeprecationWarning, match=r"use TransformerLM\.load\(\.\.\.\)"):
-        loaded = lm_io.load_lm(TransformerLM, tmp_path, device=device)
-    torch.testing.assert_close(loaded(ids), lm(ids), rtol=0, atol=0)
-    file = tmp_path / "model.safetensors"
-    other = LMConfig(V, E, H, L + 1, F, MAX)
-    with (
-        pytest.warns(DeprecationWarning, match=r"use TransformerLM\.check_weights"),
-        pytest.raises(ValueError, match="it has 3 layers, the file holds 2"),
-    ):
-        lm_io.check_weights(TransformerLM, other, read_header(file).tensors, file)
-
-
 def test_attention_only_blocks_are_the_encoder_layer_without_its_feed_forward() -> None:
     from multihead.layers import TransformerEncoderLayer
 

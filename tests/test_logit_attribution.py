@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 import multihead
+from multihead.circuits.direct_logit_attribution import logit_attribution
 from multihead.models import TransformerLM
-from multihead.observe.direct_logit_attribution import logit_attribution
 
 
 def _lm(device: torch.device, **kw: Any) -> TransformerLM:

@@ -362,19 +362,25 @@ def test_head_statistics_errors() -> None:
 
 
 def test_no_module_shadows_a_public_function() -> None:
-    """Importing every module of multihead.observe leaves its public names the functions (a
-    submodule named like a function would replace it on the package once imported)."""
+    """Importing every module of multihead.observe and multihead.circuits leaves their public
+    names the functions (a submodule named like a function would replace it on the package once
+    imported)."""
     import importlib
     import pkgutil
 
+    import multihead.circuits as circuits
     import multihead.observe as observe
 
-    for info in pkgutil.iter_modules(observe.__path__):
-        importlib.import_module(f"multihead.observe.{info.name}")
-    for name in ("capture", "head_statistics", "intervene", "record_heads", "head_importance"):
-        assert callable(getattr(observe, name)) and not isinstance(
-            getattr(observe, name), type(observe)
-        ), name
+    for package, names in (
+        (observe, ("capture", "head_statistics")),
+        (circuits, ("intervene", "record_heads", "head_importance", "patch_heads")),
+    ):
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+        for name in names:
+            assert callable(getattr(package, name)) and not isinstance(
+                getattr(package, name), type(package)
+            ), name
 
 
 # -- token-identity and Clark et al.'s metrics -------------------------------------------------

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention
+from multihead.circuits.patching import patch_heads
 from multihead.models import TransformerLM
-from multihead.observe.patching import patch_heads
 
 Run = Callable[[nn.Module, Any], Any]
 
@@ -307,7 +307,7 @@ def test_bad_inputs_name_the_argument() -> None:
 
 
 def test_reuse_falls_back_and_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="multihead.observe.patching")
+    caplog.set_level(logging.INFO, logger="multihead.circuits.patching")
     mha = MultiHeadAttention(12, 3).eval()
     x, y = torch.randn(2, 4, 12), torch.randn(2, 4, 12)
 
@@ -326,7 +326,7 @@ def test_head_importance_reuses_transformers_layers(
     """The prefix reuse patch_heads shares with head_importance serves transformers' layers:
     the same scores as full forwards, fewer attention calls; a model run with a cache (the
     default of a causal LM) cannot be reused, which is logged, not warned."""
-    caplog.set_level(logging.INFO, logger="multihead.observe.importance")
+    caplog.set_level(logging.INFO, logger="multihead.circuits.importance")
     model, projections = _hf("gpt2", device)
     ids = torch.randint(50, (2, 6), device=device)
     calls = [0]

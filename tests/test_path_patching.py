@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention
+from multihead.circuits.paths import path_patching
 from multihead.models import TransformerLM
-from multihead.observe.paths import path_patching
 
 VIA = ("q", "k", "v")
 

@@ -39,11 +39,11 @@ from multihead import (  # noqa: E402
     patch_heads,
     path_patching,
 )
+from multihead.circuits.importance import head_importance  # noqa: E402
+from multihead.circuits.steering import intervene, record_heads  # noqa: E402
 from multihead.cli import main  # noqa: E402
 from multihead.head_shard import HeadShard, held_heads  # noqa: E402
-from multihead.observe.importance import head_importance  # noqa: E402
 from multihead.observe.statistics import head_statistics  # noqa: E402
-from multihead.observe.steering import intervene, record_heads  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only  # gloo process groups on the CPU
 

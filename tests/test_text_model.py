@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from multihead.explanation import explain  # noqa: E402
 from multihead.models.bert import BertModel  # noqa: E402
 from multihead.pretrained import load_text_model, minilm  # noqa: E402
 from multihead.text import TextModel  # noqa: E402
-from multihead.tokenization import TokenBatch, word_spans  # noqa: E402
+from multihead.text.tokenization import word_spans  # noqa: E402
 
 MINILM_DIR = Path(minilm_pkg.get_model_path())
 TEXTS = [
@@ -219,29 +218,15 @@ def test_text_model_refuses_what_it_cannot_read(both: dict[str, TextModel]) -> N
         explain("A text.", model=both["multihead"].model)  # type: ignore[arg-type]
 
 
-# -- names kept for one release --------------------------------------------------------------
+# -- what 0.2.0 removed ---------------------------------------------------------------------
 
 
-def test_moved_names_warn_and_still_work(both: dict[str, TextModel]) -> None:
+def test_the_model_attributes_are_no_longer_read_through_the_text_model(
+    both: dict[str, TextModel],
+) -> None:
     model = both["multihead"]
-    with pytest.warns(DeprecationWarning, match=r"model.encoder"):
-        encoder = model.encoder
-    assert encoder is model.model.encoder
-    batch = model.tokenize(TEXTS[:2])
-    hidden = model(batch.input_ids, batch.attention_mask).last_hidden_state
-    with pytest.warns(DeprecationWarning, match="mean_pool is deprecated"):
-        pooled = model.mean_pool(hidden, batch.attention_mask)
-    torch.testing.assert_close(pooled, model.sentence_embedding(hidden, batch.attention_mask))
-    import multihead.models.text as old_text
-
-    with pytest.warns(DeprecationWarning, match=r"multihead.tokenization.TokenBatch"):
-        assert old_text.BertBatch is TokenBatch
-    import multihead.tokenization as tokenization
-
-    with pytest.warns(DeprecationWarning, match=r"TokenBatch"):
-        assert tokenization.BertBatch is TokenBatch
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert model.model.encoder is encoder  # the model's own attributes: no warning
-    with pytest.raises(AttributeError):
-        _ = model.no_such_attribute
+    assert model.model.encoder is not None  # the model's own attribute
+    with pytest.raises(AttributeError, match="encoder"):
+        _ = model.encoder
+    with pytest.raises(AttributeError, match="mean_pool"):
+        _ = model.mean_pool

@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers", reason="the pretrained extra brings tokenizers
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from multihead.tokenization import TruncationWarning, prepare_tokenizer, tokenize  # noqa: E402
+from multihead.text.tokenization import TruncationWarning, prepare_tokenizer, tokenize  # noqa: E402
 
 VOCAB = {"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 4}
 

@@ -556,16 +556,6 @@ def test_a_checkpoint_under_the_old_encoder_names_resumes(tmp_path: Path) -> Non
         assert torch.equal(a, b), name
 
 
-def test_the_device_checks_old_path_still_works_for_a_release_and_warns() -> None:
-    from multihead import devices
-    from multihead.training import ddp
-
-    with pytest.warns(DeprecationWarning, match="use multihead.devices.resolve_device"):
-        assert ddp.resolve_device is devices.resolve_device
-    with pytest.raises(AttributeError, match="has no attribute 'resolve_dtype'"):
-        ddp.resolve_dtype  # noqa: B018
-
-
 def test_the_progress_lines_of_a_resumed_run_estimate_from_its_own_steps(
     monkeypatch, capsys
 ) -> None:

@@ -247,7 +247,7 @@ def test_page_carries_roles_importance_and_the_new_views() -> None:
 
 
 def test_formats_are_one_list_checked_once() -> None:
-    from multihead.explanation_result import Explanation
+    from multihead.explanation.result import Explanation
     from multihead.viz import FORMATS, check_formats
     from multihead.viz.formats import FIGURE_FORMATS
 

@@ -14,7 +14,7 @@ from multihead import functional
 from multihead._lazy import lazy_getattr
 from multihead.attention import MultiHeadAttention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> the module that defines it (imported lazily, on first access)
 _LAZY: dict[str, str] = {
@@ -26,19 +26,21 @@ _LAZY: dict[str, str] = {
     "LearnedPositionalEmbedding": "multihead.positions",
     "KVCache": "multihead.cache",
     "PackedBatch": "multihead.packing",
+    "model_map": "multihead.mapping",
+    "ModelMap": "multihead.sites",
     "capture": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
     "corpus_statistics": "multihead.text.corpus",
     "head_distances": "multihead.text.corpus",
-    "intervene": "multihead.observe.steering",
-    "record_heads": "multihead.observe.steering",
-    "head_importance": "multihead.observe.importance",
-    "patch_heads": "multihead.observe.patching",
-    "attribution_patching": "multihead.observe.attribution",
-    "path_patching": "multihead.observe.paths",
-    "logit_attribution": "multihead.observe.direct_logit_attribution",
-    "LogitAttribution": "multihead.observe.direct_logit_attribution",
-    "explain": "multihead.explanation",
+    "intervene": "multihead.circuits.steering",
+    "record_heads": "multihead.circuits.steering",
+    "head_importance": "multihead.circuits.importance",
+    "patch_heads": "multihead.circuits.patching",
+    "attribution_patching": "multihead.circuits.attribution",
+    "path_patching": "multihead.circuits.paths",
+    "logit_attribution": "multihead.circuits.direct_logit_attribution",
+    "LogitAttribution": "multihead.circuits.direct_logit_attribution",
+    "explain": "multihead.explanation",  # the package re-exports it
     "TextModel": "multihead.text.model",
     "load_text_model": "multihead.pretrained.text_loader",
     "minilm": "multihead.pretrained.text_loader",
@@ -48,6 +50,8 @@ _SUBMODULES = (
     "pretrained",
     "distributed",
     "observe",
+    "circuits",
+    "explanation",
     "text",
     "viz",
     "training",

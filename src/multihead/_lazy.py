@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,26 +20,5 @@ def lazy_getattr(package: str, names: Mapping[str, str]) -> Callable[[str], Any]
             setattr(module, name, value)
             return value
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    return __getattr__
-
-
-def moved_getattr(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module-level ``__getattr__`` for ``module`` serving names that moved to another module.
-
-    ``moved[name]`` is the name's new module. The old path keeps working for one release, with a
-    ``DeprecationWarning`` that names the new one.
-    """
-
-    def __getattr__(name: str) -> Any:
-        if name in moved:
-            warnings.warn(
-                f"{module}.{name} moved to {moved[name]}.{name}: import it from there (the old "
-                f"path goes in the next release)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(importlib.import_module(moved[name]), name)
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__

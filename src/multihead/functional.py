@@ -40,13 +40,8 @@ from torch import Tensor
 
 from multihead import fused_weights, kernels
 from multihead._checks import check_choice, check_mask, check_probability
-from multihead._lazy import moved_getattr
 
 __all__ = ["attention", "combine_masks", "BACKENDS"]
-
-# causal_mask moved to multihead.kernels (the one causal rule, below this module); the old path
-# works for one release, with a DeprecationWarning.
-__getattr__ = moved_getattr(__name__, {"causal_mask": "multihead.kernels"})
 
 Backend = Literal["auto", "sdpa", "math"]
 BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "fused")

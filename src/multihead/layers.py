@@ -19,20 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead._lazy import moved_getattr
 from multihead.attention import AttentionCache, MultiHeadAttention
 from multihead.layer_parts import FeedForward, build_parts, check_layer_input
 from multihead.packing import PackedBatch
+from multihead.sites import BlockParts
 
 __all__ = [
     "TransformerEncoderLayer",
     "TransformerEncoder",
     "TransformerDecoderLayer",
 ]
-
-# ACTIVATIONS lives in multihead.layer_parts (beside FeedForward, which is imported from there);
-# this path works for one release, with a DeprecationWarning.
-__getattr__ = moved_getattr(__name__, {"ACTIVATIONS": "multihead.layer_parts"})
 
 
 class LayerCaches(Protocol):
@@ -70,6 +66,9 @@ class TransformerEncoderLayer(nn.Module):
         >>> layer(torch.randn(2, 10, 64)).shape
         torch.Size([2, 10, 64])
     """
+
+    # the model map reads it (multihead.sites): where the block writes into the residual stream
+    block_parts = BlockParts(attention="self_attn", mlp="ff")
 
     norm_first: bool
     self_attn: MultiHeadAttention
@@ -249,6 +248,9 @@ class TransformerDecoderLayer(nn.Module):
     Submodules: ``self_attn``, ``cross_attn`` (:class:`MultiHeadAttention`), ``ff``, ``norm1``,
     ``norm2``, ``norm3``, ``dropout1``..``dropout3``.
     """
+
+    # the model map reads it (multihead.sites): where the block writes into the residual stream
+    block_parts = BlockParts(attention="self_attn", mlp="ff")
 
     norm_first: bool
     self_attn: MultiHeadAttention

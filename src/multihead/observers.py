@@ -21,8 +21,8 @@ out)`` the observers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from multihead.head_shard import HeadShard
 
 __all__ = [
+    "registered",
+    "Removable",
     "AttentionCall",
     "AttentionObserver",
     "ObservableAttention",
@@ -306,18 +308,29 @@ class ObservableAttention(Protocol):
     def register_qkv_editor(self, fn: QKVEditor) -> ObserverHandle: ...
 
 
-def run_observers(
-    observers: Iterable[AttentionObserver], call: AttentionCall, out: Tensor
-) -> Tensor:
-    """Deprecated: run ``observers`` on ``out`` as :meth:`Observers.run` does (goes in the next
-    release; attention modules keep their observers in an :class:`Observers`)."""
-    warnings.warn(
-        "multihead.observers.run_observers is deprecated: register observers on an Observers "
-        "container and call its run(call, out)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    chain = Observers()
-    for fn in observers:
-        chain.register(fn)
-    return chain.run(call, out)
+class Removable(Protocol):
+    """A registration's handle: :class:`ObserverHandle`, or torch's hook handle."""
+
+    def remove(self) -> None: ...
+
+
+@contextlib.contextmanager
+def registered(handles: Iterable[Removable]) -> Iterator[list[Removable]]:
+    """Make registrations on many sites and remove them all on exit: the one loop every
+    observe and circuit function uses.
+
+    ``handles`` is consumed inside the block, so a generator that registers as it goes
+    (``site.register_observer(fn) for ...``) leaves nothing behind when one of its
+    registrations fails (a transformers model that will not switch) or the body raises.
+
+    Yields:
+        The handles, in registration order.
+    """
+    made: list[Removable] = []
+    try:
+        for handle in handles:
+            made.append(handle)
+        yield made
+    finally:
+        for handle in reversed(made):
+            handle.remove()

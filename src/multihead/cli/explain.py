@@ -30,8 +30,9 @@ from multihead.cli.common import (
 )
 from multihead.cli.explain_corpus import run_corpus
 from multihead.explanation import explain
-from multihead.explanation_result import Explanation
+from multihead.explanation.result import Explanation
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
+from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 
@@ -82,8 +83,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--ablate",
         type=_heads,
-        metavar="L:H[,L:H...]",
-        help="also run the text with these heads zeroed (layer:head, 0-based) and show what "
+        metavar="LxHy[,LxHy...]",
+        help="also run the text with these heads zeroed (L5H11: layer 5, head 11, 0-based) and "
+        "show what "
         "changes: the focus token's top words and the sentence embedding's cosine to the clean "
         "one",
     )
@@ -138,17 +140,16 @@ def register(subparsers: Any) -> None:
 
 
 def _heads(text: str) -> list[tuple[int, int]]:
-    """ "5:11,0:2" -> [(5, 11), (0, 2)] (argparse type: a ValueError becomes a one-line error)."""
+    """ "L5H11,L0H2" -> [(5, 11), (0, 2)] (argparse type: a ValueError becomes a one-line
+    error); the layer:head form of 0.1 ("5:11") is read too."""
     pairs = []
     for item in text.split(","):
         layer, sep, head = item.strip().partition(":")
         try:
-            if not sep:
-                raise ValueError
-            pairs.append((int(layer), int(head)))
-        except ValueError:
+            pairs.append((int(layer), int(head)) if sep else parse_head("--ablate", item))
+        except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(
-                f"expected layer:head pairs such as 5:11 or 0:2,5:11, got {text!r}"
+                f"expected heads such as L5H11 or L0H2,L5H11 (layer 5, head 11), got {text!r}"
             ) from None
     return pairs
 
@@ -275,13 +276,15 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     if not ex.causal:  # a causal head cannot look at the next token: always 0
         metrics.append(("next_token", "most next-token-like"))
     for metric, label in metrics:
-        best = ", ".join(f"L{layer} H{head} {v:.2f}" for layer, head, v in stats.top(metric, 3))
+        best = ", ".join(
+            f"{head_label(layer, head)} {v:.2f}" for layer, head, v in stats.top(metric, 3)
+        )
         print(f"  {label + ':':44s}{best}")
     if ex.importance is not None:
         order = ex.importance.flatten().argsort(descending=True)[:3].tolist()
         n = ex.importance.shape[1]
         flat = ex.importance.flatten()
-        best = ", ".join(f"L{i // n} H{i % n} {float(flat[i]):.3f}" for i in order)
+        best = ", ".join(f"{head_label(i // n, i % n)} {float(flat[i]):.3f}" for i in order)
         print(f"  {'most important (zeroed: embedding moves):':44s}{best}")
     if ex.ablation is not None and ex.ablated_top_words is not None:
         _print_ablation(ex)
@@ -293,7 +296,7 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
 
 def _print_ablation(ex: Explanation) -> None:
     assert ex.ablation is not None and ex.ablated_top_words is not None
-    zeroed = ", ".join(f"L{layer}:H{head}" for layer, head in ex.ablation.heads)
+    zeroed = ", ".join(head_label(layer, head) for layer, head in ex.ablation.heads)
     print()
     print(f"With {zeroed} zeroed (clean -> ablated top word of {ex.focus_token!r}):")
     for clean, ablated in zip(ex.top_words, ex.ablated_top_words, strict=True):

@@ -42,6 +42,7 @@ from multihead.memory_budget import format_bytes
 from multihead.observe.head_distance import HeadMap
 from multihead.observe.head_metrics import BROAD, ROLES
 from multihead.observe.head_summary import HeadStatistics
+from multihead.sites import head_label
 from multihead.text.corpus import Progress, corpus_statistics, head_distances
 from multihead.training.ddp import World, world_size
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
@@ -330,7 +331,9 @@ def _print_summary(
         "(s - c) / (1 - c); broad: entropy):"
     )
     for role, members in role_members(stats).items():
-        cells = ", ".join(f"L{layer}H{head} {score:.2f}" for layer, head, score in members[:_SHOWN])
+        cells = ", ".join(
+            f"{head_label(layer, head)} {score:.2f}" for layer, head, score in members[:_SHOWN]
+        )
         if len(members) > _SHOWN:  # the JSON file has them all
             cells += f", … {len(members) - _SHOWN} more"
         print(f"  {role + f' ({len(members)})':22s}{cells}")

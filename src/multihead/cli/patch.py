@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 import multihead
+from multihead.circuits.patching import DIRECTIONS
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
@@ -41,7 +41,7 @@ from multihead.cli.common import (
     torchrun_world,
 )
 from multihead.cli.patch_experiment import PatchExperiment
-from multihead.observe.patching import DIRECTIONS
+from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
@@ -217,13 +217,15 @@ def _patch(
 
 
 def _head_names(flag: str, names: list[str]) -> list[tuple[int, int]]:
-    """``L0H1``-style names as (layer, head) pairs."""
+    """Heads written as ``L0H1`` (the one notation) as (layer, head) pairs."""
     heads = []
     for name in names:
-        match = re.fullmatch(r"[Ll](\d+)\s*[Hh](\d+)", name.strip())
-        if match is None:
-            raise CLIError(f"{flag} takes heads such as L0H1 (layer 0, head 1), got {name!r}")
-        heads.append((int(match[1]), int(match[2])))
+        try:
+            heads.append(parse_head(flag, name))
+        except TypeError:
+            raise CLIError(
+                f"{flag} takes heads such as L0H1 (layer 0, head 1), got {name!r}"
+            ) from None
     return heads
 
 
@@ -253,7 +255,7 @@ def _report(
     print(f"  {'head':8s}{'patched - unpatched':>22s}{'attribution estimate':>24s}")
     for layer, head in top:
         effect, estimate = float(effects[layer, head]), float(estimates[layer, head])
-        print(f"  L{layer} H{head:<5d}{effect:>22.3f}{estimate:>24.3f}")
+        print(f"  {head_label(layer, head):8s}{effect:>22.3f}{estimate:>24.3f}")
 
 
 def _report_paths(
@@ -266,7 +268,8 @@ def _report_paths(
     for i, (sl, sh) in enumerate(senders):
         for j, (rl, rh) in enumerate(receivers):
             q, k, v = (float(x) for x in table[i, j])
-            print(f"  L{sl} H{sh:<5d}L{rl} H{rh:<6d}{q:>10.3f}{k:>10.3f}{v:>10.3f}")
+            sender, receiver = head_label(sl, sh), head_label(rl, rh)
+            print(f"  {sender:9s}{receiver:10s}{q:>10.3f}{k:>10.3f}{v:>10.3f}")
 
 
 def _write(
@@ -295,7 +298,7 @@ def _write(
         ),
         "positions": effects_figure(
             positions[[layer for layer, _ in top], [head for _, head in top]],
-            [f"L{layer} H{head}" for layer, head in top],
+            [head_label(layer, head) for layer, head in top],
             experiment.tokens,
             title=f"Top heads, patched one position at a time ({direction})",
             label=label,
@@ -325,7 +328,16 @@ def _page_inputs(experiment: PatchExperiment) -> tuple[Any, Any]:
     with torch.no_grad(), multihead.capture(experiment.model) as rec:
         experiment.run(first)
     weights = torch.stack([w[0] for w in rec.weights])  # (L, H, T, T)
-    return weights, multihead.head_statistics(experiment.model, first)
+    if not isinstance(first, dict):
+        return weights, multihead.head_statistics(experiment.model, first)
+    # keyword inputs (a text model's ids and mask): the ids first, the rest as they are
+    rest = {k: v for k, v in first.items() if k != "input_ids"}
+    mask = rest.get("attention_mask")
+    valid = mask.bool() if isinstance(mask, torch.Tensor) else None
+    stats = multihead.head_statistics(
+        experiment.model, first["input_ids"], valid_mask=valid, **rest
+    )
+    return weights, stats
 
 
 def _page(

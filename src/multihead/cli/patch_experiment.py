@@ -8,18 +8,19 @@ Errors a user can fix are :class:`~multihead.cli.common.CLIError`.
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from multihead.cli.common import CLIError, printable
 from multihead.devices import DTYPES
 from multihead.models import TransformerLM
-from multihead.pretrained.text_loader import locate_model, read_tokenizer
-from multihead.tokenization import prepare_tokenizer, tokenize
+from multihead.pretrained.text_loader import check_text_model_files, load_text_model
+from multihead.text.tokenization import TruncationWarning
 from multihead.training import load_run
 from multihead.training.induction_pair import induction_pair
 
@@ -169,77 +170,59 @@ def _from_checkpoint(args: argparse.Namespace, device: Any) -> PatchExperiment:
     )
 
 
-class _Prompts(NamedTuple):
-    """What ``--model``'s texts say, read before the model is built."""
-
-    given: str  # the directory or name as the user wrote it
-    directory: Path
-    name: str
-    clean: list[int]
-    corrupt: list[int]
-    answer: int
-    wrong: int | None
-    tokens: list[str]  # the clean text's tokens shown as the text writes them
-
-
-def _read_prompts(args: argparse.Namespace) -> _Prompts:
-    """``--model``'s directory and tokenizer, and the texts as its token ids, all checked."""
+def _check_model_dir(args: argparse.Namespace) -> None:
+    """Everything about ``--model`` a process can check before the model is built: the texts
+    are given, and the directory's files (tokenizer, config, the weights' sizes)."""
     if args.clean is None:
         raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
-    given, directory, name = locate_model(args.model)
-    tokenizer = read_tokenizer(directory, given)
-    clean = tokenizer.encode(args.clean).ids
-    corrupt = tokenizer.encode(args.corrupt).ids
-    _same_length(len(clean), len(corrupt))
-
-    def token(flag: str, text: str) -> int:
-        encoding = tokenizer.encode(text, add_special_tokens=False)
-        ids = encoding.ids
-        if len(ids) != 1:
-            raise CLIError(
-                f"{flag} must be one token of the model's vocabulary, got {text!r}: "
-                f"{len(ids)} tokens {encoding.tokens} (a word after a "
-                f"space is often its own token with the space: try {' ' + text.strip()!r})"
-            )
-        return int(ids[0])
-
-    answer = token("--answer", args.answer)
-    wrong = None if args.wrong is None else token("--wrong", args.wrong)
-    # the clean text's tokens shown as the text writes them (the text floor's one rule)
-    shown = tokenize(prepare_tokenizer(tokenizer, pad_id=0), args.clean, max_seq_length=len(clean))
-    tokens = [printable(t) for t in shown.tokens[0]]
-    return _Prompts(given, directory, name, clean, corrupt, answer, wrong, tokens)
-
-
-def _hf_loading() -> Any:
-    try:
-        from multihead.hf import loading
-    except ImportError as e:
-        raise CLIError(f"--model needs transformers: {e}") from None
-    return loading
-
-
-def _check_model_dir(args: argparse.Namespace) -> None:
-    """Everything about ``--model`` a process can check before the model is built."""
-    prompts = _read_prompts(args)
-    _hf_loading().read_config(prompts.directory, prompts.given)
+    check_text_model_files(args.model)
 
 
 def _from_model_dir(args: argparse.Namespace, device: Any) -> PatchExperiment:
-    prompts = _read_prompts(args)  # the texts are checked before the model is loaded
-    model = _hf_loading().load_model(
-        prompts.directory, given=prompts.given, device=device, dtype=args.dtype, causal_lm=True,
+    if args.clean is None:  # the texts are asked for before the model is loaded
+        raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
+    # the one loader: its tokenizer (padding and truncation neutralised, every id checked
+    # against the embedding), the model's position limit, its language-model head
+    text_model = load_text_model(
+        args.model, head="lm", device=device, dtype=args.dtype,
         tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
-    device = next(model.parameters()).device  # where the model (a rank's slice) lives
+    limit = text_model.max_seq_length
+    batches = []
+    for flag, text in (("--clean", args.clean), ("--corrupt", args.corrupt)):
+        if not text.strip():
+            raise CLIError(f"{flag} must hold at least one token, got a text that gives none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TruncationWarning)
+            try:
+                batches.append(text_model.tokenize(text))
+            except TruncationWarning:
+                raise CLIError(
+                    f"{flag} is longer than the {limit} tokens {text_model.name} takes"
+                ) from None
+    clean, corrupt = batches
+    _same_length(int(clean.attention_mask.sum()), int(corrupt.attention_mask.sum()))
+
+    def token(flag: str, text: str) -> int:
+        ids = text_model.token_ids(text)
+        if len(ids) != 1:
+            raise CLIError(
+                f"{flag} must be one token of the model's vocabulary, got {text!r}: "
+                f"{len(ids)} tokens (a word after a space is often its own token with the "
+                f"space: try {' ' + text.strip()!r})"
+            )
+        return ids[0]
+
+    answer = token("--answer", args.answer)
+    wrong = None if args.wrong is None else token("--wrong", args.wrong)
     return PatchExperiment(
-        model,
-        printable(prompts.name),
-        torch.tensor([prompts.clean], device=device),
-        torch.tensor([prompts.corrupt], device=device),
-        _last_token_metric(prompts.answer, prompts.wrong),
+        text_model,
+        printable(text_model.name),
+        {"input_ids": clean.input_ids, "attention_mask": clean.attention_mask},
+        {"input_ids": corrupt.input_ids, "attention_mask": corrupt.attention_mask},
+        _last_token_metric(answer, wrong),
         _last_token_words(args.answer, args.wrong),
-        prompts.tokens,
+        [printable(t) for t in clean.tokens[0]],
     )
 
 

@@ -4,7 +4,7 @@
 items needing no communication while they run (each text's forward is its own), then combine
 what they summed, so that every rank ends with what one process running every item would have.
 The loops that use it (``multihead.text.corpus_statistics``, ``head_distances``,
-``multihead.observe.patch_heads``) call :meth:`DataParallelGroup.of` to learn whether to split:
+``multihead.circuits.patch_heads``) call :meth:`DataParallelGroup.of` to learn whether to split:
 
 - no process group initialised, a group of one rank, or a model whose parameters are sharded
   over ranks of the group (``DTensor`` parameters: tensor parallelism, FSDP; such a model's

@@ -33,6 +33,8 @@ which lived here before, are that class and that function.
 
 from __future__ import annotations
 
+from multihead.hf.families import transformers_map
+
 # importing forward registers "multihead" and its mask function in transformers
 from multihead.hf.forward import NAME, attention_forward, mask_function
 from multihead.hf.sites import AttentionSite, attention_sites, routed, uses_transformers
@@ -44,6 +46,7 @@ __all__ = [
     "attention_sites",
     "mask_function",
     "routed",
+    "transformers_map",
     "uses_transformers",
 ]
 

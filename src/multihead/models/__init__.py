@@ -1,8 +1,6 @@
 """Models built from multihead's layers, pure modules (ids in, hidden states or logits out): a BERT
 encoder (``bert``) and a small causal LM (``lm``). Nothing here reads text or checkpoints of other
-libraries: that is :mod:`multihead.text` and :mod:`multihead.pretrained`, above this package.
-(``BertBatch``, the tokenizer's batch, is :class:`multihead.tokenization.TokenBatch`: the name is
-kept here, deprecated, for one release.)"""
+libraries: that is :mod:`multihead.text` and :mod:`multihead.pretrained`, above this package."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from multihead._lazy import lazy_getattr
 _LAZY: dict[str, str] = {
     "BertModel": "multihead.models.bert",
     "BertConfig": "multihead.models.bert_config",
-    "BertBatch": "multihead.tokenization",
     "TransformerLM": "multihead.models.lm",
     "LMConfig": "multihead.models.lm_config",
 }

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from multihead.attention import AttentionCache, MultiHeadAttention
 from multihead.layer_parts import build_parts, check_layer_input
+from multihead.sites import BlockParts
 
 __all__ = ["AttentionOnlyBlock"]
 
@@ -31,6 +32,9 @@ class AttentionOnlyBlock(nn.Module):
         embed_dim, num_heads, num_kv_heads, dropout, norm_first, device, dtype: as for
             :class:`~multihead.layers.TransformerEncoderLayer`.
     """
+
+    # the model map reads it (multihead.sites): only attention writes into the residual stream
+    block_parts = BlockParts(attention="self_attn", mlp=None)
 
     norm_first: bool
     self_attn: MultiHeadAttention

@@ -35,6 +35,7 @@ from multihead.layers import TransformerEncoder, TransformerEncoderLayer
 from multihead.models.bert_config import BertConfig
 from multihead.packing import PackedBatch
 from multihead.positions import LearnedPositionalEmbedding
+from multihead.sites import ModelMap
 
 __all__ = ["BertModel", "BertOutput", "BertEmbeddings"]
 
@@ -188,6 +189,21 @@ class BertModel(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding (vocab_size, E), by the name torch and Hugging Face models use."""
         return self.embeddings.word
+
+    def build_model_map(self) -> ModelMap:
+        """Its :class:`~multihead.sites.ModelMap` (read through :func:`multihead.model_map`):
+        post-LN encoder layers (no final norm, no unembedding), word, position and token-type
+        embeddings, not causal, ``max_position_embeddings`` positions."""
+        e = self.embeddings
+        return ModelMap.of_modules(
+            self,
+            family="bert",
+            embeddings=(e.word, e.position, e.token_type),
+            width=self.config.hidden_size,
+            causal=False,
+            position_limit=self.config.max_position_embeddings,
+            token_types=self.config.type_vocab_size > 0,
+        )
 
     # -- forward --------------------------------------------------------------------------------
 

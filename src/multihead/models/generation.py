@@ -6,9 +6,6 @@ The loop itself is :meth:`TransformerLM.generate <multihead.models.TransformerLM
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -47,15 +44,3 @@ def pick(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def generate(model: Any, ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
-    """Deprecated: :meth:`TransformerLM.generate <multihead.models.TransformerLM.generate>`."""
-    warnings.warn(
-        "multihead.models.generation.generate(model, ...) is deprecated and will be removed in "
-        "the next release: use model.generate(...)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    out: Tensor = model.generate(ids, max_new_tokens, **kwargs)
-    return out

@@ -43,6 +43,7 @@ from multihead.models.generation import pick, prompt_positions
 from multihead.models.lm_config import LMConfig
 from multihead.models.lm_io import CONFIG_NAME, WEIGHTS_NAME
 from multihead.positions import LearnedPositionalEmbedding
+from multihead.sites import ModelMap
 
 __all__ = ["TransformerLM"]
 
@@ -191,6 +192,21 @@ class TransformerLM(nn.Module):
                 f"{name} must lie in [0, vocab_size={self.config.vocab_size}), got values in "
                 f"[{int(ids.min())}, {int(ids.max())}]"
             )
+
+    def build_model_map(self) -> ModelMap:
+        """Its :class:`~multihead.sites.ModelMap` (read through :func:`multihead.model_map`):
+        blocks and heads, the token and position embeddings, the final norm (None when
+        post-LN) and the unembedding ``head``; causal; ``max_len`` positions."""
+        return ModelMap.of_modules(
+            self,
+            family="TransformerLM",
+            embeddings=(self.token_embedding, self.position_embedding),
+            final_norm=self.norm,
+            unembedding=self.head,
+            width=self.config.embed_dim,
+            causal=True,
+            position_limit=self.config.max_len,
+        )
 
     def forward(
         self,

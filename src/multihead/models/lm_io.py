@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -158,39 +157,3 @@ def read_weights(file: Path, *, device: torch.device | str | None = None) -> dic
             f"run that wrote them diverged"
         )
     return tensors
-
-
-# -- deprecated: functions that took the model (or its class); they are its methods now --------
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"multihead.models.lm_io.{old} is deprecated and will be removed in the next release: "
-        f"use {new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-def save_lm(
-    model: Any, directory: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None
-) -> Path:
-    """Deprecated: :meth:`TransformerLM.save <multihead.models.TransformerLM.save>`."""
-    _deprecated("save_lm(model, ...)", "model.save(...)")
-    path: Path = model.save(directory, extra=extra)
-    return path
-
-
-def load_lm(
-    cls: Any, directory: str | os.PathLike[str], *, device: torch.device | str | None = None
-) -> Any:
-    """Deprecated: :meth:`TransformerLM.load <multihead.models.TransformerLM.load>`."""
-    _deprecated("load_lm(cls, ...)", "TransformerLM.load(...)")
-    return cls.load(directory, device=device)
-
-
-def check_weights(cls: Any, config: LMConfig, found: Mapping[str, Any], file: Path) -> None:
-    """Deprecated: :meth:`TransformerLM.check_weights
-    <multihead.models.TransformerLM.check_weights>`."""
-    _deprecated("check_weights(cls, ...)", "TransformerLM.check_weights(...)")
-    cls.check_weights(config, found, file)

@@ -1,13 +1,12 @@
-"""Observe and steer attention through MultiHeadAttention's one observer channel.
+"""See attention through MultiHeadAttention's one observer channel.
 
 ``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads
 (``statistics_over_batches`` over many token batches; ``head_distances_over_batches`` maps heads
 by how alike they attend; the loops over texts, ``corpus_statistics`` and ``head_distances``, are
 :mod:`multihead.text`'s: nothing here reads text);
-``intervene`` ablates, scales or patches heads, ``record_heads`` records their outputs and
-``head_importance`` scores them; ``patch_heads`` finds the heads that carry what differs between
-two inputs, ``path_patching`` through which later head's queries, keys or values. Everything here
-is an observer (:meth:`multihead.MultiHeadAttention.register_observer`) or a q/k/v editor.
+steering heads and finding the ones a behaviour runs through (``intervene``, ``patch_heads``,
+...) is :mod:`multihead.circuits`, one floor up. Everything here is an observer
+(:meth:`multihead.MultiHeadAttention.register_observer`).
 """
 
 from __future__ import annotations
@@ -25,15 +24,6 @@ _LAZY: dict[str, str] = {
     "head_distances_over_batches": "multihead.observe.head_distance",
     "HeadMap": "multihead.observe.head_distance",
     "attention_modules": "multihead.observe.rows",
-    "intervene": "multihead.observe.steering",
-    "record_heads": "multihead.observe.steering",
-    "HeadRecording": "multihead.observe.steering",
-    "head_importance": "multihead.observe.importance",
-    "patch_heads": "multihead.observe.patching",
-    "attribution_patching": "multihead.observe.attribution",
-    "path_patching": "multihead.observe.paths",
-    "logit_attribution": "multihead.observe.direct_logit_attribution",
-    "LogitAttribution": "multihead.observe.direct_logit_attribution",
 }
 
 __all__ = list(_LAZY)

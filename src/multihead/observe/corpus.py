@@ -4,7 +4,7 @@
 on each batch (chunked as always: no head's (T, T) matrix is held) and averages each metric over
 the texts. The batches come from above, already tokenized (any object with ``input_ids``,
 ``attention_mask`` and, optionally, ``token_type_ids``, ``special_mask`` and ``tokens``, such as a
-:class:`~multihead.tokenization.TokenBatch`): this package reads no text.
+:class:`~multihead.text.tokenization.TokenBatch`): this package reads no text.
 :func:`multihead.text.corpus_statistics` is the loop over texts. With ``split`` (a
 :class:`~multihead.distributed.DataParallelGroup`) each rank passes the batches of its own texts
 and every rank gets the statistics of all of them.

@@ -34,6 +34,7 @@ from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import FLOAT32_BYTES
 from multihead.observe.corpus import BatchBytes, chosen_size
 from multihead.observe.recorder import capture
+from multihead.sites import head_label
 
 __all__ = [
     "js_distance",
@@ -156,7 +157,7 @@ class HeadMap:
 
     def names(self) -> list[str]:
         """ "L{l}H{h}" for each of the N heads, in order."""
-        return [f"L{layer}H{head}" for layer in self.layers for head in self.heads]
+        return [head_label(layer, head) for layer in self.layers for head in self.heads]
 
 
 def distances_batch_bytes(

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from multihead.observe.rows import Rows, observe_rows, row_values
 from multihead.observers import AttentionCall
+from multihead.sites import HeadName
 
 __all__ = ["capture", "Recorder", "CapturedAttention"]
 
@@ -93,7 +94,7 @@ def capture(
     model: nn.Module,
     *,
     layers: int | Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | Sequence[HeadName] | None = None,
     rows: Rows = None,
     device: torch.device | str | None = None,
     chunk_size: int | None = None,
@@ -109,8 +110,10 @@ def capture(
     Args:
         model: any module; every MultiHeadAttention inside it, in module order, is a "layer".
         layers: which of those to record (ints, negative from the end), default all.
-        heads: which query heads, default all. Grouped-query heads are handled (head h reads
-            key/value head h // (H // Hk)).
+        heads: which query heads, default all: head indices (the same in every chosen layer),
+            or heads named with their layers, ``"L0H1"`` or ``(0, 1)`` (then each of their
+            layers records its own heads, and ``layers`` must be None). Grouped-query heads
+            are handled (head h reads key/value head h // (H // Hk)).
         rows: which query rows: an int, ints, a slice, or None for all (negative from the end).
         device: where to keep the weights (e.g. ``"cpu"``); default the model's device.
         chunk_size: compute the weights this many rows at a time, bounding the temporaries;

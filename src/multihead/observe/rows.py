@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from multihead import functional, kernels
-from multihead._checks import check_indices, check_optional_positive_int
-from multihead.attention import MultiHeadAttention
-from multihead.holds_transformers import holds_transformers
-from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention
+from multihead._checks import check_index, check_indices, check_optional_positive_int
+from multihead.mapping import model_map
+from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention, registered
+from multihead.sites import HeadName, is_head, parse_head
 
 __all__ = [
     "attention_modules",
@@ -37,23 +38,28 @@ def _device_of(site: ObservableAttention) -> torch.device | None:
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
-    """Every observable attention site in ``model``, in module order (= layer order).
+    """Every observable attention site in ``model``, in module order (= layer order): the
+    sites of its :func:`multihead.model_map`.
 
-    A site is a :class:`MultiHeadAttention`, or, in a Hugging Face transformers model, an
-    attention module routed through transformers' ``AttentionInterface``
-    (:func:`multihead.hf.attention_sites`: the model runs on ``attn_implementation="multihead"``
-    while observers are registered). Both offer the same observer channel.
+    A site is a :class:`~multihead.MultiHeadAttention`, or, in a Hugging Face transformers
+    model, an attention module routed through transformers' ``AttentionInterface`` (the model
+    runs on ``attn_implementation="multihead"`` while observers are registered). Both offer
+    the same observer channel.
 
     Returns:
         ``(qualified_name, site)`` pairs; the model itself comes first if it is one.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if holds_transformers(model):
-        from multihead import hf  # only here: transformers is an optional extra
+    return [(s.name, s.attention) for s in model_map(model).sites]
 
-        return list(hf.attention_sites(model))
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+
+def _head_pairs(heads: object) -> list[tuple[int, int]] | None:
+    """``heads`` as (layer, head) pairs when it names heads with their layers (``"L0H1"`` or
+    ``(0, 1)`` items), else None (plain head indices, or None)."""
+    if heads is None or isinstance(heads, (int, str, Tensor)) or not isinstance(heads, Sequence):
+        return [parse_head("heads", heads)] if isinstance(heads, str) else None
+    if not heads or not any(is_head(item) for item in heads):
+        return None
+    return [parse_head("heads item", item) for item in heads]
 
 
 def row_values(rows: Rows, t: int) -> list[int]:
@@ -249,7 +255,7 @@ def observe_rows(
     model: nn.Module,
     *,
     layers: int | Sequence[int] | None,
-    heads: int | Sequence[int] | None,
+    heads: int | Sequence[int] | Sequence[HeadName] | None,
     rows: Rows,
     chunk_size: int | None,
     consume: Consumer,
@@ -270,13 +276,32 @@ def observe_rows(
             f"capture records only attention built from multihead's modules (or a transformers "
             f"model, through multihead.hf)"
         )
-    layer_ids = check_indices("layers", layers, len(found), "attention layers")
-    # a layer named twice is observed once
-    chosen = list(range(len(found))) if layer_ids is None else list(dict.fromkeys(layer_ids))
     slots: list[tuple[int, str, list[int] | None]] = []
-    for layer in chosen:
-        name, mha = found[layer]
-        slots.append((layer, name, check_indices("heads", heads, mha.num_heads, "heads")))
+    pairs = _head_pairs(heads)
+    if pairs is not None:  # heads named with their layers ("L0H1" or (0, 1)): per layer
+        if layers is not None:
+            raise ValueError(
+                f"layers must be None when heads name their layers ('L0H1' or (layer, head) "
+                f"pairs), got layers={layers!r}"
+            )
+        by_layer: dict[int, list[int]] = {}
+        for layer, head in pairs:
+            layer = check_index(f"heads item L{layer}H{head}: layer", layer, len(found), "layers")
+            name, mha = found[layer]
+            head = check_index(f"heads item L{layer}H{head}: head", head, mha.num_heads, "heads")
+            by_layer.setdefault(layer, [])
+            if head not in by_layer[layer]:
+                by_layer[layer].append(head)
+        for layer in sorted(by_layer):
+            slots.append((layer, found[layer][0], sorted(by_layer[layer])))
+    else:
+        layer_ids = check_indices("layers", layers, len(found), "attention layers")
+        # a layer named twice is observed once
+        chosen = list(range(len(found))) if layer_ids is None else list(dict.fromkeys(layer_ids))
+        for layer in chosen:
+            name, mha = found[layer]
+            indices = cast("int | Sequence[int] | None", heads)  # no head named with its layer
+            slots.append((layer, name, check_indices("heads", indices, mha.num_heads, "heads")))
 
     # the causal mask of the chosen rows, (R, S) bool, by (T, S, first row, device): shared by
     # the layers of a block, so a forward builds it once (chunks of rows: one a chunk)
@@ -336,12 +361,8 @@ def observe_rows(
                 gather.to(device)
         return observer
 
-    handles = []
-    try:
-        for slot, (layer, _, head_list) in enumerate(slots):
-            site = found[layer][1]
-            handles.append(site.register_observer(make_observer(slot, site, head_list)))
+    with registered(
+        found[layer][1].register_observer(make_observer(slot, found[layer][1], head_list))
+        for slot, (layer, _, head_list) in enumerate(slots)
+    ):
         yield slots
-    finally:
-        for handle in handles:
-            handle.remove()

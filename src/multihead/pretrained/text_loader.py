@@ -31,9 +31,10 @@ import torch
 from multihead._checks import check_choice, describe, is_int
 from multihead._files import read_json
 from multihead.devices import resolve_device, resolve_dtype
+from multihead.mapping import model_map
 from multihead.pretrained.loader import load_bert
-from multihead.text.model import TextModel, position_limit
-from multihead.tokenization import check_token_ids
+from multihead.text.model import HEADS, TextModel
+from multihead.text.tokenization import check_token_ids
 
 __all__ = [
     "check_text_model_files",
@@ -63,6 +64,7 @@ def load_text_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     tensor_parallel: bool = False,
+    head: Literal["lm"] | None = None,
 ) -> TextModel:
     """A text model (model + tokenizer) from local files only (see the module docstring).
 
@@ -83,6 +85,9 @@ def load_text_model(
         tensor_parallel: split the model over the ranks of ``torch.distributed``'s default group
             by its family's tensor-parallel plan, through transformers
             (:func:`multihead.hf.loading.load_model`; every rank calls this together).
+        head: None, or ``"lm"`` to keep a causal language model's head (through transformers:
+            ``AutoModelForCausalLM``): the text model's forward then gives ``.logits``, which
+            the circuit functions' metrics read (``multihead patch --model``).
 
     Returns:
         A :class:`~multihead.text.TextModel` in eval mode, named after the directory (or the
@@ -105,6 +110,14 @@ def load_text_model(
     """
     if backend is not None:
         check_choice("backend", backend, TEXT_BACKENDS)
+    if head is not None:
+        check_choice("head", head, HEADS)
+        if dir_or_name is None or backend == "multihead":
+            raise ValueError(
+                "head='lm' keeps a causal language model's head, loaded through transformers: "
+                "give a model directory or name, and backend='transformers' or None (multihead's "
+                "own BERT, and the default MiniLM on it, have no language-model head)"
+            )
     where = resolve_device("cpu" if device is None else device)
     resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
     if tensor_parallel and (dir_or_name is None or backend == "multihead"):
@@ -116,7 +129,9 @@ def load_text_model(
     if dir_or_name is None:
         return _default(where, dtype, backend)
     given, directory, name = locate_model(dir_or_name, cache_dir)
-    return _load(directory, given, name, backend, where, dtype, tensor_parallel=tensor_parallel)
+    return _load(
+        directory, given, name, backend, where, dtype, tensor_parallel=tensor_parallel, head=head
+    )
 
 
 def minilm(
@@ -175,11 +190,13 @@ def _load(
     dtype: torch.dtype | str | None,
     *,
     tensor_parallel: bool = False,
+    head: Literal["lm"] | None = None,
 ) -> TextModel:
     config = _config(directory)
     model_type = config.get("model_type", "bert") if isinstance(config, dict) else "bert"
     if backend is None:
-        backend = "transformers" if tensor_parallel or model_type != "bert" else "multihead"
+        through_transformers = tensor_parallel or head is not None or model_type != "bert"
+        backend = "transformers" if through_transformers else "multihead"
     # The files are checked before anything is built: config.json (by the model's loader when
     # it cannot be read), tokenizer.json and its ids against config.json's vocab_size, then the
     # weights' headers against the config.
@@ -196,13 +213,17 @@ def _load(
             ) from e
         model = load_model(
             directory, given=given, device=where, dtype=dtype, stacklevel=4,
-            tensor_parallel=tensor_parallel,
+            tensor_parallel=tensor_parallel, causal_lm=head == "lm",
         )  # fmt: skip
     if tokenizer is None:  # a config.json only the model's loader could read
         tokenizer = read_tokenizer(directory, given)
     try:
         return TextModel(
-            model, tokenizer, name=name, max_seq_length=read_max_seq_length(directory, model)
+            model,
+            tokenizer,
+            name=name,
+            max_seq_length=read_max_seq_length(directory, model),
+            head=head,
         )
     except ValueError as e:
         raise ValueError(f"model {given!r}: {e}") from None
@@ -332,7 +353,7 @@ def read_max_seq_length(directory: Path, model: Any) -> int | None:
         ValueError: a file that is not a JSON object, or a ``max_seq_length`` that is not an int
             in [2, the model's positions].
     """
-    limit = position_limit(model)
+    limit = model_map(model).position_limit
     sbert = directory / "sentence_bert_config.json"
     if sbert.is_file():
         value = _json_object(sbert).get("max_seq_length")

@@ -32,7 +32,7 @@ from multihead.observe.head_distance import (
 )
 from multihead.observe.head_summary import HeadStatistics
 from multihead.text.model import TextModel
-from multihead.tokenization import TokenBatch, TruncationWarning, check_text
+from multihead.text.tokenization import TokenBatch, TruncationWarning, check_text
 
 __all__ = [
     "corpus_statistics",

@@ -5,7 +5,7 @@ Models are pure modules, ids in and hidden states out: multihead's own
 is routed through transformers' AttentionInterface (:mod:`multihead.hf`). A :class:`TextModel`
 adds what reading text needs, the same way for both:
 
-- ``tokenize``: :func:`multihead.tokenization.tokenize` (display tokens as written, one word
+- ``tokenize``: :func:`multihead.text.tokenization.tokenize` (display tokens as written, one word
   rule), cut at ``max_seq_length``;
 - a sentence embedding (``pooling``): the mean over real tokens for encoders, as
   sentence-transformers does; for decoders (``causal``) the last real token's state, the one
@@ -17,11 +17,11 @@ A TextModel is an ``nn.Module`` holding the model as ``model``: :func:`multihead
 ``head_statistics``, ``intervene``, ``record_heads`` and ``head_importance`` take either the
 TextModel or ``text_model.model`` and number the same layers.
 
-Layers are the attention modules the forward actually calls, in module order (as
-:func:`multihead.capture` numbers them); a probe forward at construction counts them and their
-heads, and tells causal models from the weights (every weight above the diagonal exactly 0).
-An encoder-decoder model (T5, BART, ...) runs its encoder only: its self-attention is what is
-read.
+Layers, heads, width, causality, the position limit and token types are read off the model's
+map (:func:`multihead.model_map`; no forward runs at construction): layers are its attention
+sites in module order, as :func:`multihead.capture` numbers them. An encoder-decoder model (T5,
+BART, ...) runs its encoder only: its self-attention is what is read. ``head="lm"`` keeps a
+causal language model's head (its forward then gives the logits).
 
 Build one from a directory with :func:`multihead.pretrained.load_text_model`.
 
@@ -30,34 +30,29 @@ Shapes: B texts, T tokens, E hidden width, L layers, H heads.
 
 from __future__ import annotations
 
-import inspect
-import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead._checks import check_positive_int, describe, is_int
-from multihead.observe.recorder import capture
-from multihead.observe.rows import attention_modules
-from multihead.tokenization import (
-    TokenBatch,
-    TruncationWarning,
-    check_text,
-    prepare_tokenizer,
-    tokenize,
-)
+from multihead._checks import check_choice, check_positive_int, describe, is_int
+from multihead.mapping import model_map
+from multihead.sites import ModelMap
+from multihead.text.tokenization import TokenBatch, check_text, prepare_tokenizer, tokenize
 
-__all__ = ["TextModel", "mean_pool", "last_token_pool", "position_limit"]
+__all__ = ["TextModel", "mean_pool", "last_token_pool", "HEADS"]
+
+# The heads a text model may keep: "lm", a causal language model's unembedding.
+HEADS = ("lm",)
 
 # Without a position limit in the config or the tokenizer (T5's relative positions), texts are
 # cut here: what T5 itself was trained on, and a page a browser draws comfortably.
 _FALLBACK_MAX_LENGTH = 512
 # Tokenizers without a limit report this huge number (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 10**9
-_PROBE = "The cat sat on the mat, and then it slept."
 
 
 def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
@@ -97,34 +92,8 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _first(obj: object, names: tuple[str, ...]) -> int | None:
-    return next((v for v in (_count(getattr(obj, n, None)) for n in names) if v), None)
-
-
-def position_limit(model: nn.Module) -> int | None:
-    """The most positions ``model`` embeds, from its config (``max_position_embeddings``,
-    ``n_positions`` or ``n_ctx``), less the positions a RoBERTa-style embedding reserves (it
-    numbers positions from ``padding_idx + 1``); None when the config names no limit (relative
-    positions)."""
-    positions = _first(
-        getattr(model, "config", None), ("max_position_embeddings", "n_positions", "n_ctx")
-    )
-    base = getattr(model, "base_model", model)  # RobertaForMaskedLM -> its RobertaModel
-    table = getattr(getattr(base, "embeddings", None), "position_embeddings", None)
-    reserved = getattr(table, "padding_idx", None)
-    if positions is not None and isinstance(reserved, int) and not isinstance(reserved, bool):
-        positions -= reserved + 1
-    return positions
-
-
-def _embedding_rows(model: nn.Module) -> int | None:
-    """The rows of the model's token embedding (every id must have one); None when the model
-    does not say."""
-    try:
-        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)  # type: ignore[operator]
-    except (AttributeError, NotImplementedError, TypeError):
-        return None
-    return _count(rows)
+def _under(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if name else prefix
 
 
 def _backend(tokenizer: Any) -> Any:
@@ -149,34 +118,40 @@ class TextModel(nn.Module):
     Args:
         model: multihead's :class:`~multihead.models.bert.BertModel`, or a transformers
             ``PreTrainedModel`` whose attention is routed through transformers'
-            AttentionInterface (an encoder-decoder model runs its encoder only, a model with a
-            task head its base model). Its forward takes ``(input_ids, attention_mask=...)``
-            and returns ``last_hidden_state``.
+            AttentionInterface. Without ``head`` an encoder-decoder model runs its encoder only
+            and a model with a task head its base model; its forward takes
+            ``(input_ids, attention_mask=...)`` and returns ``last_hidden_state``.
         tokenizer: a ``tokenizers.Tokenizer`` or a fast transformers tokenizer; kept as given
             (:attr:`tokenizer`), read through a copy that pads on the right and truncates per
             call. Every id it gives must have a row in the model's token embedding.
         name: a name for titles and reports; default the config's ``name_or_path``, else the
             model's class.
         max_seq_length: where texts are cut, in tokens (special tokens included); default the
-            model's position limit (:func:`position_limit`) or the tokenizer's
+            model's position limit (its :func:`multihead.model_map`) or the tokenizer's
             ``model_max_length``, whichever is smaller, else 512.
+        head: None, or ``"lm"`` to keep the model's language-modelling head: the text model's
+            forward then returns the model's own output (``.logits`` (B, T, V)), as the circuit
+            functions' metrics read it; :meth:`encode` still reads the base model's hidden
+            states.
 
     Attributes:
-        model: the module that runs (the encoder of an encoder-decoder model, the base model
-            of a task head), in eval mode.
+        model: the module that runs (without ``head``: the encoder of an encoder-decoder
+            model, the base model of a task head), in eval mode.
         tokenizer: the tokenizer, as given.
         name: the model's name.
+        head: None or ``"lm"``.
         causal: whether each token reads only itself and earlier tokens (decoder-only models).
         pooling: "last" (the last real token) for causal models, else "mean".
-        num_layers: L, the attention modules one forward calls.
+        num_layers: L, the attention sites of the model's map.
         num_heads: H, the query heads of each (the same in every layer).
         hidden_size: E, the width of ``last_hidden_state``.
 
     Raises:
         TypeError: ``model`` not an ``nn.Module``; ``tokenizer`` neither kind.
-        ValueError: a tokenizer with ids beyond the embedding; a bad ``max_seq_length``; a
-            transformers family not routed through the interface (named); attention modules
-            not called exactly once each; layers with different head counts (named).
+        ValueError: a tokenizer with ids beyond the embedding; a bad ``max_seq_length`` or
+            ``head``; ``head="lm"`` for a model without an unembedding; a transformers family
+            not routed through the interface (named); layers with different head counts
+            (named).
 
     Example:
         >>> from multihead.pretrained import minilm
@@ -194,24 +169,36 @@ class TextModel(nn.Module):
         *,
         name: str | None = None,
         max_seq_length: int | None = None,
+        head: Literal["lm"] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        config = getattr(model, "config", None)
-        if getattr(config, "is_encoder_decoder", False):
-            model = model.get_encoder()  # type: ignore[operator]
-        # a task head (GPT2LMHeadModel, RobertaForMaskedLM): the hidden states are its base's
-        base = getattr(model, "base_model", None)
-        model = base if isinstance(base, nn.Module) else model
-        backend = _backend(tokenizer)
+        if head is not None:
+            check_choice("head", head, HEADS)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {describe(name)}")
+        backend = _backend(tokenizer)
+        given = model_map(model)
+        if head == "lm":
+            if given.unembedding is None or given.causal is not True:
+                raise ValueError(
+                    f"head='lm' keeps a causal language model's head, and "
+                    f"{type(model).__name__} ({given.family}) is "
+                    f"{'not causal' if given.unembedding is not None else 'without one'}"
+                )
+            inner = given
+        else:
+            # an encoder-decoder model's encoder, a task head's base: the hidden states' module
+            model = given.base if given.base is not None else model
+            inner = model_map(model)
         self.model = model
+        self.head = head
         self.eval()  # the wrapper and the model
         self.tokenizer = tokenizer
-        self.name = name or str(getattr(config, "name_or_path", "") or type(model).__name__)
-        limits = (position_limit(model), _count(getattr(tokenizer, "model_max_length", None)))
+        config = getattr(model, "config", None)
+        self.name = name or given.name or type(model).__name__
+        limits = (inner.position_limit, _count(getattr(tokenizer, "model_max_length", None)))
         self._limit = min(
             (v for v in limits if v and 1 < v < _NO_LIMIT), default=_FALLBACK_MAX_LENGTH
         )
@@ -219,17 +206,43 @@ class TextModel(nn.Module):
         pad = getattr(tokenizer, "pad_token_id", None)
         pad = pad if is_int(pad) else getattr(config, "pad_token_id", None)
         pad_id = pad if isinstance(pad, int) and not isinstance(pad, bool) else 0
+        token = inner.embeddings[0] if inner.embeddings else None
+        rows = token.num_embeddings if isinstance(token, nn.Embedding) else None
         # A copy of the tokenizers.Tokenizer: right padding, truncation per call.
-        self._tokenizer = prepare_tokenizer(
-            backend, pad_id=pad_id, vocab_size=_embedding_rows(model)
-        )
-        # Token types only where the model has an embedding for them: GPT-2's forward accepts
-        # token_type_ids and adds its *word* embedding of them, changing every hidden state.
-        self._token_types = int(getattr(config, "type_vocab_size", 0) or 0) > 0 and (
-            "token_type_ids" in inspect.signature(model.forward).parameters
-        )
-        self.num_layers, self.num_heads, self.hidden_size, self.causal = self._probe()
+        self._tokenizer = prepare_tokenizer(backend, pad_id=pad_id, vocab_size=rows)
+        if not inner.sites:
+            raise ValueError(
+                f"model ({type(model).__name__}) has no attention layer multihead can observe"
+            )
+        counts = [s.num_heads for s in inner.sites]
+        if len(set(counts)) != 1:
+            raise ValueError(
+                f"{inner.family} ({type(model).__name__}): its layers have different head "
+                f"counts ({', '.join(f'layer {i}: {h}' for i, h in enumerate(counts))}); a text "
+                f"model needs the same number of heads in every layer"
+            )
+        self.num_layers, self.num_heads = len(counts), counts[0]
+        if inner.width is None:
+            raise ValueError(
+                f"{inner.family} ({type(model).__name__}): its map does not know the width of "
+                f"its hidden states"
+            )
+        self.hidden_size = inner.width
+        self.causal = bool(inner.causal)
         self.pooling: Literal["mean", "last"] = "last" if self.causal else "mean"
+
+    def build_model_map(self) -> ModelMap:
+        """The model's map (:func:`multihead.model_map`), its names under ``model.`` and no
+        call options of its own (:meth:`forward` passes the model's)."""
+        inner = self._inner
+        sites = tuple(replace(s, name=_under("model", s.name)) for s in inner.sites)
+        blocks = tuple(replace(b, name=_under("model", b.name)) for b in inner.blocks)
+        return inner.with_options(sites=sites, blocks=blocks, call_options={})
+
+    @property
+    def _inner(self) -> ModelMap:
+        """The model's own map (its call options, its base)."""
+        return model_map(self.model)
 
     @property
     def max_seq_length(self) -> int:
@@ -251,49 +264,18 @@ class TextModel(nn.Module):
         transformers config)."""
         return self.model.config
 
-    def _probe(self) -> tuple[int, int, int, bool]:
-        """One short forward under capture: (layers called, heads per layer, width, causal)."""
-        sites = attention_modules(self)  # refuses a family the interface does not route
-        family = getattr(self.config, "model_type", None) or type(self.model).__name__
-        if not sites:
-            raise ValueError(
-                f"model ({type(self.model).__name__}) has no attention layer multihead can observe"
-            )
-        with warnings.catch_warnings():  # a model shorter than the probe: its start is enough
-            warnings.simplefilter("ignore", TruncationWarning)
-            batch = self.tokenize(_PROBE)
-            if batch.input_ids.shape[1] < 2:  # causality shows only between two tokens
-                batch = self.tokenize(" ".join([_PROBE] * 4))
-        with torch.no_grad(), capture(self, device="cpu") as rec:
-            out = self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-        called = [r.layer for r in rec.records]
-        if called != list(range(len(sites))):
-            raise ValueError(
-                f"{family} ({type(self.model).__name__}): one forward called its {len(sites)} "
-                f"attention modules in the order {called}, not each once in module order; its "
-                f"layers cannot be numbered"
-            )
-        counts = [r.weights.shape[1] for r in rec.records]
-        if len(set(counts)) != 1:
-            raise ValueError(
-                f"{family} ({type(self.model).__name__}): its layers have different head counts "
-                f"({', '.join(f'layer {i}: {h}' for i, h in enumerate(counts))}); a text model "
-                f"needs the same number of heads in every layer"
-            )
-        causal = all(bool((w[0].triu(1) == 0).all()) for w in rec.weights)  # (H, T, T)
-        return len(counts), counts[0], int(out.last_hidden_state.shape[-1]), causal
-
     # -- text in ----------------------------------------------------------------------------
 
     def tokenize(self, texts: str | Sequence[str]) -> TokenBatch:
         """Tokenise texts, padded on the right to the longest, cut at ``max_seq_length``
-        (:func:`multihead.tokenization.tokenize`: display tokens as written, one word rule).
+        (:func:`multihead.text.tokenization.tokenize`: display tokens as written, one word rule).
 
         Args:
             texts: one text or a sequence of B texts.
 
         Returns:
-            A :class:`~multihead.tokenization.TokenBatch` on the model's device, tensors (B, T).
+            A :class:`~multihead.text.tokenization.TokenBatch` on the model's device, tensors
+            (B, T).
 
         Raises:
             ValueError: ``texts`` empty or not valid Unicode.
@@ -306,6 +288,17 @@ class TextModel(nn.Module):
         return tokenize(
             self._tokenizer, texts, max_seq_length=self.max_seq_length, device=device, stacklevel=3
         )
+
+    def token_ids(self, text: str) -> list[int]:
+        """The ids of ``text`` alone: no special tokens, no padding, no truncation (e.g. to
+        check that an answer is one token of the vocabulary).
+
+        Raises:
+            ValueError: ``text`` empty or not valid Unicode.
+            TypeError: ``text`` not a str.
+        """
+        check_text("text", text)
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     # -- tensors out ------------------------------------------------------------------------
 
@@ -322,8 +315,30 @@ class TextModel(nn.Module):
             attention_mask: (B, T) int or bool, 1/True = a real token; default all real.
             token_type_ids: (B, T) segment ids, passed on where the model embeds them.
         """
-        extra = {"token_type_ids": token_type_ids} if self._token_types else {}
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        extra = {"token_type_ids": token_type_ids} if self._inner.token_types else {}
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, **extra, **self._inner.call_options
+        )
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """(B, T, E): the base model's ``last_hidden_state`` for (B, T) ids (with ``head``, the
+        states the head reads; without, :meth:`forward`'s own)."""
+        if self.head is None:
+            out = self(input_ids, attention_mask, token_type_ids)
+        else:
+            base = self._inner.base if self._inner.base is not None else self.model
+            base_map = model_map(base)
+            extra = {"token_type_ids": token_type_ids} if base_map.token_types else {}
+            out = base(
+                input_ids=input_ids, attention_mask=attention_mask, **extra, **base_map.call_options
+            )
+        hidden: Tensor = out.last_hidden_state
+        return hidden
 
     def sentence_embedding(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         """(B, E) unit-length sentence embeddings of hidden states (B, T, E): the mean over real
@@ -367,45 +382,17 @@ class TextModel(nn.Module):
                 for start in range(0, len(order), batch_size):
                     idx = order[start : start + batch_size]
                     batch = self.tokenize([items[i] for i in idx])
-                    hidden = self(
+                    hidden = self.hidden_states(
                         batch.input_ids, batch.attention_mask, batch.token_type_ids
-                    ).last_hidden_state
+                    )
                     out[idx] = self.sentence_embedding(hidden, batch.attention_mask).to(out.dtype)
         finally:
             self.train(was_training)
         return out
 
-    # -- names kept for one release ---------------------------------------------------------
-
-    @staticmethod
-    def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
-        """Deprecated: :func:`multihead.text.model.mean_pool` (or :meth:`sentence_embedding`)."""
-        warnings.warn(
-            "TextModel.mean_pool is deprecated: use model.sentence_embedding(hidden, mask) or "
-            "multihead.text.mean_pool",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return mean_pool(hidden, attention_mask)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            # minilm() returned the BertModel itself before the text floor: its attributes (encoder,
-            # embeddings, ...) are the model's now, read through here for one release.
-            model = self.__dict__.get("_modules", {}).get("model")
-            if name.startswith("_") or model is None or not hasattr(model, name):
-                raise
-        warnings.warn(
-            f"TextModel.{name} is deprecated: the model's attributes are text_model.model.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(model, name)
-
     def extra_repr(self) -> str:
         return (
             f"name={self.name!r}, layers={self.num_layers}, heads={self.num_heads}, "
             f"causal={self.causal}, max_seq_length={self.max_seq_length}"
+            + (f", head={self.head!r}" if self.head else "")
         )

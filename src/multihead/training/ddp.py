@@ -12,13 +12,9 @@ before the group is joined and before anything is written.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-
-from multihead import devices
 
 __all__ = ["World", "check_threads", "setup_world", "world_size", "check_fits"]
 
@@ -119,16 +115,3 @@ def check_fits(
 def _gib(n: int) -> str:
     gib = n / 2**30
     return f"{gib:.1f} GiB" if gib < 1e5 else f"{gib:.2g} GiB"
-
-
-def __getattr__(name: str) -> Any:
-    # Deprecated paths, for one release: the device checks are multihead.devices'.
-    if name in ("check_device", "resolve_device"):
-        warnings.warn(
-            f"multihead.training.ddp.{name} is deprecated and will be removed in the next "
-            f"release: use multihead.devices.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(devices, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

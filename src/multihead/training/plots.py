@@ -16,6 +16,7 @@ from torch import Tensor
 
 from multihead.models.lm import TransformerLM
 from multihead.observe.recorder import capture
+from multihead.sites import head_label
 from multihead.training.induction import InductionProbe
 from multihead.training.tasks import TaskLike
 from multihead.viz.figure import new_figure
@@ -112,7 +113,7 @@ def plot_induction(
                 steps,
                 [p.scores[layer][head] for p in probes],
                 linestyle=styles[layer % len(styles)],
-                label=f"L{layer} H{head}",
+                label=head_label(layer, head),
             )
     scores.set_xlabel("step")
     scores.set_ylabel("induction score")

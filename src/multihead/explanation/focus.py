@@ -2,10 +2,10 @@
 words a token attends to most.
 
 Used by :func:`multihead.explain`. A tokenizer splits text into pieces ("didn't" -> didn ' t,
-"Tokenization" -> Token ization); people name words. These helpers map between the two with the
-tokens' character offsets and word ids (:mod:`multihead.tokenization`: its one word rule), never
-by re-tokenising. A name may also cover several words written without a space between them
-("didn't", "well-known", "city."): :func:`focus_spans`.
+"Tokenization" -> Token ization); people name words. These helpers map between the two with
+the tokens' character offsets and word ids (:mod:`multihead.text.tokenization`: its one word
+rule), never by re-tokenising. A name may also cover several words written without a space
+between them ("didn't", "well-known", "city."): :func:`focus_spans`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from multihead._checks import check_index
-from multihead.tokenization import word_spans
+from multihead.text.tokenization import word_spans
 
 __all__ = [
     "AttendedWord",
@@ -73,7 +73,7 @@ class LayerFocus:
 
 def focus_spans(text: str, max_length: int | None = None) -> list[tuple[int, int]]:
     """What a focus word may name, as (start, end) character spans in text order: each word of
-    :func:`multihead.tokenization.word_spans` and each run of consecutive words with no
+    :func:`multihead.text.tokenization.word_spans` and each run of consecutive words with no
     whitespace between them ("didn't" is didn, ', t and the runs "didn'", "'t", "didn't");
     only those of at most ``max_length`` characters when given."""
     words = word_spans(text)
@@ -117,8 +117,8 @@ def find_focus(
     Args:
         text: the text the tokens cover (the part the model read).
         focus: the word to find.
-        tokens, offsets, word_ids: per token, as :class:`~multihead.tokenization.TokenBatch` has
-            them for ``text``.
+        tokens, offsets, word_ids: per token, as
+            :class:`~multihead.text.tokenization.TokenBatch` has them for ``text``.
         cut_from: when the text was truncated, the whole text before the cut, to tell a word
             that was cut off from one that was never there.
         max_tokens: where it was truncated, in tokens (for the message).

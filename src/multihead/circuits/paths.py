@@ -1,6 +1,6 @@
 """Path patching: does a head's change reach the metric through a later head's q, k or v?
 
-Activation patching (:func:`~multihead.observe.patching.patch_heads`) says that a head matters;
+Activation patching (:func:`~multihead.circuits.patching.patch_heads`) says that a head matters;
 path patching (Wang et al. 2022, "Interpretability in the Wild", the IOI circuit) says through
 which later head, and through which of its inputs. For a sender head s, a receiver head r in a
 later layer and one of r's inputs x ∈ {q, k, v}:
@@ -13,11 +13,11 @@ later layer and one of r's inputs x ∈ {q, k, v}:
    recomputed);
 3. the effect is metric(run 2) - metric(clean).
 
-Both runs are stacked along the batch as in patch_heads (:func:`~multihead.observe.stacked_runs.
+Both runs are stacked along the batch as in patch_heads (:func:`~multihead.circuits.stacked_runs.
 run_stacked`): run 1 stacks the senders of one layer (one variant each, recording every
 receiver's inputs at once, and stopping after the last receiver's layer has been read), run 2
 the (sender, receiver, x) variants of one receiver layer; the blocks before the patched layer
-hand back their outputs from the clean run (:class:`~multihead.observe.prefix_reuse.PrefixCache`).
+hand back their outputs from the clean run (:class:`~multihead.circuits.prefix_reuse.PrefixCache`).
 A receiver's x is replaced by a q/k/v editor
 (:meth:`~multihead.MultiHeadAttention.register_qkv_editor`): on a grouped-query model the keys
 and values come back per query head, so r's siblings on its key/value head keep their own.
@@ -37,18 +37,17 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe, is_int
-from multihead.head_shard import held_heads
-from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
-from multihead.observe.input_pair import InputPair, Metric, metric_value
-from multihead.observe.patching import check_recorded, record_layers
-from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.stacked_runs import (
+from multihead.circuits.experiment import Experiment
+from multihead.circuits.input_pair import InputPair, Metric
+from multihead.circuits.patching import check_recorded, record_layers
+from multihead.circuits.prefix_reuse import PrefixCache
+from multihead.circuits.stacked_runs import (
     EndOfRun,
     run_stacked,
     stacked_metrics,
-    variants_per_forward,
 )
-from multihead.observe.steering import HeadKey, model_heads, resolve_head
+from multihead.circuits.steering import HeadKey, resolve_head
+from multihead.head_shard import held_heads
 from multihead.observers import (
     AttentionCall,
     AttentionObserver,
@@ -56,6 +55,7 @@ from multihead.observers import (
     ObserverHandle,
     QKVEditor,
 )
+from multihead.sites import HeadName
 
 __all__ = ["path_patching", "VIA"]
 
@@ -69,8 +69,8 @@ def path_patching(
     clean: Any,
     corrupt: Any,
     metric: Metric,
-    senders: Sequence[HeadKey],
-    receivers: Sequence[HeadKey],
+    senders: Sequence[HeadName],
+    receivers: Sequence[HeadName],
     *,
     via: Sequence[str] = VIA,
     batch_size: int | None = None,
@@ -129,10 +129,8 @@ def path_patching(
         >>> effects[0, 0]  # via q, k, v
     """
     check_optional_positive_int("batch_size", batch_size)
-    found = model_heads(model)
-    pair = InputPair(model, clean, corrupt)
-    if not callable(metric):
-        raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
+    experiment = Experiment.of(model, clean, corrupt, metric)
+    found, pair = experiment.found, experiment.pair
     sent = _heads("senders", senders, found)
     received = _heads("receivers", receivers, found)
     kinds = _via(via)
@@ -156,17 +154,12 @@ def path_patching(
     with torch.no_grad():
         corrupt_out = _recorded(found, pair, pair.corrupt, sender_layers)
         clean_out = _recorded(found, pair, pair.clean, frozen) if frozen else {}
-        outputs: list[Any] = []
-
-        def run_clean(what: str) -> Tensor:
-            outputs[:] = [pair.run(pair.clean)]
-            return metric_value(metric, outputs[0], pair.batch, what)
-
-        prefix = PrefixCache.build(model, found, run_clean, caller="path_patching", log=logger)
-        base = prefix.clean if prefix is not None else run_clean("clean run")
-        single = outputs[0]
-        size = batch_size or variants_per_forward(
-            single, [*corrupt_out.values(), *clean_out.values()], DEFAULT_MEMORY_LIMIT, found
+        unpatched = experiment.unpatched(
+            pair.clean, "clean run", caller="path_patching", log=logger
+        )
+        base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
+        size = experiment.stack_size(
+            batch_size, single, [*corrupt_out.values(), *clean_out.values()]
         )
 
         runs = _Runs(found, pair, prefix, corrupt_out, clean_out, receiver_heads, unique_kinds)

@@ -6,7 +6,7 @@ positional argument, batch first), or a dict of keyword arguments (``input_ids``
 ``attention_mask``, ...). :class:`InputPair` checks a clean and a corrupt input against each
 other (the same kind, keys and shapes) and runs the model on either, or on ``n`` copies of one
 stacked along the batch (variant-major: rows ``i·B … (i+1)·B - 1`` are variant i), which is how
-:func:`~multihead.observe.patching.patch_heads` runs many patched variants in one forward.
+:func:`~multihead.circuits.patching.patch_heads` runs many patched variants in one forward.
 
 A metric takes the model's output and returns a scalar tensor (a (B,) tensor is averaged).
 On a stacked run it is called once per variant on that variant's own output
@@ -19,20 +19,48 @@ Shapes: B batch, T tokens, n stacked variants.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 from multihead._checks import describe
+from multihead.mapping import model_map
 
 __all__ = ["InputPair", "Metric", "metric_value", "run_model", "split_output"]
 
 # metric(output) -> () or (B,) floating tensor
 Metric = Callable[[Any], Tensor]
 
-_KINDS = "a tensor of token ids (B, T) or a dict of keyword arguments for the model"
+_KINDS = (
+    "a tensor of token ids (B, T) or a dict of keyword arguments for the model (for a text "
+    "model, also a text or a list of texts)"
+)
+
+
+@runtime_checkable
+class Tokenizes(Protocol):
+    """A model that reads text itself (:class:`multihead.TextModel`): its ``tokenize(texts)``
+    gives a batch with ``input_ids`` and ``attention_mask`` (B, T) on the model's device."""
+
+    def tokenize(self, texts: str | Sequence[str]) -> Any: ...
+
+
+def _from_texts(model: nn.Module, name: str, value: object) -> object:
+    """``value`` as the model's keyword arguments when it is a text or texts and the model
+    tokenizes them itself; anything else as it is."""
+    texts = isinstance(value, str) or (
+        isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
+    )
+    if not texts:
+        return value
+    if not isinstance(model, Tokenizes):
+        raise TypeError(
+            f"{name} is text, and {type(model).__name__} does not read text: give token ids "
+            f"(B, T), or a text model (multihead.load_text_model(..., head='lm'))"
+        )
+    batch = model.tokenize(value)  # type: ignore[arg-type]
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
 
 
 def _batched(name: str, value: object) -> Tensor | dict[str, Any]:
@@ -73,11 +101,14 @@ class InputPair:
         model: the model both run through.
         clean, corrupt: token ids (B, T) (any tensor the model takes first, batch first), or
             dicts of keyword arguments; both of one kind, with the same keys, the same shapes
-            and dtypes, and equal non-tensor values.
+            and dtypes, and equal non-tensor values. For a model that reads text (a
+            :class:`multihead.TextModel`), a text or a list of texts each, tokenized by the
+            model (padded on the right; the two must give as many tokens).
 
-    A model whose ``forward`` takes ``use_cache`` (a transformers model) is run with
-    ``use_cache=False`` unless the inputs say otherwise: no run here needs a cache, and a
-    stacked run's cache would hold every variant's keys and values.
+    A model runs with the call options of its map (:func:`multihead.model_map`:
+    ``use_cache=False`` for a model that would keep a cache) unless the inputs say otherwise:
+    no run here needs a cache, and a stacked run's cache would hold every variant's keys and
+    values.
 
     Raises:
         TypeError: an input of another kind, or the two of different kinds.
@@ -86,8 +117,8 @@ class InputPair:
 
     def __init__(self, model: nn.Module, clean: object, corrupt: object) -> None:
         self.model = model
-        self.clean = _batched("clean", clean)
-        self.corrupt = _batched("corrupt", corrupt)
+        self.clean = _batched("clean", _from_texts(model, "clean", clean))
+        self.corrupt = _batched("corrupt", _from_texts(model, "corrupt", corrupt))
         _check_alike(self.clean, self.corrupt)
         self.batch = _batch_size(self.clean)
         self.extra = _cache_off(model, self.clean)
@@ -105,18 +136,15 @@ class InputPair:
 def run_model(model: nn.Module, inputs: object, name: str = "inputs") -> tuple[Any, int]:
     """(the model's output, B) for one input of the kinds :class:`InputPair` takes (checked
     and named ``name`` in errors), run without a cache as there."""
-    checked = _batched(name, inputs)
+    checked = _batched(name, _from_texts(model, name, inputs))
     return _call(model, checked, _cache_off(model, checked), 1, 1), _batch_size(checked)
 
 
 def _cache_off(model: nn.Module, inputs: Tensor | dict[str, Any]) -> dict[str, Any]:
-    """``{"use_cache": False}`` for a model whose forward takes it, unless the inputs set it."""
-    try:
-        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes_cache = False
+    """The call options of the model's map (``use_cache=False`` for a model that would keep a
+    cache), less those the inputs set themselves."""
     given = inputs.keys() if isinstance(inputs, dict) else ()
-    return {"use_cache": False} if takes_cache and "use_cache" not in given else {}
+    return {k: v for k, v in model_map(model).call_options.items() if k not in given}
 
 
 def _call(

@@ -1,6 +1,6 @@
 """Attribution patching: the first-order estimate of activation patching, for every head at once.
 
-:func:`~multihead.observe.patching.patch_heads` runs one patched variant per head (and
+:func:`~multihead.circuits.patching.patch_heads` runs one patched variant per head (and
 position). Attribution patching (Nanda, "Attribution Patching", 2023; Syed et al., 2023)
 replaces each by its linear estimate around the run being patched: with :math:`z` a head's
 per-head output before the output projection,
@@ -23,11 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
+from multihead.circuits.experiment import Experiment
+from multihead.circuits.input_pair import Metric
+from multihead.circuits.patching import DIRECTIONS, record_layers
+from multihead.circuits.steering import head_table
 from multihead.head_shard import every_head
-from multihead.observe.input_pair import InputPair, Metric, metric_value
-from multihead.observe.patching import DIRECTIONS, record_layers
-from multihead.observe.steering import head_table, model_heads
-from multihead.observers import AttentionCall
+from multihead.observers import AttentionCall, registered
 
 __all__ = ["attribution_patching"]
 
@@ -79,10 +80,8 @@ def attribution_patching(
     check_choice("direction", direction, DIRECTIONS)
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
-    found = model_heads(model)
-    pair = InputPair(model, clean, corrupt)
-    if not callable(metric):
-        raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
+    experiment = Experiment.of(model, clean, corrupt, metric)
+    found, pair = experiment.found, experiment.pair
     source, target = pair.pick(direction)
     layers = list(range(len(found)))
 
@@ -90,12 +89,12 @@ def attribution_patching(
         pair.run(source)
     xis: dict[int, Tensor] = {}
     targets: dict[int, Tensor] = {}
-    handles = []
-    try:  # a registration that fails (a model that won't switch) leaves none behind
-        for layer, (_, site) in enumerate(found):
-            handles.append(site.register_observer(_leaf(layer, xis, targets)))
+    leaves = (
+        site.register_observer(_leaf(layer, xis, targets)) for layer, (_, site) in enumerate(found)
+    )
+    with registered(leaves):
         with torch.enable_grad():
-            value = metric_value(metric, pair.run(target), pair.batch, "target run")
+            value = experiment.value(target, "target run")
             if not value.requires_grad:
                 raise ValueError(
                     "attribution_patching needs metric(output) to depend on the heads through "
@@ -104,9 +103,6 @@ def attribution_patching(
                 )
             ran = [layer for layer in layers if layer in xis]
             grads = torch.autograd.grad(value, [xis[layer] for layer in ran], allow_unused=True)
-    finally:
-        for handle in handles:
-            handle.remove()
     dtype = torch.promote_types(value.dtype, torch.float32)
     lengths = {sources[layer].shape[1] for layer in ran}
     if per_position and len(lengths) > 1:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead._checks import check_index, describe, is_int
-from multihead.observe.importance import head_importance
+from multihead._checks import check_index, describe
+from multihead.circuits.importance import head_importance
+from multihead.circuits.steering import intervene
 from multihead.observe.recorder import capture
-from multihead.observe.steering import intervene
+from multihead.sites import parse_head
 from multihead.text.model import TextModel
-from multihead.tokenization import TokenBatch
+from multihead.text.tokenization import TokenBatch
 
 __all__ = [
     "embedding_distance",
@@ -62,9 +63,8 @@ def check_heads(
             f"{name} must be a non-empty sequence of (layer, head) pairs, got {describe(heads)}"
         )
     out = []
-    for pair in heads:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and all(is_int(x) for x in pair)):
-            raise TypeError(f"{name} must hold (layer, head) pairs of ints, got {describe(pair)}")
+    for item in heads:
+        pair = parse_head(f"{name} item", item)  # "L0H1" or (0, 1)
         layer = check_index(f"{name} layer", pair[0], num_layers, "layers")
         head = check_index(f"{name} head", pair[1], num_heads, "heads")
         out.append((layer, head))
@@ -75,9 +75,7 @@ def check_heads(
 
 def _embedding(model: TextModel, batch: TokenBatch) -> Tensor:
     """The sentence embedding (B, E), L2-normalised (the model's ``sentence_embedding``)."""
-    hidden = model(
-        batch.input_ids, attention_mask=batch.attention_mask, token_type_ids=batch.token_type_ids
-    ).last_hidden_state
+    hidden = model.hidden_states(batch.input_ids, batch.attention_mask, batch.token_type_ids)
     return model.sentence_embedding(hidden, batch.attention_mask)
 
 

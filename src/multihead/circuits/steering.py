@@ -10,7 +10,7 @@ Everything here is an observer on that per-head output
 - :func:`intervene` edits chosen ``(layer, head)`` outputs inside a ``with`` block.
 - :func:`record_heads` records them, e.g. on one input to patch into a run on another
   (activation patching).
-- :func:`multihead.observe.importance.head_importance` scores every head (ablation or gradient).
+- :func:`multihead.circuits.importance.head_importance` scores every head (ablation or gradient).
 
 ``layer`` numbers the model's attention modules in module order, as :func:`multihead.capture`
 does (:func:`multihead.observe.rows.attention_modules`); ``head`` is a query head. With grouped
@@ -31,10 +31,16 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_index, describe, is_int
+from multihead._checks import check_index, describe
 from multihead.head_shard import held_heads
 from multihead.observe.rows import attention_modules
-from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention
+from multihead.observers import (
+    AttentionCall,
+    AttentionObserver,
+    ObservableAttention,
+    registered,
+)
+from multihead.sites import HeadName, parse_head
 
 __all__ = [
     "head_table",
@@ -80,16 +86,17 @@ def head_table(
 def resolve_head(
     name: str, key: object, found: Sequence[tuple[str, ObservableAttention]]
 ) -> HeadKey:
-    """Check one ``(layer, head)`` key against the model; negative indices count from the end.
+    """Check one head, ``"L0H1"`` or ``(0, 1)`` (:func:`multihead.sites.parse_head`), against
+    the model; negative indices count from the end.
 
-    Returns the key with both indices in range, e.g. ``(5, 11)`` for ``(-1, -1)`` on MiniLM.
+    Returns the key with both indices in range, e.g. ``(5, 11)`` for ``(-1, -1)`` or
+    ``"L-1H-1"`` on MiniLM.
     """
-    if not (isinstance(key, tuple) and len(key) == 2 and is_int(key[0]) and is_int(key[1])):
-        raise TypeError(f"{name} must be a (layer, head) pair of ints, got {describe(key)}")
-    layer = check_index(f"{name} {key}: layer", key[0], len(found), "attention layers")
+    raw = parse_head(name, key)
+    layer = check_index(f"{name} {key!r}: layer", raw[0], len(found), "attention layers")
     module_name, mha = found[layer]
     head = check_index(
-        f"{name} {key}: head", key[1], mha.num_heads, f"heads in layer {layer} ({module_name})"
+        f"{name} {key!r}: head", raw[1], mha.num_heads, f"heads in layer {layer} ({module_name})"
     )
     return layer, head
 
@@ -237,7 +244,10 @@ def check_edits(
 
 
 @contextlib.contextmanager
-def intervene(model: nn.Module, edits: Mapping[HeadKey, Edit]) -> Iterator[None]:
+def intervene(
+    model: nn.Module,
+    edits: Mapping[HeadKey, Edit] | Mapping[str, Edit] | Mapping[HeadName, Edit],
+) -> Iterator[None]:
     """Edit chosen heads' outputs inside the block; the model is exactly itself again after.
 
     Each edit acts on head h's output (B, T, Dv) before ``out_proj`` (see the module docstring):
@@ -288,15 +298,11 @@ def intervene(model: nn.Module, edits: Mapping[HeadKey, Edit]) -> Iterator[None]
         False
     """
     found, by_layer = check_edits(model, edits)
-    handles = []
-    try:
-        for layer, head_edits in by_layer.items():
-            mha = found[layer][1]
-            handles.append(mha.register_observer(_edit_observer(layer, mha, head_edits)))
+    with registered(
+        found[layer][1].register_observer(_edit_observer(layer, found[layer][1], head_edits))
+        for layer, head_edits in by_layer.items()
+    ):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @dataclass
@@ -313,13 +319,22 @@ class HeadRecording:
 
     heads: list[HeadKey]
     _calls: dict[HeadKey, list[Tensor]] = field(default_factory=dict, repr=False)
+    # per layer, its heads: a key's negative indices count from the end, as when recording
+    _sizes: list[int] = field(default_factory=list, repr=False)
+
+    def _resolve(self, key: object) -> HeadKey:
+        layer, head = parse_head("a recording's key", key)
+        if self._sizes and -len(self._sizes) <= layer < 0:
+            layer += len(self._sizes)
+        if self._sizes and 0 <= layer < len(self._sizes) and -self._sizes[layer] <= head < 0:
+            head += self._sizes[layer]
+        return layer, head
 
     def _key(self, key: object) -> HeadKey:
-        if not (isinstance(key, tuple) and len(key) == 2 and is_int(key[0]) and is_int(key[1])):
-            raise TypeError(f"a recording is indexed by (layer, head) ints, got {describe(key)}")
-        if key not in self._calls:
-            raise KeyError(f"head {key} was not recorded; recorded: {self.heads}")
-        return key
+        head = self._resolve(key)
+        if head not in self._calls:
+            raise KeyError(f"head {key!r} was not recorded; recorded: {self.heads}")
+        return head
 
     def calls(self, key: HeadKey) -> list[Tensor]:
         """Every recorded output (B, T, Dv) of head ``key``, one per call, in call order."""
@@ -334,7 +349,10 @@ class HeadRecording:
         return outputs[-1]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._calls
+        try:
+            return self._resolve(key) in self._calls
+        except TypeError:
+            return False
 
     def __len__(self) -> int:
         return len(self.heads)
@@ -349,7 +367,7 @@ class HeadRecording:
 
 
 @contextlib.contextmanager
-def record_heads(model: nn.Module, heads: Sequence[HeadKey]) -> Iterator[HeadRecording]:
+def record_heads(model: nn.Module, heads: Sequence[HeadName]) -> Iterator[HeadRecording]:
     """Record the per-head outputs (before ``out_proj``) of chosen ``(layer, head)`` pairs.
 
     Recording on input B and patching the result into a run on input A with :func:`intervene`
@@ -375,11 +393,14 @@ def record_heads(model: nn.Module, heads: Sequence[HeadKey]) -> Iterator[HeadRec
     """
     found = model_heads(model)
     if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence):
-        raise TypeError(f"heads must be a sequence of (layer, head) pairs, got {describe(heads)}")
+        raise TypeError(
+            f"heads must be a sequence of heads ('L0H1' or (layer, head) pairs), got "
+            f"{describe(heads)}"
+        )
     if not heads:
         raise ValueError("heads must name at least one (layer, head) pair, got none")
     keys = list(dict.fromkeys(resolve_head("heads item", key, found) for key in heads))
-    recording = HeadRecording(keys, {key: [] for key in keys})
+    recording = HeadRecording(keys, {key: [] for key in keys}, [s.num_heads for _, s in found])
     by_layer: dict[int, list[int]] = {}
     for layer, head in keys:
         by_layer.setdefault(layer, []).append(head)
@@ -406,12 +427,8 @@ def record_heads(model: nn.Module, heads: Sequence[HeadKey]) -> Iterator[HeadRec
 
         return gathering_observer
 
-    handles = []
-    try:
-        for layer, chosen in by_layer.items():
-            site = found[layer][1]
-            handles.append(site.register_observer(make_observer(layer, chosen, site)))
+    with registered(
+        found[layer][1].register_observer(make_observer(layer, chosen, found[layer][1]))
+        for layer, chosen in by_layer.items()
+    ):
         yield recording
-    finally:
-        for handle in handles:
-            handle.remove()

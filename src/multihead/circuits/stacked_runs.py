@@ -1,10 +1,10 @@
 """Forwards of patched variants stacked along the batch: how many fit one forward, one such
 forward with the blocks before the patched layer reused, and each variant's metric.
 
-:func:`~multihead.observe.patching.patch_heads` and :func:`~multihead.observe.paths.path_patching`
+:func:`~multihead.circuits.patching.patch_heads` and :func:`~multihead.circuits.paths.path_patching`
 run their variants this way: n copies of an input stacked along the batch, each edited by
 observers or q/k/v editors that know their copy, the blocks before the patched layer handing
-back their outputs from the unpatched run (:class:`~multihead.observe.prefix_reuse.PrefixCache`),
+back their outputs from the unpatched run (:class:`~multihead.circuits.prefix_reuse.PrefixCache`),
 and the metric called once per copy on that copy's slice of the output.
 
 Shapes: B batch, T tokens, H heads, Dv one head's output width, n stacked variants.
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from multihead.observe.input_pair import InputPair, Metric, metric_value, split_output
-from multihead.observe.prefix_reuse import PrefixCache
+from multihead.circuits.input_pair import InputPair, Metric, metric_value, split_output
+from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.observers import ObservableAttention, ObserverHandle
 
 __all__ = ["EndOfRun", "run_stacked", "stacked_metrics", "variants_per_forward"]

@@ -5,13 +5,13 @@
 - ``method="ablation"``: metric with the head's output zeroed, minus metric clean. A head in
   layer l cannot change anything computed before it, so the blocks before layer l's are not run
   again: their outputs are recorded once, on a clean run, and handed back
-  (:mod:`multihead.observe.prefix_reuse`), which makes the 72 ablations of MiniLM cost about 0.6
+  (:mod:`multihead.circuits.prefix_reuse`), which makes the 72 ablations of MiniLM cost about 0.6
   of 72 forwards.
 - ``method="gradient"``: |∂metric/∂ξ_{l,h}| at ξ = 1, where ξ_{l,h} multiplies head (l, h)'s
   output (Michel, Levy and Neubig, "Are Sixteen Heads Really Better than One?", 2019): one
   forward and one backward for every head at once.
 
-Both act through MultiHeadAttention's observers (:mod:`multihead.observe.steering`).
+Both act through MultiHeadAttention's observers (:mod:`multihead.circuits.steering`).
 
 Shapes: L attention modules (layers), H heads (the most any layer has).
 """
@@ -27,10 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice
+from multihead.circuits.prefix_reuse import PrefixCache
+from multihead.circuits.steering import head_table, intervene, model_heads
 from multihead.head_shard import held_heads
-from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.steering import head_table, intervene, model_heads
-from multihead.observers import AttentionCall, ObservableAttention
+from multihead.observers import AttentionCall, ObservableAttention, registered
 
 __all__ = ["head_importance", "METHODS"]
 
@@ -81,7 +81,7 @@ def head_importance(
     forward waits for the host); a run whose arguments differed (``metric()``'s inputs depend on
     the ablation, e.g. a generated text) is run again, and later runs compare before reusing.
     Otherwise every ablation runs the full forward, and the reason is logged on
-    ``multihead.observe.importance``. Results are the same either way.
+    ``multihead.circuits.importance``. Results are the same either way.
 
     Args:
         model: any module holding :class:`~multihead.MultiHeadAttention` modules. It is left as
@@ -139,22 +139,18 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
 
         return observer
 
-    handles = [
+    scaled = (
         mha.register_observer(make_observer(xi, mha))
         for (_, mha), xi in zip(found, xis, strict=True)
-    ]
-    try:
-        with torch.enable_grad():
-            value = _scalar(metric, 'method="gradient"')
-            if not value.requires_grad:
-                raise ValueError(
-                    'method="gradient" needs metric() to depend on the heads through autograd: '
-                    "its result does not require grad (is the model run under torch.no_grad()?)"
-                )
-            grads = torch.autograd.grad(value, xis, allow_unused=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    )
+    with registered(scaled), torch.enable_grad():
+        value = _scalar(metric, 'method="gradient"')
+        if not value.requires_grad:
+            raise ValueError(
+                'method="gradient" needs metric() to depend on the heads through autograd: '
+                "its result does not require grad (is the model run under torch.no_grad()?)"
+            )
+        grads = torch.autograd.grad(value, xis, allow_unused=True)
     scores = head_table(found, value, None)
     for layer, grad in enumerate(grads):
         shard = found[layer][1].head_shard

@@ -118,17 +118,6 @@ class TokenBatch:
         )
 
 
-def __getattr__(name: str) -> Any:
-    if name == "BertBatch":  # its old name: every family's batch, not BERT's
-        warnings.warn(
-            "BertBatch is deprecated: it is multihead.tokenization.TokenBatch",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return TokenBatch
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def check_token_ids(tokenizer: Any, vocab_size: int) -> None:
     """Every id ``tokenizer`` (a ``tokenizers.Tokenizer``) can give, added tokens included, must
     have a row in the model's token embedding (``vocab_size`` rows): a text holding any other

@@ -11,17 +11,17 @@ where a head exists as itself, with the one it had on the other input:
 
 The result is ``metric(patched) - metric(unpatched)``, one number per head, or per head and
 position (``per_position``: only position t of the head is patched). It equals a plain loop
-of :func:`~multihead.observe.steering.record_heads` and
-:func:`~multihead.observe.steering.intervene`, one forward per patch, and costs much less:
+of :func:`~multihead.circuits.steering.record_heads` and
+:func:`~multihead.circuits.steering.intervene`, one forward per patch, and costs much less:
 
 - the patched variants run stacked along the batch dimension, ``batch_size`` of them per
   forward (chosen from the memory budget by default), each patched by one observer on the
   patched layer (an ``out`` replaced where a (variant, position, head) mask says so);
 - the blocks before the patched layer are not run again: they hand back their outputs from the
-  unpatched run, repeated for every variant (:class:`~multihead.observe.prefix_reuse.PrefixCache`).
+  unpatched run, repeated for every variant (:class:`~multihead.circuits.prefix_reuse.PrefixCache`).
 
-The stacked forwards are :mod:`~multihead.observe.stacked_runs`'s, shared with
-:mod:`~multihead.observe.paths`.
+The stacked forwards are :mod:`~multihead.circuits.stacked_runs`'s, shared with
+:mod:`~multihead.circuits.paths`.
 
 Shapes: B batch, T tokens, L attention layers, H heads (the most any layer has), Dv one head's
 output width, n stacked variants.
@@ -38,14 +38,15 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe
+from multihead.circuits.experiment import Experiment
+from multihead.circuits.input_pair import InputPair, Metric
+from multihead.circuits.prefix_reuse import PrefixCache
+from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
+from multihead.circuits.steering import HeadKey, head_table, resolve_head
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.head_shard import held_heads
-from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
-from multihead.observe.input_pair import InputPair, Metric, metric_value
-from multihead.observe.prefix_reuse import PrefixCache
-from multihead.observe.stacked_runs import run_stacked, stacked_metrics, variants_per_forward
-from multihead.observe.steering import HeadKey, head_table, model_heads, resolve_head
-from multihead.observers import AttentionCall, ObservableAttention
+from multihead.observers import AttentionCall, ObservableAttention, registered
+from multihead.sites import HeadName
 
 __all__ = [
     "check_recorded",
@@ -91,14 +92,8 @@ def record_layers(found: list[tuple[str, ObservableAttention]], layers: Sequence
 
         return observer
 
-    handles = []
-    try:  # a registration that fails (a model that won't switch) leaves none behind
-        for layer in layers:
-            handles.append(found[layer][1].register_observer(make(layer)))
+    with registered(found[layer][1].register_observer(make(layer)) for layer in layers):
         yield recorded
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def check_recorded(
@@ -136,7 +131,7 @@ def patch_heads(
     *,
     direction: str = "denoise",
     per_position: bool = False,
-    heads: Sequence[HeadKey] | None = None,
+    heads: Sequence[HeadName] | None = None,
     batch_size: int | None = None,
     group: Any = None,
 ) -> Tensor:
@@ -161,7 +156,8 @@ def patch_heads(
             query heads). Left as it was.
         clean: the input on which the model does the behaviour: token ids (B, T) passed as the
             model's first argument, or a dict of keyword arguments (``input_ids``,
-            ``attention_mask``, ...).
+            ``attention_mask``, ...); for a :class:`multihead.TextModel`, also a text or a list
+            of texts, which it tokenizes.
         corrupt: an input of the same kind and shapes on which it does not.
         metric: ``metric(output) -> Tensor``, ``output`` whatever the model returns; a scalar
             floating point tensor, or one value per example (B,), which is averaged. On stacked
@@ -205,10 +201,8 @@ def patch_heads(
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     check_optional_positive_int("batch_size", batch_size)
-    found = model_heads(model)
-    pair = InputPair(model, clean, corrupt)
-    if not callable(metric):
-        raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
+    experiment = Experiment.of(model, clean, corrupt, metric)
+    found, pair = experiment.found, experiment.pair
     by_layer = chosen_heads(heads, found)
     source, target = pair.pick(direction)
     split = DataParallelGroup.of(group, model)
@@ -217,18 +211,9 @@ def patch_heads(
         with record_layers(found, list(by_layer)) as recorded:
             pair.run(source)
         check_recorded(found, list(by_layer), recorded)
-        outputs: list[Any] = []
-
-        def run_target(what: str) -> Tensor:
-            outputs[:] = [pair.run(target)]
-            return metric_value(metric, outputs[0], pair.batch, what)
-
-        prefix = PrefixCache.build(model, found, run_target, caller="patch_heads", log=logger)
-        base = prefix.clean if prefix is not None else run_target("unpatched run")
-        single = outputs[0]
-        size = batch_size or variants_per_forward(
-            single, list(recorded.values()), DEFAULT_MEMORY_LIMIT, found
-        )
+        unpatched = experiment.unpatched(target, "unpatched run", caller="patch_heads", log=logger)
+        base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
+        size = experiment.stack_size(batch_size, single, list(recorded.values()))
         lengths = {out.shape[1] for out in recorded.values()}
         if per_position and len(lengths) > 1:
             raise ValueError(

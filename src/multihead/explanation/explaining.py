@@ -13,7 +13,7 @@ In a notebook, the returned :class:`Explanation` shows the interactive page inli
 
 This module computes it (the focus token, the weights, head statistics, importance and
 ablation); the dataclass with its pictures, page and files is
-:mod:`multihead.explanation_result`, exported here as :class:`Explanation`.
+:mod:`multihead.explanation.result`, exported here as :class:`Explanation`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_indices, describe, is_int
-from multihead.explanation_result import Explanation
-from multihead.focus import (
+from multihead.explanation.focus import (
     LayerFocus,
     choose_focus,
     layer_focus,
@@ -36,8 +35,9 @@ from multihead.focus import (
     word_groups,
     word_text,
 )
-from multihead.head_effects import ablated_weights, check_heads, every_head
-from multihead.head_effects import importance as head_effect_importance
+from multihead.explanation.head_effects import ablated_weights, check_heads, every_head
+from multihead.explanation.head_effects import importance as head_effect_importance
+from multihead.explanation.result import Explanation
 from multihead.memory_budget import (
     DEFAULT_MEMORY_LIMIT,
     FLOAT32_BYTES,
@@ -47,7 +47,7 @@ from multihead.memory_budget import (
 from multihead.observe.head_summary import HeadStatistics
 from multihead.pretrained.text_loader import load_text_model
 from multihead.text.model import TextModel
-from multihead.tokenization import TokenBatch, TruncationWarning, check_text
+from multihead.text.tokenization import TokenBatch, TruncationWarning, check_text
 
 __all__ = [
     "explain",

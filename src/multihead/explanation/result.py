@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from multihead._checks import check_index
-from multihead.focus import LayerFocus
-from multihead.head_effects import Ablation
+from multihead.explanation.focus import LayerFocus
+from multihead.explanation.head_effects import Ablation
 from multihead.observe.head_summary import HeadStatistics
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 from multihead.viz.page import check_page_size, render_page
@@ -53,7 +53,8 @@ class Explanation:
         model_name: a name for the model, for titles.
         truncated: whether the text was longer than the model takes and was cut.
         importance: (L, H) how far the sentence embedding moves (cosine distance) when each
-            head is zeroed (see :mod:`multihead.head_effects`), or None when not computed.
+            head is zeroed (see :mod:`multihead.explanation.head_effects`), or None when not
+            computed.
         ablation: the run with the ``ablate`` heads zeroed, or None.
         ablated_top_words: per covered layer, the focus token's top words in that run.
         causal: the model is a decoder: each token attends only to itself and earlier tokens

@@ -31,7 +31,7 @@ Shapes: B batch, T tokens, E width, V vocabulary, L layers, H heads, Dv one head
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,20 +41,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int, describe, is_int
+from multihead.circuits.input_pair import run_model
+from multihead.circuits.patching import record_layers
+from multihead.circuits.steering import head_table, model_heads
 from multihead.head_shard import every_head
-from multihead.models.lm import TransformerLM
-from multihead.observe.input_pair import run_model
-from multihead.observe.patching import record_layers
-from multihead.observe.steering import head_table, model_heads
-from multihead.observers import ObservableAttention
+from multihead.mapping import model_map
+from multihead.observers import Removable, registered
+from multihead.sites import ModelMap
 
 if dist.is_available():  # a torch built without distributed has no DTensor
     from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["LogitAttribution", "logit_attribution"]
-
-# The attribute names transformers families give their final norm (on the base model).
-_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
 
 
 @dataclass(frozen=True)
@@ -111,60 +109,33 @@ class LogitAttribution:
         return [(i // n, i % n, float(flat[i])) for i in order]
 
 
-def _final_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
-    """(final norm, unembedding) of a TransformerLM or a transformers causal LM."""
-    if isinstance(model, TransformerLM):
-        if model.norm is None:
-            raise ValueError(
-                "logit_attribution needs a final norm before the unembedding: this "
-                "TransformerLM is post-LN (norm_first=False)"
-            )
-        return model.norm, model.head
-    get_output = getattr(model, "get_output_embeddings", None)
-    unembedding = get_output() if callable(get_output) else None
-    if not isinstance(unembedding, nn.Linear):
+def _final_parts(mapped: ModelMap, model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """(final norm, unembedding) from the model's map, or a ValueError saying which is missing."""
+    if mapped.unembedding is None:
         raise ValueError(
             f"logit_attribution needs a causal LM with an unembedding (multihead's "
             f"TransformerLM, or a transformers ...ForCausalLM model), got {type(model).__name__}"
         )
-    base = getattr(model, "base_model", model)
-    norm = next(
-        (getattr(base, n) for n in _NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)),
-        None,
-    )
-    if norm is None:
+    if mapped.final_norm is None:
+        named = type(model).__name__
+        named += f" ({mapped.family})" if mapped.family != named else ""
         raise ValueError(
-            f"logit_attribution cannot find the final norm of {type(model).__name__} (looked "
-            f"for {', '.join(_NORM_NAMES)} on {type(base).__name__})"
+            f"logit_attribution needs a final norm before the unembedding, and {named} has "
+            f"none: post-LN (norm_first=False), or a final norm its map does not know"
         )
-    return norm, unembedding
+    return mapped.final_norm, mapped.unembedding
 
 
-def _blocks(model: nn.Module, found: list[tuple[str, ObservableAttention]]) -> list[nn.Module]:
-    """Per attention layer, its block: the nearest module above it held in an nn.ModuleList."""
-    modules = dict(model.named_modules())
-    blocks: list[nn.Module] = []
-    for name, _ in found:
-        parts = name.split(".")
-        block = next(
-            (
-                modules[".".join(parts[:cut])]
-                for cut in range(len(parts) - 1, 0, -1)
-                if isinstance(modules.get(".".join(parts[: cut - 1])), nn.ModuleList)
-            ),
-            None,
-        )
-        if block is None or any(block is b for b in blocks):
+def _blocks(mapped: ModelMap) -> list[nn.Module]:
+    """Per attention layer, its block (one attention site each)."""
+    blocks = [mapped.block_of(site.layer) for site in mapped.sites]
+    for site, block in zip(mapped.sites, blocks, strict=True):
+        if block is None or len(block.sites) != 1:
             raise ValueError(
-                f"logit_attribution needs one attention module per block of a stack "
-                f"(nn.ModuleList); {name} is not alone in one"
+                f"logit_attribution needs one attention module per block of a stack; "
+                f"{site.name} is not alone in one"
             )
-        blocks.append(block)
-    return blocks
-
-
-def _module_of(site: ObservableAttention) -> nn.Module:
-    return site if isinstance(site, nn.Module) else site.module  # type: ignore[attr-defined]
+    return [b.module for b in blocks if b is not None]
 
 
 def _tokens(name: str, value: object, b: int, t: int, vocab: int, device: torch.device) -> Tensor:
@@ -209,7 +180,8 @@ def logit_attribution(
     Args:
         model: multihead's :class:`~multihead.models.TransformerLM` (pre-LN), or a transformers
             causal LM (``...ForCausalLM``: GPT-2, Llama, ...) through :mod:`multihead.hf`.
-        inputs: token ids (B, T), or a dict of the model's keyword arguments.
+        inputs: token ids (B, T), or a dict of the model's keyword arguments; for a
+            :class:`multihead.TextModel`, also a text or a list of texts.
         answer: the token whose logit is explained: an id, or ids broadcastable to (B, T) (e.g.
             each position's next token).
         wrong: optionally a second token (or ids): explain ``logit(answer) - logit(wrong)``.
@@ -226,12 +198,12 @@ def logit_attribution(
         TypeError: answer/wrong that are not token ids; inputs of another kind.
     """
     found = model_heads(model)
-    norm, unembedding = _final_parts(model)
-    blocks = _blocks(model, found)
+    mapped = model_map(model)
+    norm, unembedding = _final_parts(mapped, model)
+    blocks = _blocks(mapped)
     hidden: dict[str, list[Any]] = {"in": [None] * len(blocks), "out": [None] * len(blocks)}
     norm_io: list[Tensor] = []
     fed: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
-    handles: list[Any] = []
 
     def on_block(i: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -247,22 +219,20 @@ def logit_attribution(
 
         return hook
 
-    try:
+    logits: list[Tensor] = []
+
+    def hooks() -> Iterator[Removable]:
         for i, block in enumerate(blocks):
-            handles.append(block.register_forward_hook(on_block(i), with_kwargs=True))
-        for layer, (_, site) in enumerate(found):
-            owner = _module_of(site)
-            for m in owner.modules():
-                if m is not owner:
-                    handles.append(m.register_forward_pre_hook(on_input(layer, m)))
-        handles.append(norm.register_forward_hook(lambda m, a, out: norm_io.extend((a[0], out))))
-        logits: list[Tensor] = []
-        handles.append(unembedding.register_forward_hook(lambda m, a, out: logits.append(out)))
-        with record_layers(found, range(len(found))) as per_head:
-            run_model(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+            yield block.register_forward_hook(on_block(i), with_kwargs=True)
+        for layer, site in enumerate(mapped.sites):
+            for m in site.module.modules():
+                if m is not site.module:
+                    yield m.register_forward_pre_hook(on_input(layer, m))
+        yield norm.register_forward_hook(lambda m, a, out: norm_io.extend((a[0], out)))
+        yield unembedding.register_forward_hook(lambda m, a, out: logits.append(out))
+
+    with registered(hooks()), record_layers(found, range(len(found))) as per_head:
+        run_model(model, inputs)
 
     x = norm_io[0]
     b, t = x.shape[0], x.shape[1]
@@ -294,7 +264,9 @@ def logit_attribution(
         if unembedding_bias is not None and wrong_bias is not None:
             unembedding_bias = unembedding_bias - wrong_bias
 
-    read, norm_beta = _frozen_norm(norm, x.to(dtype), norm_io[1].to(dtype), direction)
+    read, norm_beta = _frozen_norm(
+        norm, mapped.norm_eps, x.to(dtype), norm_io[1].to(dtype), direction
+    )
 
     def term(c: Tensor) -> Tensor:  # (B, T, E) -> (B, T): c's share of the logit
         return (c.to(dtype) * read).sum(-1)
@@ -361,7 +333,7 @@ def _whole(value: Any) -> Any:
 
 
 def _frozen_norm(
-    norm: nn.Module, x: Tensor, y: Tensor, direction: Tensor
+    norm: nn.Module, eps: float | None, x: Tensor, y: Tensor, direction: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """(read (B, T, E), β or None): with the norm's scale frozen at ``x``, a component c adds
     ``(c * read).sum(-1)`` to the logit along ``direction``; checked against the norm's own
@@ -372,14 +344,6 @@ def _frozen_norm(
     """
     gamma = _whole(getattr(norm, "weight", None))
     beta = _whole(getattr(norm, "bias", None))
-    eps = next(
-        (
-            float(getattr(norm, n))
-            for n in ("eps", "variance_epsilon", "epsilon")
-            if isinstance(getattr(norm, n, None), float)
-        ),
-        None,
-    )
     gamma = torch.ones_like(x[0, 0]) if gamma is None else gamma.to(x.dtype)
     beta = beta.to(x.dtype) if isinstance(beta, Tensor) else None
     centred = isinstance(norm, nn.LayerNorm)

@@ -3,12 +3,11 @@
 Editing a head of layer l leaves every block before layer l's as it was. :class:`PrefixCache`
 records every block's calls (arguments and output) on one clean run; on an edited run of
 layer l, each block before it hands back its recorded output instead of running, when its
-arguments equal the recorded ones bit for bit. A "block" is a multihead
-``TransformerEncoderLayer``, ``TransformerDecoderLayer`` or ``AttentionOnlyBlock``, or a
-transformers decoder/encoder layer (a ``GradientCheckpointingLayer`` of transformers' own:
-layers that transformers itself recomputes from their arguments), holding attention modules
-(:func:`_blocks`); its forward is replaced on the instance for the duration of a run
-(:class:`_patched`), so ``nn.Module.__call__`` and its hooks still run.
+arguments equal the recorded ones bit for bit. A "block" is a block of the model's map
+(:func:`multihead.model_map`) that the map calls reusable: a multihead layer that declares its
+parts and keeps its class's forward, or a transformers layer that transformers itself
+recomputes from its arguments; its forward is replaced on the instance for the duration of a
+run (:class:`_patched`), so ``nn.Module.__call__`` and its hooks still run.
 
 A run may also stack ``copies`` edited variants of the recorded input along the batch
 (activation patching runs many variants per forward): a block whose batched arguments are the
@@ -22,10 +21,10 @@ once, after the run. A run whose arguments differed (a metric whose inputs depen
 ablation, as a generated text does) is run again, and from then on values are compared before
 a call is reused (``compare_first``), as they must be for such a metric.
 
-:func:`multihead.observe.importance.head_importance` uses it; the reasons for running
-full forwards instead are logged on its logger, ``multihead.observe.importance``;
-:func:`multihead.observe.patching.patch_heads` uses it for stacked variants and logs on
-``multihead.observe.patching``.
+:func:`multihead.circuits.importance.head_importance` uses it; the reasons for running
+full forwards instead are logged on its logger, ``multihead.circuits.importance``;
+:func:`multihead.circuits.patching.patch_heads` uses it for stacked variants and logs on
+``multihead.circuits.patching``.
 """
 
 from __future__ import annotations
@@ -37,29 +36,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
-from multihead.layers import TransformerDecoderLayer, TransformerEncoderLayer
-from multihead.models.lm import AttentionOnlyBlock
+from multihead.mapping import model_map
 from multihead.observers import ObservableAttention
 from multihead.packing import PackedBatch
+from multihead.sites import Site
 
 __all__ = ["PrefixCache"]
 
 # head_importance's logger (its documentation names it as where these reasons go), unless the
 # caller names its own
-logger = logging.getLogger("multihead.observe.importance")
+logger = logging.getLogger("multihead.circuits.importance")
 
 # run(what): one run of the metric, its scalar (what names the run in errors)
 Run = Callable[[str], Tensor]
-
-# The layers whose forward is known to be a pure function of its arguments and parameters (no
-# state kept, inputs never modified in place): the "blocks" whose outputs may be reused.
-_PURE_FORWARDS = (
-    TransformerEncoderLayer.forward,
-    TransformerDecoderLayer.forward,
-    AttentionOnlyBlock.forward,
-)
-_PURE_CLASSES = (TransformerEncoderLayer, TransformerDecoderLayer, AttentionOnlyBlock)
 
 
 class _Call:
@@ -122,35 +111,11 @@ def _has_observers(site: ObservableAttention) -> bool:
     return bool(site.observers)
 
 
-def _module_of(site: ObservableAttention) -> nn.Module | None:
-    """The module a site observes: a MultiHeadAttention itself, a transformers attention
-    module for an AttentionSite (its public ``module``)."""
-    if isinstance(site, nn.Module):
-        return site
-    module = getattr(site, "module", None)
-    return module if isinstance(module, nn.Module) else None
-
-
-def _random(block: nn.Module) -> bool:
+def _random(block: nn.Module, sites: list[Site]) -> bool:
     """Whether the block has active dropout (training mode and p > 0): its runs differ."""
     return any(
-        m.training
-        and (
-            (isinstance(m, nn.Dropout) and m.p > 0)
-            or (isinstance(m, MultiHeadAttention) and m.dropout > 0)
-            or (not isinstance(m, MultiHeadAttention) and _dropout_rate(m) > 0)
-        )
-        for m in block.modules()
-    )
-
-
-def _dropout_rate(module: nn.Module) -> float:
-    """A transformers attention module's own dropout rate (applied inside its call)."""
-    for name in ("attention_dropout", "attn_dropout"):
-        rate = getattr(module, name, None)
-        if isinstance(rate, float):
-            return rate
-    return 0.0
+        m.training and isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules()
+    ) or any(s.module.training and s.dropout > 0 for s in sites)
 
 
 def _copy(value: Any, copies: int = 1) -> Any:
@@ -209,7 +174,9 @@ class PrefixCache:
         errors): the clean run, then a check run reusing every block it can. ``caller`` names
         the user in the reasons logged on ``log``.
         """
-        blocks = _blocks(model, found)
+        mapped = model_map(model)
+        # a block whose forward is replaced on the instance (another tool's patch) may keep state
+        blocks = [b.module for b in mapped.blocks if b.reusable and "forward" not in vars(b.module)]
         if len(blocks) < 2:
             log.info(
                 "%s: full forwards for every run (the model has %s of multihead's or "
@@ -218,14 +185,17 @@ class PrefixCache:
                 "one" if blocks else "none",
             )
             return None
-        if any(_random(b) for b in blocks):
+        inside = [
+            [s for s in mapped.sites if any(m is s.module for m in b.modules())] for b in blocks
+        ]
+        if any(_random(b, held) for b, held in zip(blocks, inside, strict=True)):
             log.warning(
                 "%s: full forwards for every run (the model is in training mode with dropout: "
                 "no two runs agree); call model.eval() for faster runs",
                 caller,
             )
             return None
-        modules = [_module_of(site) for _, site in found]
+        modules = [site.module for site in mapped.sites]
         holders = [
             [i for i, b in enumerate(blocks) if any(m is module for m in b.modules())]
             for module in modules
@@ -371,47 +341,3 @@ class _patched:
         for block in self.patched:
             del block.forward
         self.patched.clear()
-
-
-def _blocks(model: nn.Module, found: list[tuple[str, ObservableAttention]]) -> list[nn.Module]:
-    """The layers that hold the attention modules (the nearest one above each): multihead's
-    own, or transformers' (:func:`_transformers_layer`).
-
-    Only layers whose class keeps its library's own forward count (a subclass that overrides
-    it may keep state); none may hold another.
-    """
-    modules = dict(model.named_modules())
-    blocks: list[nn.Module] = []
-    for name, _ in found:
-        parts = name.split(".") if name else []
-        for cut in range(len(parts) - 1, -1, -1):
-            candidate = modules.get(".".join(parts[:cut]))
-            if (
-                candidate is not None
-                and (
-                    (
-                        isinstance(candidate, _PURE_CLASSES)
-                        and type(candidate).forward in _PURE_FORWARDS
-                    )
-                    or _transformers_layer(candidate)
-                )
-                and "forward" not in vars(candidate)  # not patched on the instance
-            ):
-                if not any(candidate is b for b in blocks):
-                    blocks.append(candidate)
-                break
-    for b in blocks:
-        if any(other is not b and any(m is other for m in b.modules()) for other in blocks):
-            return []  # nested layers: a skipped outer layer would hide an inner one
-    return blocks
-
-
-def _transformers_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is a layer transformers itself defines as recomputable from its
-    arguments (a ``GradientCheckpointingLayer`` of its own: what activation checkpointing
-    reruns), told without importing transformers."""
-    cls = type(module)
-    return cls.__module__.startswith("transformers.") and any(
-        c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers.")
-        for c in cls.__mro__
-    )

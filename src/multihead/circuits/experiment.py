@@ -1,0 +1,103 @@
+"""The one prologue of the patching functions: what every experiment checks and runs first.
+
+:func:`~multihead.patch_heads`, :func:`~multihead.attribution_patching` and
+:func:`~multihead.path_patching` each start the same way: the model's heads (its
+:func:`multihead.model_map`), a clean and a corrupt input checked against each other (texts
+through a text model's tokenizer), a metric that must be callable; then, for those that patch,
+one unpatched run of the input that is patched (recorded by the prefix cache, which reuses the
+blocks a patch cannot change) and how many patched variants fit one stacked forward.
+:class:`Experiment` is that prologue, written once.
+
+Shapes: B batch, T tokens, H heads, Dv one head's width.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from multihead._checks import describe
+from multihead.circuits.input_pair import InputPair, Metric, metric_value
+from multihead.circuits.prefix_reuse import PrefixCache
+from multihead.circuits.stacked_runs import variants_per_forward
+from multihead.circuits.steering import model_heads
+from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
+from multihead.observers import ObservableAttention
+
+__all__ = ["Experiment", "Unpatched"]
+
+
+@dataclass
+class Unpatched:
+    """The run that patches are measured against.
+
+    Attributes:
+        value: the metric on it, a () tensor.
+        output: the model's output on it (what a stacked run is split like).
+        prefix: the recorded blocks for prefix reuse, or None (the reason was logged).
+    """
+
+    value: Tensor
+    output: Any
+    prefix: PrefixCache | None
+
+
+@dataclass
+class Experiment:
+    """A model, its heads, a clean and a corrupt input and a metric, checked.
+
+    Attributes:
+        model: the model.
+        found: its attention sites, ``(name, site)`` in layer order.
+        pair: the two inputs (:class:`~multihead.circuits.input_pair.InputPair`).
+        metric: ``metric(output) -> () or (B,)``.
+    """
+
+    model: nn.Module
+    found: list[tuple[str, ObservableAttention]]
+    pair: InputPair
+    metric: Metric
+    outputs: list[Any] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def of(cls, model: nn.Module, clean: object, corrupt: object, metric: object) -> Experiment:
+        """Check the model (it has heads), the inputs (alike) and the metric (callable).
+
+        Raises:
+            ValueError, TypeError: as the patching functions document for these arguments.
+        """
+        found = model_heads(model)
+        pair = InputPair(model, clean, corrupt)
+        if not callable(metric):
+            raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
+        return cls(model, found, pair, metric)
+
+    def value(self, inputs: Any, what: str, copies: int = 1) -> Tensor:
+        """The metric on the model's output for ``inputs`` (a () tensor; ``what`` names the run
+        in errors); the output is kept as :attr:`last_output`."""
+        self.outputs[:] = [self.pair.run(inputs, copies)]
+        return metric_value(self.metric, self.outputs[0], self.pair.batch, what)
+
+    @property
+    def last_output(self) -> Any:
+        """The output of the latest :meth:`value` run."""
+        return self.outputs[0]
+
+    def unpatched(self, inputs: Any, what: str, *, caller: str, log: logging.Logger) -> Unpatched:
+        """Run ``inputs`` unpatched, recording every block for prefix reuse (or, when reuse
+        cannot serve, once without it: the reason is logged on ``log``)."""
+        prefix = PrefixCache.build(
+            self.model, self.found, lambda name: self.value(inputs, name), caller=caller, log=log
+        )
+        value = prefix.clean if prefix is not None else self.value(inputs, what)
+        return Unpatched(value, self.last_output, prefix)
+
+    def stack_size(self, batch_size: int | None, output: Any, recorded: list[Tensor]) -> int:
+        """How many patched variants one forward stacks: ``batch_size``, or as many as the
+        memory budget holds beside ``recorded`` (the per-head outputs kept for patching)."""
+        if batch_size is not None:
+            return batch_size
+        return variants_per_forward(output, recorded, DEFAULT_MEMORY_LIMIT, self.found)

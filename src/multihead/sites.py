@@ -1,0 +1,342 @@
+"""The model map: where a model's heads, blocks, embeddings, final norm and unembedding are.
+
+Everything that observes, steers or explains a model needs to know the model around its heads:
+which attention sites there are and in what order, which blocks hold them and whether a block's
+output may be reused, where the embeddings, the final norm and the unembedding are, whether the
+model is causal, how many positions it takes and what its calls need. A :class:`ModelMap` holds
+all of it, built once per model (:func:`multihead.model_map`) by one of two builders, and only
+these know model families:
+
+- multihead's own modules *declare* theirs: a layer class names its parts in a
+  :class:`BlockParts` class attribute (``block_parts``), a model class returns its map from
+  ``build_model_map()`` (usually :meth:`ModelMap.of_modules` with the facts it knows); any other
+  module made of multihead's parts gets :meth:`ModelMap.of_modules` with no facts;
+- :mod:`multihead.hf` builds the map of a transformers model (its family tables).
+
+Everyone else reads the map and names no family, class or attribute of another library.
+
+Shapes and names: L attention sites ("layers", numbered in module order), H query heads, Hk
+key/value heads, Dv one head's output width, E the residual width.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, Union, runtime_checkable
+
+from torch import nn
+
+from multihead.attention import MultiHeadAttention
+from multihead.head_shard import HeadShard
+from multihead.observers import ObservableAttention
+
+__all__ = [
+    "BlockParts",
+    "Block",
+    "MapsItself",
+    "ModelMap",
+    "Site",
+    "HeadName",
+    "head_label",
+    "is_head",
+    "parse_head",
+]
+
+
+# One head, in the one notation: "L0H1" or (0, 1).
+HeadName = Union[tuple[int, int], str]  # noqa: UP007 - a runtime alias
+
+
+def head_label(layer: int, head: int) -> str:
+    """The one written name of a head: ``"L0H1"`` for layer 0, head 1."""
+    return f"L{layer}H{head}"
+
+
+_HEAD_NAME = re.compile(r"\s*[Ll]\s*(-?\d+)\s*[Hh]\s*(-?\d+)\s*")
+
+
+def is_head(value: object) -> bool:
+    """Whether ``value`` is written as one head: ``"L0H1"`` or a ``(layer, head)`` pair of ints."""
+    if isinstance(value, str):
+        return _HEAD_NAME.fullmatch(value) is not None
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
+
+
+def parse_head(name: str, value: object) -> tuple[int, int]:
+    """One head in the one notation, ``"L0H1"`` or ``(0, 1)``, as ``(layer, head)`` ints (not
+    yet checked against a model: negative indices count from the end there).
+
+    Raises:
+        TypeError: neither form (``name`` names the argument).
+    """
+    if isinstance(value, str):
+        match = _HEAD_NAME.fullmatch(value)
+        if match is not None:
+            return int(match[1]), int(match[2])
+    elif is_head(value):
+        assert isinstance(value, tuple)
+        return value[0], value[1]
+    raise TypeError(
+        f"{name} must be a (layer, head) pair of ints, got {value!r} (or a head written as "
+        f"'L0H1': layer 0, head 1)"
+    )
+
+
+@dataclass(frozen=True)
+class BlockParts:
+    """What a residual block class declares about itself (its ``block_parts`` class attribute).
+
+    Attributes:
+        attention: the attribute holding the self-attention whose output the block adds to the
+            residual stream (``"self_attn"``).
+        mlp: the attribute holding the feed-forward network whose output it adds (``"ff"``), or
+            None for an attention-only block.
+        pure: whether the declaring class's ``forward`` is a pure function of its arguments and
+            parameters (no state kept, inputs never modified in place): then a recorded output
+            may be handed back for equal arguments (prefix reuse). A subclass that overrides
+            ``forward`` without declaring again is not pure.
+    """
+
+    attention: str
+    mlp: str | None
+    pure: bool = True
+
+
+@dataclass(frozen=True, eq=False)
+class Site:
+    """One attention site: a "layer" of :func:`multihead.capture` and every head function.
+
+    Attributes:
+        layer: its number, in module order.
+        name: its qualified module name in the model the map was built for.
+        attention: the observer channel (a :class:`~multihead.MultiHeadAttention`, or a
+            transformers attention module's :class:`multihead.hf.AttentionSite`).
+        module: the module that runs the attention (the MultiHeadAttention itself, or the
+            transformers attention module).
+        num_heads: H, its query heads (all ranks' under tensor parallelism).
+        num_kv_heads: Hk, its key/value heads.
+        head_dim: Dv, the width of one head's output.
+        shard: the global heads this rank's calls hold (tensor parallelism), else None.
+        dropout: the attention dropout the site applies inside its call in training mode.
+    """
+
+    layer: int
+    name: str
+    attention: ObservableAttention
+    module: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    shard: HeadShard | None = None
+    dropout: float = 0.0
+
+    def labels(self) -> list[str]:
+        """``["L{layer}H0", ...]``: the written names of its heads."""
+        return [head_label(self.layer, h) for h in range(self.num_heads)]
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """One residual block: a layer of the stack that holds attention sites.
+
+    Attributes:
+        index: its number among the blocks, in module order.
+        name: its qualified module name.
+        module: the block.
+        sites: the numbers of the attention sites inside it.
+        reusable: whether its output is a pure function of its arguments and parameters, so
+            that a recorded output may be handed back for equal arguments.
+        attention: the module whose output is the block's attention write into the residual
+            stream, or None where the map does not know it.
+        mlp: the module whose output is its feed-forward write, or None (none, or not known).
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    sites: tuple[int, ...]
+    reusable: bool
+    attention: nn.Module | None = None
+    mlp: nn.Module | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class ModelMap:
+    """Where everything of a model is, in forward order (see the module docstring).
+
+    Attributes:
+        family: a name for messages (``"llama"``, ``"TransformerLM"``).
+        name: the model's own name (where its files came from), or None.
+        sites: the attention sites, in module order: layer l is ``sites[l]``.
+        blocks: the residual blocks holding them, in module order (empty when they can't be
+            told apart, e.g. one block nested in another).
+        embeddings: the embedding modules, the token embedding first (empty when not known).
+        final_norm: the norm before the unembedding, or None (post-LN models, encoders).
+        norm_eps: the final norm's epsilon, or None when not known.
+        unembedding: the linear map from the residual stream to the vocabulary, or None.
+        base: the module whose output's ``last_hidden_state`` is the residual stream at the
+            end (the model itself, a task head's base model, an encoder-decoder's encoder).
+        width: E, the width of the residual stream (None when not known).
+        causal: whether every site's queries read only keys at or before their own position;
+            None when not known.
+        position_limit: the most positions the model embeds, or None (relative positions).
+        token_types: whether the model's forward takes ``token_type_ids`` and embeds them.
+        call_options: keyword arguments every run here passes (``use_cache=False`` for a model
+            that would otherwise keep a cache of every stacked variant).
+    """
+
+    family: str
+    sites: tuple[Site, ...]
+    name: str | None = None
+    blocks: tuple[Block, ...] = ()
+    embeddings: tuple[nn.Module, ...] = ()
+    final_norm: nn.Module | None = None
+    norm_eps: float | None = None
+    unembedding: nn.Linear | None = None
+    base: nn.Module | None = None
+    width: int | None = None
+    causal: bool | None = None
+    position_limit: int | None = None
+    token_types: bool = False
+    call_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        """L, the attention sites."""
+        return len(self.sites)
+
+    @property
+    def max_heads(self) -> int:
+        """The most query heads of any site (0 without sites)."""
+        return max((s.num_heads for s in self.sites), default=0)
+
+    def block_of(self, layer: int) -> Block | None:
+        """The block holding site ``layer``, or None."""
+        return next((b for b in self.blocks if layer in b.sites), None)
+
+    def labels(self) -> list[list[str]]:
+        """Per layer, the written names of its heads (``[["L0H0", ...], ...]``)."""
+        return [s.labels() for s in self.sites]
+
+    def with_options(self, **changes: Any) -> ModelMap:
+        """A copy with some fields replaced (a wrapper's map: its own base, its own options)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def of_modules(
+        cls,
+        model: nn.Module,
+        *,
+        family: str | None = None,
+        embeddings: Sequence[nn.Module] = (),
+        final_norm: nn.Module | None = None,
+        unembedding: nn.Linear | None = None,
+        width: int | None = None,
+        causal: bool | None = None,
+        position_limit: int | None = None,
+        token_types: bool = False,
+    ) -> ModelMap:
+        """The map of a model built from multihead's modules: the
+        :class:`~multihead.MultiHeadAttention` modules are the sites, in module order; the
+        modules whose class declares :class:`BlockParts` are the blocks; the rest is what the
+        caller (the model's own ``build_model_map``) knows.
+        """
+        named = list(model.named_modules())
+        found: list[Site] = []
+        for name, m in named:
+            if isinstance(m, MultiHeadAttention):
+                found.append(
+                    Site(
+                        layer=len(found),
+                        name=name,
+                        attention=m,
+                        module=m,
+                        num_heads=m.num_heads,
+                        num_kv_heads=m.num_kv_heads,
+                        head_dim=m.head_dim,
+                        shard=m.head_shard,
+                        dropout=m.dropout,
+                    )
+                )
+        declared = [(n, m, _declared_parts(type(m))) for n, m in named]
+        holders = [(n, m, p) for n, m, p in declared if p is not None]
+        nested = any(
+            other is not m and any(inner is other for inner in m.modules())
+            for _, m, _ in holders
+            for _, other, _ in holders
+        )
+        blocks: list[Block] = []
+        # nested blocks: a skipped outer block would hide an inner one, so none is listed
+        for name, m, parts in [] if nested else holders:
+            assert parts is not None
+            inside = tuple(
+                s.layer
+                for s in found
+                if not name or s.name == name or s.name.startswith(f"{name}.")
+            )
+            if not inside:
+                continue
+            blocks.append(
+                Block(
+                    index=len(blocks),
+                    name=name,
+                    module=m,
+                    sites=inside,
+                    reusable=parts.pure and _keeps_forward(type(m)),
+                    attention=getattr(m, parts.attention, None),
+                    mlp=getattr(m, parts.mlp, None) if parts.mlp else None,
+                )
+            )
+        return cls(
+            family=family or type(model).__name__,
+            sites=tuple(found),
+            blocks=tuple(blocks),
+            embeddings=tuple(embeddings),
+            final_norm=final_norm,
+            norm_eps=_torch_norm_eps(final_norm),
+            unembedding=unembedding,
+            base=model,
+            width=width,
+            causal=causal,
+            position_limit=position_limit,
+            token_types=token_types,
+        )
+
+
+@runtime_checkable
+class MapsItself(Protocol):
+    """A model that declares its own map (multihead's models, :class:`~multihead.TextModel`)."""
+
+    def build_model_map(self) -> ModelMap: ...
+
+
+def _declaring_class(cls: type) -> type | None:
+    """The class in ``cls``'s MRO that declares ``block_parts``, or None."""
+    return next((c for c in cls.__mro__ if "block_parts" in vars(c)), None)
+
+
+def _declared_parts(cls: type) -> BlockParts | None:
+    parts = getattr(cls, "block_parts", None)
+    return parts if isinstance(parts, BlockParts) else None
+
+
+def _keeps_forward(cls: type) -> bool:
+    """Whether ``cls`` runs the ``forward`` of the class that declared its parts (a subclass
+    overriding it may keep state)."""
+    owner = _declaring_class(cls)
+    return owner is not None and getattr(cls, "forward", None) is vars(owner).get("forward", None)
+
+
+def _torch_norm_eps(norm: nn.Module | None) -> float | None:
+    """The epsilon of a torch ``LayerNorm`` or ``RMSNorm`` (None for anything else)."""
+    kinds = tuple(k for k in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if k is not None)
+    if isinstance(norm, kinds):
+        eps = getattr(norm, "eps", None)
+        return float(eps) if isinstance(eps, float) else None
+    return None
