@@ -36,7 +36,13 @@ from pathlib import Path
 from common import format_table, machine_info, write_json
 
 MEASURES = (
-    "mha", "mha_weights", "minilm_dense", "minilm_ragged", "capture_hf", "intervene", "patch"
+    "mha",
+    "mha_weights",
+    "minilm_dense",
+    "minilm_ragged",
+    "capture_hf",
+    "intervene",
+    "patch",
 )
 
 # The child: builds what a measure needs with whichever multihead is on the path, times it and
