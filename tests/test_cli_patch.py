@@ -144,3 +144,86 @@ def test_path_patching_table(
     assert "--senders takes heads such as L0H1 (layer 0, head 1), got '0:1'" in err
     err = fails(capsys, [*run, "--senders", "L1H0", "--receivers", "L1H1"])
     assert "senders item (1, 0) must be in an earlier layer than every receiver" in err
+
+
+def _gpt2_dir(tmp_path: Path) -> Path:
+    pytest.importorskip("transformers", minversion="5")
+    pytest.importorskip("tokenizers")
+    from test_hf_explain import BY_NAME, save_family
+
+    return save_family(BY_NAME["gpt2"], tmp_path / "gpt2")
+
+
+def _clean_value(stdout: str) -> float:
+    match = re.search(r"clean (-?\d+\.\d+)", stdout)
+    assert match is not None, stdout
+    return float(match[1])
+
+
+def test_patch_model_reads_texts_through_the_one_loader_not_the_files_own_truncation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34 #3: a tokenizer.json carrying its own truncation (4 tokens) and fixed padding
+    (16) neither cuts the prompt nor pads it: the clean metric is the whole text's."""
+    import json
+
+    import tokenizers
+    import transformers
+
+    model_dir = _gpt2_dir(tmp_path)
+    file = model_dir / "tokenizer.json"
+    spec = json.loads(file.read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst",
+                          "stride": 0}  # fmt: skip
+    spec["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}  # fmt: skip
+    file.write_text(json.dumps(spec))
+    clean, corrupt = "The cat was too tired to sleep", "The cat was too sleep to tired"
+    argv = ["patch", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--format", "png"]
+    texts = ["--clean", clean, "--corrupt", corrupt, "--answer", " it", "--wrong", " the"]
+    assert main([*argv, *texts]) == 0
+    got = _clean_value(capsys.readouterr().out)
+    # the reference: the whole text's ids, without the file's truncation or padding
+    raw = tokenizers.Tokenizer.from_file(str(file))
+    raw.no_truncation()
+    raw.no_padding()
+    ids = raw.encode(clean).ids
+    assert len(ids) > 4
+    answer, wrong = raw.encode(" it").ids[0], raw.encode(" the").ids[0]
+    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    assert got == pytest.approx(float(logits[answer] - logits[wrong]), abs=1e-3)
+
+
+def test_patch_model_refuses_texts_past_the_positions_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34 #7: GPT-2 takes 64 positions here; a longer text is one line naming it."""
+    model_dir = _gpt2_dir(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    long = " ".join(["word"] * 80)
+    argv = ["patch", "--model", str(model_dir), "--out", str(tmp_path / "out")]
+    err = fails(capsys, [*argv, "--clean", long, "--corrupt", long, "--answer", " it"])
+    assert "--clean is longer than the 64 tokens" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_patch_model_refuses_a_tokenizer_with_ids_past_the_embedding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34 #6: a tokenizer whose ids pass the embedding's rows is refused at load, in one
+    line, before any text is run (no IndexError traceback)."""
+    import transformers
+
+    model_dir = _gpt2_dir(tmp_path)
+    config = transformers.GPT2Config.from_pretrained(model_dir)
+    small = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**{**config.to_dict(), "vocab_size": 50})
+    )
+    small.save_pretrained(model_dir)  # 50 rows; the tokenizer's ids go further
+    capsys.readouterr()  # the save's progress bar
+    argv = ["patch", "--model", str(model_dir), "--out", str(tmp_path / "out")]
+    err = fails(capsys, [*argv, "--clean", "The cat", "--corrupt", "The dog", "--answer", " it"])
+    assert "50" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -348,7 +348,9 @@ def test_head_map_is_deterministic_and_independent_of_batching(model: Any) -> No
     assert torch.equal(first.distances, again.distances)
     other = head_distances(model, TEXTS, batch_size=5)
     torch.testing.assert_close(other.distances, first.distances, rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(other.positions, first.positions, rtol=1e-5, atol=1e-7)
+    # classical MDS amplifies the distances' last-bit differences (a batch size changes the
+    # reduction order: on an H200 5e-7 on coordinates of 1e-2 where the distances agree to 1e-9)
+    torch.testing.assert_close(other.positions, first.positions, rtol=1e-4, atol=1e-6)
     stats = corpus_statistics(model, TEXTS)
     roles = stats.roles()
     labels = heads_map_labels(first.layers, first.heads, roles)
