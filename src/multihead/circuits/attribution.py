@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
-from multihead.circuits.experiment import Experiment
+from multihead.circuits.experiment import Experiment, warn_if_random
 from multihead.circuits.input_pair import Metric
 from multihead.circuits.patching import DIRECTIONS, record_layers
 from multihead.circuits.steering import head_table
@@ -81,6 +81,7 @@ def attribution_patching(
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     experiment = Experiment.of(model, clean, corrupt, metric)
+    warn_if_random(model, "attribution_patching")
     found, pair = experiment.found, experiment.pair
     source, target = pair.pick(direction)
     layers = list(range(len(found)))

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int, describe, is_int
+from multihead.circuits.experiment import warn_if_random
 from multihead.circuits.input_pair import run_model
 from multihead.circuits.patching import record_layers
 from multihead.circuits.steering import head_table, model_heads
@@ -166,6 +167,7 @@ def _tokens(name: str, value: object, b: int, t: int, vocab: int, device: torch.
     return ids
 
 
+@torch.inference_mode(False)  # called under torch.inference_mode too: it needs autograd inside
 @torch.no_grad()
 def logit_attribution(
     model: nn.Module, inputs: Any, answer: int | Tensor, wrong: int | Tensor | None = None
@@ -198,6 +200,7 @@ def logit_attribution(
         TypeError: answer/wrong that are not token ids; inputs of another kind.
     """
     found = model_heads(model)
+    warn_if_random(model, "logit_attribution")
     mapped = model_map(model)
     norm, unembedding = _final_parts(mapped, model)
     blocks = _blocks(mapped)
@@ -264,8 +267,10 @@ def logit_attribution(
         if unembedding_bias is not None and wrong_bias is not None:
             unembedding_bias = unembedding_bias - wrong_bias
 
+    # the norm ran in the model's dtype: the rebuilt norm is compared within its rounding
+    rounding = torch.finfo(norm_io[1].dtype).eps if norm_io[1].is_floating_point() else 0.0
     read, norm_beta = _frozen_norm(
-        norm, mapped.norm_eps, x.to(dtype), norm_io[1].to(dtype), direction
+        norm, mapped.norm_eps, x.to(dtype), norm_io[1].to(dtype), direction, rounding
     )
 
     def term(c: Tensor) -> Tensor:  # (B, T, E) -> (B, T): c's share of the logit
@@ -333,7 +338,12 @@ def _whole(value: Any) -> Any:
 
 
 def _frozen_norm(
-    norm: nn.Module, eps: float | None, x: Tensor, y: Tensor, direction: Tensor
+    norm: nn.Module,
+    eps: float | None,
+    x: Tensor,
+    y: Tensor,
+    direction: Tensor,
+    rounding: float = 0.0,
 ) -> tuple[Tensor, Tensor | None]:
     """(read (B, T, E), β or None): with the norm's scale frozen at ``x``, a component c adds
     ``(c * read).sum(-1)`` to the logit along ``direction``; checked against the norm's own
@@ -355,8 +365,10 @@ def _frozen_norm(
             c = x
             sigma = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
         rebuilt = gamma * c / sigma + (beta if beta is not None else 0.0)
-        tolerance = 1e-3 * float(y.abs().max().clamp(min=1.0))
-        if torch.allclose(rebuilt, y, rtol=1e-3, atol=tolerance):
+        # 1e-3 in float32; in half precision a few of its rounding steps (bfloat16: 3e-2)
+        rtol = max(1e-3, 4 * rounding)
+        tolerance = rtol * float(y.abs().max().clamp(min=1.0))
+        if torch.allclose(rebuilt, y, rtol=rtol, atol=tolerance):
             u = gamma * direction / sigma
             return (u - u.mean(-1, keepdim=True) if centred else u), beta
     raise ValueError(

@@ -14,6 +14,8 @@ Shapes: B batch, T tokens, H heads, Dv one head's width.
 from __future__ import annotations
 
 import logging
+import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +26,24 @@ from multihead.circuits.input_pair import InputPair, Metric, metric_value
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.circuits.stacked_runs import variants_per_forward
 from multihead.circuits.steering import model_heads
+from multihead.mapping import model_map
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observers import ObservableAttention
 
-__all__ = ["Experiment", "Unpatched"]
+__all__ = ["Experiment", "Unpatched", "warn_if_random"]
+
+
+def warn_if_random(model: nn.Module, caller: str) -> None:
+    """Warn when ``model`` has active dropout (training mode, p > 0): every run then differs,
+    by more than most effects (``patch_heads`` says so in its log, the gradient functions here)."""
+    dropout = any(m.training and isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    if dropout or any(s.module.training and s.dropout > 0 for s in model_map(model).sites):
+        warnings.warn(
+            f"{caller}: the model is in training mode with dropout, so every run differs (by "
+            f"more than most effects); call model.eval() first",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 @dataclass
@@ -89,10 +105,21 @@ class Experiment:
     def unpatched(self, inputs: Any, what: str, *, caller: str, log: logging.Logger) -> Unpatched:
         """Run ``inputs`` unpatched, recording every block for prefix reuse (or, when reuse
         cannot serve, once without it: the reason is logged on ``log``)."""
-        prefix = PrefixCache.build(
-            self.model, self.found, lambda name: self.value(inputs, name), caller=caller, log=log
-        )
-        value = prefix.clean if prefix is not None else self.value(inputs, what)
+
+        def first(name: str) -> Tensor:
+            value = self.value(inputs, name)
+            if self.outputs and not checked:
+                checked.append(True)
+                if math.isnan(float(value)):  # once per experiment, before any patch runs
+                    raise ValueError(
+                        f"metric(output) is NaN on the {what} (the input every patch is "
+                        f"measured against): every effect would be NaN"
+                    )
+            return value
+
+        checked: list[bool] = []
+        prefix = PrefixCache.build(self.model, self.found, first, caller=caller, log=log)
+        value = prefix.clean if prefix is not None else first(what)
         return Unpatched(value, self.last_output, prefix)
 
     def stack_size(self, batch_size: int | None, output: Any, recorded: list[Tensor]) -> int:

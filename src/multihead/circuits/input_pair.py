@@ -68,14 +68,28 @@ def _batched(name: str, value: object) -> Tensor | dict[str, Any]:
     if isinstance(value, Tensor):
         if value.dim() == 0:
             raise ValueError(f"{name} must be {_KINDS}, got a 0-d tensor")
+        _check_not_empty(name, value)
         return value
     if isinstance(value, Mapping):
         if not all(isinstance(k, str) for k in value):
             raise TypeError(f"{name} must have str keys (the model's keyword arguments)")
         if not any(isinstance(v, Tensor) and v.dim() > 0 for v in value.values()):
             raise ValueError(f"{name} must hold at least one tensor with a batch dimension")
+        for key, item in value.items():
+            if isinstance(item, Tensor) and item.dim() > 0:
+                _check_not_empty(f"{name}[{key!r}]", item)
         return dict(value)
     raise TypeError(f"{name} must be {_KINDS}, got {type(value).__name__} {describe(value)}")
+
+
+def _check_not_empty(name: str, value: Tensor) -> None:
+    """A batch of at least one sequence of at least one position: an empty one has no heads'
+    outputs to patch and no metric to average."""
+    if value.shape[0] == 0 or (value.dim() > 1 and value.shape[1] == 0):
+        raise ValueError(
+            f"{name} must hold at least one sequence (B >= 1) of at least one token (T >= 1), "
+            f"got shape {tuple(value.shape)}"
+        )
 
 
 def _batch_size(value: Tensor | dict[str, Any]) -> int:
