@@ -122,6 +122,30 @@ def test_save_load_round_trip(tmp_path: Path, device: torch.device) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.cpu_only
+def test_row12_cpu_0_loads_as_the_cpu(tmp_path: Path) -> None:
+    """Issue 34 row 12: ``cpu:0``, a device torch accepts (was: "the weights file is truncated
+    or corrupt?" on an intact file: safetensors names the CPU "cpu" only)."""
+    from multihead._files import read_tensors
+
+    lm = _lm("cpu")
+    lm.save(tmp_path)
+    loaded = TransformerLM.load(tmp_path, device="cpu:0")
+    for (name, a), (_, b) in zip(lm.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b) and b.device.type == "cpu", name
+    tensors = read_tensors(tmp_path / "model.safetensors", device=torch.device("cpu", 0))
+    assert torch.equal(tensors["head.weight"], lm.head.weight)
+    pytest.importorskip("tokenizers")
+    from tiny_bert import write_dir
+
+    from multihead.pretrained import load_text_model
+
+    bert = write_dir(tmp_path / "bert", tokenizer=True)
+    on_cpu0 = load_text_model(bert, device="cpu:0")
+    on_cpu = load_text_model(bert)
+    assert torch.equal(on_cpu0.encode("the cat sat"), on_cpu.encode("the cat sat"))
+
+
 def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TransformerLM.load(tmp_path / "nowhere")

@@ -261,6 +261,34 @@ def test_hugging_face(name: str, device: torch.device) -> None:
     _compare(got, reference(model, projections, clean_kw, corrupt_kw, metric, keys, None))
 
 
+def test_row1_a_loss_reduced_over_the_batch_is_measured_per_variant(device: torch.device) -> None:
+    """Issue 34 row 1: GPT-2 given ``labels``, metric ``out.loss`` (was: every stacked variant
+    got the loss of the whole stack, silently)."""
+    model, projections = _hf("gpt2", device)
+    clean = torch.randint(50, (2, 6), device=device)
+    corrupt = torch.randint(50, (2, 6), device=device)
+    clean_kw = {"input_ids": clean, "labels": clean}
+    corrupt_kw = {"input_ids": corrupt, "labels": clean}
+
+    def loss(out: Any) -> Tensor:
+        return out.loss
+
+    keys = [(layer, h) for layer in range(3) for h in range(4)]
+    got = patch_heads(model, clean_kw, corrupt_kw, loss)
+    _compare(got, reference(model, projections, clean_kw, corrupt_kw, loss, keys, None))
+    assert len({round(float(v), 6) for v in got.flatten()}) > 1  # not one number for all
+    with pytest.raises(ValueError, match=r"batch_size=4 stacks .* output\.loss is one number"):
+        patch_heads(model, clean_kw, corrupt_kw, loss, batch_size=4)
+    table = multihead.path_patching(model, clean_kw, corrupt_kw, loss, [(0, 1), (0, 2)], [(2, 0)])
+    one_at_a_time = torch.stack(
+        [
+            multihead.path_patching(model, clean_kw, corrupt_kw, loss, [sender], [(2, 0)])[0]
+            for sender in [(0, 1), (0, 2)]
+        ]
+    )
+    torch.testing.assert_close(table, one_at_a_time, rtol=1e-5, atol=1e-6)
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

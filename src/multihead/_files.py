@@ -230,8 +230,11 @@ def read_tensors(
             )
     wanted = list(header.tensors if names is None else names)
     st = _safetensors()
+    where = torch.device(device or "cpu")
+    # safetensors names the CPU "cpu" only: torch's "cpu:0" is the same device
+    target = "cpu" if where.type == "cpu" else str(where)
     try:
-        with st.safe_open(str(path), framework="pt", device=str(device or "cpu")) as f:
+        with st.safe_open(str(path), framework="pt", device=target) as f:
             return {name: f.get_tensor(name) for name in wanted}
     except Exception as e:  # the header was fine, so the data is damaged
         raise _unreadable(path, " ".join(str(e).split())) from None

@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from multihead._checks import describe
-from multihead.circuits.input_pair import InputPair, Metric, metric_value
+from multihead.circuits.input_pair import InputPair, Metric, metric_value, reduced_fields
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.circuits.stacked_runs import variants_per_forward
 from multihead.circuits.steering import model_heads
@@ -122,9 +122,30 @@ class Experiment:
         value = prefix.clean if prefix is not None else first(what)
         return Unpatched(value, self.last_output, prefix)
 
-    def stack_size(self, batch_size: int | None, output: Any, recorded: list[Tensor]) -> int:
+    def stack_size(
+        self, batch_size: int | None, output: Any, recorded: list[Tensor], log: logging.Logger
+    ) -> int:
         """How many patched variants one forward stacks: ``batch_size``, or as many as the
-        memory budget holds beside ``recorded`` (the per-head outputs kept for patching)."""
+        memory budget holds beside ``recorded`` (the per-head outputs kept for patching); one
+        when the output holds a number reduced over the whole batch (a loss), which stacked
+        variants would share.
+
+        Raises:
+            ValueError: ``batch_size`` > 1 with such an output (the field is named).
+        """
+        reduced = reduced_fields(output)
+        if reduced:
+            if batch_size is not None and batch_size > 1:
+                raise ValueError(
+                    f"batch_size={batch_size} stacks patched variants along the batch, and the "
+                    f"model's {reduced[0]} is one number for the whole batch (reduced over it, "
+                    f"as a loss is): every variant would get the stack's; give batch_size=1 or "
+                    f"None, or a metric of per-example outputs"
+                )
+            log.info(
+                "one variant per forward: the model's %s is reduced over the batch", reduced[0]
+            )
+            return 1
         if batch_size is not None:
             return batch_size
         return variants_per_forward(output, recorded, DEFAULT_MEMORY_LIMIT, self.found)

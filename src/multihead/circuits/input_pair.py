@@ -27,7 +27,14 @@ from torch import Tensor, nn
 from multihead._checks import describe
 from multihead.mapping import model_map
 
-__all__ = ["InputPair", "Metric", "metric_value", "run_model", "split_output"]
+__all__ = [
+    "InputPair",
+    "Metric",
+    "metric_value",
+    "reduced_fields",
+    "run_model",
+    "split_output",
+]
 
 # metric(output) -> () or (B,) floating tensor
 Metric = Callable[[Any], Tensor]
@@ -228,6 +235,25 @@ def _describe(value: object) -> str:
     if isinstance(value, Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
+
+
+def reduced_fields(output: Any, where: str = "output") -> list[str]:
+    """The fields of a model's output that are one number for the whole batch (a 0-d floating
+    tensor: a loss the model reduced over the batch), named as a metric reads them
+    (``output.loss``). Stacked variants cannot be told apart in such a field."""
+    if isinstance(output, Tensor):
+        return [where] if output.dim() == 0 and output.is_floating_point() else []
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [
+            found
+            for f in dataclasses.fields(output)
+            for found in reduced_fields(getattr(output, f.name), f"{where}.{f.name}")
+        ]
+    if isinstance(output, Mapping):
+        return [found for k, v in output.items() for found in reduced_fields(v, f"{where}[{k!r}]")]
+    if isinstance(output, (tuple, list)):
+        return [found for i, v in enumerate(output) for found in reduced_fields(v, f"{where}[{i}]")]
+    return []
 
 
 def split_output(stacked: Any, single: Any, copies: int) -> list[Any]:

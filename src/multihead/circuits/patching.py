@@ -213,7 +213,7 @@ def patch_heads(
         check_recorded(found, list(by_layer), recorded)
         unpatched = experiment.unpatched(target, "unpatched run", caller="patch_heads", log=logger)
         base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
-        size = experiment.stack_size(batch_size, single, list(recorded.values()))
+        size = experiment.stack_size(batch_size, single, list(recorded.values()), logger)
         lengths = {out.shape[1] for out in recorded.values()}
         if per_position and len(lengths) > 1:
             raise ValueError(

@@ -159,7 +159,7 @@ def path_patching(
         )
         base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
         size = experiment.stack_size(
-            batch_size, single, [*corrupt_out.values(), *clean_out.values()]
+            batch_size, single, [*corrupt_out.values(), *clean_out.values()], logger
         )
 
         runs = _Runs(found, pair, prefix, corrupt_out, clean_out, receiver_heads, unique_kinds)
