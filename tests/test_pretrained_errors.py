@@ -349,3 +349,70 @@ def test_no_transformers_import(tmp_path: Path) -> None:
         "assert 'sentence_transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=None)
+
+
+@pytest.mark.parametrize("where", ["post_processor", "padding"])
+def test_row11_ids_a_post_processor_or_padding_adds_past_the_embedding_are_refused_at_load(
+    tmp_path: Path, where: str
+) -> None:
+    """Issue 34 row 11: a tokenizer whose post-processor adds (or whose padding uses) an id
+    past the embedding (was: an IndexError traceback on the first text)."""
+    import json
+
+    pytest.importorskip("tokenizers")
+    from tiny_bert import write_dir
+
+    from multihead.pretrained import load_text_model
+
+    model_dir = write_dir(tmp_path / "bert", tokenizer=True)
+    file = model_dir / "tokenizer.json"
+    spec = json.loads(file.read_text())
+    if where == "post_processor":
+        spec["post_processor"]["cls"] = ["[CLS]", 77]  # the embedding has 50 rows
+        match = r"ids up to 77, beyond the 50 rows .* 'post-processor \[CLS\]' \(77\)"
+    else:
+        spec["padding"] = {"strategy": "BatchLongest", "direction": "Right",
+                           "pad_to_multiple_of": None, "pad_id": 60, "pad_type_id": 0,
+                           "pad_token": "[PAD]"}  # fmt: skip
+        match = r"ids up to 60, beyond the 50 rows .* 'padding' \(60\)"
+    file.write_text(json.dumps(spec))
+    for backend in ("multihead", "transformers"):
+        if backend == "transformers":
+            pytest.importorskip("transformers", minversion="5")
+        with pytest.raises(ValueError, match=match):
+            load_text_model(model_dir, backend=backend)
+
+
+@pytest.mark.cpu_only  # a CLI in a subprocess, a named pipe
+@pytest.mark.parametrize("kind", ["dev-zero", "pipe"])
+def test_row9_a_config_that_is_a_device_or_a_pipe_is_one_line(tmp_path: Path, kind: str) -> None:
+    """Issue 34 row 9: ``config.json`` a symlink to /dev/zero, or a named pipe (was: a
+    MemoryError traceback; the pipe waited forever). Run in a subprocess with a deadline, so
+    that a regression cannot hang the suite."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("tokenizers")
+    from tiny_bert import write_dir
+
+    model_dir = write_dir(tmp_path / "bert", tokenizer=True)
+    config = model_dir / "config.json"
+    config.unlink()
+    if kind == "dev-zero":
+        if not os.path.exists("/dev/zero"):
+            pytest.skip("no /dev/zero here")
+        config.symlink_to("/dev/zero")
+    else:
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no named pipes here")
+        os.mkfifo(config)
+    done = subprocess.run(
+        [sys.executable, "-m", "multihead", "explain", "--model", str(model_dir), "--out",
+         str(tmp_path / "out"), "the cat"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "config.json' is not a regular file" in done.stderr
+    assert not (tmp_path / "out").exists()

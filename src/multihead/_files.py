@@ -304,16 +304,40 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """The parsed content of a JSON file.
+# A JSON file a loader reads whole (config.json, state.json, ...): larger is not one of them.
+MAX_JSON_BYTES = 64 << 20
+
+
+def check_regular_file(path: str | os.PathLike[str]) -> None:
+    """Refuse a path that exists but is not a regular file (a device such as /dev/zero, a
+    named pipe, a directory), also through a symbolic link: reading one would never end, or
+    wait for a writer, before anything could be checked.
+
+    Raises:
+        ValueError: names the path and what it is.
+    """
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_file():
+        what = "a directory" if path.is_dir() else "not a regular file (a device or a pipe?)"
+        raise ValueError(f"{str(path)!r} is {what}: a model's files must be regular files")
+
+
+def read_json(path: str | os.PathLike[str], *, limit: int = MAX_JSON_BYTES) -> Any:
+    """The parsed content of a JSON file of at most ``limit`` bytes.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is not UTF-8 or not valid JSON (names the file).
+        ValueError: not a regular file, larger than ``limit``, not UTF-8 or not valid JSON
+            (names the file).
     """
     path = Path(path)
+    check_regular_file(path)
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)  # bounded whatever the file claims to be
+    if len(data) > limit:
+        raise ValueError(f"{str(path)!r} is larger than {limit} bytes: not a JSON file to read")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{str(path)!r} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     try:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from multihead._checks import check_choice, describe, is_int
-from multihead._files import read_json
+from multihead._files import check_regular_file, read_json
 from multihead.devices import resolve_device, resolve_dtype
 from multihead.mapping import model_map
 from multihead.pretrained.loader import load_bert
@@ -52,6 +52,15 @@ TEXT_BACKENDS = ("multihead", "transformers")
 Backend = Literal["multihead", "transformers"]
 
 _EXTRA = "pip install 'multihead[pretrained]'"
+# The files of a model directory that are read whole
+_SMALL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "sentence_bert_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 # Tokenizers without a limit write this huge number (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 10**9
 
@@ -305,6 +314,7 @@ def locate_model(dir_or_name: Any, cache_dir: str | None = None) -> tuple[str, P
             raise NotADirectoryError(
                 f"model must be a directory or a model name, got {given!r} (not a directory)"
             )
+        _check_small_files(path)
         # the name goes into titles, pages and reports: bytes that are not UTF-8 escaped
         name = path.resolve().name.encode("utf-8", "backslashreplace").decode("utf-8")
         return given, path, name
@@ -317,7 +327,15 @@ def locate_model(dir_or_name: Any, cache_dir: str | None = None) -> tuple[str, P
             f"model {given!r} is not a directory, and finding a model name in the Hugging Face "
             f"cache needs transformers: {e}"
         ) from e
-    return given, from_cache(given, cache_dir), given
+    directory = from_cache(given, cache_dir)
+    _check_small_files(directory)
+    return given, directory, given
+
+
+def _check_small_files(directory: Path) -> None:
+    """The files a load reads whole are regular files (never /dev/zero or a pipe)."""
+    for small in _SMALL_FILES:
+        check_regular_file(directory / small)
 
 
 def read_tokenizer(directory: Path, given: str | None = None) -> Any:

@@ -22,6 +22,7 @@ Shapes: B texts, T tokens (the longest text's; shorter texts are padded on the r
 
 from __future__ import annotations
 
+import json
 import unicodedata
 import warnings
 from collections.abc import Sequence
@@ -127,7 +128,8 @@ def check_token_ids(tokenizer: Any, vocab_size: int) -> None:
         ValueError: the tokens beyond the embedding (a few, then how many more).
     """
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    beyond = sorted((i, token) for token, i in vocab.items() if i >= vocab_size)
+    emitted = [*((i, token) for token, i in vocab.items()), *_emitted_ids(tokenizer)]
+    beyond = sorted({(i, token) for i, token in emitted if i >= vocab_size})
     if beyond:
         raise ValueError(
             f"the tokenizer has ids up to {beyond[-1][0]}, beyond the {vocab_size} rows of the "
@@ -135,6 +137,37 @@ def check_token_ids(tokenizer: Any, vocab_size: int) -> None:
             f"{few([f'{token!r} ({i})' for i, token in beyond])} cannot be embedded; use the "
             f"tokenizer saved with these weights"
         )
+
+
+def _emitted_ids(tokenizer: Any) -> list[tuple[int, str]]:
+    """The ids a tokenizer emits beside its vocabulary: its post-processor's special tokens
+    (a template's ``ids``, BERT/RoBERTa processing's ``cls`` and ``sep``) and its padding id,
+    as ``(id, what)``, read from its JSON."""
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except (AttributeError, TypeError, ValueError):
+        return []
+    found: list[tuple[int, str]] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "ids" and isinstance(value, list):
+                    found.extend((i, where) for i in value if isinstance(i, int))
+                elif key in ("cls", "sep") and isinstance(value, list) and len(value) == 2:
+                    if isinstance(value[1], int):
+                        found.append((value[1], f"{where} {value[0]}"))
+                else:
+                    walk(value, f"{where} {key}" if key != "special_tokens" else where)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, where)
+
+    walk(spec.get("post_processor"), "post-processor")
+    padding = spec.get("padding")
+    if isinstance(padding, dict) and isinstance(padding.get("pad_id"), int):
+        found.append((padding["pad_id"], "padding"))
+    return found
 
 
 def prepare_tokenizer(tokenizer: Any, *, pad_id: int, vocab_size: int | None = None) -> Tokenizer:
@@ -162,11 +195,18 @@ def prepare_tokenizer(tokenizer: Any, *, pad_id: int, vocab_size: int | None = N
         check_token_ids(tokenizer, vocab_size)
     tok = Tokenizer.from_str(tokenizer.to_str())
     shipped = tok.padding or {}
+    padding_id = shipped.get("pad_id", pad_id)
+    if vocab_size is not None and not 0 <= padding_id < vocab_size:
+        raise ValueError(
+            f"the padding id {padding_id} has no row in the model's token embedding "
+            f"({vocab_size} rows): padded batches could not be embedded; give the model's "
+            f"pad_token_id or a tokenizer that pads with one of its ids"
+        )
     tok.no_padding()
     tok.no_truncation()
     tok.enable_padding(
         direction="right",
-        pad_id=shipped.get("pad_id", pad_id),
+        pad_id=padding_id,
         pad_type_id=shipped.get("pad_type_id", 0),
         pad_token=shipped.get("pad_token", "[PAD]"),
     )
