@@ -312,6 +312,52 @@ HF_EDITS = [
 
 
 @transformers_only
+@pytest.mark.parametrize("shard", ["one file", "sharded"])
+def test_row4_sizes_in_pytorch_model_bin_are_checked_before_building(
+    shard: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 34 row 4: weights only as ``pytorch_model.bin`` (one file or an index of
+    shards), config ``n_layer`` 3000 (was: 3000 random layers built, still running at 60 s):
+    the shapes are read from the archive on the meta device and compared first."""
+    import transformers
+    from test_hf_explain import byte_level_bpe
+
+    tokenizer = byte_level_bpe()
+    path = tmp_path / "bin"
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer), n_embd=48, n_layer=2, n_head=4, n_positions=64
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(path)
+    for file in path.glob("*.safetensors*"):
+        file.unlink()  # transformers 5 writes safetensors only: the .bin files by hand
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if shard == "one file":
+        torch.save(state, path / "pytorch_model.bin")
+    else:  # two shards and their index, as transformers 4 wrote them
+        names = sorted(state)
+        halves = {"pytorch_model-00001-of-00002.bin": names[::2],
+                  "pytorch_model-00002-of-00002.bin": names[1::2]}  # fmt: skip
+        for file, part in halves.items():
+            torch.save({k: state[k] for k in part}, path / file)
+        index = {"weight_map": {k: f for f, part in halves.items() for k in part}}
+        (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    tokenizer.save_pretrained(path)
+    assert not list(path.glob("*.safetensors"))
+    _edit_json(path / "config.json", lambda d: d.update(n_layer=3000))
+    _never_loaded(monkeypatch)
+    capsys.readouterr()  # the save's progress bar
+    err = fails(capsys, ["explain", "--model", str(path), "--out", str(tmp_path / "out")])
+    assert "config.json disagrees with the weights: " in err
+    assert re.search(
+        r"n_layer is 3000, the weights hold 2 layers \(transformer.h.N\)$", err.rstrip()
+    )
+
+
+@transformers_only
 @pytest.mark.parametrize(("edit", "message"), HF_EDITS, ids=[str(e) for e, _ in HF_EDITS])
 def test_a_hf_config_promising_other_sizes_is_refused_before_transformers_builds_it(
     edit: dict[str, int],

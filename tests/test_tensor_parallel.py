@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shutil
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -274,11 +275,16 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
         if Path(root, "llama-cli").is_dir():
             results["cli_patch"] = _cli(rank, root, "patch", PATCH)
             results["cli_explain"] = _cli(rank, root, "explain", EXPLAIN)
+            # without --tensor-parallel: one process's work, rank 0 alone prints (issue 34 #16)
+            results["cli_explain_alone"] = _cli(
+                rank, root, "explain-alone", EXPLAIN, tensor_parallel=False
+            )
             results["cli_corpus"] = _cli(rank, root, "corpus", CORPUS(root))
             # the model directory missing on rank 1's machine alone: both stop in one line and
             # neither waits (the files are agreed on before the build, which can be collective)
             missing = "llama-cli" if rank == 0 else "not-here"
             results["cli_missing"] = _cli(rank, root, "missing", PATCH, missing)
+            results["cli_bad_ids"] = _cli(rank, root, "bad-ids", PATCH, "llama-cli-small")
         torch.save(results, Path(root, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -304,12 +310,19 @@ def CORPUS(root: str) -> list[str]:  # noqa: N802 - the corpus command's argumen
 
 
 def _cli(
-    rank: int, root: str, name: str, argv: list[str], model_dir: str = "llama-cli"
+    rank: int,
+    root: str,
+    name: str,
+    argv: list[str],
+    model_dir: str = "llama-cli",
+    *,
+    tensor_parallel: bool = True,
 ) -> dict[str, Any]:
     """``multihead ARGV --model MODEL_DIR --tensor-parallel`` on this rank, writing to
     ``NAME-out<rank>``: its exit code, what it printed and said."""
     out = str(Path(root, f"{name}-out{rank}"))
-    model = ["--model", str(Path(root, model_dir)), "--tensor-parallel", "--out", out]
+    split = ["--tensor-parallel"] if tensor_parallel else []
+    model = ["--model", str(Path(root, model_dir)), *split, "--out", out]
     printed, said = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
         code = main([*argv, *model])
@@ -345,6 +358,11 @@ def group(
 
         save_family(BY_NAME["llama"], root / "llama-cli")
         (root / "corpus.txt").write_text("The cat was tired\nA dog sat on the mat\nIt was\n")
+        # its tokenizer over an embedding of fewer rows than the tokenizer's ids (issue 34 #2)
+        small = Path(shutil.copytree(root / "llama-cli", root / "llama-cli-small"))
+        rows = len(BY_NAME["llama"].tokenizer()) - 8
+        torch.manual_seed(0)
+        BY_NAME["llama"].build(rows - rows % 2).save_pretrained(small)
     run_group(world, root)
     ranks = [torch.load(root / f"rank{r}.pt", weights_only=True) for r in range(world)]
     single = {
@@ -539,6 +557,45 @@ def test_cli_on_a_tensor_parallel_model_prints_what_one_process_prints(
             torch.testing.assert_close(
                 torch.tensor(got[metric]), torch.tensor(want[metric]), atol=1.5e-4, rtol=0
             )
+
+
+def test_row16_explain_under_torchrun_without_tensor_parallel_prints_once(
+    group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34 row 16: ``torchrun … explain TEXT`` on two ranks (was: every rank ran alone
+    and printed the report twice): rank 0 prints and writes one process's report."""
+    world, ranks, _ = group
+    if world != 2:
+        pytest.skip("the command line runs on the 2-rank group")
+    _mapped(world, ranks)
+    first, second = ranks[0]["cli_explain_alone"], ranks[1]["cli_explain_alone"]
+    assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
+    assert second["printed"] == "" and not os.path.exists(second["out"])
+    assert SPLIT not in first["said"]
+    alone = str(tmp_path / "alone")
+    assert main([*EXPLAIN, "--model", first["model"], "--out", alone]) == 0
+    printed = capsys.readouterr().out.replace(alone, first["out"])
+    assert first["printed"] == printed
+    assert sorted(os.listdir(first["out"])) == sorted(os.listdir(alone))
+
+
+def test_row2_patch_refuses_tokenizer_ids_past_the_split_embedding_on_every_rank(
+    group: Any,
+) -> None:
+    """Issue 34 row 2: ``patch --model --tensor-parallel`` with a tokenizer whose ids pass the
+    embedding's rows (was: exit 0 and a report of zeros: the split embedding turns unknown ids
+    into zero vectors): one line and exit 2 on every rank, nothing written."""
+    world, ranks, _ = group
+    if world != 2:
+        pytest.skip("the command line runs on the 2-rank group")
+    _mapped(world, ranks)
+    first, second = ranks[0]["cli_bad_ids"], ranks[1]["cli_bad_ids"]
+    assert (first["code"], second["code"]) == (2, 2), (first["said"], second["said"])
+    for r in (first, second):
+        errors = [line for line in r["said"].splitlines() if "error: " in line]
+        assert len(errors) == 1 and "Traceback" not in r["said"], r["said"]
+        assert r["printed"] == "" and not os.path.exists(r["out"])
+    assert "beyond the" in first["said"] and "rows of the model's token embedding" in first["said"]
 
 
 def test_cli_model_missing_on_one_rank_stops_both_before_the_collective_load(

@@ -33,7 +33,7 @@ from multihead.explanation import explain
 from multihead.explanation.result import Explanation
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.sites import head_label, parse_head
-from multihead.training.ddp import World
+from multihead.training.ddp import World, world_size
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 
 __all__ = ["register", "run"]
@@ -185,11 +185,14 @@ def run(args: argparse.Namespace) -> int:
         # nothing, and its spin-waits cost seconds when the CPU is shared.
         torch.set_num_threads(1)
     try:
-        if not args.tensor_parallel:
+        if not args.tensor_parallel and world_size() == 1:
             ex, paths = _explain(args, formats, out, World())
-        else:  # every rank runs the forwards together; rank 0 draws, writes and prints
+        else:  # under torchrun: the ranks join one group, and rank 0 alone prints and writes
             with torchrun_world(args.device) as world:
-                ex, paths = _explain(args, formats, out, world)
+                if args.tensor_parallel:  # every rank runs the forwards together
+                    ex, paths = _explain(args, formats, out, world)
+                elif world.rank == 0:  # one text: nothing to share, so rank 0 runs it alone
+                    ex, paths = _explain(args, formats, out, World())
                 if world.rank != 0:
                     return 0
     finally:

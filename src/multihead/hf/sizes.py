@@ -20,9 +20,12 @@ a list per layer), and named as written in the messages.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from multihead._checks import is_int
 from multihead._files import TensorInfo, few, layer_counts, read_header, read_json
@@ -70,7 +73,9 @@ _POSITIONS = ("wpe", "position_embeddings", "embed_positions")
 
 def read_weight_headers(directory: Path) -> dict[str, TensorInfo] | None:
     """Every tensor's shape and dtype in ``model.safetensors``, or in the shards that
-    ``model.safetensors.index.json`` lists; None when the directory has neither.
+    ``model.safetensors.index.json`` lists, or else in ``pytorch_model.bin`` (and the shards
+    of its index; read as shapes on the meta device, no tensor loaded); None when the
+    directory has none of them.
 
     Raises:
         FileNotFoundError: a shard the index names is missing.
@@ -81,7 +86,7 @@ def read_weight_headers(directory: Path) -> dict[str, TensorInfo] | None:
         return read_header(single).tensors
     index = directory / "model.safetensors.index.json"
     if not index.is_file():
-        return None
+        return _pickled_shapes(directory)
     weight_map = read_json(index)
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not all(
@@ -93,6 +98,42 @@ def read_weight_headers(directory: Path) -> dict[str, TensorInfo] | None:
     tensors: dict[str, TensorInfo] = {}
     for shard in sorted(set(weight_map.values())):
         tensors.update(read_header(directory / shard).tensors)
+    return tensors
+
+
+def _pickled_shapes(directory: Path) -> dict[str, TensorInfo] | None:
+    """The shapes in ``pytorch_model.bin`` (or its index's shards), read on the meta device
+    from the memory-mapped archive: no tensor's bytes are read. None without such files, or
+    for the legacy (non-zip) format, which cannot be mapped."""
+    single = directory / "pytorch_model.bin"
+    index = directory / "pytorch_model.bin.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()
+        ):
+            raise ValueError(
+                f"{str(index)!r} has no weight_map of tensor names to shard files in its directory"
+            )
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+    else:
+        return None
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        if not zipfile.is_zipfile(file):
+            return None  # the legacy format: transformers reads it, unchecked here
+        try:
+            found = torch.load(file, map_location="meta", weights_only=True, mmap=True)
+        except Exception as e:  # a damaged archive: torch raises several kinds
+            raise ValueError(f"{str(file)!r} could not be read: {type(e).__name__}: {e}") from None
+        if not isinstance(found, Mapping):
+            raise ValueError(f"{str(file)!r} holds no state dict of tensors")
+        tensors.update(
+            {k: TensorInfo.of(v) for k, v in found.items() if isinstance(v, torch.Tensor)}
+        )
     return tensors
 
 
