@@ -3,7 +3,9 @@ texts, a tiny Hugging Face GPT-2 with its tokenizer; and its one-line errors."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -226,4 +228,20 @@ def test_patch_model_refuses_a_tokenizer_with_ids_past_the_embedding(
     argv = ["patch", "--model", str(model_dir), "--out", str(tmp_path / "out")]
     err = fails(capsys, [*argv, "--clean", "The cat", "--corrupt", "The dog", "--answer", " it"])
     assert "50" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("seq_len", [10**9, 17, 8, "32", True])
+def test_row8_an_edited_task_length_is_refused_before_anything_is_drawn(
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], seq_len: object
+) -> None:
+    """Issue 34 #8: a task.seq_len of 10**9 drew layouts for ever before any check; past the
+    model's 16 positions, under the task's 11, or not an int, it is one line naming both."""
+    run = tmp_path / "run"
+    shutil.copytree(induction_run, run)
+    config = json.loads((run / "config.json").read_text())
+    config["task"]["seq_len"] = seq_len
+    (run / "config.json").write_text(json.dumps(config))
+    err = fails(capsys, ["patch", "--checkpoint", str(run), "--out", str(tmp_path / "out")])
+    assert f"task.seq_len must be an int from 11 to the model's max_len=16, got {seq_len!r}" in err
     assert not (tmp_path / "out").exists()

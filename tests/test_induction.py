@@ -14,7 +14,9 @@ import torch
 from multihead.cli import main
 from multihead.models import TransformerLM
 from multihead.training import TrainConfig, train
-from multihead.training.induction import InductionTask, probe_induction
+from multihead.training.draws import key
+from multihead.training.induction import InductionTask, is_held_out, probe_induction
+from multihead.training.induction_pair import induction_pair
 from multihead.training.tasks import get_task
 
 
@@ -45,6 +47,11 @@ def test_data_repeats_where_claimed_and_the_layout_varies() -> None:
         assert np.array_equal(ids[i, s1 + 1 : s1 + n], ids[i, repeated[i]])
 
 
+def _split(n: int, s1: int, s2: int) -> bool:
+    """The held-out tenth as docs/induction.md defines it: the layout's hash is a multiple of 10."""
+    return int(key(n, s1, s2)) % 10 == 0
+
+
 def test_data_is_a_pure_function_and_held_out_layouts_are_never_trained_on() -> None:
     task = InductionTask(32)
     whole = task.batch(7, 5, range(8))
@@ -52,12 +59,50 @@ def test_data_is_a_pure_function_and_held_out_layouts_are_never_trained_on() -> 
         torch.cat([task.batch(7, 5, range(4)), task.batch(7, 5, range(4, 8))]), whole
     )
     assert not torch.equal(task.batch(7, 6, range(8)), whole)
-    train_layouts = {(n, *p) for n, ps in task.layouts(held_out=False).items() for p in ps}
-    held_layouts = {(n, *p) for n, ps in task.layouts(held_out=True).items() for p in ps}
-    assert train_layouts and held_layouts and not train_layouts & held_layouts
-    probe = task.probe_batch(7, 50)
-    seen = {_segment(probe.ids[i].numpy(), probe.repeated[i].numpy()) for i in range(50)}
-    assert all(layout not in train_layouts for layout in seen)
+    train = task.sample(7, 0, 5, np.arange(300), held_out=False)
+    probe = task.probe_batch(7, 300)
+    seen_train = {_segment(train.ids[i].numpy(), train.repeated[i].numpy()) for i in range(300)}
+    seen_held = {_segment(probe.ids[i].numpy(), probe.repeated[i].numpy()) for i in range(300)}
+    assert not any(_split(*layout) for layout in seen_train)
+    assert all(_split(*layout) for layout in seen_held)
+    assert all(is_held_out(*layout) for layout in seen_held) and len(seen_held) > 40
+
+
+def test_every_layout_of_a_side_is_drawn_and_no_other() -> None:
+    """At L = 16 the placements are few enough to list: 2,000 draws reach every one of a side."""
+    task = InductionTask(16)
+    every = {
+        (n, s1, s2)
+        for n in range(4, 7)  # 4 … 3/8 of 16
+        for s1 in range(16 - 2 * n + 1)
+        for s2 in range(s1 + n, 16 - n + 1)
+    }
+    for held_out, rows in ((False, 2000), (True, 400)):
+        batch = task.sample(3, 0, 0, np.arange(rows), held_out=held_out)
+        seen = {_segment(batch.ids[i].numpy(), batch.repeated[i].numpy()) for i in range(rows)}
+        assert seen == {layout for layout in every if _split(*layout) == held_out}
+
+
+@pytest.mark.parametrize("seq_len", range(11, 41))
+def test_both_sides_are_drawn_at_every_short_length(seq_len: int) -> None:
+    task = InductionTask(seq_len)
+    for held_out in (False, True):
+        batch = task.sample(0, 1, 0, np.arange(6), held_out=held_out)
+        for i in range(6):
+            n, s1, s2 = _segment(batch.ids[i].numpy(), batch.repeated[i].numpy())
+            assert 4 <= n <= 3 * seq_len // 8 and s2 >= s1 + n and s2 + n <= seq_len
+            assert _split(n, s1, s2) == held_out
+
+
+def test_row8_a_long_sequence_draws_its_layouts_without_listing_them() -> None:
+    """Issue 34 #8: layouts were listed (O(L²) in Python) before anything was drawn; at a million
+    tokens that never ended. Now a draw costs the same at any length."""
+    task = InductionTask(1_000_000)
+    batch = task.probe_batch(0, 2)
+    for i in range(2):
+        n, s1, s2 = _segment(batch.ids[i].numpy(), batch.repeated[i].numpy())
+        assert 4 <= n <= 12 and _split(n, s1, s2)
+    assert abs(induction_pair(1_000_000, 1).layout[2] - 500_000) <= 10  # the middle, or near
 
 
 def test_task_errors() -> None:

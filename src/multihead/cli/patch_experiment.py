@@ -22,6 +22,7 @@ from multihead.models import TransformerLM
 from multihead.pretrained.text_loader import check_text_model_files, load_text_model
 from multihead.text.tokenization import TruncationWarning
 from multihead.training import load_run
+from multihead.training.induction import MIN_SEQ_LEN
 from multihead.training.induction_pair import induction_pair
 
 __all__ = ["PatchExperiment"]
@@ -100,12 +101,26 @@ def _last_token_words(answer: str, wrong: str | None) -> str:
 
 def _from_checkpoint(args: argparse.Namespace, device: Any) -> PatchExperiment:
     path = Path(args.checkpoint)
-    info = TransformerLM.read_config(path).get("task")
+    config = TransformerLM.read_config(path)
+    info = config.get("task")
     name = printable(path.resolve().name)
     dtype = DTYPES[args.dtype] if args.dtype else None
     if isinstance(info, dict) and info.get("name") == "induction":
+        # Sizes first: a pair of seq_len tokens is drawn before the model sees it.
+        model_config = config.get("model")
+        max_len = model_config.get("max_len") if isinstance(model_config, dict) else None
+        seq_len = info.get("seq_len")
+        if (
+            not isinstance(seq_len, int)
+            or isinstance(seq_len, bool)
+            or not isinstance(max_len, int)
+            or not MIN_SEQ_LEN <= seq_len <= max_len
+        ):
+            raise CLIError(
+                f"{path / 'config.json'}: task.seq_len must be an int from {MIN_SEQ_LEN} "
+                f"to the model's max_len={max_len!r}, got {seq_len!r}"
+            )
         model = TransformerLM.load(path, device=device).to(dtype=dtype).eval()
-        seq_len = int(info["seq_len"])
         if args.clean is None:
             pair = induction_pair(seq_len)
 

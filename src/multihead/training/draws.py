@@ -19,6 +19,7 @@ __all__ = [
     "SEED_STREAM",
     "mix",
     "key",
+    "keys",
     "draws",
 ]
 
@@ -38,10 +39,15 @@ def mix(x: np.ndarray) -> np.ndarray:
 
 def key(*parts: int) -> np.uint64:
     """One well-mixed uint64 from a few non-negative ints."""
-    h = np.zeros(1, dtype=np.uint64)
+    return keys(*(np.array([p], dtype=np.uint64) for p in parts))[0]
+
+
+def keys(*parts: np.ndarray) -> np.ndarray:
+    """:func:`key` elementwise over equal-shape arrays of non-negative ints."""
+    h = np.zeros(np.shape(parts[0]), dtype=np.uint64)
     for p in parts:
-        h = mix(h ^ np.array([p], dtype=np.uint64) + GOLDEN)
-    return h[0]
+        h = mix(h ^ np.asarray(p).astype(np.uint64) + GOLDEN)
+    return h
 
 
 def draws(

@@ -15,7 +15,9 @@ The layout varies: n ∈ [4, min(12, 3/8 · L)], s1 random, s2 ≥ s1 + n random
 layout ("N tokens, then the same N") both a 1- and a 2-layer model cheat by attending a fixed
 distance back; with n above 3/8 of the length the one-layer control learns the layout by
 position. A fixed tenth of the layouts (by a hash of (n, s1, s2)) is held out: training never
-draws them, :meth:`InductionTask.probe_batch` only them.
+draws them, :meth:`InductionTask.probe_batch` only them. A layout is drawn in time independent of
+L (n and a placement uniformly, drawn again while on the wrong side of the split), never by
+listing the O(L²) placements.
 
 Data is a pure function of (seed, stream, step, row), like the other tasks' (see
 :mod:`multihead.training.draws`), so a resumed run sees the batches an uninterrupted one sees.
@@ -23,7 +25,6 @@ Data is a pure function of (seed, stream, step, row), like the other tasks' (see
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,26 +37,41 @@ from torch import Tensor
 
 from multihead._checks import check_non_negative_int, check_positive_int
 from multihead.observe.statistics import head_statistics
-from multihead.training.draws import EVAL_STREAM, HELD_OUT_EVERY, TRAIN_STREAM, draws, key
+from multihead.training.draws import EVAL_STREAM, HELD_OUT_EVERY, TRAIN_STREAM, draws, key, keys
 
-__all__ = ["InductionTask", "InductionBatch", "InductionProbe", "probe_induction"]
+__all__ = [
+    "InductionTask",
+    "InductionBatch",
+    "InductionProbe",
+    "is_held_out",
+    "probe_induction",
+]
 
 VOCAB_SIZE = 64
 MIN_SEGMENT, MAX_SEGMENT = 4, 12
+MIN_SEQ_LEN = 11  # the shortest L whose 3/8 holds a segment of MIN_SEGMENT
 
 
-@functools.lru_cache(maxsize=8)
-def _layouts(seq_len: int, max_segment: int, held_out: bool) -> dict[int, list[tuple[int, int]]]:
-    # Computed once per length: hashing every layout costs tens of milliseconds.
-    out: dict[int, list[tuple[int, int]]] = {}
-    for n in range(MIN_SEGMENT, max_segment + 1):
-        out[n] = [
-            (s1, s2)
-            for s1 in range(seq_len - 2 * n + 1)
-            for s2 in range(s1 + n, seq_len - n + 1)
-            if (int(key(n, s1, s2)) % HELD_OUT_EVERY == 0) == held_out
-        ]
-    return {n: pairs for n, pairs in out.items() if pairs}
+# Redraws a row may take before the task gives up. An attempt lands on the held-out side with
+# chance ≥ 0.04 at every length from 11 on (about 0.1 at long ones; tests/test_induction.py
+# counts the short ones), so 10_000 attempts fail with chance below 1e-100.
+MAX_ATTEMPTS = 10_000
+
+
+def is_held_out(n: int, s1: int, s2: int) -> bool:
+    """Whether the layout (segment length ``n``, first start ``s1``, copy start ``s2``) is in
+    the held-out tenth: training never draws it, :meth:`InductionTask.probe_batch` only such."""
+    return int(key(n, s1, s2)) % HELD_OUT_EVERY == 0
+
+
+def _placement(index: int, n: int, seq_len: int) -> tuple[int, int]:
+    """The ``index``-th of the m(m + 1)/2 placements (s1, s2) of a segment of ``n`` tokens,
+    m = L - 2n + 1, s2 ≥ s1 + n, s2 + n ≤ L; O(1), so drawing one never lists them all."""
+    m = seq_len - 2 * n + 1
+    r = m * (m + 1) // 2 - 1 - index  # counted from the last row of the triangle
+    t = (math.isqrt(8 * r + 1) - 1) // 2  # row t holds t + 1 placements: s1 = m - 1 - t
+    s1 = m - 1 - t
+    return s1, s1 + n + (r - t * (t + 1) // 2)
 
 
 @dataclass(frozen=True)
@@ -96,8 +112,8 @@ class InductionTask:
         check_positive_int("seq_len", self.seq_len)
         if self.max_segment < MIN_SEGMENT:
             raise ValueError(
-                f"seq_len must be at least 11 for the induction task (it copies segments of "
-                f"{MIN_SEGMENT} to 3/8 of the length), got {self.seq_len}"
+                f"seq_len must be at least {MIN_SEQ_LEN} for the induction task (it copies "
+                f"segments of {MIN_SEGMENT} to 3/8 of the length), got {self.seq_len}"
             )
 
     @property
@@ -129,31 +145,46 @@ class InductionTask:
 
     # -- data -----------------------------------------------------------------------------------
 
-    def layouts(self, *, held_out: bool) -> dict[int, list[tuple[int, int]]]:
-        """Per segment length n, the (s1, s2) of one side of the held-out split."""
-        return _layouts(self.seq_len, self.max_segment, held_out)
-
     def sample(
         self, seed: int, stream: int, step: int, rows: np.ndarray, *, held_out: bool
     ) -> InductionBatch:
         """The sequences of the given global row numbers, with their masks."""
-        layouts = self.layouts(held_out=held_out)
-        lengths = sorted(layouts)
         ids = np.empty((len(rows), self.seq_len), dtype=np.int64)
         repeated = np.zeros((len(rows), self.seq_len), dtype=bool)
         first = np.zeros((len(rows), self.seq_len), dtype=bool)
-        # L token draws and two layout draws per row, each row keyed by its global number.
-        u = draws(seed, stream, step, rows, self.seq_len + 2) >> np.uint64(32)  # (b, L + 2)
-        ids[:] = (u[:, : self.seq_len] % np.uint64(VOCAB_SIZE)).astype(np.int64)
-        for i in range(len(rows)):
-            n = lengths[int(u[i, -2]) % len(lengths)]  # n uniform, then a layout of that n
-            s1, s2 = layouts[n][int(u[i, -1]) % len(layouts[n])]
+        # L token draws per row, each row keyed by its global number.
+        u = draws(seed, stream, step, rows, self.seq_len) >> np.uint64(32)  # (b, L)
+        ids[:] = (u % np.uint64(VOCAB_SIZE)).astype(np.int64)
+        for i, (n, s1, s2) in enumerate(self._draw_layouts(seed, stream, step, rows, held_out)):
             ids[i, s2 : s2 + n] = ids[i, s1 : s1 + n]
             # The same n - 1 positions of both occurrences: only the copy's are predictable.
             first[i, s1 + 1 : s1 + n] = True
             repeated[i, s2 + 1 : s2 + n] = True
         return InductionBatch(
             torch.from_numpy(ids), torch.from_numpy(repeated), torch.from_numpy(first)
+        )
+
+    def _draw_layouts(
+        self, seed: int, stream: int, step: int, rows: np.ndarray, held_out: bool
+    ) -> list[tuple[int, int, int]]:
+        """(n, s1, s2) per row: n uniform, then a placement uniform, both drawn again (attempt
+        1, 2, …, keyed by the row) for the rows whose layout is on the other side of the split."""
+        layouts = np.zeros((len(rows), 3), dtype=np.int64)  # (b, 3): n, s1, s2
+        pending = np.arange(len(rows))
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            u = draws(seed, stream, step, rows[pending], 2, np.full(len(pending), attempt))
+            n = MIN_SEGMENT + u[:, 0] % np.uint64(self.max_segment - MIN_SEGMENT + 1)
+            m = np.uint64(self.seq_len + 1) - np.uint64(2) * n  # (p,) placements of s1
+            index = u[:, 1] % (m * (m + np.uint64(1)) // np.uint64(2))
+            for j, (nj, ij) in enumerate(zip(n.tolist(), index.tolist(), strict=True)):
+                layouts[pending[j]] = (nj, *_placement(ij, nj, self.seq_len))
+            drawn = layouts[pending]
+            wrong = (keys(*drawn.T) % np.uint64(HELD_OUT_EVERY) == 0) != held_out
+            pending = pending[wrong]
+            if not len(pending):
+                return [(int(n), int(s1), int(s2)) for n, s1, s2 in layouts]
+        raise RuntimeError(  # pragma: no cover - a chance below 1e-100 (see MAX_ATTEMPTS)
+            f"no {'held-out' if held_out else 'training'} induction layout drawn"
         )
 
     def batch(self, seed: int, step: int, rows: range | Sequence[int]) -> Tensor:

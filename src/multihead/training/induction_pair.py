@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_non_negative_int, check_positive_int
-from multihead.training.induction import InductionTask
+from multihead.training.induction import MIN_SEGMENT, InductionTask, is_held_out
 
 __all__ = ["InductionPair", "induction_pair"]
 
@@ -51,9 +51,20 @@ class InductionPair:
         return logp.gather(-1, targets[..., None])[..., 0].mean(-1).to(logits.dtype)
 
 
+def _layout(seq_len: int, max_segment: int) -> tuple[int, int, int]:
+    # A tenth of the placements are held out, so the scan stops after ~10 on a long sequence.
+    for n in range(max_segment, MIN_SEGMENT - 1, -1):
+        for s2 in sorted(range(n, seq_len - n + 1), key=lambda s: (abs(2 * s - seq_len), s)):
+            for s1 in range(s2 - n + 1):
+                if is_held_out(n, s1, s2):
+                    return n, s1, s2
+    raise ValueError(f"seq_len {seq_len} has no held-out induction layout")  # pragma: no cover
+
+
 def induction_pair(seq_len: int, batch: int = 64, *, seed: int = 0) -> InductionPair:
     """``batch`` clean/corrupt sequences of length ``seq_len`` sharing one held-out layout: the
-    longest segment the task draws, at the middle of its held-out placements.
+    longest segment with a held-out placement, its copy starting as near the middle of the
+    sequence as one allows (then its first occurrence as early as one allows).
 
     Raises:
         ValueError: a ``seq_len`` the induction task refuses, a ``batch`` that is not positive.
@@ -61,9 +72,7 @@ def induction_pair(seq_len: int, batch: int = 64, *, seed: int = 0) -> Induction
     task = InductionTask(seq_len)
     check_positive_int("batch", batch)
     check_non_negative_int("seed", seed)
-    layouts = task.layouts(held_out=True)
-    n = max(layouts)
-    s1, s2 = layouts[n][len(layouts[n]) // 2]
+    n, s1, s2 = _layout(seq_len, task.max_segment)
     generator = torch.Generator().manual_seed(seed)
     v = task.vocab_size
     clean = torch.randint(v, (batch, seq_len), generator=generator)
