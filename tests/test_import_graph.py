@@ -60,7 +60,7 @@ FLOORS: dict[str, int] = {
     "observers": 5,
     "packing": 5,
     "positions": 5,
-    "cache": 5,
+    "kv_cache": 5,
     # 6: MultiHeadAttention's argument checks (on plain sizes, not the module)
     "attention_checks": 6,
     # 7: MultiHeadAttention

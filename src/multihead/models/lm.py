@@ -12,9 +12,9 @@ Framework for Transformer Circuits", where induction heads were first described)
 
 Seed 003 masks the decoder "to ensure the autoregressive nature" of the task; here the same
 bottom-right causal mask serves training on whole sequences and decoding token by token with a
-:class:`~multihead.cache.KVCache`. The files a model is saved in are :mod:`multihead.models.lm_io`'s
-(config.json, checksummed safetensors, old weight names); how the next token is picked is
-:mod:`multihead.models.generation`'s.
+:class:`~multihead.kv_cache.KVCache`. The files a model is saved in are
+:mod:`multihead.models.lm_io`'s (config.json, checksummed safetensors, old weight names); how
+the next token is picked is :mod:`multihead.models.generation`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from multihead._checks import (
     check_optional_positive_int,
 )
 from multihead._files import TensorInfo, layer_counts, read_header, tensor_problems
-from multihead.cache import KVCache
+from multihead.kv_cache import KVCache
 from multihead.layers import TransformerEncoderLayer
 from multihead.models import lm_io
 from multihead.models.attention_only_block import AttentionOnlyBlock
@@ -155,7 +155,7 @@ class TransformerLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty :class:`~multihead.cache.KVCache` sized for this model.
+        """An empty :class:`~multihead.kv_cache.KVCache` sized for this model.
 
         Args:
             batch_size: B.
@@ -223,7 +223,7 @@ class TransformerLM(nn.Module):
             key_mask: bool (B, S), True = a real token, False = padding; S = cached + T.
             positions: position ids (T,) or (B, T) (per row, for left-padded prompts); default
                 cached, cached + 1, ..., cached + T - 1.
-            cache: a :class:`~multihead.cache.KVCache` (see :meth:`make_cache`) that the new
+            cache: a :class:`~multihead.kv_cache.KVCache` (see :meth:`make_cache`) that the new
                 keys/values are written into and attention reads from.
 
         Returns:
@@ -277,7 +277,7 @@ class TransformerLM(nn.Module):
             ids: prompts (B, T). Prompts of different lengths are left-padded (any in-vocabulary
                 id in the padding) and described by ``key_mask``.
             max_new_tokens: N, the most tokens to append (≥ 0).
-            use_cache: keep keys/values in a :class:`~multihead.cache.KVCache` (one new
+            use_cache: keep keys/values in a :class:`~multihead.kv_cache.KVCache` (one new
                 position per step) instead of recomputing the whole sequence at every step.
                 Both give the same tokens.
             temperature: 0 picks the most likely token (greedy); > 0 samples from

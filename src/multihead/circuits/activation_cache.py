@@ -1,0 +1,444 @@
+"""A named cache of a model's activations: the residual stream and every head, from one forward.
+
+Sites, per layer l (the l-th attention site, the block holding it):
+
+    resid_pre    (B, T, E)      the residual stream entering block l
+    attn_out     (B, T, E)      what block l's attention adds to it
+    resid_mid    (B, T, E)      resid_pre + attn_out: what block l's feed-forward reads from
+    mlp_out      (B, T, E)      what block l's feed-forward adds
+    resid_post   (B, T, E)      the stream leaving block l (= resid_pre of block l + 1)
+    q            (B, T, H, D)   queries, per head, as the kernel sees them (after rotary)
+    k, v         (B, T, Hk, D)  keys and values, per key/value head (Hk < H: grouped-query)
+    z            (B, T, H, Dv)  each head's output before the output projection
+    result       (B, T, H, E)   z times the head's slice of the output projection (no bias)
+    pattern      (B, H, P, S)   softmax weights of the kept query rows (only when named)
+
+The names, and the keys ``"blocks.{l}.hook_resid_pre"``, ``"blocks.{l}.attn.hook_z"`` and so on,
+are TransformerLens's (``run_with_cache``). ``attn_out``, ``resid_mid`` and ``mlp_out`` exist
+where the block is a sum, ``resid_post = resid_pre + attn_out + mlp_out`` (pre-LN blocks;
+checked on the run); a post-LN block (BERT) has no such decomposition and a lookup says so.
+
+One forward, with forward hooks on the map's blocks, attention and feed-forward modules
+(:func:`multihead.model_map`) and observers on the attention sites; nothing is stored that was
+not asked for, and ``positions`` are cut before anything is kept.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import describe, is_int
+from multihead.circuits.input_pair import run_model
+from multihead.circuits.steering import model_heads
+from multihead.mapping import model_map
+from multihead.observe.recorder import capture
+from multihead.observers import AttentionCall, Removable, registered
+from multihead.sites import ModelMap
+
+__all__ = ["SITES", "RESIDUAL_SITES", "HEAD_SITES", "ActivationCache", "cache", "hook_name"]
+
+RESIDUAL_SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+HEAD_SITES = ("q", "k", "v", "z", "result")
+SITES = (*RESIDUAL_SITES, *HEAD_SITES, "pattern")
+# the sites of the block's sum, defined only where resid_post = resid_pre + attn_out + mlp_out
+_SUM_SITES = ("attn_out", "resid_mid", "mlp_out")
+
+# A site of one layer: ("z", 3). Names select: a site ("z": every layer), a key ("z", 3), a
+# TransformerLens hook name, or a predicate on (site, layer).
+SiteKey = tuple[str, int]
+Names = Union[str, SiteKey, Sequence[Union[str, SiteKey]], Callable[[str, int], bool], None]  # noqa: UP007
+
+_TL_NAME = re.compile(r"blocks\.(\d+)\.(?:attn\.)?hook_(\w+)")
+
+
+def hook_name(site: str, layer: int) -> str:
+    """TransformerLens's name of a site: ``hook_name("z", 3) == "blocks.3.attn.hook_z"``."""
+    inside = "attn." if site in (*HEAD_SITES, "pattern") else ""
+    return f"blocks.{layer}.{inside}hook_{site}"
+
+
+class ActivationCache(Mapping[SiteKey, Tensor]):
+    """What :func:`cache` kept, read as ``cache["z", 3]`` (negative layers count from the end)
+    or by TransformerLens's names, ``cache["blocks.3.attn.hook_z"]``.
+
+    Attributes:
+        positions: the token positions kept (T above is their count), or None for all.
+        num_layers: L, the model's attention layers.
+        absent: site -> why the model has no such site (e.g. ``attn_out`` of a post-LN block).
+    """
+
+    def __init__(
+        self,
+        values: dict[SiteKey, Tensor],
+        *,
+        positions: list[int] | None,
+        num_layers: int,
+        absent: dict[str, str],
+    ) -> None:
+        self._values = values
+        self.positions = positions
+        self.num_layers = num_layers
+        self.absent = absent
+
+    def _key(self, key: object) -> SiteKey:
+        if isinstance(key, str):
+            match = _TL_NAME.fullmatch(key)
+            if match is None or match[2] not in SITES:
+                raise KeyError(
+                    f"cache keys are (site, layer) pairs or TransformerLens hook names such as "
+                    f"'blocks.0.hook_resid_pre', got {key!r}"
+                )
+            return match[2], int(match[1])
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and is_int(key[1]):
+            site, layer = key[0], int(key[1])
+            if site not in SITES:
+                raise KeyError(f"site must be one of {', '.join(SITES)}, got {site!r}")
+            if not -self.num_layers <= layer < self.num_layers:
+                raise KeyError(
+                    f"layer must be in [{-self.num_layers}, {self.num_layers}), got {layer}"
+                )
+            return site, layer % self.num_layers
+        raise KeyError(f"cache keys are (site, layer) pairs, got {describe(key)}")
+
+    def __getitem__(self, key: object) -> Tensor:
+        site, layer = self._key(key)
+        if (site, layer) not in self._values:
+            if site in self.absent:
+                raise KeyError(f"{site} of layer {layer}: {self.absent[site]}")
+            raise KeyError(f"{site} of layer {layer} was not kept: name it in cache(names=...)")
+        return self._values[site, layer]
+
+    def __iter__(self) -> Iterator[SiteKey]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return self._key(key) in self._values
+        except KeyError:
+            return False
+
+    def stack(self, site: str) -> Tensor:
+        """Every kept layer of ``site`` stacked on a new first axis: (L', ...)."""
+        layers = sorted(layer for s, layer in self._values if s == site)
+        if not layers:
+            self[site, 0]  # raises the reason
+        return torch.stack([self._values[site, layer] for layer in layers])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the kept tensors hold."""
+        return sum(v.numel() * v.element_size() for v in self._values.values())
+
+    def __repr__(self) -> str:
+        sites = sorted({s for s, _ in self._values}, key=SITES.index)
+        return (
+            f"ActivationCache({len(self)} tensors: {', '.join(sites)}; "
+            f"{self.nbytes / 2**20:.1f} MiB)"
+        )
+
+
+def _wanted(names: Names, num_layers: int) -> set[SiteKey]:
+    """The (site, layer) keys ``names`` selects (see :func:`cache`)."""
+    every = [(s, layer) for layer in range(num_layers) for s in SITES]
+    if names is None:
+        return {(s, layer) for s, layer in every if s != "pattern"}
+    if callable(names):
+        return {(s, layer) for s, layer in every if names(s, layer)}
+    items: Sequence[object] = (
+        [names] if isinstance(names, str) or (isinstance(names, tuple) and is_site_key(names))
+        else names
+    )  # fmt: skip
+    if not isinstance(items, Sequence) or isinstance(items, bytes):
+        raise TypeError(
+            f"names must be a site, (site, layer) pairs, TransformerLens hook names or a "
+            f"predicate (site, layer) -> bool, got {describe(names)}"
+        )
+    chosen: set[SiteKey] = set()
+    for item in items:
+        if isinstance(item, str) and item in SITES:
+            chosen.update((item, layer) for layer in range(num_layers))
+            continue
+        if isinstance(item, str) and (match := _TL_NAME.fullmatch(item)) and match[2] in SITES:
+            item = (match[2], int(match[1]))
+        if not (isinstance(item, tuple) and is_site_key(item)):
+            raise ValueError(
+                f"names items must be one of {', '.join(SITES)}, a (site, layer) pair or a "
+                f"TransformerLens hook name, got {item!r}"
+            )
+        site, layer = item
+        if not -num_layers <= layer < num_layers:
+            raise ValueError(
+                f"names: layer of {item!r} must be in [{-num_layers}, {num_layers}), got {layer}"
+            )
+        chosen.add((site, layer % num_layers))
+    return chosen
+
+
+def is_site_key(value: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is a ``(site, layer)`` pair: a site name and an int."""
+    return len(value) == 2 and value[0] in SITES and is_int(value[1])
+
+
+def _positions(positions: object, t: int) -> list[int] | None:
+    if positions is None:
+        return None
+    if is_int(positions):
+        positions = [positions]
+    if isinstance(positions, slice):
+        return list(range(t))[positions]
+    if isinstance(positions, Tensor) and not positions.is_floating_point():
+        positions = positions.flatten().tolist()
+    if not isinstance(positions, Sequence) or not all(is_int(p) for p in positions):
+        raise TypeError(
+            f"positions must be None, an int, ints or a slice, got {describe(positions)}"
+        )
+    out = []
+    for p in positions:
+        if not -t <= int(p) < t:
+            raise ValueError(f"positions must be in [{-t}, {t}) for {t} tokens, got {p}")
+        out.append(int(p) % t)
+    return out
+
+
+def _first(value: Any) -> Tensor:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+@torch.no_grad()
+def cache(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    names: Names = None,
+    positions: int | Sequence[int] | slice | Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> ActivationCache:
+    """Run the model once and keep the activations named (see the module docstring's sites).
+
+    Args:
+        model: multihead's models, any module of multihead's blocks, or a transformers model
+            (through :mod:`multihead.hf`); left as it was.
+        inputs: token ids (B, T), a dict of the model's keyword arguments, or for a
+            :class:`multihead.TextModel` a text or texts.
+        names: what to keep: a site (``"resid_pre"``: every layer), ``(site, layer)`` pairs,
+            TransformerLens hook names (``"blocks.0.attn.hook_z"``), a list of these, or a
+            predicate ``f(site, layer) -> bool``. Default every site but ``pattern`` (whose
+            (B, H, T, T) is kept only when named).
+        positions: the token positions to keep (an int, ints, a slice; negative from the
+            end), cut before anything is stored; ``pattern`` keeps these query rows and every
+            key. Default all.
+        device: where to keep the tensors (``"cpu"`` to move them off an accelerator);
+            default where they were computed.
+
+    Returns:
+        An :class:`ActivationCache`: ``cache["resid_pre", 0]`` (B, T, E) and so on.
+
+    Raises:
+        ValueError: names or positions out of range, a named sum site (``attn_out``,
+            ``resid_mid``, ``mlp_out``) or ``mlp_out`` the model does not have, a model whose
+            map knows no blocks when a residual site is named.
+        TypeError: names or positions of another kind.
+
+    Example:
+        >>> c = multihead.cache(lm, ids, names=["resid_post", ("z", 1)])
+        >>> c["resid_post", -1].shape, c["blocks.1.attn.hook_z"].shape
+    """
+    found = model_heads(model)
+    mapped = model_map(model)
+    num_layers = len(found)
+    wanted = _wanted(names, num_layers)
+    explicit = names is not None
+    blocks = [mapped.block_of(layer) for layer in range(num_layers)]
+    residual_layers = sorted({layer for s, layer in wanted if s in RESIDUAL_SITES})
+    for layer in residual_layers:
+        block = blocks[layer]
+        if block is None or len(block.sites) != 1:
+            if explicit:
+                raise ValueError(
+                    f"the residual sites need one attention layer per block of a stack; the "
+                    f"map of {mapped.family} has no block holding layer {layer} alone"
+                )
+            wanted = {(s, la) for s, la in wanted if s not in RESIDUAL_SITES}
+            break
+    kept: dict[SiteKey, Tensor] = {}
+    seen: dict[SiteKey, Tensor] = {}  # what the sum check needs beyond what is kept
+    where: list[list[int] | None] = []  # the positions, once the run has told T
+
+    def keep(key: SiteKey, value: Tensor, axis: int = 1) -> None:
+        if not where:
+            where.append(_positions(positions, value.shape[axis]))
+        chosen = where[0]
+        value = value.detach()
+        if chosen is not None:
+            value = value.index_select(axis, torch.tensor(chosen, device=value.device))
+        kept[key] = value if device is None else value.to(device)
+
+    needs_sum = {layer for s, layer in wanted if s in _SUM_SITES}
+
+    def on_block(layer: int) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            x = args[0] if args else kwargs["hidden_states"]
+            y = _first(out)
+            for site, value in (("resid_pre", x), ("resid_post", y)):
+                if (site, layer) in wanted:
+                    keep((site, layer), value)
+                if layer in needs_sum:
+                    seen[site, layer] = value.detach()
+
+        return hook
+
+    def on_part(site: str, layer: int) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            seen[site, layer] = _first(out).detach()
+
+        return hook
+
+    def on_heads(layer: int) -> Callable[[AttentionCall, Tensor], None]:
+        def observer(call: AttentionCall, out: Tensor) -> None:
+            for site, value in (
+                ("z", out),
+                ("q", call.q.transpose(1, 2)),
+                ("k", call.k.transpose(1, 2)),
+                ("v", call.v.transpose(1, 2)),
+            ):
+                if (site, layer) in wanted:
+                    keep((site, layer), value)
+            if ("result", layer) in wanted:
+                seen["z", layer] = out.detach()
+
+        return observer
+
+    projections: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
+
+    def on_projection_input(layer: int, module: nn.Module) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
+            if args and isinstance(args[0], Tensor):
+                projections[layer].append((module, args[0]))
+
+        return hook
+
+    def hooks() -> Iterator[Removable]:
+        for layer in range(num_layers):
+            block = blocks[layer]
+            if block is not None and any((s, layer) in wanted for s in RESIDUAL_SITES):
+                yield block.module.register_forward_hook(on_block(layer), with_kwargs=True)
+                if layer in needs_sum:
+                    if block.attention is not None:
+                        yield block.attention.register_forward_hook(on_part("attn_out", layer))
+                    if block.mlp is not None:
+                        yield block.mlp.register_forward_hook(on_part("mlp_out", layer))
+            if any((s, layer) in wanted for s in HEAD_SITES):
+                yield found[layer][1].register_observer(on_heads(layer))
+            if ("result", layer) in wanted:
+                site = mapped.sites[layer].module
+                for m in site.modules():
+                    if m is not site:
+                        yield m.register_forward_pre_hook(on_projection_input(layer, m))
+
+    pattern_layers = sorted({layer for s, layer in wanted if s == "pattern"})
+    with registered(hooks()):
+        if pattern_layers:
+            with capture(model, layers=pattern_layers, rows=_rows(positions)) as recorder:
+                run_model(model, inputs)
+        else:
+            run_model(model, inputs)
+    for record in recorder.records if pattern_layers else []:
+        kept["pattern", record.layer] = (
+            record.weights if device is None else record.weights.to(device)
+        )
+    absent: dict[str, str] = {}
+    for layer in sorted(needs_sum):
+        block = blocks[layer]
+        _sums(mapped, layer, block is not None and block.mlp is not None, seen, absent)
+        for site in _SUM_SITES:
+            if (site, layer) in wanted and (site, layer) in seen:
+                keep((site, layer), seen[site, layer])
+    for layer in range(num_layers):
+        if ("result", layer) in wanted and ("z", layer) in seen:
+            result = _result(seen["z", layer], projections[layer])
+            if result is None:
+                absent["result"] = (
+                    f"no module inside {found[layer][0]} is fed its heads' outputs (the output "
+                    f"projection is outside the attention module the map knows)"
+                )
+            else:
+                keep(("result", layer), result)
+    if explicit:
+        for site, layer in sorted(wanted):
+            if (site, layer) not in kept and site in absent:
+                raise ValueError(f"{site} of layer {layer}: {absent[site]}")
+    return ActivationCache(
+        kept, positions=where[0] if where else None, num_layers=num_layers, absent=absent
+    )
+
+
+def _rows(positions: object) -> Any:
+    """``positions`` as :func:`~multihead.capture`'s ``rows`` (its checks apply there too)."""
+    if isinstance(positions, Tensor):
+        return positions.flatten().tolist()
+    return positions
+
+
+def _sums(
+    mapped: ModelMap, layer: int, has_mlp: bool, seen: dict[SiteKey, Tensor], absent: dict[str, str]
+) -> None:
+    """Fill ``seen``'s attn_out, resid_mid and mlp_out of ``layer`` where the block is the sum
+    resid_post = resid_pre + attn_out (+ mlp_out), checked within the dtype's rounding; else
+    say in ``absent`` why not."""
+    x, y = seen.get(("resid_pre", layer)), seen.get(("resid_post", layer))
+    attn = seen.get(("attn_out", layer))
+    if x is None or y is None or attn is None or attn.shape != x.shape:
+        absent.setdefault(
+            "attn_out", f"the map of {mapped.family} does not know its attention's write"
+        )
+        for site in _SUM_SITES:
+            seen.pop((site, layer), None)
+        absent.setdefault("resid_mid", absent["attn_out"])
+        absent.setdefault("mlp_out", absent["attn_out"])
+        return
+    mlp = seen.get(("mlp_out", layer)) if has_mlp else torch.zeros_like(x)
+    if mlp is None or mlp.shape != x.shape:
+        mlp = None
+    total = x + attn + (mlp if mlp is not None else 0)
+    scale = float(y.abs().max().clamp(min=1.0))
+    tolerance = 64 * torch.finfo(y.dtype).eps * scale if y.is_floating_point() else 0.0
+    if mlp is None or not torch.allclose(total, y, rtol=0.0, atol=tolerance):
+        why = (
+            f"{mapped.family}'s block {layer} is not the sum resid_post = resid_pre + attn_out + "
+            f"mlp_out (a post-LN or otherwise normalised block)"
+        )
+        for site in _SUM_SITES:
+            seen.pop((site, layer), None)
+            absent.setdefault(site, why)
+        return
+    seen["resid_mid", layer] = x + attn
+    if has_mlp:
+        seen["mlp_out", layer] = mlp
+    else:
+        absent.setdefault("mlp_out", f"{mapped.family}'s blocks are attention-only")
+
+
+def _result(z: Tensor, fed: list[tuple[nn.Module, Tensor]]) -> Tensor | None:
+    """(B, T, H, E): each head's output z (B, T, H, Dv) through its part of the output
+    projection, less the bias: the module inside the attention that was fed z's flattened heads,
+    run once per head on that head alone (so any linear layout, GPT-2's Conv1D included, is
+    read as the model reads it); None when no module was fed them."""
+    flat = z.flatten(2)
+    projection = next((m for m, given in fed if torch.equal(given, flat)), None)
+    if projection is None:
+        return None
+    bias = projection(torch.zeros_like(flat[:, :1]))  # (B, 1, E)
+    heads = []
+    for h in range(z.shape[2]):
+        alone = torch.zeros_like(z)
+        alone[:, :, h] = z[:, :, h]
+        heads.append(projection(alone.flatten(2)) - bias)
+    return torch.stack(heads, dim=2)

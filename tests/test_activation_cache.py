@@ -1,0 +1,228 @@
+"""multihead.cache: every site against a reference recorded here with plain torch hooks and the
+attention recomputed by hand (TransformerLM, transformers' GPT-2 and a grouped-query Llama)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import multihead
+from multihead.circuits.activation_cache import SITES, cache, hook_name
+from multihead.models import TransformerLM
+
+
+def _hooks(pairs: list[tuple[nn.Module, Any]]) -> list[Any]:
+    return [m.register_forward_hook(fn, with_kwargs=True) for m, fn in pairs]
+
+
+def _record(model: nn.Module, ids: Tensor, modules: dict[str, nn.Module]) -> dict[str, Any]:
+    """Each named module's (first input, first output) on one run."""
+    seen: dict[str, Any] = {}
+
+    def make(name: str) -> Any:
+        def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            x = args[0] if args else kwargs["hidden_states"]
+            seen[name] = (x, out[0] if isinstance(out, tuple) else out)
+
+        return hook
+
+    handles = _hooks([(m, make(n)) for n, m in modules.items()])
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _softmax_rows(q: Tensor, k: Tensor) -> Tensor:
+    """Causal softmax weights (B, H, T, T) of q (B, T, H, D), k (B, T, H, D), by hand."""
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    t = q.shape[1]
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1)
+
+
+def test_transformer_lm_sites_equal_hooks(device: torch.device) -> None:
+    lm = TransformerLM(20, 24, 6, 2, 40, max_len=16).to(device, torch.float64).eval()
+    ids = torch.randint(20, (3, 7), device=device)
+    parts: dict[str, nn.Module] = {}
+    for i, block in enumerate(lm.blocks):
+        parts |= {f"block{i}": block, f"attn{i}": block.self_attn, f"ff{i}": block.ff}
+        parts[f"out{i}"] = block.self_attn.out_proj
+        parts[f"norm{i}"] = block.norm1
+    ref = _record(lm, ids, parts)
+    got = cache(lm, ids, names=lambda site, layer: True)
+    assert {s for s, _ in got} == set(SITES)
+    for i, block in enumerate(lm.blocks):
+        x, y = ref[f"block{i}"]
+        attn, mlp = ref[f"attn{i}"][1], ref[f"ff{i}"][1]
+        torch.testing.assert_close(got["resid_pre", i], x, rtol=0, atol=0)
+        torch.testing.assert_close(got["resid_post", i], y, rtol=0, atol=0)
+        torch.testing.assert_close(got["attn_out", i], attn, rtol=0, atol=0)
+        torch.testing.assert_close(got["mlp_out", i], mlp, rtol=0, atol=0)
+        torch.testing.assert_close(got["resid_mid", i], x + attn)
+        # per head, from the normed input and the projections' weights
+        h_in = ref[f"norm{i}"][1]
+        mha = block.self_attn
+        packed = h_in @ mha.qkv_proj.weight.T + mha.qkv_proj.bias  # rows q, k, v
+        q, k, v = (t.unflatten(-1, (6, 4)) for t in packed.split(24, -1))
+        torch.testing.assert_close(got["q", i], q)
+        torch.testing.assert_close(got["k", i], k)
+        torch.testing.assert_close(got["v", i], v)
+        pattern = _softmax_rows(q, k)
+        torch.testing.assert_close(got["pattern", i], pattern)
+        z = torch.einsum("bhts,bshd->bthd", pattern, v)
+        torch.testing.assert_close(got["z", i], z)
+        torch.testing.assert_close(ref[f"out{i}"][0], z.flatten(2))
+        w = mha.out_proj.weight  # (E, H·Dv)
+        result = torch.stack([z[:, :, h] @ w[:, 4 * h : 4 * h + 4].T for h in range(6)], 2)
+        torch.testing.assert_close(got["result", i], result)
+        torch.testing.assert_close(result.sum(2) + mha.out_proj.bias, attn)
+    # TransformerLens's names read the same tensors
+    assert (
+        got["blocks.1.attn.hook_z"] is got["z", 1]
+        and got[hook_name("resid_pre", 0)] is got["resid_pre", 0]
+    )
+    assert got["z", -1] is got["z", 1] and multihead.cache is cache
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hugging_face_sites_equal_hooks(family: str, device: torch.device) -> None:
+    transformers = pytest.importorskip("transformers", minversion="5")
+    if family == "gpt2":
+        config: Any = transformers.GPT2Config(
+            vocab_size=50, n_embd=24, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+            eos_token_id=0,
+        )  # fmt: skip
+        model: Any = transformers.GPT2LMHeadModel(config)
+        blocks = model.transformer.h
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        blocks = model.model.layers
+    model = model.to(device, torch.float64).eval()
+    ids = torch.randint(50, (2, 6), device=device)
+    parts: dict[str, nn.Module] = {}
+    for i, block in enumerate(blocks):
+        attention = block.attn if family == "gpt2" else block.self_attn
+        parts |= {f"block{i}": block, f"attn{i}": attention, f"mlp{i}": block.mlp}
+        if family == "gpt2":
+            parts |= {f"qkv{i}": attention.c_attn, f"proj{i}": attention.c_proj}
+        else:
+            parts |= {f"q{i}": attention.q_proj, f"k{i}": attention.k_proj}
+            parts |= {f"v{i}": attention.v_proj, f"proj{i}": attention.o_proj}
+    ref = _record(model, ids, parts)
+    got = cache(model, {"input_ids": ids}, names=lambda site, layer: True)
+    for i in range(len(blocks)):
+        x, y = ref[f"block{i}"]
+        attn, mlp = ref[f"attn{i}"][1], ref[f"mlp{i}"][1]
+        torch.testing.assert_close(got["resid_pre", i], x, rtol=0, atol=0)
+        torch.testing.assert_close(got["resid_post", i], y, rtol=0, atol=0)
+        torch.testing.assert_close(got["attn_out", i], attn, rtol=0, atol=0)
+        torch.testing.assert_close(got["mlp_out", i], mlp, rtol=0, atol=0)
+        torch.testing.assert_close(got["resid_mid", i], x + attn)
+        z_flat = ref[f"proj{i}"][0]  # what the output projection reads: (B, T, H·Dv)
+        if family == "gpt2":
+            q, k, v = ref[f"qkv{i}"][1].split(24, -1)
+            q, k, v = (t.unflatten(-1, (4, 6)) for t in (q, k, v))
+            heads, hk, d = 4, 4, 6
+            w_o = parts[f"proj{i}"].weight.T  # Conv1D stores (in, out)
+        else:
+            heads, hk, d = 6, 2, 4
+            q = ref[f"q{i}"][1].unflatten(-1, (6, 4))
+            k = ref[f"k{i}"][1].unflatten(-1, (2, 4))
+            v = ref[f"v{i}"][1].unflatten(-1, (2, 4))
+            # rotary as transformers applies it, with the model's own position table
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            positions = torch.arange(6, device=device)[None]
+            cos, sin = model.model.rotary_emb(x, positions)
+            q, k = (t.transpose(1, 2) for t in apply_rotary_pos_emb(
+                q.transpose(1, 2), k.transpose(1, 2), cos, sin
+            ))  # fmt: skip
+            w_o = parts[f"proj{i}"].weight
+        torch.testing.assert_close(got["q", i], q)
+        assert got["k", i].shape == (2, 6, hk, d)
+        torch.testing.assert_close(got["k", i], k)
+        torch.testing.assert_close(got["v", i], v)
+        per_query = heads // hk  # query head h reads key/value head h // per_query
+        pattern = _softmax_rows(q, k.repeat_interleave(per_query, 2))
+        torch.testing.assert_close(got["pattern", i], pattern)
+        z = torch.einsum("bhts,bshd->bthd", pattern, v.repeat_interleave(per_query, 2))
+        torch.testing.assert_close(got["z", i], z)
+        torch.testing.assert_close(z_flat, z.flatten(2))
+        result = torch.stack([z[:, :, h] @ w_o[:, d * h : d * h + d].T for h in range(heads)], 2)
+        torch.testing.assert_close(got["result", i], result)
+
+
+def test_names_positions_and_device_keep_only_what_was_asked(device: torch.device) -> None:
+    lm = TransformerLM(20, 24, 6, 3, 40, max_len=16).to(device).eval()
+    ids = torch.randint(20, (2, 9), device=device)
+    whole = cache(lm, ids)
+    assert not any(site == "pattern" for site, _ in whole)  # T×T only when named
+    assert len(whole) == 3 * (len(SITES) - 1)
+    some = cache(lm, ids, names=["resid_post", ("z", -1), "blocks.0.attn.hook_pattern"])
+    assert sorted(some) == sorted(
+        [("resid_post", 0), ("resid_post", 1), ("resid_post", 2), ("z", 2), ("pattern", 0)]
+    )
+    torch.testing.assert_close(some["z", 2], whole["z", 2], rtol=0, atol=0)
+    cut = cache(lm, ids, names=["resid_pre", "k", "pattern"], positions=[-1, 2], device="cpu")
+    assert cut.positions == [8, 2]
+    torch.testing.assert_close(cut["resid_pre", 1], whole["resid_pre", 1][:, [8, 2]].cpu())
+    torch.testing.assert_close(cut["k", 0], whole["k", 0][:, [8, 2]].cpu())
+    assert cut["pattern", 0].shape == (2, 6, 2, 9) and cut["pattern", 0].device.type == "cpu"
+    full = cache(lm, ids, names="pattern")
+    torch.testing.assert_close(cut["pattern", 0], full["pattern", 0][:, :, [8, 2]].cpu())
+    assert some.nbytes == sum(t.numel() * t.element_size() for t in some.values())
+    assert cache(lm, ids, names="z", positions=slice(2, 4))["z", 0].shape == (2, 2, 6, 4)
+    torch.testing.assert_close(
+        cut.stack("resid_pre"), torch.stack([cut["resid_pre", i] for i in range(3)])
+    )
+
+
+def test_sites_a_model_does_not_have_are_named() -> None:
+    ids = torch.randint(20, (2, 5))
+    attn_only = TransformerLM(20, 24, 6, 2, 40, max_len=16, attn_only=True).eval()
+    kept = cache(attn_only, ids)
+    assert ("resid_mid", 0) in kept and ("mlp_out", 0) not in kept
+    with pytest.raises(KeyError, match="attention-only"):
+        kept["mlp_out", 0]
+    with pytest.raises(ValueError, match="mlp_out of layer 0: TransformerLM's blocks are"):
+        cache(attn_only, ids, names="mlp_out")
+    post_ln = TransformerLM(20, 24, 6, 2, 40, max_len=16, norm_first=False).eval()
+    with pytest.raises(ValueError, match=r"is not the sum resid_post = resid_pre \+ attn_out"):
+        cache(post_ln, ids, names=[("attn_out", 1)])
+    assert ("resid_post", 1) in cache(post_ln, ids)  # the stream itself is still there
+
+
+def test_errors() -> None:
+    lm = TransformerLM(20, 24, 6, 2, 40, max_len=16).eval()
+    ids = torch.randint(20, (2, 5))
+    with pytest.raises(ValueError, match=r"names items must be one of resid_pre, .*got 'resid'"):
+        cache(lm, ids, names=["resid"])
+    with pytest.raises(ValueError, match=r"names: layer of \('z', 2\) must be in \[-2, 2\), got 2"):
+        cache(lm, ids, names=[("z", 2)])
+    with pytest.raises(
+        TypeError, match=r"names must be a site, .*predicate \(site, layer\) -> bool, got 3"
+    ):
+        cache(lm, ids, names=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"positions must be in \[-5, 5\) for 5 tokens, got 5"):
+        cache(lm, ids, positions=[5])
+    with pytest.raises(TypeError, match="positions must be None, an int, ints or a slice"):
+        cache(lm, ids, positions=[0.5])  # type: ignore[list-item]
+    kept = cache(lm, ids, names="z")
+    with pytest.raises(KeyError, match="q of layer 0 was not kept: name it in cache"):
+        kept["q", 0]
+    with pytest.raises(KeyError, match="TransformerLens hook names such as"):
+        kept["blocks.0.hook_nothing"]
+    with pytest.raises(KeyError, match=r"layer must be in \[-2, 2\), got 7"):
+        kept["z", 7]
