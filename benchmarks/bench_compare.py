@@ -111,8 +111,9 @@ elif measure == "patch":
     corrupt = clean.clone()
     corrupt[:, 5] = (corrupt[:, 5] + 1) % 1000
 
-    def metric(out):
-        return out.logits[:, -1, 1] - out.logits[:, -1, 2]
+    def metric(out):  # the logits since 0.3 (the whole output before): either works
+        logits = getattr(out, "logits", out)
+        return logits[:, -1, 1] - logits[:, -1, 2]
 
     def fn():
         multihead.patch_heads(model, clean, corrupt, metric)

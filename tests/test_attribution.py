@@ -109,8 +109,13 @@ def test_grouped_query_llama_equals_finite_differences(device: torch.device) -> 
     projections = [(layer.self_attn.o_proj, 4) for layer in model.model.layers]
     # Llama's RMSNorm computes in float32 whatever the model's dtype: a coarser step
     want = finite_differences(model, projections, clean, corrupt, metric, 1e-3).to(device)
-    got = attribution_patching(model, clean, corrupt, metric, per_position=True)
+    # the metric is given the logits by default, the whole output when asked
+    got = attribution_patching(model, clean, corrupt, _metric, per_position=True)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    whole = attribution_patching(
+        model, clean, corrupt, metric, per_position=True, metric_input="output"
+    )
+    torch.testing.assert_close(whole, got, rtol=0, atol=0)
 
 
 class _SecondLayerUnread(nn.Module):

@@ -114,3 +114,51 @@ def test_row15_a_metric_nan_on_the_unpatched_run_is_named(device: torch.device) 
         multihead.patch_heads(lm, clean, corrupt, nan_metric)
     with pytest.raises(ValueError, match="metric\\(output\\) is NaN on the clean run"):
         multihead.path_patching(lm, clean, corrupt, nan_metric, [(0, 0)], [(1, 0)])
+
+
+def test_the_metric_is_given_the_logits_as_transformer_lens_gives_them(
+    device: torch.device,
+) -> None:
+    """Issue 30 item 4: a TransformerLens-style metric ``logits[:, -1, a] - logits[:, -1, b]``
+    works on a transformers model (it was handed the output object and failed inside itself);
+    ``metric_input="output"`` hands over the whole output; a metric that fails is told what it
+    was given."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    config = transformers.GPT2Config(
+        vocab_size=50, n_embd=24, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).to(device).eval()
+    clean = torch.randint(50, (2, 6), device=device)
+    corrupt = torch.randint(50, (2, 6), device=device)
+
+    def tl_style(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, 3] - logits[:, -1, 4]
+
+    def whole(output: Any) -> torch.Tensor:
+        return output.logits[:, -1, 3] - output.logits[:, -1, 4]
+
+    given = multihead.patch_heads(model, clean, corrupt, tl_style)
+    torch.testing.assert_close(
+        given, multihead.patch_heads(model, clean, corrupt, whole, metric_input="output")
+    )
+    # the unpatched value the effects are measured from: the logits of a plain forward
+    with torch.no_grad():
+        logits = model(corrupt).logits
+    assert given.shape == (2, 4) and float(tl_style(logits).mean()) != 0.0
+    with pytest.raises(AttributeError) as failed:
+        multihead.patch_heads(model, clean, corrupt, whole)
+    assert "metric was given the logits (a torch.float32 tensor of shape (2, 6, 50))" in str(
+        failed.value.__notes__
+    )
+    assert "metric_input='output' gives it the whole output" in failed.value.__notes__[0]
+    with pytest.raises(ValueError, match="metric_input must be one of 'logits', 'output'"):
+        multihead.attribution_patching(model, clean, corrupt, tl_style, metric_input="loss")
+    with pytest.raises(TypeError) as failed_output:
+        multihead.path_patching(
+            model, clean, corrupt, tl_style, [(0, 0)], [(1, 0)], metric_input="output"
+        )
+    assert (
+        "metric was given the model's output (CausalLMOutputWithCrossAttentions)"
+        in (failed_output.value.__notes__[0])
+    )

@@ -274,15 +274,17 @@ def test_row1_a_loss_reduced_over_the_batch_is_measured_per_variant(device: torc
         return out.loss
 
     keys = [(layer, h) for layer in range(3) for h in range(4)]
-    got = patch_heads(model, clean_kw, corrupt_kw, loss)
+    whole = {"metric_input": "output"}  # the loss is not in the logits
+    got = patch_heads(model, clean_kw, corrupt_kw, loss, **whole)
     _compare(got, reference(model, projections, clean_kw, corrupt_kw, loss, keys, None))
     assert len({round(float(v), 6) for v in got.flatten()}) > 1  # not one number for all
     with pytest.raises(ValueError, match=r"batch_size=4 stacks .* output\.loss is one number"):
-        patch_heads(model, clean_kw, corrupt_kw, loss, batch_size=4)
-    table = multihead.path_patching(model, clean_kw, corrupt_kw, loss, [(0, 1), (0, 2)], [(2, 0)])
+        patch_heads(model, clean_kw, corrupt_kw, loss, batch_size=4, **whole)
+    pairs = (clean_kw, corrupt_kw, loss)
+    table = multihead.path_patching(model, *pairs, [(0, 1), (0, 2)], [(2, 0)], **whole)
     one_at_a_time = torch.stack(
         [
-            multihead.path_patching(model, clean_kw, corrupt_kw, loss, [sender], [(2, 0)])[0]
+            multihead.path_patching(model, *pairs, [sender], [(2, 0)], **whole)[0]
             for sender in [(0, 1), (0, 2)]
         ]
     )

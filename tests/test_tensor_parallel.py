@@ -202,8 +202,8 @@ def _cases(model: Any) -> dict[str, Any]:
 def _circuits(model: Any, clean: torch.Tensor, corrupt: torch.Tensor, last: int) -> dict[str, Any]:
     """The circuit functions, with heads on every rank (``last`` on the last rank only)."""
 
-    def logit_diff(output: Any) -> torch.Tensor:  # (B,): differentiable, for attribution too
-        return output.logits[:, -1, 5] - output.logits[:, -1, 7]
+    def logit_diff(logits: torch.Tensor) -> torch.Tensor:  # (B,): differentiable, for attribution
+        return logits[:, -1, 5] - logits[:, -1, 7]
 
     out: dict[str, Any] = {}
     out["patch_denoise"] = patch_heads(model, clean, corrupt, logit_diff)  # (L, H)

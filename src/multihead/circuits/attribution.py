@@ -41,6 +41,7 @@ def attribution_patching(
     *,
     per_position: bool = False,
     direction: str = "denoise",
+    metric_input: str = "logits",
 ) -> Tensor:
     r"""The first-order estimate of :func:`~multihead.patch_heads`, from two forwards and one
     backward.
@@ -62,7 +63,8 @@ def attribution_patching(
     noising) the estimate can miss an effect entirely (docs/circuits.md shows one).
 
     Args:
-        model, clean, corrupt, metric: as for :func:`~multihead.patch_heads`; the metric must
+        model, clean, corrupt, metric, metric_input: as for :func:`~multihead.patch_heads`; the
+            metric must
             be differentiable (it runs with gradients enabled).
         per_position: one estimate per head and position: (L, H, T).
         direction: ``"denoise"`` or ``"noise"``: which run is patched (see above).
@@ -80,7 +82,7 @@ def attribution_patching(
     check_choice("direction", direction, DIRECTIONS)
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
-    experiment = Experiment.of(model, clean, corrupt, metric)
+    experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     warn_if_random(model, "attribution_patching")
     found, pair = experiment.found, experiment.pair
     source, target = pair.pick(direction)

@@ -22,7 +22,13 @@ from typing import Any
 from torch import Tensor, nn
 
 from multihead._checks import describe
-from multihead.circuits.input_pair import InputPair, Metric, metric_value, reduced_fields
+from multihead.circuits.input_pair import (
+    InputPair,
+    Metric,
+    metric_reader,
+    metric_value,
+    reduced_fields,
+)
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.circuits.stacked_runs import variants_per_forward
 from multihead.circuits.steering import model_heads
@@ -69,7 +75,8 @@ class Experiment:
         model: the model.
         found: its attention sites, ``(name, site)`` in layer order.
         pair: the two inputs (:class:`~multihead.circuits.input_pair.InputPair`).
-        metric: ``metric(output) -> () or (B,)``.
+        metric: ``metric(output) -> () or (B,)``, reading the logits or the whole output as
+            the caller's ``metric_input`` said.
     """
 
     model: nn.Module
@@ -79,8 +86,17 @@ class Experiment:
     outputs: list[Any] = field(default_factory=list, repr=False)
 
     @classmethod
-    def of(cls, model: nn.Module, clean: object, corrupt: object, metric: object) -> Experiment:
-        """Check the model (it has heads), the inputs (alike) and the metric (callable).
+    def of(
+        cls,
+        model: nn.Module,
+        clean: object,
+        corrupt: object,
+        metric: object,
+        metric_input: str = "logits",
+    ) -> Experiment:
+        """Check the model (it has heads), the inputs (alike) and the metric (callable); the
+        metric is then given what ``metric_input`` says (see
+        :func:`~multihead.circuits.input_pair.metric_reader`).
 
         Raises:
             ValueError, TypeError: as the patching functions document for these arguments.
@@ -88,8 +104,8 @@ class Experiment:
         found = model_heads(model)
         pair = InputPair(model, clean, corrupt)
         if not callable(metric):
-            raise TypeError(f"metric must be a callable metric(output), got {describe(metric)}")
-        return cls(model, found, pair, metric)
+            raise TypeError(f"metric must be a callable metric(logits), got {describe(metric)}")
+        return cls(model, found, pair, metric_reader(metric, metric_input))
 
     def value(self, inputs: Any, what: str, copies: int = 1) -> Tensor:
         """The metric on the model's output for ``inputs`` (a () tensor; ``what`` names the run

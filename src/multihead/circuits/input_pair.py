@@ -24,20 +24,24 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-from multihead._checks import describe
+from multihead._checks import check_choice, describe
 from multihead.mapping import model_map
 
 __all__ = [
     "InputPair",
+    "METRIC_INPUTS",
     "Metric",
+    "metric_reader",
     "metric_value",
     "reduced_fields",
     "run_model",
     "split_output",
 ]
 
-# metric(output) -> () or (B,) floating tensor
+# metric(logits or output) -> () or (B,) floating tensor
 Metric = Callable[[Any], Tensor]
+# what a metric is given: the model's logits (TransformerLens's convention), or its whole output
+METRIC_INPUTS = ("logits", "output")
 
 _KINDS = (
     "a tensor of token ids (B, T) or a dict of keyword arguments for the model (for a text "
@@ -214,6 +218,42 @@ def _check_alike(clean: Tensor | dict[str, Any], corrupt: Tensor | dict[str, Any
                 f"clean{where} and corrupt{where} must be equal where they are not tensors, got "
                 f"{describe(a)} and {describe(b)}"
             )
+
+
+def metric_reader(metric: Metric, metric_input: str) -> Metric:
+    """``metric`` as the patching functions call it on a model's output: given the logits
+    (``"logits"``: an output's ``logits`` field, a tensor output as it is, any other output
+    whole) or the whole output (``"output"``). An exception inside the metric carries a note
+    naming what it was given.
+
+    Raises:
+        ValueError: an unknown ``metric_input``.
+    """
+    check_choice("metric_input", metric_input, METRIC_INPUTS)
+
+    def read(output: Any) -> Tensor:
+        given, what = output, f"the model's output ({_describe(output)})"
+        if metric_input == "logits" and not isinstance(output, Tensor):
+            logits = output.get("logits") if isinstance(output, Mapping) else None
+            logits = getattr(output, "logits", logits)
+            if isinstance(logits, Tensor):
+                given, what = logits, f"the logits ({_describe(logits)}), the output's .logits"
+            else:
+                what += ", which carries no logits"
+        elif metric_input == "logits":
+            what = f"the model's output, its logits ({_describe(output)})"
+        try:
+            return metric(given)
+        except Exception as e:
+            switch = (
+                "metric_input='output' gives it the whole output"
+                if metric_input == "logits"
+                else "metric_input='logits' gives it the logits"
+            )
+            e.add_note(f"metric was given {what}; {switch}")
+            raise
+
+    return read
 
 
 def metric_value(metric: Metric, output: Any, batch: int, what: str) -> Tensor:

@@ -134,6 +134,7 @@ def patch_heads(
     heads: Sequence[HeadName] | None = None,
     batch_size: int | None = None,
     group: Any = None,
+    metric_input: str = "logits",
 ) -> Tensor:
     r"""Activation patching: the metric's change when one head's output comes from the other run.
 
@@ -159,11 +160,11 @@ def patch_heads(
             ``attention_mask``, ...); for a :class:`multihead.TextModel`, also a text or a list
             of texts, which it tokenizes.
         corrupt: an input of the same kind and shapes on which it does not.
-        metric: ``metric(output) -> Tensor``, ``output`` whatever the model returns; a scalar
-            floating point tensor, or one value per example (B,), which is averaged. On stacked
-            variants it is called once per variant, with that variant's own output (every
-            tensor of the output cut to its rows: exactly an unstacked run's output), so it
-            needs no knowledge of the stacking.
+        metric: ``metric(logits) -> Tensor``: given the model's logits (B, T, V) (or its whole
+            output: ``metric_input``); a scalar floating point tensor, or one value per example
+            (B,), which is averaged. On stacked variants it is called once per variant, with
+            that variant's own logits or output (every tensor cut to its rows: exactly an
+            unstacked run's), so it needs no knowledge of the stacking.
         direction: ``"denoise"`` (default) or ``"noise"``.
         per_position: patch one position of one head at a time: (L, H, T).
         heads: the ``(layer, head)`` pairs to patch (negative indices count from the end);
@@ -180,6 +181,11 @@ def patch_heads(
             tensor-parallel model (every rank in the call together) is not split again: every
             rank runs every variant, each patching the heads it holds, and gets the result one
             process would.
+        metric_input: what the metric is given: ``"logits"`` (default; the output's
+            ``logits``, as TransformerLens gives them; a model returning a tensor gives that;
+            an output without logits is given whole) or ``"output"`` (whatever the model
+            returns: a loss, hidden states, ...). An exception inside the metric carries a
+            note naming what it was given.
 
     Returns:
         (L, H), or (L, H, T) with ``per_position``, in the metric's dtype and device; NaN
@@ -201,7 +207,7 @@ def patch_heads(
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     check_optional_positive_int("batch_size", batch_size)
-    experiment = Experiment.of(model, clean, corrupt, metric)
+    experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     found, pair = experiment.found, experiment.pair
     by_layer = chosen_heads(heads, found)
     source, target = pair.pick(direction)
@@ -244,7 +250,8 @@ def patch_heads(
                 site = found[layer][1]
                 mask = _variant_mask(masks[layer][start:stop], recorded[layer], site)
                 values = _run_variants(
-                    pair, target, metric, single, site, layer, recorded[layer], mask, prefix,
+                    pair, target, experiment.metric, single, site, layer, recorded[layer], mask,
+                    prefix,
                 )  # fmt: skip
                 where = tuple(p if isinstance(p, int) else p[start:stop] for p in places[layer])
                 changes[where] = values.to(result.dtype) - base

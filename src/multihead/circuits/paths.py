@@ -74,6 +74,7 @@ def path_patching(
     *,
     via: Sequence[str] = VIA,
     batch_size: int | None = None,
+    metric_input: str = "logits",
 ) -> Tensor:
     r"""Path patching: the metric's change when a sender head's output changes from clean to
     corrupt only through a receiver head's queries, keys or values.
@@ -100,8 +101,8 @@ def path_patching(
     two runs it holds, per receiver input, N·R·B·(T or S)·D values.
 
     Args:
-        model, clean, corrupt, metric: as for :func:`~multihead.patch_heads`. Heads are
-            ``(layer, head)`` as :func:`~multihead.capture` numbers them (negative indices
+        model, clean, corrupt, metric, metric_input: as for :func:`~multihead.patch_heads`.
+            Heads are ``(layer, head)`` as :func:`~multihead.capture` numbers them (negative indices
             count from the end; on grouped-query models ``head`` is a query head), layers in
             the order the model calls them.
         senders: the heads whose output changes, each in an earlier layer than every receiver.
@@ -129,7 +130,7 @@ def path_patching(
         >>> effects[0, 0]  # via q, k, v
     """
     check_optional_positive_int("batch_size", batch_size)
-    experiment = Experiment.of(model, clean, corrupt, metric)
+    experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     found, pair = experiment.found, experiment.pair
     sent = _heads("senders", senders, found)
     received = _heads("receivers", receivers, found)
@@ -197,7 +198,11 @@ def path_patching(
             ]
             for start in range(0, len(variants), size):
                 values = runs.receivers(
-                    layer, variants[start : start + size], recorded[layer], metric, single
+                    layer,
+                    variants[start : start + size],
+                    recorded[layer],
+                    experiment.metric,
+                    single,
                 )
                 index = torch.tensor(where[start : start + size], device=table.device)
                 table[index.unbind(1)] = values.to(table.dtype) - base
