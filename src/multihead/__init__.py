@@ -42,6 +42,8 @@ _LAZY: dict[str, str] = {
     "path_patching": "multihead.circuits.paths",
     "logit_attribution": "multihead.circuits.direct_logit_attribution",
     "LogitAttribution": "multihead.circuits.direct_logit_attribution",
+    "logit_lens": "multihead.circuits.logit_lens",
+    "LogitLens": "multihead.circuits.logit_lens",
     "explain": "multihead.explanation",  # the package re-exports it
     "TextModel": "multihead.text.model",
     "load_text_model": "multihead.pretrained.text_loader",

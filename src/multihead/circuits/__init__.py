@@ -26,6 +26,10 @@ _LAZY: dict[str, str] = {
     "path_patching": "multihead.circuits.paths",
     "logit_attribution": "multihead.circuits.direct_logit_attribution",
     "LogitAttribution": "multihead.circuits.direct_logit_attribution",
+    "logit_lens": "multihead.circuits.logit_lens",
+    "LogitLens": "multihead.circuits.logit_lens",
+    "cache": "multihead.circuits.activation_cache",
+    "ActivationCache": "multihead.circuits.activation_cache",
 }
 
 __all__ = list(_LAZY)

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int, describe, is_int
 from multihead.circuits.experiment import warn_if_random
+from multihead.circuits.frozen_norm import FrozenNorm
 from multihead.circuits.input_pair import run_model
 from multihead.circuits.patching import record_layers
 from multihead.circuits.steering import head_table, model_heads
@@ -269,9 +270,10 @@ def logit_attribution(
 
     # the norm ran in the model's dtype: the rebuilt norm is compared within its rounding
     rounding = torch.finfo(norm_io[1].dtype).eps if norm_io[1].is_floating_point() else 0.0
-    read, norm_beta = _frozen_norm(
-        norm, mapped.norm_eps, x.to(dtype), norm_io[1].to(dtype), direction, rounding
+    frozen = FrozenNorm.of(
+        norm, mapped.norm_eps, x.to(dtype), norm_io[1].to(dtype), "logit_attribution", rounding
     )
+    read, norm_beta = frozen.read(direction), frozen.beta
 
     def term(c: Tensor) -> Tensor:  # (B, T, E) -> (B, T): c's share of the logit
         return (c.to(dtype) * read).sum(-1)
@@ -327,51 +329,3 @@ def _rows(table: Tensor, ids: Tensor) -> Tensor:
         assert isinstance(looked, DTensor)  # a DTensor op's result
         return looked.full_tensor()
     return table[ids]
-
-
-def _whole(value: Any) -> Any:
-    """A norm's parameter sharded over ranks (a ``DTensor``) as the whole (E,) tensor on every
-    rank (a collective); else as it is."""
-    if dist.is_available() and isinstance(value, DTensor):
-        return value.full_tensor()
-    return value
-
-
-def _frozen_norm(
-    norm: nn.Module,
-    eps: float | None,
-    x: Tensor,
-    y: Tensor,
-    direction: Tensor,
-    rounding: float = 0.0,
-) -> tuple[Tensor, Tensor | None]:
-    """(read (B, T, E), β or None): with the norm's scale frozen at ``x``, a component c adds
-    ``(c * read).sum(-1)`` to the logit along ``direction``; checked against the norm's own
-    output ``y``.
-
-    LayerNorm: ``γ ⊙ (c - mean c) / σ`` · d = c · (u - mean u), u = γ ⊙ d / σ;
-    RMSNorm: ``γ ⊙ c / rms`` · d = c · u.
-    """
-    gamma = _whole(getattr(norm, "weight", None))
-    beta = _whole(getattr(norm, "bias", None))
-    gamma = torch.ones_like(x[0, 0]) if gamma is None else gamma.to(x.dtype)
-    beta = beta.to(x.dtype) if isinstance(beta, Tensor) else None
-    centred = isinstance(norm, nn.LayerNorm)
-    if eps is not None:
-        if centred:
-            c = x - x.mean(-1, keepdim=True)
-            sigma = (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (B, T, 1)
-        else:
-            c = x
-            sigma = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-        rebuilt = gamma * c / sigma + (beta if beta is not None else 0.0)
-        # 1e-3 in float32; in half precision a few of its rounding steps (bfloat16: 3e-2)
-        rtol = max(1e-3, 4 * rounding)
-        tolerance = rtol * float(y.abs().max().clamp(min=1.0))
-        if torch.allclose(rebuilt, y, rtol=rtol, atol=tolerance):
-            u = gamma * direction / sigma
-            return (u - u.mean(-1, keepdim=True) if centred else u), beta
-    raise ValueError(
-        f"logit_attribution reads a final LayerNorm or RMSNorm (γ ⊙ x / rms(x)); the final norm "
-        f"{type(norm).__name__} computes something else"
-    )

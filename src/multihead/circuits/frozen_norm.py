@@ -1,0 +1,98 @@
+"""The final norm with its scale frozen at one run: an affine map, so a sum splits through it.
+
+A LayerNorm computes ``γ ⊙ (x - mean x) / σ(x) + β``, an RMSNorm ``γ ⊙ x / rms(x)``. With σ
+(B, T) taken from one run's residual stream x and held fixed, the norm is affine in x, and the
+stream's parts (embeddings, each head's write, each feed-forward's) go through it one by one:
+``norm(x) = Σ_c linear(c) + β``. Direct logit attribution and the logit lens's per-head reading
+are this split.
+
+Shapes: B batch, T tokens, E width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+if dist.is_available():  # a torch built without distributed has no DTensor
+    from torch.distributed.tensor import DTensor
+
+__all__ = ["FrozenNorm"]
+
+
+def _whole(value: object) -> object:
+    """A norm's parameter sharded over ranks (a ``DTensor``) as the whole (E,) tensor on every
+    rank (a collective); else as it is."""
+    if dist.is_available() and isinstance(value, DTensor):
+        return value.full_tensor()
+    return value
+
+
+@dataclass(frozen=True)
+class FrozenNorm:
+    """A final LayerNorm or RMSNorm with its scale frozen at one run.
+
+    Attributes:
+        gamma: (E,) the norm's weight (ones without one).
+        beta: (E,) its bias, or None (RMSNorm, or a LayerNorm without bias).
+        sigma: (B, T, 1) the scale of the run: σ for LayerNorm, rms for RMSNorm.
+        centred: whether the norm subtracts the mean (LayerNorm).
+    """
+
+    gamma: Tensor
+    beta: Tensor | None
+    sigma: Tensor
+    centred: bool
+
+    @classmethod
+    def of(
+        cls,
+        norm: nn.Module,
+        eps: float | None,
+        x: Tensor,
+        y: Tensor,
+        caller: str,
+        rounding: float = 0.0,
+    ) -> FrozenNorm:
+        """Frozen at the run where ``norm`` mapped ``x`` (B, T, E) to ``y``; the rebuilt norm
+        must give ``y`` within a few steps of ``rounding`` (the dtype the norm ran in).
+
+        Raises:
+            ValueError: ``norm`` is neither a LayerNorm nor an RMSNorm as read here (``caller``
+                names who needs it).
+        """
+        gamma = _whole(getattr(norm, "weight", None))
+        beta = _whole(getattr(norm, "bias", None))
+        gamma = gamma.to(x.dtype) if isinstance(gamma, Tensor) else torch.ones_like(x[0, 0])
+        beta = beta.to(x.dtype) if isinstance(beta, Tensor) else None
+        centred = isinstance(norm, nn.LayerNorm)
+        if eps is not None:
+            c = x - x.mean(-1, keepdim=True) if centred else x
+            sigma = (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (B, T, 1)
+            frozen = cls(gamma, beta, sigma, centred)
+            rebuilt = frozen.linear(x) + (beta if beta is not None else 0.0)
+            # 1e-3 in float32; in half precision a few of its rounding steps (bfloat16: 3e-2)
+            rtol = max(1e-3, 4 * rounding)
+            tolerance = rtol * float(y.abs().max().clamp(min=1.0))
+            if torch.allclose(rebuilt, y, rtol=rtol, atol=tolerance):
+                return frozen
+        raise ValueError(
+            f"{caller} reads a final LayerNorm or RMSNorm (γ ⊙ x / rms(x)); the final norm "
+            f"{type(norm).__name__} computes something else"
+        )
+
+    def linear(self, c: Tensor) -> Tensor:
+        """The norm's linear part on a piece ``c`` (B, T, ..., E) of the stream: ``γ ⊙ (c -
+        mean c) / σ`` (no β); σ broadcasts over any axes between T and E."""
+        centred = c - c.mean(-1, keepdim=True) if self.centred else c
+        sigma = self.sigma.reshape(*self.sigma.shape[:2], *[1] * (c.dim() - 3), 1)
+        return self.gamma * centred / sigma
+
+    def read(self, direction: Tensor) -> Tensor:
+        """(B, T, E): the vector ``u`` with ``linear(c) · direction == c · u`` for every c, so a
+        piece's share of a logit along ``direction`` (B, T, E) is ``(c * u).sum(-1)``."""
+        u = self.gamma * direction / self.sigma
+        return u - u.mean(-1, keepdim=True) if self.centred else u

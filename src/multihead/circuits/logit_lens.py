@@ -1,0 +1,156 @@
+"""The logit lens: what the residual stream would predict if the model stopped after each layer.
+
+nostalgebraist's logit lens (2020) reads layer l's residual stream through the model's own final
+norm and unembedding, as if the remaining layers added nothing::
+
+    lens_l = unembedding(final_norm(resid_post_l))        (B, P, V)
+
+so the last layer's is the model's logits, and the layers before show when the prediction forms.
+Each head's write is read the same way, through the final norm frozen at this run (the split of
+:mod:`~multihead.circuits.frozen_norm`, as direct logit attribution reads it)::
+
+    head_l,h = (γ ⊙ (result_l,h - mean) / σ) W_U^T      (B, P, V): its direct effect on every logit
+
+Shapes: B batch, T tokens, P kept positions, E width, V vocabulary, L layers, H heads, k top_k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import check_index, check_optional_positive_int, describe, is_int
+from multihead.circuits.activation_cache import cache
+from multihead.circuits.frozen_norm import FrozenNorm
+from multihead.mapping import model_map
+from multihead.observers import registered
+
+__all__ = ["LogitLens", "logit_lens"]
+
+
+@dataclass(frozen=True)
+class LogitLens:
+    """Each layer's residual stream read as logits, and each head's write read the same way.
+
+    Attributes:
+        layers: the L' layers read, in order.
+        positions: the P token positions read.
+        logits: (L', B, P, V) each layer's stream through the final norm and unembedding (the
+            last layer's equals the model's logits), or None with ``top_k``.
+        top_logits: (L', B, P, k) the k largest of them, largest first (k = V without top_k).
+        top_ids: (L', B, P, k) their token ids.
+        results: (L', B, P, H, E) each head's write into the stream (its output through its
+            slice of the output projection, no bias).
+        norm: the final norm frozen at this run's last stream (None: the model has none).
+        unembedding: the (V, E) unembedding weight.
+    """
+
+    layers: list[int]
+    positions: list[int]
+    logits: Tensor | None
+    top_logits: Tensor
+    top_ids: Tensor
+    results: Tensor
+    norm: FrozenNorm | None
+    unembedding: Tensor
+
+    def head_logits(self, layer: int) -> Tensor:
+        """(B, P, H, V): each head of ``layer`` (one of :attr:`layers`) read as logits, its
+        direct effect on every logit (the final norm frozen, no biases)."""
+        if layer not in self.layers:
+            raise ValueError(f"layer must be one of the layers read, {self.layers}, got {layer}")
+        written = self.results[self.layers.index(layer)]  # (B, P, H, E)
+        normed = self.norm.linear(written) if self.norm is not None else written
+        return normed @ self.unembedding.to(normed.dtype).T
+
+
+def _layers(layers: object, num_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_layers))
+    items = [layers] if is_int(layers) else layers
+    if not isinstance(items, Sequence) or not items or not all(is_int(i) for i in items):
+        raise TypeError(f"layers must be None, an int or ints, got {describe(layers)}")
+    return sorted({check_index("layers", int(i), num_layers, "layers") for i in items})
+
+
+@torch.no_grad()
+def logit_lens(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    layers: int | Sequence[int] | None = None,
+    positions: int | Sequence[int] | slice | None = None,
+    top_k: int | None = 10,
+) -> LogitLens:
+    """Read each layer's residual stream, and each head's write, as logits (module docstring).
+
+    Args:
+        model: a causal LM whose map knows its unembedding (multihead's
+            :class:`~multihead.models.TransformerLM`, transformers' ``...ForCausalLM``, a
+            :class:`multihead.TextModel` with ``head="lm"``).
+        inputs: token ids (B, T), a dict of the model's keyword arguments, or for a text model
+            a text or texts.
+        layers: the layers whose output stream is read (negative from the end); default all.
+        positions: the token positions read (an int, ints, a slice); default all. The logits
+            kept are L'·B·P·V numbers: choose positions on a long text.
+        top_k: keep only the k largest logits of every layer and position (``top_logits``,
+            ``top_ids``) and drop the rest; None keeps every logit (``logits``).
+
+    Returns:
+        A :class:`LogitLens`.
+
+    Raises:
+        ValueError: a model without an unembedding, a final norm that is neither a LayerNorm
+            nor an RMSNorm as read here, layers or positions out of range, top_k not positive.
+        TypeError: layers or positions of another kind.
+    """
+    check_optional_positive_int("top_k", top_k)
+    mapped = model_map(model)
+    if mapped.unembedding is None:
+        raise ValueError(
+            f"logit_lens needs a model with an unembedding (a causal LM: TransformerLM, a "
+            f"transformers ...ForCausalLM, a TextModel with head='lm'), got "
+            f"{type(model).__name__}"
+        )
+    chosen = _layers(layers, mapped.num_layers)
+    norm, unembedding = mapped.final_norm, mapped.unembedding
+    final: list[tuple[Tensor, Tensor]] = []
+    hooks = []
+    if norm is not None:
+        hooks.append(norm.register_forward_hook(lambda m, a, out: final.append((a[0], out))))
+    names = [("resid_post", layer) for layer in chosen] + [("result", layer) for layer in chosen]
+    with registered(hooks):
+        kept = cache(model, inputs, names=names, positions=positions)
+    where = kept.positions if kept.positions is not None else None
+    frozen = None
+    if norm is not None:
+        x, y = final[-1]
+        if where is not None:
+            index = torch.tensor(where, device=x.device)
+            x, y = x.index_select(1, index), y.index_select(1, index)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        rounding = torch.finfo(y.dtype).eps if y.is_floating_point() else 0.0
+        frozen = FrozenNorm.of(
+            norm, mapped.norm_eps, x.to(dtype), y.to(dtype), "logit_lens", rounding
+        )
+    streams = kept.stack("resid_post")  # (L', B, P, E)
+    logits = unembedding(norm(streams) if norm is not None else streams).float()
+    if top_k is None:
+        top_logits, top_ids = logits.sort(-1, descending=True)
+    else:
+        top_logits, top_ids = logits.topk(min(top_k, logits.shape[-1]), -1)
+    t = streams.shape[2]
+    return LogitLens(
+        layers=chosen,
+        positions=where if where is not None else list(range(t)),
+        logits=logits if top_k is None else None,
+        top_logits=top_logits,
+        top_ids=top_ids,
+        results=kept.stack("result"),
+        norm=frozen,
+        unembedding=unembedding.weight.detach(),
+    )
