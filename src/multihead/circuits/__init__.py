@@ -22,6 +22,8 @@ _LAZY: dict[str, str] = {
     "HeadRecording": "multihead.circuits.steering",
     "head_importance": "multihead.circuits.importance",
     "patch_heads": "multihead.circuits.patching",
+    "patch": "multihead.circuits.site_patching",
+    "PatchResult": "multihead.circuits.patch_result",
     "attribution_patching": "multihead.circuits.attribution",
     "path_patching": "multihead.circuits.paths",
     "logit_attribution": "multihead.circuits.direct_logit_attribution",

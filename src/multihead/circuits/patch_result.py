@@ -1,0 +1,110 @@
+"""What a patching experiment measured: the effects with their axes named and labelled, and the
+two runs they are measured between.
+
+Axis order, one for every site: layer first, then head (per-head sites), then position
+(``per_position``)::
+
+    residual sites (resid_pre, attn_out, resid_mid, mlp_out, resid_post)   (L,) or (L, T)
+    per-head sites (z, result, q, pattern)                                 (L, H) or (L, H, T)
+    key/value sites (k, v)                                                 (L, Hk) or (L, Hk, T)
+
+(TransformerLens's per-position head tables are (L, T, H): ``values.permute(0, 2, 1)``.)
+
+Shapes: L layers, H heads, Hk key/value heads, T positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from multihead._checks import check_positive_int
+
+__all__ = ["PatchResult"]
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    """The metric's change per patch, ``metric(patched) - metric(unpatched)``.
+
+    Attributes:
+        values: the effects, axes as :attr:`dims` says (module docstring); NaN where nothing
+            was patched (heads a layer does not have, layers or heads not chosen).
+        dims: the axes' names: ``("layer", "head")``, ``("layer", "head", "position")``,
+            ``("layer",)``, ``("layer", "position")``.
+        site: the site patched (``"z"``, ``"resid_pre"``, ...).
+        direction: ``"denoise"`` (the corrupt run, patched from the clean one) or ``"noise"``.
+        clean: the metric on the clean run.
+        corrupt: the metric on the corrupt run.
+    """
+
+    values: Tensor
+    dims: tuple[str, ...]
+    site: str
+    direction: str
+    clean: float
+    corrupt: float
+
+    def label(self, index: tuple[int, ...]) -> str:
+        """The written name of one cell: ``"L3H5"``, ``"L3H5 pos 7"``, ``"L3 resid_pre pos 7"``."""
+        named = dict(zip(self.dims, index, strict=True))
+        layer = f"L{named['layer']}"
+        head = f"H{named['head']}" if "head" in named else f" {self.site}"
+        at = f" pos {named['position']}" if "position" in named else ""
+        return f"{layer}{head}{at}"
+
+    def labels(self) -> list[str]:
+        """Every cell's label, in the order of ``values.flatten()``."""
+        return [self.label(index) for index in _indices(self.values.shape)]
+
+    def normalized(self) -> Tensor:
+        """``(patched - corrupt) / (clean - corrupt)``, the share of the clean behaviour a patch
+        gives (denoising: 1 is all of it) or keeps (noising: 0 is all of it lost).
+
+        Raises:
+            ValueError: the clean and corrupt metrics are equal (nothing to share out).
+        """
+        gap = self.clean - self.corrupt
+        if gap == 0 or not math.isfinite(gap):
+            raise ValueError(
+                f"normalized() divides by clean - corrupt, which is {gap!r} here (clean "
+                f"{self.clean!r}, corrupt {self.corrupt!r})"
+            )
+        unpatched = self.corrupt if self.direction == "denoise" else self.clean
+        return (self.values + unpatched - self.corrupt) / gap
+
+    def top(self, k: int = 10) -> list[tuple[str, float]]:
+        """The ``k`` cells with the largest |effect|: ``(label, effect)``, largest first."""
+        check_positive_int("k", k)
+        flat = self.values.flatten().nan_to_num(0.0)
+        order = flat.abs().argsort(descending=True)[:k].tolist()
+        indices = _indices(self.values.shape)
+        return [(self.label(indices[i]), float(flat[i])) for i in order]
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One dict per computed cell (NaN cells left out): each axis's index, the label, the
+        effect and the normalised effect (None when clean equals corrupt); for a table
+        (``pandas.DataFrame(result.to_rows())``)."""
+        gap = self.clean - self.corrupt
+        normal = self.normalized().flatten().tolist() if gap != 0 else None
+        rows = []
+        for i, (index, value) in enumerate(
+            zip(_indices(self.values.shape), self.values.flatten().tolist(), strict=True)
+        ):
+            if math.isnan(value):
+                continue
+            row: dict[str, Any] = dict(zip(self.dims, index, strict=True))
+            row |= {"label": self.label(index), "effect": value}
+            row["normalized"] = normal[i] if normal is not None else None
+            rows.append(row)
+        return rows
+
+
+def _indices(shape: torch.Size) -> list[tuple[int, ...]]:
+    return [tuple(int(i) for i in ix) for ix in torch.cartesian_prod(
+        *[torch.arange(n) for n in shape]
+    ).reshape(-1, len(shape)).tolist()]  # fmt: skip

@@ -1,0 +1,393 @@
+"""Activation patching of any site: the residual stream, a block's writes, and every head's
+queries, keys, values, pattern and output.
+
+For a clean input and a corrupt one, patching site s of layer l (at position t, or at every
+position) replaces its activation, in the run of one input, with the activation the other
+input gave it (the sites and their shapes are :mod:`~multihead.circuits.activation_cache`'s)::
+
+    P[l]       = metric(target run with s_l := s_l(source)) - metric(target run)     residual
+    P[l, t]    = the same with only position t replaced                              per_position
+    P[l, h]    = the same for head h's part of s_l (z, result, q, pattern; k and v per
+                 key/value head)
+    P[l, h, t] = head h at position t (the query row t of a pattern)
+
+where (source, target) is (clean, corrupt) for ``"denoise"`` and (corrupt, clean) for
+``"noise"``. Heads' outputs (``z``) are :func:`~multihead.patch_heads`'s, and ``result`` (a
+head's output through its slice of the output projection) patches to the same numbers: the slice
+is linear. The other sites run here, with the same stacking of variants along the batch and the
+same reuse of the blocks before the patched one (:mod:`~multihead.circuits.stacked_runs`):
+
+- ``resid_pre``, ``resid_post``: a forward pre-hook / hook on block l replaces its input /
+  output; ``attn_out`` and ``mlp_out`` a hook on its attention / feed-forward module;
+  ``resid_mid`` (= resid_pre + attn_out) sets the attention's write to the source's resid_mid
+  minus this run's resid_pre, so that the sum is the source's;
+- ``q``, ``k``, ``v``: a q/k/v editor on the attention site replaces the head's queries (keys,
+  values) before the kernel (after rotary positions: what the kernel sees);
+- ``pattern``: an observer recomputes the head's output from the source's softmax weights and
+  this run's values.
+
+Shapes: B batch, T tokens, S keys, E width, L layers, H heads, Hk key/value heads, D one head's
+width, n stacked variants.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import (
+    check_choice,
+    check_index,
+    check_optional_positive_int,
+    describe,
+    is_int,
+)
+from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache
+from multihead.circuits.experiment import Experiment
+from multihead.circuits.patch_result import PatchResult
+from multihead.circuits.patching import DIRECTIONS, chosen_heads, patch_heads
+from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
+from multihead.distributed.data_parallel import DataParallelGroup
+from multihead.mapping import model_map
+from multihead.observers import AttentionCall
+from multihead.sites import Block, HeadName, ModelMap
+
+__all__ = ["patch"]
+
+logger = logging.getLogger(__name__)
+
+_KV_SITES = ("k", "v")
+
+
+def _layers(layers: object, num_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_layers))
+    items = [layers] if is_int(layers) else layers
+    if not isinstance(items, Sequence) or not items or not all(is_int(i) for i in items):
+        raise TypeError(f"layers must be None, an int or ints, got {describe(layers)}")
+    return sorted({check_index("layers", int(i), num_layers, "layers") for i in items})
+
+
+def _first(value: Any) -> Tensor:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _with_first(value: Any, first: Tensor) -> Any:
+    """``value`` (a tensor, or a tuple/list whose first item is the tensor) with it replaced."""
+    if isinstance(value, tuple):
+        return (first, *value[1:])
+    if isinstance(value, list):
+        return [first, *value[1:]]
+    return first
+
+
+def _block(mapped: ModelMap, layer: int, site: str) -> Block:
+    block = mapped.block_of(layer)
+    if block is None or len(block.sites) != 1:
+        raise ValueError(
+            f"patching {site} needs one attention layer per block of a stack; the map of "
+            f"{mapped.family} has no block holding layer {layer} alone"
+        )
+    return block
+
+
+def patch(
+    model: nn.Module,
+    clean: Any,
+    corrupt: Any,
+    metric: Callable[[Any], Tensor],
+    *,
+    site: str = "z",
+    per_position: bool = False,
+    direction: str = "denoise",
+    heads: Sequence[HeadName] | None = None,
+    layers: int | Sequence[int] | None = None,
+    batch_size: int | None = None,
+    group: Any = None,
+    metric_input: str = "logits",
+) -> PatchResult:
+    r"""Activation patching of one kind of site, every layer (and head) of it; see the module
+    docstring for what each site's patch replaces.
+
+    Args:
+        model, clean, corrupt, metric, direction, batch_size, group, metric_input: as for
+            :func:`~multihead.patch_heads` (the metric is given the logits by default).
+        site: ``"resid_pre"``, ``"attn_out"``, ``"resid_mid"``, ``"mlp_out"``,
+            ``"resid_post"`` (per layer), ``"z"`` (default), ``"result"``, ``"q"``,
+            ``"pattern"`` (per head) or ``"k"``, ``"v"`` (per key/value head).
+        per_position: patch one position at a time (a pattern's query row).
+        heads: for a per-head site, the ``(layer, head)`` pairs to patch (``"L0H1"``; key/value
+            heads for k and v); default every head of ``layers``.
+        layers: the layers to patch (negative from the end); default all.
+
+    Returns:
+        A :class:`~multihead.circuits.patch_result.PatchResult`: values (L,) or (L, T) for a
+        residual site, (L, H) or (L, H, T) per head (Hk for k and v), NaN where nothing was
+        patched; the clean and corrupt metrics beside them.
+
+    Raises:
+        ValueError: an unknown site or direction, heads and layers both given, heads of a
+            residual site, a site the model does not have (``mlp_out`` of an attention-only
+            block, ``resid_mid`` of a post-LN block), and everything
+            :func:`~multihead.patch_heads` refuses.
+        TypeError: as :func:`~multihead.patch_heads`.
+
+    Example:
+        >>> res = multihead.patch(lm, clean, corrupt, logit_diff, site="resid_pre",
+        ...                       per_position=True)         # (L, T)
+        >>> res.normalized(), res.top(5)
+    """
+    check_choice("site", site, SITES)
+    check_choice("direction", direction, DIRECTIONS)
+    if not isinstance(per_position, bool):
+        raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
+    check_optional_positive_int("batch_size", batch_size)
+    if heads is not None and layers is not None:
+        raise ValueError("give heads or layers, not both (heads name their layers)")
+    if heads is not None and site in RESIDUAL_SITES:
+        raise ValueError(f"heads: {site} is one activation per layer, with no heads; give layers")
+    experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
+    found, pair = experiment.found, experiment.pair
+    chosen = _layers(layers, len(found))
+    with torch.no_grad():
+        clean_value = experiment.value(pair.clean, "clean run")
+        corrupt_value = experiment.value(pair.corrupt, "corrupt run")
+    dims: tuple[str, ...] = ("layer",) if site in RESIDUAL_SITES else ("layer", "head")
+    dims += ("position",) if per_position else ()
+    if site in ("z", "result"):
+        every = [(layer, h) for layer in chosen for h in range(found[layer][1].num_heads)]
+        values = patch_heads(
+            model, pair.clean, pair.corrupt, metric, direction=direction,
+            per_position=per_position, heads=heads if heads is not None else every,
+            batch_size=batch_size, group=group, metric_input=metric_input,
+        )  # fmt: skip
+    else:
+        values = _SitePatch(experiment, site, direction, per_position, group).run(
+            chosen, heads, batch_size
+        )
+    return PatchResult(values, dims, site, direction, float(clean_value), float(corrupt_value))
+
+
+class _SitePatch:
+    """One sweep of patches of a site other than a head's output (module docstring)."""
+
+    def __init__(
+        self, experiment: Experiment, site: str, direction: str, per_position: bool, group: Any
+    ) -> None:
+        self.experiment = experiment
+        self.site = site
+        self.per_position = per_position
+        self.mapped = model_map(experiment.model)
+        self.split = DataParallelGroup.of(group, experiment.model)
+        self.source, self.target = experiment.pair.pick(direction)
+
+    def _units(self, layer: int) -> int:
+        """Heads (key/value heads for k and v) of ``layer``; 1 for a residual site."""
+        site = self.mapped.sites[layer]
+        if self.site in RESIDUAL_SITES:
+            return 1
+        return site.num_kv_heads if self.site in _KV_SITES else site.num_heads
+
+    def run(
+        self, layers: list[int], heads: Sequence[HeadName] | None, batch_size: int | None
+    ) -> Tensor:
+        experiment, pair = self.experiment, self.experiment.pair
+        found = experiment.found
+        if any(self.mapped.sites[layer].shard is not None for layer in layers):
+            raise ValueError(
+                f"patching {self.site} on a tensor-parallel model is not supported: patch z "
+                f"(patch_heads) there"
+            )
+        if heads is not None:
+            by_layer = chosen_heads(heads, found) if self.site not in _KV_SITES else {}
+            if self.site in _KV_SITES:
+                by_layer = self._kv_heads(heads)
+        else:
+            by_layer = {layer: list(range(self._units(layer))) for layer in layers}
+        with torch.no_grad():
+            names = [(self.site, layer) for layer in by_layer]
+            kept = cache(experiment.model, self.source, names=names)
+            sources = {layer: kept[self.site, layer] for layer in by_layer}
+            unpatched = experiment.unpatched(
+                self.target, "unpatched run", caller="patch", log=logger
+            )
+            base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
+            stand_ins = [self._as_heads(src) for src in sources.values()]
+            size = experiment.stack_size(batch_size, single, stand_ins, logger)
+            t = next(iter(sources.values())).shape[2 if self.site == "pattern" else 1]
+            most = max(self._units(layer) for layer in range(len(found)))
+            shape: tuple[int, ...] = (len(found),)
+            shape += () if self.site in RESIDUAL_SITES else (most,)
+            shape += (t,) if self.per_position else ()
+            result = torch.full(shape, float("nan"), dtype=base.dtype, device=base.device)
+            spans: list[int | None] = list(range(t)) if self.per_position else [None]
+            variants = {
+                layer: [(h, at) for h in units for at in spans] for layer, units in by_layer.items()
+            }
+            forwards = [
+                (layer, s, min(s + size, len(v)))
+                for layer, v in variants.items()
+                for s in range(0, len(v), size)
+            ]
+            changes = torch.zeros_like(result)
+            error: Exception | None = None
+            try:
+                for layer, start, stop in self.split.share(forwards):
+                    chunk = variants[layer][start:stop]
+                    attach = functools.partial(self._attach, layer, chunk, sources[layer])
+                    output = run_stacked(
+                        pair, self.target, len(chunk), layer, prefix, attach, "patch"
+                    )
+                    values = stacked_metrics(
+                        pair, experiment.metric, output, single, len(chunk),
+                        f"{self.site} of layer {layer} patched",
+                    )  # fmt: skip
+                    for (h, at), value in zip(chunk, values.to(result.dtype) - base, strict=True):
+                        changes[self._cell(layer, h, at)] = value
+            except Exception as e:  # every rank must hear of it before the sum
+                error = e
+            self.split.gather(None, error)
+            changes = self.split.sum(changes)
+            for layer, chunk in variants.items():
+                for h, at in chunk:
+                    result[self._cell(layer, h, at)] = changes[self._cell(layer, h, at)]
+        return result
+
+    def _cell(self, layer: int, unit: int, at: int | None) -> tuple[int, ...]:
+        """Where a variant's effect goes in the result."""
+        index = (layer,) if self.site in RESIDUAL_SITES else (layer, unit)
+        return index if at is None else (*index, at)
+
+    def _kv_heads(self, heads: Sequence[HeadName]) -> dict[int, list[int]]:
+        """k and v name key/value heads: ``(layer, kv_head)`` pairs checked against Hk."""
+        found = self.experiment.found
+        fake = [
+            (name, _KeyValueHeads(site.num_kv_heads))
+            for (name, _), site in zip(found, self.mapped.sites, strict=True)
+        ]
+        return chosen_heads(heads, fake)  # type: ignore[arg-type]
+
+    def _as_heads(self, src: Tensor) -> Tensor:
+        """A (B, T, H, D)-shaped view of a source, for the stack size's memory estimate."""
+        if self.site == "pattern":
+            return src.transpose(1, 2)  # (B, T, H, S)
+        return src if src.dim() == 4 else src.unsqueeze(2)
+
+    def _attach(self, layer: int, chunk: list[tuple[int, int | None]], src: Tensor) -> list[Any]:
+        """Register the hooks that patch ``chunk``'s variants (stacked, variant-major) of
+        ``layer``'s site from ``src``; returns their handles."""
+        n = len(chunk)
+        if self.site in RESIDUAL_SITES:
+            return self._attach_stream(layer, chunk, src)
+        attention = self.experiment.found[layer][1]
+        units = self._units(layer)
+        t = src.shape[2] if self.site == "pattern" else src.shape[1]
+        mask = torch.zeros(n, t, units, dtype=torch.bool)
+        for i, (h, at) in enumerate(chunk):
+            mask[i, slice(None) if at is None else at, h] = True
+        mask = mask.to(src.device)
+
+        def tiled(value: Tensor) -> Tensor:  # (B, ...) -> (n·B, ...), variant-major
+            return value.repeat(n, *[1] * (value.dim() - 1))
+
+        if self.site == "pattern":
+            weights = tiled(src)  # (n·B, H, T, S)
+            where = mask.repeat_interleave(src.shape[0], 0)[..., None]  # (n·B, T, H, 1)
+
+            def observer(call: AttentionCall, out: Tensor) -> Tensor:
+                v = call.v
+                if v.shape[1] != out.shape[2]:  # grouped-query: query head h reads h // group
+                    v = v.repeat_interleave(out.shape[2] // v.shape[1], 1)
+                z = torch.einsum("bhts,bhsd->bthd", weights.to(v.dtype), v)
+                return torch.where(where, z.to(out.dtype), out)
+
+            return [attention.register_observer(observer)]
+        # q, k, v: the kernel's (n·B, heads, T, D) tensors
+        index = ("q", "k", "v").index(self.site)
+        heads_first = tiled(src.transpose(1, 2))  # (n·B, units, T, D)
+        where = mask.transpose(1, 2).repeat_interleave(src.shape[0], 0)[..., None]
+
+        def editor(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+            qkv = [call.q, call.k, call.v]
+            current = qkv[index]
+            if current.shape[1] != units:
+                raise ValueError(
+                    f"patch {self.site}: layer {layer}'s kernel was given {current.shape[1]} "
+                    f"heads of {self.site} where the model has {units}"
+                )
+            qkv[index] = torch.where(where, heads_first.to(current.dtype), current)
+            return qkv[0], qkv[1], qkv[2]
+
+        return [attention.register_qkv_editor(editor)]
+
+    def _attach_stream(
+        self, layer: int, chunk: list[tuple[int, int | None]], src: Tensor
+    ) -> list[Any]:
+        """Hooks on block ``layer`` patching a residual site at each variant's positions."""
+        n, b, t = len(chunk), src.shape[0], src.shape[1]
+        mask = torch.zeros(n, 1, t, 1, dtype=torch.bool)
+        for i, (_, at) in enumerate(chunk):
+            mask[i, :, slice(None) if at is None else at] = True
+        mask = mask.to(src.device)
+
+        def replaced(current: Tensor, by: Tensor) -> Tensor:  # current (n·B, T, E)
+            stacked = current.unflatten(0, (n, b))
+            return torch.where(mask, by.to(current.dtype), stacked).flatten(0, 1)
+
+        block = _block(self.mapped, layer, self.site)
+        if self.site == "resid_pre":
+
+            def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                if args:
+                    return (replaced(args[0], src[None]), *args[1:]), kwargs
+                return args, {
+                    **kwargs,
+                    "hidden_states": replaced(kwargs["hidden_states"], src[None]),
+                }
+
+            return [block.module.register_forward_pre_hook(pre, with_kwargs=True)]
+        if self.site == "resid_post":
+            return [
+                block.module.register_forward_hook(
+                    lambda m, a, out: _with_first(out, replaced(_first(out), src[None]))
+                )
+            ]
+        part = block.mlp if self.site == "mlp_out" else block.attention
+        if part is None:
+            raise ValueError(
+                f"patching {self.site}: the map of {self.mapped.family} does not know block "
+                f"{layer}'s {'feed-forward' if self.site == 'mlp_out' else 'attention'} module"
+            )
+        if self.site in ("attn_out", "mlp_out"):
+            return [
+                part.register_forward_hook(
+                    lambda m, a, out: _with_first(out, replaced(_first(out), src[None]))
+                )
+            ]
+        # resid_mid = resid_pre + attn_out: the write that makes the sum the source's
+        entering: list[Tensor] = []
+
+        def record(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            entering[:] = [args[0] if args else kwargs["hidden_states"]]
+
+        def write(m: nn.Module, a: Any, out: Any) -> Any:
+            written = _first(out)
+            wanted = src[None] - entering[0].unflatten(0, (n, b)).to(src.dtype)
+            return _with_first(out, replaced(written, wanted))
+
+        return [
+            block.module.register_forward_pre_hook(record, with_kwargs=True),
+            part.register_forward_hook(write),
+        ]
+
+
+class _KeyValueHeads:
+    """A site's key/value heads, numbered as :func:`chosen_heads` numbers heads."""
+
+    def __init__(self, num_heads: int) -> None:
+        self.num_heads = num_heads
