@@ -245,3 +245,35 @@ def test_row8_an_edited_task_length_is_refused_before_anything_is_drawn(
     err = fails(capsys, ["patch", "--checkpoint", str(run), "--out", str(tmp_path / "out")])
     assert f"task.seq_len must be an int from 11 to the model's max_len=16, got {seq_len!r}" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_site_flag_patches_the_residual_stream_and_other_head_sites(
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 30: ``--site resid_pre`` prints the layer x position cells that move the metric
+    most (multihead.patch's numbers) and writes a layer x position map; ``--site v`` the heads'
+    maps; path patching only with the heads' outputs."""
+    out = tmp_path / "stream"
+    argv = ["patch", "--checkpoint", str(induction_run), "--format", "png", "--top", "3"]
+    assert main([*argv, "--out", str(out), "--site", "resid_pre"]) == 0
+    stdout = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["resid_pre.png"]
+    model = TransformerLM.load(induction_run).eval()
+    pair = induction_pair(16)
+    want = multihead.patch(
+        model, pair.clean, pair.corrupt, pair.metric, site="resid_pre", per_position=True
+    )
+    printed = re.findall(r"^  (L\d+ resid_pre pos \d+)\s+(-?\d+\.\d+)", stdout, re.MULTILINE)
+    assert [label for label, _ in printed] == [label for label, _ in want.top(3)]
+    for (_, value), (_, expected) in zip(printed, want.top(3), strict=True):
+        assert float(value) == pytest.approx(expected, abs=1e-3)
+    heads_out = tmp_path / "v"
+    assert main([*argv, "--out", str(heads_out), "--site", "v"]) == 0
+    assert sorted(p.name for p in heads_out.iterdir()) == ["heads.png", "positions.png"]
+    assert "site v" in capsys.readouterr().out
+    err = fails(
+        capsys,
+        [*argv, "--out", str(tmp_path / "x"), "--site", "q", "--senders", "L0H0", "--receivers",
+         "L1H0"],
+    )  # fmt: skip
+    assert "--senders and --receivers patch heads' outputs: give them with --site z" in err

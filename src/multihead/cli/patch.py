@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import multihead
+from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES
 from multihead.circuits.patching import DIRECTIONS
 from multihead.cli.common import (
     CLIError,
@@ -98,6 +99,14 @@ def register(subparsers: Any) -> None:
         "--top", type=int, default=5, metavar="K", help="heads to list and map (default 5)"
     )
     p.add_argument(
+        "--site",
+        choices=SITES,
+        default="z",
+        help="what to patch (docs/circuits.md): z (default), each head's output; result, q, "
+        "pattern per head; k, v per key/value head; resid_pre, attn_out, resid_mid, mlp_out, "
+        "resid_post per layer and position (a layer x position map)",
+    )
+    p.add_argument(
         "--senders",
         nargs="+",
         metavar="HEAD",
@@ -128,8 +137,10 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead patch``; returns the exit code."""
     formats = check_formats("--format", args.format)
-    names = [f"{stem}.{f}" for stem in ("heads", "positions") for f in formats if f != "html"]
-    out = check_output_dir("--out", args.out, [*names, *(["patching.html"] * ("html" in formats))])
+    stems = (args.site,) if args.site in RESIDUAL_SITES else ("heads", "positions")
+    names = [f"{stem}.{f}" for stem in stems for f in formats if f != "html"]
+    page = "html" in formats and args.site == "z"  # the page's column is the heads' output's
+    out = check_output_dir("--out", args.out, [*names, *(["patching.html"] * page)])
     if args.top < 1:
         raise CLIError(f"--top must be a positive number of heads, got {args.top}")
     texts = (args.clean, args.corrupt, args.answer)
@@ -137,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--clean, --corrupt and --answer go together: give all three")
     if (args.senders is None) != (args.receivers is None):
         raise CLIError("--senders and --receivers go together: give both")
+    if args.senders is not None and args.site != "z":
+        raise CLIError(
+            f"--senders and --receivers patch heads' outputs: give them with --site z, got "
+            f"--site {args.site}"
+        )
     check_tensor_parallel(args)
     senders = _head_names("--senders", args.senders or [])
     receivers = _head_names("--receivers", args.receivers or [])
@@ -175,6 +191,8 @@ def _patch(
     with status("Patching…", shown), torch.no_grad():
         clean_value = float(_mean(experiment.metric(experiment.run(experiment.clean))))
         corrupt_value = float(_mean(experiment.metric(experiment.run(experiment.corrupt))))
+    if args.site != "z":
+        return _patch_site(args, experiment, shown, out, formats, clean_value, corrupt_value)
     with status("Patching…", shown):
         paths_table = None
         if senders:  # first: its checks of the heads come before the long runs
@@ -214,6 +232,106 @@ def _patch(
     for path in paths:
         print(f"  {printable(os.fspath(path))}")
     return 0
+
+
+def _patch_site(
+    args: argparse.Namespace,
+    experiment: PatchExperiment,
+    shown: bool,
+    out: Path,
+    formats: list[str],
+    clean: float,
+    corrupt: float,
+) -> int:
+    """``--site`` other than z: :func:`multihead.patch` of that site, the cells that move the
+    metric most, and a layer x position map (residual sites) or the heads' maps."""
+    site, direction = args.site, args.direction
+    run = (experiment.model, experiment.clean, experiment.corrupt, experiment.metric)
+    residual = site in RESIDUAL_SITES
+    with status("Patching…", shown):
+        result = multihead.patch(*run, site=site, direction=direction, per_position=residual)
+        top_cells = result.top(args.top)
+        positions = None
+        if not residual:
+            heads = [(int(h[0]), int(h[1])) for h in _cells(result, args.top)]
+            positions = multihead.patch(
+                *run, site=site, direction=direction, per_position=True, heads=heads
+            ).values
+    if not shown:
+        return 0
+    layers = result.values.shape[0]
+    print(f"{experiment.name}: {layers} layers; site {site}; metric: {experiment.describe}")
+    print(f"  clean {clean:.3f}   corrupt {corrupt:.3f}   (clean - corrupt {clean - corrupt:.3f})")
+    print()
+    source = "clean" if direction == "denoise" else "corrupt"
+    print(f"What moves the metric most ({direction}: {site} from the {source} run):")
+    print(f"  {'patched':22s}{'patched - unpatched':>22s}{'normalised':>14s}")
+    normal = _normalised(result)
+    for label, value in top_cells:
+        share = normal.get(label)
+        print(f"  {label:22s}{value:>22.3f}{'' if share is None else f'{share:>14.3f}'}")
+    label = f"metric change ({direction})"
+    with status("Drawing…"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out.mkdir(parents=True, exist_ok=True)
+        if residual:
+            figures = {
+                site: effects_figure(
+                    result.values,
+                    [str(i) for i in range(layers)],
+                    experiment.tokens,
+                    title=f"Patching {site} ({direction}), one layer and position at a time",
+                    label=label,
+                    xlabel="position (the clean input's first sequence)",
+                    ylabel="layer",
+                )  # fmt: skip
+            }
+        else:
+            assert positions is not None
+            heads = _cells(result, args.top)
+            unit = "key/value head" if site in ("k", "v") else "head"
+            figures = {
+                "heads": effects_figure(
+                    result.values, [str(i) for i in range(layers)],
+                    [str(h) for h in range(result.values.shape[1])],
+                    title=f"Patching {site} ({direction}): {experiment.name}", label=label,
+                    xlabel=unit, ylabel="layer",
+                ),
+                "positions": effects_figure(
+                    positions[[la for la, _ in heads], [h for _, h in heads]],
+                    [head_label(la, h) for la, h in heads], experiment.tokens,
+                    title=f"Top {unit}s' {site}, patched one position at a time ({direction})",
+                    label=label, xlabel="position (the clean input's first sequence)",
+                ),
+            }  # fmt: skip
+        paths = [
+            save_figure(fig, out / f"{stem}.{fmt}")
+            for stem, fig in figures.items()
+            for fmt in formats
+            if fmt != "html"
+        ]
+    print_warnings(caught)
+    print()
+    print("Wrote:")
+    for path in paths:
+        print(f"  {printable(os.fspath(path))}")
+    return 0
+
+
+def _cells(result: Any, k: int) -> list[tuple[int, int]]:
+    """The (layer, head) of the k largest |effects| of a per-head result."""
+    flat = result.values.flatten().nan_to_num(0.0)
+    n = result.values.shape[1]
+    return [(i // n, i % n) for i in flat.abs().argsort(descending=True)[:k].tolist()]
+
+
+def _normalised(result: Any) -> dict[str, float]:
+    """label -> normalised effect, empty when clean equals corrupt."""
+    try:
+        normal = result.normalized()
+    except ValueError:
+        return {}
+    return dict(zip(result.labels(), normal.flatten().tolist(), strict=True))
 
 
 def _head_names(flag: str, names: list[str]) -> list[tuple[int, int]]:
