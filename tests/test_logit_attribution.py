@@ -150,3 +150,45 @@ def test_errors() -> None:
     encoder = multihead.TransformerEncoder([multihead.TransformerEncoderLayer(24, 6, 40)])
     with pytest.raises(ValueError, match=r"needs a causal LM with an unembedding"):
         logit_attribution(encoder, torch.randn(2, 5, 24), 1)
+
+
+def test_reduce_none_padding_and_one_position_per_example(device: torch.device) -> None:
+    """Issue 30 item 6: ``reduce="none"`` keeps the batch, each row equal to the example run
+    alone; the mean leaves padded positions out; ``position`` takes one answer per example."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    torch.manual_seed(2)
+    config = transformers.GPT2Config(
+        vocab_size=50, n_embd=24, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).to(device, torch.float64).eval()
+    ids = torch.randint(50, (2, 6), device=device)
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]], device=device)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    rows = logit_attribution(model, inputs, 7, reduce="none")
+    assert rows.heads.shape == (2, 4, 2, 6) and rows.logit.shape == (2, 6)
+    for b, n in ((0, 6), (1, 4)):  # right padding: the real positions are the example alone
+        alone = logit_attribution(model, ids[b : b + 1, :n], 7)
+        torch.testing.assert_close(rows.heads[:, :, b, :n], alone.heads)
+        torch.testing.assert_close(rows.mlp[:, b, :n], alone.mlp)
+        torch.testing.assert_close(rows.logit[b, :n], alone.logit)
+    torch.testing.assert_close(rows.total(), rows.logit, rtol=0, atol=1e-10)
+    mean = logit_attribution(model, inputs, 7)
+    torch.testing.assert_close(mean.heads[..., :4], rows.heads[..., :4].mean(2))
+    # where row 1 is padding only row 0 counts (it was averaged in before)
+    torch.testing.assert_close(mean.heads[..., 4:], rows.heads[:, :, 0, 4:])
+    torch.testing.assert_close(mean.logit[4:], rows.logit[0, 4:])
+    # one answer per example at one position
+    answers = torch.tensor([7, 9], device=device)
+    last = logit_attribution(model, ids, answers, position=-1, reduce="none")
+    assert last.heads.shape == (2, 4, 2, 1)
+    for b in range(2):
+        alone = logit_attribution(model, ids[b : b + 1], int(answers[b]))
+        torch.testing.assert_close(last.heads[:, :, b, 0], alone.heads[..., -1])
+        torch.testing.assert_close(last.logit[b, 0], alone.logit[-1])
+    layer, head, value = last.top(1)[0]
+    assert value == pytest.approx(float(last.heads[layer, head, :, 0].mean()))
+    with pytest.raises(ValueError, match="reduce must be one of 'mean', 'none', got 'sum'"):
+        logit_attribution(model, ids, 7, reduce="sum")
+    with pytest.raises(ValueError, match="position index 6 is out of range"):
+        logit_attribution(model, ids, 7, position=6)

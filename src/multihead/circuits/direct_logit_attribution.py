@@ -31,6 +31,7 @@ Shapes: B batch, T tokens, E width, V vocabulary, L layers, H heads, Dv one head
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead._checks import check_index, check_positive_int, describe, is_int
+from multihead._checks import check_choice, check_index, check_positive_int, describe, is_int
 from multihead.circuits.experiment import warn_if_random
 from multihead.circuits.frozen_norm import FrozenNorm
-from multihead.circuits.input_pair import run_model
+from multihead.circuits.input_pair import model_inputs, run_model
 from multihead.circuits.patching import record_layers
-from multihead.circuits.steering import head_table, model_heads
+from multihead.circuits.steering import model_heads
 from multihead.head_shard import every_head
 from multihead.mapping import model_map
 from multihead.observers import Removable, registered
@@ -61,8 +62,10 @@ __all__ = ["LogitAttribution", "logit_attribution"]
 class LogitAttribution:
     """Each component's direct contribution to a logit (or logit difference), per position.
 
-    Every value is a mean over the batch. The fields add up to the model's logit:
-    ``total() == logit`` up to rounding.
+    Every value is a mean over the batch (of the rows that are not padding at each position),
+    or keeps the batch with ``reduce="none"``: then each field below has B before T ((L, H, B,
+    T), (L, B, T), (B, T)). The fields add up to the model's logit: ``total() == logit`` up to
+    rounding.
 
     Attributes:
         heads: (L, H, T) each head's direct contribution (NaN where a layer has fewer heads).
@@ -85,7 +88,7 @@ class LogitAttribution:
     logit: Tensor
 
     def total(self) -> Tensor:
-        """(T,) the sum of every contribution: the logit, up to rounding."""
+        """(T,) (or (B, T)) the sum of every contribution: the logit, up to rounding."""
         return (
             self.heads.nansum(dim=(0, 1))
             + self.attention_bias.sum(0)
@@ -96,15 +99,17 @@ class LogitAttribution:
         )
 
     def top(self, k: int = 5, position: int = -1) -> list[tuple[int, int, float]]:
-        """The ``k`` heads with the largest |contribution| at ``position``: (layer, head, value).
+        """The ``k`` heads with the largest |contribution| at ``position``: (layer, head, value)
+        (with the batch kept, of the batch's mean there).
 
         Raises:
             ValueError: ``k`` not positive, ``position`` out of range.
             TypeError: either not an int.
         """
         check_positive_int("k", k)
-        position = check_index("position", position, self.heads.shape[2], "positions")
-        values = self.heads[:, :, position]
+        position = check_index("position", position, self.heads.shape[-1], "positions")
+        values = self.heads[..., position]
+        values = values.nanmean(-1) if values.dim() == 3 else values  # (L, H)
         flat = values.flatten().nan_to_num(0.0)
         order = flat.abs().argsort(descending=True)[:k].tolist()
         n = values.shape[1]
@@ -171,7 +176,13 @@ def _tokens(name: str, value: object, b: int, t: int, vocab: int, device: torch.
 @torch.inference_mode(False)  # called under torch.inference_mode too: it needs autograd inside
 @torch.no_grad()
 def logit_attribution(
-    model: nn.Module, inputs: Any, answer: int | Tensor, wrong: int | Tensor | None = None
+    model: nn.Module,
+    inputs: Any,
+    answer: int | Tensor,
+    wrong: int | Tensor | None = None,
+    *,
+    reduce: str = "mean",
+    position: int | None = None,
 ) -> LogitAttribution:
     r"""Each head's direct contribution to the logit of ``answer`` (minus ``wrong``'s).
 
@@ -188,9 +199,16 @@ def logit_attribution(
         answer: the token whose logit is explained: an id, or ids broadcastable to (B, T) (e.g.
             each position's next token).
         wrong: optionally a second token (or ids): explain ``logit(answer) - logit(wrong)``.
+        reduce: ``"mean"`` (default): every field a mean over the batch, per position, of the
+            sequences that are not padding there (an ``attention_mask`` of 0 leaves a row out;
+            a position where every row is padding is NaN); ``"none"``: every field keeps the
+            batch, (..., B, T) (heads (L, H, B, T)).
+        position: explain one position only (negative from the end): every field's T axis is
+            that one position, and ``answer`` and ``wrong`` may then be one id per example
+            (B,).
 
     Returns:
-        A :class:`LogitAttribution`, every field a mean over the batch, per position. On a
+        A :class:`LogitAttribution`, per position, reduced as ``reduce`` says. On a
         tensor-parallel model (every rank calling this together) each rank computes the terms
         of the heads it holds, and every rank gets every head's.
 
@@ -200,8 +218,11 @@ def logit_attribution(
             stack of one attention module each, token ids out of range.
         TypeError: answer/wrong that are not token ids; inputs of another kind.
     """
+    check_choice("reduce", reduce, ("mean", "none"))
     found = model_heads(model)
     warn_if_random(model, "logit_attribution")
+    checked = model_inputs(model, inputs)
+    mask = checked.get("attention_mask") if isinstance(checked, dict) else None
     mapped = model_map(model)
     norm, unembedding = _final_parts(mapped, model)
     blocks = _blocks(mapped)
@@ -236,7 +257,7 @@ def logit_attribution(
         yield unembedding.register_forward_hook(lambda m, a, out: logits.append(out))
 
     with registered(hooks()), record_layers(found, range(len(found))) as per_head:
-        run_model(model, inputs)
+        run_model(model, checked)
 
     x = norm_io[0]
     b, t = x.shape[0], x.shape[1]
@@ -256,6 +277,23 @@ def logit_attribution(
         if vocab_bias is None:
             return rows, None
         return rows, _rows(vocab_bias[:, None], ids)[..., 0].to(dtype)
+
+    at = None if position is None else check_index("position", position, t, "positions")
+    if at is not None:  # one id per example, (B,), is that position's: (B, 1)
+        answer = _per_example(answer, b)
+        wrong = _per_example(wrong, b) if wrong is not None else None
+    real = (
+        mask.to(device=x.device, dtype=torch.bool)
+        if isinstance(mask, Tensor) and mask.shape == (b, t)
+        else torch.ones(b, t, dtype=torch.bool, device=x.device)
+    )
+
+    def batch(value: Tensor) -> Tensor:
+        """(B, T, ...) -> (T, ...): the mean over the rows that are not padding; or as it is."""
+        if reduce == "none":
+            return value
+        weights = real.reshape(b, t, *[1] * (value.dim() - 2)).to(value.dtype)
+        return (value * weights).sum(0) / weights.sum(0)
 
     answer_ids = _tokens("answer", answer, b, t, vocab, x.device)
     direction, unembedding_bias = looked_up(answer_ids)  # (B, T, E), (B, T)
@@ -278,8 +316,10 @@ def logit_attribution(
     def term(c: Tensor) -> Tensor:  # (B, T, E) -> (B, T): c's share of the logit
         return (c.to(dtype) * read).sum(-1)
 
-    heads = head_table(found, logit, t)
-    attention_bias = torch.zeros(len(found), t, dtype=dtype, device=x.device)
+    shape = (t,) if reduce == "mean" else (b, t)
+    most = max(site.num_heads for _, site in found)
+    heads = torch.full((len(found), most, *shape), float("nan"), dtype=dtype, device=x.device)
+    attention_bias = torch.zeros(len(found), *shape, dtype=dtype, device=x.device)
     mlp = torch.zeros_like(attention_bias)
     for layer, (name, _) in enumerate(found):
         out = per_head[layer]  # (B, T, H, Dv)
@@ -298,20 +338,35 @@ def logit_attribution(
         per_head_term = (flat.to(dtype) * back.to(dtype)).unflatten(-1, out.shape[2:]).sum(-1)
         # under tensor parallelism each rank has the terms of the heads it holds: gather all
         per_head_term = every_head(per_head_term, 2, found[layer][1].head_shard)  # (B, T, H)
-        heads[layer, : per_head_term.shape[2]] = per_head_term.mean(0).T  # (H, T)
-        attention_bias[layer] = bias.mean(0)
+        heads[layer, : per_head_term.shape[2]] = batch(per_head_term).movedim(-1, 0)
+        attention_bias[layer] = batch(bias)
         block_in, block_out = hidden["in"][layer], hidden["out"][layer]
-        mlp[layer] = term(block_out.to(dtype) - block_in.to(dtype) - written.detach()).mean(0)
-    zero = torch.zeros(t, dtype=dtype, device=x.device)
-    return LogitAttribution(
+        mlp[layer] = batch(term(block_out.to(dtype) - block_in.to(dtype) - written.detach()))
+    zero = torch.zeros(shape, dtype=dtype, device=x.device)
+    found_terms = LogitAttribution(
         heads=heads,
         attention_bias=attention_bias,
         mlp=mlp,
-        embeddings=term(hidden["in"][0]).mean(0),
-        norm_bias=(norm_beta * direction).sum(-1).mean(0) if norm_beta is not None else zero,
-        unembedding_bias=unembedding_bias.mean(0) if unembedding_bias is not None else zero,
-        logit=logit.mean(0),
+        embeddings=batch(term(hidden["in"][0])),
+        norm_bias=batch((norm_beta * direction).sum(-1)) if norm_beta is not None else zero,
+        unembedding_bias=batch(unembedding_bias) if unembedding_bias is not None else zero,
+        logit=batch(logit),
     )
+    if at is None:
+        return found_terms
+    return LogitAttribution(
+        **{
+            f.name: getattr(found_terms, f.name)[..., at : at + 1]
+            for f in dataclasses.fields(LogitAttribution)
+        }
+    )
+
+
+def _per_example(value: int | Tensor, b: int) -> int | Tensor:
+    """A (B,) tensor of ids as (B, 1), one per example; anything else as it is."""
+    if isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] == b:
+        return value[:, None]
+    return value
 
 
 def _rows(table: Tensor, ids: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ __all__ = [
     "Metric",
     "metric_reader",
     "metric_value",
+    "model_inputs",
     "reduced_fields",
     "run_model",
     "split_output",
@@ -158,10 +159,17 @@ class InputPair:
         return _call(self.model, inputs, self.extra, copies, self.batch)
 
 
+def model_inputs(model: nn.Module, inputs: object, name: str = "inputs") -> Tensor | dict[str, Any]:
+    """One input of the kinds :class:`InputPair` takes, checked (``name`` in errors) and as the
+    model is called with it: a tensor of ids, or a dict of keyword arguments (a text model's
+    texts tokenized: ``input_ids`` and ``attention_mask``)."""
+    return _batched(name, _from_texts(model, name, inputs))
+
+
 def run_model(model: nn.Module, inputs: object, name: str = "inputs") -> tuple[Any, int]:
     """(the model's output, B) for one input of the kinds :class:`InputPair` takes (checked
     and named ``name`` in errors), run without a cache as there."""
-    checked = _batched(name, _from_texts(model, name, inputs))
+    checked = model_inputs(model, inputs, name)
     return _call(model, checked, _cache_off(model, checked), 1, 1), _batch_size(checked)
 
 
