@@ -345,3 +345,115 @@ def test_errors() -> None:
     same = patch(model, ids, ids, _metric, site="resid_post")
     with pytest.raises(ValueError, match="normalized\\(\\) divides by clean - corrupt, which is 0"):
         same.normalized()
+
+
+def _directional(
+    model: nn.Module,
+    parts: Parts,
+    source: Tensor,
+    target: Tensor,
+    site: str,
+    layer: int,
+    unit: int,
+    at: int,
+    step: float = 1e-4,
+) -> float:
+    """d/ds metric(target with the site's activation + s·(source - target) at one cell), a
+    central difference: attribution patching's estimate for that cell, by hooks."""
+    src, tgt = _record(model, parts, source), _record(model, parts, target)
+    if site == "pattern":  # z = A v: moving A moves z by (ΔA) v, with this run's v
+        d, h = parts.head_dim, parts.heads
+        weights = []
+        for rec in (src, tgt):
+            q = rec["q", layer].unflatten(-1, (h, d))
+            k = rec["k", layer].unflatten(-1, (h, d))
+            t = q.shape[1]
+            future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+            scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+            weights.append(scores.masked_fill(future, float("-inf")).softmax(-1))
+        moved = weights[0] - weights[1]
+        v = tgt["v", layer].unflatten(-1, (h, d))[:, :, unit]  # (B, S, D)
+        shift = torch.einsum("bs,bsd->bd", moved[:, unit, at], v)
+    else:
+        delta = src[site, layer] - tgt[site, layer]
+    values = []
+    for s in (step, -step):
+        if site == "pattern":
+
+            def feed(m: nn.Module, a: Any, s: float = s) -> Any:
+                z = a[0].clone()
+                z[:, at, unit * parts.head_dim : (unit + 1) * parts.head_dim] += s * shift
+                return (z, *a[1:])
+
+            hooks = [lambda f=feed: parts.out[layer].register_forward_pre_hook(f)]
+        elif site in ("q", "k", "v"):
+            module, part, _ = parts.qkv[layer][site]
+            cols = slice(unit * parts.head_dim, (unit + 1) * parts.head_dim)
+
+            def project(
+                m: nn.Module,
+                a: Any,
+                out: Tensor,
+                s: float = s,
+                part: slice = part,
+                cols: slice = cols,
+            ) -> Tensor:
+                new = out.clone()
+                moved = new[..., part]
+                moved[:, at, cols] += s * delta[:, at, cols]
+                new[..., part] = moved
+                return new
+
+            hooks = [lambda f=project, m=module: m.register_forward_hook(f)]
+        elif site == "resid_pre":
+
+            def pre(m: nn.Module, a: Any, kw: Any, s: float = s) -> Any:
+                x = (a[0] if a else kw["hidden_states"]).clone()
+                x[:, at] += s * delta[:, at]
+                return ((x, *a[1:]), kw) if a else (a, {**kw, "hidden_states": x})
+
+            hooks = [
+                lambda f=pre: parts.blocks[layer].register_forward_pre_hook(f, with_kwargs=True)
+            ]
+        else:
+            module = {"resid_post": parts.blocks[layer], "mlp_out": parts.mlp[layer]}.get(
+                site, parts.attention[layer]
+            )  # attn_out and resid_mid move with the attention's write
+
+            def post(m: nn.Module, a: Any, out: Any, s: float = s) -> Any:
+                y = _first(out).clone()
+                y[:, at] += s * delta[:, at]
+                return _swap(out, y)
+
+            hooks = [lambda f=post, m=module: m.register_forward_hook(f)]
+        values.append(float(_metric(_run(model, target, hooks)).mean()))
+    return (values[0] - values[1]) / (2 * step)
+
+
+@pytest.mark.parametrize(
+    ("name", "site"),
+    [("lm", "resid_pre"), ("lm", "resid_mid"), ("lm", "mlp_out"), ("lm", "q"), ("lm", "v"),
+     ("lm", "pattern"), ("llama", "resid_post"), ("llama", "k"), ("llama", "attn_out")],
+)  # fmt: skip
+def test_attribution_of_each_site_equals_finite_differences(
+    name: str, site: str, device: torch.device
+) -> None:
+    model, parts = _model(name, device)
+    clean = torch.randint(30, (2, 4), device=device)
+    corrupt = clean.clone()
+    corrupt[:, 1] = (corrupt[:, 1] + 7) % 30
+    got = multihead.attribution_patching(
+        model, clean, corrupt, _metric, site=site, per_position=True
+    )
+    residual = site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+    units = 1 if residual else parts.kv_heads if site in ("k", "v") else parts.heads
+    # Llama's RMSNorm computes in float32 whatever the model's dtype: a longer step, looser
+    step, rel, abs_ = (1e-4, 1e-4, 1e-7) if name == "lm" else (1e-2, 2e-3, 1e-6)
+    for layer in range(2):
+        for unit in range(units):
+            for at in range(4):
+                want = _directional(model, parts, clean, corrupt, site, layer, unit, at, step)
+                cell = (layer, at) if residual else (layer, unit, at)
+                assert float(got[cell]) == pytest.approx(want, rel=rel, abs=abs_), cell
+    whole = multihead.attribution_patching(model, clean, corrupt, _metric, site=site)
+    torch.testing.assert_close(whole, got.sum(-1))

@@ -38,9 +38,17 @@ from multihead.circuits.steering import model_heads
 from multihead.mapping import model_map
 from multihead.observe.recorder import capture
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.sites import ModelMap
+from multihead.sites import Block, ModelMap
 
-__all__ = ["SITES", "RESIDUAL_SITES", "HEAD_SITES", "ActivationCache", "cache", "hook_name"]
+__all__ = [
+    "SITES",
+    "RESIDUAL_SITES",
+    "HEAD_SITES",
+    "ActivationCache",
+    "cache",
+    "hook_name",
+    "stack_block",
+]
 
 RESIDUAL_SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 HEAD_SITES = ("q", "k", "v", "z", "result")
@@ -54,6 +62,18 @@ SiteKey = tuple[str, int]
 Names = Union[str, SiteKey, Sequence[Union[str, SiteKey]], Callable[[str, int], bool], None]  # noqa: UP007
 
 _TL_NAME = re.compile(r"blocks\.(\d+)\.(?:attn\.)?hook_(\w+)")
+
+
+def stack_block(mapped: ModelMap, layer: int, what: str) -> Block:
+    """The block holding attention layer ``layer`` alone, or a ValueError naming ``what`` needs
+    it (the residual sites are a stack's: one attention layer per block)."""
+    block = mapped.block_of(layer)
+    if block is None or len(block.sites) != 1:
+        raise ValueError(
+            f"{what} needs one attention layer per block of a stack; the map of "
+            f"{mapped.family} has no block holding layer {layer} alone"
+        )
+    return block
 
 
 def hook_name(site: str, layer: int) -> str:

@@ -23,12 +23,14 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
+from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
 from multihead.circuits.experiment import Experiment, warn_if_random
 from multihead.circuits.input_pair import Metric
 from multihead.circuits.patching import DIRECTIONS, record_layers
 from multihead.circuits.steering import head_table
 from multihead.head_shard import every_head
-from multihead.observers import AttentionCall, registered
+from multihead.mapping import model_map
+from multihead.observers import AttentionCall, Removable, registered
 
 __all__ = ["attribution_patching"]
 
@@ -42,6 +44,7 @@ def attribution_patching(
     per_position: bool = False,
     direction: str = "denoise",
     metric_input: str = "logits",
+    site: str = "z",
 ) -> Tensor:
     r"""The first-order estimate of :func:`~multihead.patch_heads`, from two forwards and one
     backward.
@@ -63,6 +66,9 @@ def attribution_patching(
     noising) the estimate can miss an effect entirely (docs/circuits.md shows one).
 
     Args:
+        site: what is patched, as :func:`multihead.patch` names it (default ``"z"``, each
+            head's output; ``"result"`` gives the same numbers): (L,) or (L, T) for a residual
+            site, (L, H) or (L, H, T) per head (Hk for k and v).
         model, clean, corrupt, metric, metric_input: as for :func:`~multihead.patch_heads`; the
             metric must
             be differentiable (it runs with gradients enabled).
@@ -80,10 +86,13 @@ def attribution_patching(
             depend on the heads through autograd.
     """
     check_choice("direction", direction, DIRECTIONS)
+    check_choice("site", site, SITES)
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     warn_if_random(model, "attribution_patching")
+    if site not in ("z", "result"):  # result is linear in z: the same estimate
+        return _SiteAttribution(experiment, site).estimate(direction, per_position)
     found, pair = experiment.found, experiment.pair
     source, target = pair.pick(direction)
     layers = list(range(len(found)))
@@ -138,3 +147,136 @@ def _leaf(layer: int, xis: dict[int, Tensor], targets: dict[int, Tensor]) -> Any
         return out + xi
 
     return observer
+
+
+class _SiteAttribution:
+    """The estimate for a site other than a head's output (see :func:`multihead.patch` for the
+    sites): a zero ξ requiring grad is added where the site's activation is made, and
+    ``A = Σ ∂metric/∂ξ · (source - target)`` over the batch and the activation's width.
+
+    - residual sites: added to block l's input (``resid_pre``), output (``resid_post``), its
+      attention's write (``attn_out``; and ``resid_mid``, which that write alone changes) or its
+      feed-forward's (``mlp_out``);
+    - ``q``, ``k``, ``v``: added to what the kernel is given (a q/k/v editor);
+    - ``pattern``: ξ (B, H, T, S) enters as ``out + ξ v``, the head's output with the weights
+      ``A + ξ`` (the kernel's own output is ``A v``), so ∂metric/∂ξ is ∂metric/∂A.
+    """
+
+    def __init__(self, experiment: Experiment, site: str) -> None:
+        self.experiment = experiment
+        self.site = site
+        self.mapped = model_map(experiment.model)
+        if any(s.shard is not None for s in self.mapped.sites):
+            raise ValueError(
+                f"attribution_patching of {site} on a tensor-parallel model is not supported: "
+                f"use site='z' there"
+            )
+
+    def estimate(self, direction: str, per_position: bool) -> Tensor:
+        experiment, site = self.experiment, self.site
+        source, target = experiment.pair.pick(direction)
+        layers = range(len(experiment.found))
+        names = [(site, layer) for layer in layers]
+        with torch.no_grad():
+            sources = cache(experiment.model, source, names=names)
+            targets = cache(experiment.model, target, names=names)
+        xis: dict[int, Tensor] = {}
+        with registered(self._leaves(xis)), torch.enable_grad():
+            value = experiment.value(target, "target run")
+            if not value.requires_grad:
+                raise ValueError(
+                    "attribution_patching needs metric(output) to depend on the activations "
+                    "through autograd: its result does not require grad"
+                )
+            ran = [layer for layer in layers if layer in xis]
+            grads = torch.autograd.grad(value, [xis[layer] for layer in ran], allow_unused=True)
+        dtype = torch.promote_types(value.dtype, torch.float32)
+        per_token: dict[int, Tensor] = {}  # layer -> (T,) or (T, units)
+        for layer, grad in zip(ran, grads, strict=True):
+            delta = sources[site, layer].to(dtype) - targets[site, layer].to(dtype)
+            if grad is None:
+                grad = torch.zeros_like(delta)
+            elif site in ("q", "k", "v"):
+                grad = grad.transpose(1, 2)  # the kernel's (B, heads, T, D) -> (B, T, heads, D)
+            product = grad.to(dtype) * delta
+            if site in RESIDUAL_SITES:  # (B, T, E)
+                per_token[layer] = product.sum(dim=(0, 2))
+            elif site == "pattern":  # (B, H, T, S)
+                per_token[layer] = product.sum(dim=(0, 3)).T  # (T, H)
+            else:  # (B, T, heads, D)
+                per_token[layer] = product.sum(dim=(0, 3))
+        t = next(iter(per_token.values())).shape[0]
+        units = max((p.shape[1] for p in per_token.values() if p.dim() == 2), default=0)
+        shape: tuple[int, ...] = (len(experiment.found),) + ((units,) if units else ())
+        shape += (t,) if per_position else ()
+        result = torch.full(shape, float("nan"), dtype=dtype, device=value.device)
+        for layer, cells in per_token.items():
+            if cells.dim() == 1:
+                result[layer] = cells if per_position else cells.sum()
+            else:
+                result[layer, : cells.shape[1]] = cells.T if per_position else cells.sum(0)
+        return result
+
+    def _leaves(self, xis: dict[int, Tensor]) -> Any:
+        """The hooks (and editors, observers) adding each layer's ξ where the site is made."""
+
+        def add(layer: int, current: Tensor) -> Tensor:
+            xi = xis.get(layer)
+            if xi is None or xi.shape != current.shape:
+                xi = xis[layer] = torch.zeros_like(current, requires_grad=True)
+            return current + xi
+
+        def first(out: Any, layer: int) -> Any:
+            if isinstance(out, tuple):
+                return (add(layer, out[0]), *out[1:])
+            return add(layer, out)
+
+        handles: list[Removable] = []
+        for layer in range(len(self.experiment.found)):
+            attention = self.experiment.found[layer][1]
+            if self.site in ("q", "k", "v"):
+                index = ("q", "k", "v").index(self.site)
+
+                def editor(call: AttentionCall, layer: int = layer, index: int = index) -> Any:
+                    qkv = [call.q, call.k, call.v]
+                    qkv[index] = add(layer, qkv[index])
+                    return tuple(qkv)
+
+                handles.append(attention.register_qkv_editor(editor))
+                continue
+            if self.site == "pattern":
+
+                def observer(call: AttentionCall, out: Tensor, layer: int = layer) -> Tensor:
+                    v = call.v
+                    if v.shape[1] != out.shape[2]:  # grouped-query: query head h reads h // group
+                        v = v.repeat_interleave(out.shape[2] // v.shape[1], 1)
+                    shape = (out.shape[0], out.shape[2], out.shape[1], v.shape[2])  # (B, H, T, S)
+                    xi = xis.get(layer)
+                    if xi is None or xi.shape != shape:
+                        xi = xis[layer] = v.new_zeros(shape, requires_grad=True)
+                    return out + torch.einsum("bhts,bhsd->bthd", xi, v).to(out.dtype)
+
+                handles.append(attention.register_observer(observer))
+                continue
+            block = stack_block(self.mapped, layer, f"attribution_patching of {self.site}")
+            if self.site == "resid_pre":
+
+                def pre(m: nn.Module, a: Any, kw: Any, layer: int = layer) -> Any:
+                    if a:
+                        return (add(layer, a[0]), *a[1:]), kw
+                    return a, {**kw, "hidden_states": add(layer, kw["hidden_states"])}
+
+                handles.append(block.module.register_forward_pre_hook(pre, with_kwargs=True))
+                continue
+            part = {"resid_post": block.module, "mlp_out": block.mlp}.get(
+                self.site, block.attention
+            )
+            if part is None:
+                raise ValueError(
+                    f"attribution_patching of {self.site}: the map of {self.mapped.family} does "
+                    f"not know block {layer}'s part that writes it"
+                )
+            handles.append(
+                part.register_forward_hook(lambda m, a, out, layer=layer: first(out, layer))
+            )
+        return handles

@@ -47,7 +47,7 @@ from multihead._checks import (
     describe,
     is_int,
 )
-from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache
+from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
 from multihead.circuits.experiment import Experiment
 from multihead.circuits.patch_result import PatchResult
 from multihead.circuits.patching import DIRECTIONS, chosen_heads, patch_heads
@@ -55,7 +55,7 @@ from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall
-from multihead.sites import Block, HeadName, ModelMap
+from multihead.sites import HeadName
 
 __all__ = ["patch"]
 
@@ -84,16 +84,6 @@ def _with_first(value: Any, first: Tensor) -> Any:
     if isinstance(value, list):
         return [first, *value[1:]]
     return first
-
-
-def _block(mapped: ModelMap, layer: int, site: str) -> Block:
-    block = mapped.block_of(layer)
-    if block is None or len(block.sites) != 1:
-        raise ValueError(
-            f"patching {site} needs one attention layer per block of a stack; the map of "
-            f"{mapped.family} has no block holding layer {layer} alone"
-        )
-    return block
 
 
 def patch(
@@ -339,7 +329,7 @@ class _SitePatch:
             stacked = current.unflatten(0, (n, b))
             return torch.where(mask, by.to(current.dtype), stacked).flatten(0, 1)
 
-        block = _block(self.mapped, layer, self.site)
+        block = stack_block(self.mapped, layer, f"patching {self.site}")
         if self.site == "resid_pre":
 
             def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
