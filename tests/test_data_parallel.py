@@ -30,6 +30,7 @@ pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from spawned_group import run_spawned  # noqa: E402
 from tiny_bert import write_dir  # noqa: E402
 
@@ -41,6 +42,7 @@ from multihead.observe.corpus import statistics_over_batches  # noqa: E402
 from multihead.observe.head_metrics import METRICS  # noqa: E402
 from multihead.pretrained import load_text_model  # noqa: E402
 from multihead.text.corpus import corpus_statistics, head_distances  # noqa: E402
+from multihead.text.corpus_cache import MANIFEST, cache_corpus  # noqa: E402
 from multihead.training import TrainConfig, train  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only  # gloo process groups on the CPU
@@ -206,6 +208,10 @@ def _worker(rank: int, port: int, cli_ports: tuple[int, ...], tmp: str, queue: A
         # one text for two ranks: rank 1 runs nothing and still gets the result
         results["one_text"] = _stats_payload(corpus_statistics(model, TEXTS[:1]))
         results["one_text_rows"], rows[:] = list(rows), []
+        # the corpus' activations: each rank writes its own batches' shards, rank 0 the manifest
+        shards = cache_corpus(model, TEXTS, os.path.join(tmp, "acts"), batch_size=BATCH)
+        results["cache_corpus"] = [p.name for p in shards]
+        results["cache_rows"], rows[:] = list(rows), []
         # the token-batch half with each rank's own batches, numbered rank after rank
         mine = [model.tokenize(TEXTS[i : i + 2]) for i in range(2 * rank, 2 * rank + 2, 2)]
         results["over_batches"] = _stats_payload(statistics_over_batches(model, mine, split=split))
@@ -328,6 +334,31 @@ def test_one_text_for_two_ranks(ranks: dict[int, dict[str, Any]], model: Any) ->
         _assert_same_statistics(ranks[rank]["one_text"], want)
     assert Counter(ranks[0]["one_text_rows"]) == _ids(model, TEXTS[:1])
     assert ranks[1]["one_text_rows"] == []
+
+
+def test_cache_corpus_shards_split_over_ranks(
+    ranks: dict[int, dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+    model: Any,
+    workdir: Path,
+) -> None:
+    """Each rank writes the shards of its own batches (every other batch, each text on one
+    rank) and the manifest lists all four, equal to one process's."""
+    mine = [ranks[rank]["cache_corpus"] for rank in range(WORLD)]
+    assert mine[0] == ["texts-0000000-0000002.safetensors", "texts-0000004-0000006.safetensors"]
+    assert mine[1] == ["texts-0000002-0000004.safetensors", "texts-0000006-0000007.safetensors"]
+    ran = [row for rank in range(WORLD) for row in ranks[rank]["cache_rows"]]
+    assert len(ran) == len(TEXTS) + 2  # every text once, and each rank's one-text name check
+    alone = tmp_path_factory.mktemp("one") / "acts"
+    cache_corpus(model, TEXTS, alone, batch_size=BATCH)
+    together = workdir / "acts"
+    manifest = json.loads((together / MANIFEST).read_text())
+    assert manifest == json.loads((alone / MANIFEST).read_text())
+    for name in manifest["shards"]:
+        shared, single = load_file(together / name), load_file(alone / name)
+        assert shared.keys() == single.keys()
+        for key in single:
+            torch.testing.assert_close(shared[key], single[key])
 
 
 def test_head_distances_over_ranks_equal_one_process(

@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "capture": "multihead.observe.recorder",
     "head_statistics": "multihead.observe.statistics",
     "corpus_statistics": "multihead.text.corpus",
+    "cache_corpus": "multihead.text.corpus_cache",
     "head_distances": "multihead.text.corpus",
     "intervene": "multihead.circuits.steering",
     "record_heads": "multihead.circuits.steering",

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import describe, is_int
-from multihead.circuits.input_pair import run_model
+from multihead.circuits.input_pair import model_inputs, run_model
 from multihead.circuits.steering import model_heads
 from multihead.mapping import model_map
 from multihead.observe.recorder import capture
@@ -274,6 +274,12 @@ def cache(
     found = model_heads(model)
     mapped = model_map(model)
     num_layers = len(found)
+    inputs = model_inputs(model, inputs)
+    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+    # a model that packs a padded batch (multihead's BERT) runs its blocks on (N, E), the real
+    # tokens in row-major order: kept as (B, T, E) with zeros at padding
+    real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+    packed = int(real.sum()) if real is not None and not bool(real.all()) else None
     wanted = _wanted(names, num_layers)
     explicit = names is not None
     blocks = [mapped.block_of(layer) for layer in range(num_layers)]
@@ -297,6 +303,8 @@ def cache(
             where.append(_positions(positions, value.shape[axis]))
         chosen = where[0]
         value = value.detach()
+        if packed is not None and real is not None and value.dim() == 2:
+            value = _unpacked(value, real)
         if chosen is not None:
             value = value.index_select(axis, torch.tensor(chosen, device=value.device))
         kept[key] = value if device is None else value.to(device)
@@ -383,7 +391,7 @@ def cache(
                 keep((site, layer), seen[site, layer])
     for layer in range(num_layers):
         if ("result", layer) in wanted and ("z", layer) in seen:
-            result = _result(seen["z", layer], projections[layer])
+            result = _result(seen["z", layer], projections[layer], real if packed else None)
             if result is None:
                 absent["result"] = (
                     f"no module inside {found[layer][0]} is fed its heads' outputs (the output "
@@ -446,13 +454,25 @@ def _sums(
         absent.setdefault("mlp_out", f"{mapped.family}'s blocks are attention-only")
 
 
-def _result(z: Tensor, fed: list[tuple[nn.Module, Tensor]]) -> Tensor | None:
+def _unpacked(value: Tensor, real: Tensor) -> Tensor:
+    """(N, ...) real tokens in row-major order -> (B, T, ...), zeros at padding."""
+    out = value.new_zeros(*real.shape, *value.shape[1:])
+    out[real.to(value.device)] = value
+    return out
+
+
+def _result(
+    z: Tensor, fed: list[tuple[nn.Module, Tensor]], real: Tensor | None = None
+) -> Tensor | None:
     """(B, T, H, E): each head's output z (B, T, H, Dv) through its part of the output
     projection, less the bias: the module inside the attention that was fed z's flattened heads,
     run once per head on that head alone (so any linear layout, GPT-2's Conv1D included, is
     read as the model reads it); None when no module was fed them."""
     flat = z.flatten(2)
-    projection = next((m for m, given in fed if torch.equal(given, flat)), None)
+    fed_as = flat if real is None else flat[real.to(flat.device)]  # a packed batch's (N, H·Dv)
+    projection = next(
+        (m for m, given in fed if given.shape == fed_as.shape and torch.equal(given, fed_as)), None
+    )
     if projection is None:
         return None
     bias = projection(torch.zeros_like(flat[:, :1]))  # (B, 1, E)
