@@ -42,7 +42,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # Torch first: an unconstrained torch can pull a multi-GB CUDA build, so tested pins the CPU
   # build this machine keeps on disk; newest and oldest take what pip resolves.
   python -m pip install -q "${constraints[@]}" torch 2>&1 | quiet
-  python -m pip install -q "${constraints[@]}" -e ".[all,test]" 2>&1 | quiet
+  # TransformerLens (the tl extra, a test reference) needs torch >= 2.6: not in the oldest mode
+  extras=all,test,tl
+  if [ "$mode" = oldest ]; then extras=all,test; fi
+  python -m pip install -q "${constraints[@]}" -e ".[$extras]" 2>&1 | quiet
   python -c "import multihead, torch, transformers, tokenizers, safetensors, matplotlib, nbclient, ipykernel" \
     || { echo "setup: installation failed" >&2; exit 1; }
   echo "$want" > "$stamp"

@@ -14,9 +14,12 @@ Sites, per layer l (the l-th attention site, the block holding it):
     pattern      (B, H, P, S)   softmax weights of the kept query rows (only when named)
 
 The names, and the keys ``"blocks.{l}.hook_resid_pre"``, ``"blocks.{l}.attn.hook_z"`` and so on,
-are TransformerLens's (``run_with_cache``). ``attn_out``, ``resid_mid`` and ``mlp_out`` exist
-where the block is a sum, ``resid_post = resid_pre + attn_out + mlp_out`` (pre-LN blocks;
-checked on the run); a post-LN block (BERT) has no such decomposition and a lookup says so.
+are TransformerLens's (``run_with_cache``), with one difference on rotary models: multihead's q
+and k are what the kernel reads, after rotary positions, TransformerLens's ``hook_rot_q`` and
+``hook_rot_k`` (accepted as names too), where its ``hook_q`` and ``hook_k`` are before.
+``attn_out``, ``resid_mid`` and ``mlp_out`` exist where the block is a sum, ``resid_post =
+resid_pre + attn_out + mlp_out`` (pre-LN blocks; checked on the run); a post-LN block (BERT) has
+no such decomposition and a lookup says so.
 
 One forward, with forward hooks on the map's blocks, attention and feed-forward modules
 (:func:`multihead.model_map`) and observers on the attention sites; nothing is stored that was
@@ -62,6 +65,17 @@ SiteKey = tuple[str, int]
 Names = Union[str, SiteKey, Sequence[Union[str, SiteKey]], Callable[[str, int], bool], None]  # noqa: UP007
 
 _TL_NAME = re.compile(r"blocks\.(\d+)\.(?:attn\.)?hook_(\w+)")
+# TransformerLens's names for q and k after rotary positions, which multihead's q and k are
+_ROTARY = {"rot_q": "q", "rot_k": "k"}
+
+
+def _from_hook_name(name: str) -> SiteKey | None:
+    """``"blocks.3.attn.hook_z"`` -> ``("z", 3)`` (``hook_rot_q`` -> ``q``); None otherwise."""
+    match = _TL_NAME.fullmatch(name)
+    if match is None:
+        return None
+    site = _ROTARY.get(match[2], match[2])
+    return (site, int(match[1])) if site in SITES else None
 
 
 def stack_block(mapped: ModelMap, layer: int, what: str) -> Block:
@@ -107,13 +121,13 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
 
     def _key(self, key: object) -> SiteKey:
         if isinstance(key, str):
-            match = _TL_NAME.fullmatch(key)
-            if match is None or match[2] not in SITES:
+            named = _from_hook_name(key)
+            if named is None:
                 raise KeyError(
                     f"cache keys are (site, layer) pairs or TransformerLens hook names such as "
                     f"'blocks.0.hook_resid_pre', got {key!r}"
                 )
-            return match[2], int(match[1])
+            key = named
         if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and is_int(key[1]):
             site, layer = key[0], int(key[1])
             if site not in SITES:
@@ -186,8 +200,8 @@ def _wanted(names: Names, num_layers: int) -> set[SiteKey]:
         if isinstance(item, str) and item in SITES:
             chosen.update((item, layer) for layer in range(num_layers))
             continue
-        if isinstance(item, str) and (match := _TL_NAME.fullmatch(item)) and match[2] in SITES:
-            item = (match[2], int(match[1]))
+        if isinstance(item, str) and (named := _from_hook_name(item)) is not None:
+            item = named
         if not (isinstance(item, tuple) and is_site_key(item)):
             raise ValueError(
                 f"names items must be one of {', '.join(SITES)}, a (site, layer) pair or a "
