@@ -447,8 +447,9 @@ def test_attribution_of_each_site_equals_finite_differences(
     )
     residual = site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
     units = 1 if residual else parts.kv_heads if site in ("k", "v") else parts.heads
-    # Llama's RMSNorm computes in float32 whatever the model's dtype: a longer step, looser
-    step, rel, abs_ = (1e-4, 1e-4, 1e-7) if name == "lm" else (1e-2, 2e-3, 1e-6)
+    # Llama's RMSNorm computes in float32 whatever the model's dtype: its rounding (~6e-8 of
+    # the metric) over the step bounds the difference's error, a longer step, looser
+    step, rel, abs_ = (1e-4, 1e-4, 1e-7) if name == "lm" else (1e-2, 2e-3, 2e-5)
     for layer in range(2):
         for unit in range(units):
             for at in range(4):
