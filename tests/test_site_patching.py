@@ -458,3 +458,17 @@ def test_attribution_of_each_site_equals_finite_differences(
                 assert float(got[cell]) == pytest.approx(want, rel=rel, abs=abs_), cell
     whole = multihead.attribution_patching(model, clean, corrupt, _metric, site=site)
     torch.testing.assert_close(whole, got.sum(-1))
+
+
+def test_a_result_without_a_finite_gap_still_lists_its_cells() -> None:
+    nan = float("nan")
+    result = multihead.PatchResult(
+        torch.tensor([[0.5, nan]]), ("layer", "head"), "z", "noise", nan, 0.0
+    )
+    assert result.to_rows() == [
+        {"layer": 0, "head": 0, "label": "L0H0", "effect": 0.5, "normalized": None}
+    ]
+    with pytest.raises(
+        ValueError, match="normalized\\(\\) divides by clean - corrupt, which is nan"
+    ):
+        result.normalized()

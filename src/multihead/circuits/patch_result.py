@@ -87,10 +87,12 @@ class PatchResult:
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One dict per computed cell (NaN cells left out): each axis's index, the label, the
-        effect and the normalised effect (None when clean equals corrupt); for a table
+        effect and the normalised effect (None when clean equals corrupt, or either is not
+        finite); for a table
         (``pandas.DataFrame(result.to_rows())``)."""
         gap = self.clean - self.corrupt
-        normal = self.normalized().flatten().tolist() if gap != 0 else None
+        shares = gap != 0 and math.isfinite(gap)
+        normal = self.normalized().flatten().tolist() if shares else None
         rows = []
         for i, (index, value) in enumerate(
             zip(_indices(self.values.shape), self.values.flatten().tolist(), strict=True)
