@@ -94,7 +94,7 @@ def test_errors() -> None:
         logit_lens(lm, ids, top_k=0)
     with pytest.raises(ValueError, match="layers index 2 is out of range: there are 2 layers"):
         logit_lens(lm, ids, layers=[2])
-    with pytest.raises(TypeError, match="layers must be None, an int or ints"):
+    with pytest.raises(TypeError, match="layers must be an int, a sequence of ints or None"):
         logit_lens(lm, ids, layers="0")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="layer must be one of the layers read, \\[1\\], got 0"):
         logit_lens(lm, ids, layers=1).head_logits(0)

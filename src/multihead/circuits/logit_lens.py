@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_index, check_optional_positive_int, describe, is_int
+from multihead._checks import check_indices, check_optional_positive_int
 from multihead.circuits.activation_cache import cache
 from multihead.circuits.frozen_norm import FrozenNorm
 from multihead.mapping import model_map
@@ -68,15 +68,6 @@ class LogitLens:
         return normed @ self.unembedding.to(normed.dtype).T
 
 
-def _layers(layers: object, num_layers: int) -> list[int]:
-    if layers is None:
-        return list(range(num_layers))
-    items = [layers] if is_int(layers) else layers
-    if not isinstance(items, Sequence) or not items or not all(is_int(i) for i in items):
-        raise TypeError(f"layers must be None, an int or ints, got {describe(layers)}")
-    return sorted({check_index("layers", int(i), num_layers, "layers") for i in items})
-
-
 @torch.no_grad()
 def logit_lens(
     model: nn.Module,
@@ -116,7 +107,11 @@ def logit_lens(
             f"transformers ...ForCausalLM, a TextModel with head='lm'), got "
             f"{type(model).__name__}"
         )
-    chosen = _layers(layers, mapped.num_layers)
+    chosen = sorted(
+        set(
+            check_indices("layers", layers, mapped.num_layers, "layers") or range(mapped.num_layers)
+        )
+    )
     norm, unembedding = mapped.final_norm, mapped.unembedding
     final: list[tuple[Tensor, Tensor]] = []
     hooks = []

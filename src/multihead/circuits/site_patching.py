@@ -40,13 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import (
-    check_choice,
-    check_index,
-    check_optional_positive_int,
-    describe,
-    is_int,
-)
+from multihead._checks import check_choice, check_indices, check_optional_positive_int, describe
 from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
 from multihead.circuits.experiment import Experiment
 from multihead.circuits.patch_result import PatchResult
@@ -62,15 +56,6 @@ __all__ = ["patch"]
 logger = logging.getLogger(__name__)
 
 _KV_SITES = ("k", "v")
-
-
-def _layers(layers: object, num_layers: int) -> list[int]:
-    if layers is None:
-        return list(range(num_layers))
-    items = [layers] if is_int(layers) else layers
-    if not isinstance(items, Sequence) or not items or not all(is_int(i) for i in items):
-        raise TypeError(f"layers must be None, an int or ints, got {describe(layers)}")
-    return sorted({check_index("layers", int(i), num_layers, "layers") for i in items})
 
 
 def _first(value: Any) -> Tensor:
@@ -143,7 +128,7 @@ def patch(
         raise ValueError(f"heads: {site} is one activation per layer, with no heads; give layers")
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     found, pair = experiment.found, experiment.pair
-    chosen = _layers(layers, len(found))
+    chosen = sorted(set(check_indices("layers", layers, len(found), "layers") or range(len(found))))
     with torch.no_grad():
         clean_value = experiment.value(pair.clean, "clean run")
         corrupt_value = experiment.value(pair.corrupt, "corrupt run")

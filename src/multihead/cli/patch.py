@@ -304,12 +304,7 @@ def _patch_site(
                     label=label, xlabel="position (the clean input's first sequence)",
                 ),
             }  # fmt: skip
-        paths = [
-            save_figure(fig, out / f"{stem}.{fmt}")
-            for stem, fig in figures.items()
-            for fmt in formats
-            if fmt != "html"
-        ]
+        paths = _save(figures, out, formats)
     print_warnings(caught)
     print()
     print("Wrote:")
@@ -423,15 +418,20 @@ def _write(
             xlabel="position (the clean input's first sequence)",
         ),
     }
-    paths = [
+    paths = _save(figures, out, formats)
+    if page is not None:
+        paths.append(_page(experiment, direction, effects, out / "patching.html", *page))
+    return paths
+
+
+def _save(figures: dict[str, Any], out: Path, formats: list[str]) -> list[Path]:
+    """Each figure as ``out/STEM.FORMAT`` for every picture format asked for (html is the page)."""
+    return [
         save_figure(fig, out / f"{stem}.{fmt}")
         for stem, fig in figures.items()
         for fmt in formats
         if fmt != "html"
     ]
-    if page is not None:
-        paths.append(_page(experiment, direction, effects, out / "patching.html", *page))
-    return paths
 
 
 def _page_inputs(experiment: PatchExperiment) -> tuple[Any, Any]:
