@@ -472,3 +472,28 @@ def test_a_result_without_a_finite_gap_still_lists_its_cells() -> None:
         ValueError, match="normalized\\(\\) divides by clean - corrupt, which is nan"
     ):
         result.normalized()
+
+
+def test_named_axes_label_each_cell_by_its_names() -> None:
+    result = multihead.PatchResult(
+        torch.tensor([[[0.1, -0.4]], [[0.3, 0.0]]]),
+        ("sender", "receiver", "via"),
+        "z",
+        "noise",
+        1.0,
+        0.0,
+        names=(("L0H1", "L0H2"), ("L1H3",), ("q", "v")),
+    )
+    assert result.labels() == [
+        "L0H1 -> L1H3.q",
+        "L0H1 -> L1H3.v",
+        "L0H2 -> L1H3.q",
+        "L0H2 -> L1H3.v",
+    ]
+    assert result.top(1) == [("L0H1 -> L1H3.v", pytest.approx(-0.4))]
+    with pytest.raises(ValueError, match="names has \\(2, 1, 1\\) names per axis"):
+        multihead.PatchResult(
+            result.values, result.dims, "z", "noise", 1.0, 0.0, names=(("a", "b"), ("c",), ("q",))
+        )
+    with pytest.raises(ValueError, match="dims names 2 axes"):
+        multihead.PatchResult(result.values, ("layer", "head"), "z", "noise", 1.0, 0.0)

@@ -7,10 +7,15 @@ Axis order, one for every site: layer first, then head (per-head sites), then po
     residual sites (resid_pre, attn_out, resid_mid, mlp_out, resid_post)   (L,) or (L, T)
     per-head sites (z, result, q, pattern)                                 (L, H) or (L, H, T)
     key/value sites (k, v)                                                 (L, Hk) or (L, Hk, T)
+    paths (path patching)                                                  (N, R, X)
 
 (TransformerLens's per-position head tables are (L, T, H): ``values.permute(0, 2, 1)``.)
 
-Shapes: L layers, H heads, Hk key/value heads, T positions.
+A result whose axes are not layers, heads and positions (path patching's senders, receivers
+and their inputs) names each index along each axis in :attr:`PatchResult.names`.
+
+Shapes: L layers, H heads, Hk key/value heads, T positions, N senders, R receivers, X receiver
+inputs.
 """
 
 from __future__ import annotations
@@ -35,11 +40,15 @@ class PatchResult:
         values: the effects, axes as :attr:`dims` says (module docstring); NaN where nothing
             was patched (heads a layer does not have, layers or heads not chosen).
         dims: the axes' names: ``("layer", "head")``, ``("layer", "head", "position")``,
-            ``("layer",)``, ``("layer", "position")``.
+            ``("layer",)``, ``("layer", "position")``; ``("sender", "receiver", "via")`` for
+            path patching.
         site: the site patched (``"z"``, ``"resid_pre"``, ...).
         direction: ``"denoise"`` (the corrupt run, patched from the clean one) or ``"noise"``.
         clean: the metric on the clean run.
         corrupt: the metric on the corrupt run.
+        names: for axes other than layer, head and position, the written name of each index
+            along each axis (``(("L0H1", "L0H2"), ("L1H3",), ("q", "k", "v"))``); None for
+            layer/head/position axes, which are named by their numbers.
     """
 
     values: Tensor
@@ -48,9 +57,30 @@ class PatchResult:
     direction: str
     clean: float
     corrupt: float
+    names: tuple[tuple[str, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != self.values.dim():
+            raise ValueError(
+                f"dims names {len(self.dims)} axes {self.dims}, values has {self.values.dim()}"
+            )
+        if self.names is not None and tuple(map(len, self.names)) != tuple(self.values.shape):
+            raise ValueError(
+                f"names has {tuple(map(len, self.names))} names per axis, values is shaped "
+                f"{tuple(self.values.shape)}"
+            )
 
     def label(self, index: tuple[int, ...]) -> str:
-        """The written name of one cell: ``"L3H5"``, ``"L3H5 pos 7"``, ``"L3 resid_pre pos 7"``."""
+        """The written name of one cell: ``"L3H5"``, ``"L3H5 pos 7"``, ``"L3 resid_pre pos 7"``;
+        with :attr:`names`, ``"L0H1 -> L1H3.k"`` (sender, receiver, via) or the axes' names
+        joined by spaces."""
+        if self.names is not None:
+            parts = {
+                dim: axis[i] for dim, axis, i in zip(self.dims, self.names, index, strict=True)
+            }
+            if self.dims == ("sender", "receiver", "via"):
+                return f"{parts['sender']} -> {parts['receiver']}.{parts['via']}"
+            return " ".join(parts.values())
         named = dict(zip(self.dims, index, strict=True))
         layer = f"L{named['layer']}"
         head = f"H{named['head']}" if "head" in named else f" {self.site}"
