@@ -408,9 +408,10 @@ def test_patch_heads_over_ranks_equal_one_process(ranks: dict[int, dict[str, Any
     for rank in range(WORLD):
         torch.testing.assert_close(ranks[rank]["patch"], want, rtol=0, atol=1e-6)
     # every rank ran the unpatched forwards (B = 2 rows each), then its share of the forwards
-    # of stacked variants (5 variants, 10 rows, but the last of a layer)
-    unpatched = alone.index(10)
-    assert alone[:unpatched] == [2] * unpatched and sum(alone[unpatched:]) == 2 * (2 * 4 * 8)
+    # of stacked variants: a position's 4 heads (8 rows) a forward, twice (the patched layer
+    # at that position, then the later layers from it on), for 2 layers x 8 positions
+    unpatched = next(i for i, rows in enumerate(alone) if rows > 2)
+    assert alone[:unpatched] == [2] * unpatched and alone[unpatched:] == [8] * (2 * 2 * 8)
     shares = [ranks[rank]["patch_rows"] for rank in range(WORLD)]
     for rows in shares:
         assert rows[:unpatched] == alone[:unpatched] and rows[unpatched:], rows

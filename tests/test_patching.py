@@ -8,6 +8,8 @@ with the source run's, one forward per patch. It uses neither observers nor anyt
 
 from __future__ import annotations
 
+import collections
+
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -158,11 +160,35 @@ def test_blocks_before_the_patched_layer_are_not_run(device: torch.device) -> No
         )
     clean = torch.randint(20, (2, 5), device=device)
     corrupt = torch.randint(20, (2, 5), device=device)
-    patch_heads(lm, clean, corrupt, _last_logprob(1), per_position=True, batch_size=10)
-    # 30 variants a layer, 10 a forward: 3 forwards a layer. Layer l's attention runs on the
+    patch_heads(lm, clean, corrupt, _last_logprob(1), batch_size=2)
+    # 6 variants a layer, 2 a forward: 3 forwards a layer. Layer l's attention runs on the
     # source run, the recorded unpatched run, (the check run: the last layer only) and the
     # forwards patching layers 0..l; never on those patching later layers.
     assert calls == [1 + 1 + 3, 1 + 1 + 6, 1 + 1 + 1 + 9]
+
+
+def test_a_per_position_patch_runs_from_its_position(device: torch.device) -> None:
+    torch.manual_seed(2)
+    lm = _lm(device)
+    seen: list[collections.Counter[tuple[int, int]]] = [collections.Counter() for _ in range(3)]
+    for i, block in enumerate(lm.blocks):
+        block.self_attn.register_forward_pre_hook(
+            lambda m, a, i=i: seen[i].update([tuple(a[0].shape[:2])])
+        )
+    clean = torch.randint(20, (2, 5), device=device)
+    corrupt = torch.randint(20, (2, 5), device=device)
+    got = patch_heads(lm, clean, corrupt, _last_logprob(1), per_position=True)
+    # a patch at position t changes nothing before t in a causal model: the 6 heads' variants
+    # of one position (6 x 2 rows) run the patched layer at t alone (its heads' outputs at
+    # t change only what it writes at t), then the later layers on positions t..4; the
+    # earlier layers hand back their recorded outputs
+    for layer in range(3):
+        want = collections.Counter({(12, 5 - t): layer for t in range(5) if layer})
+        want[12, 1] += 5
+        assert {k: n for k, n in seen[layer].items() if k[0] == 12} == dict(want)
+    every = [(layer, head) for layer in range(3) for head in range(6)]
+    want_values = reference(lm, _own_projections(lm), clean, corrupt, _last_logprob(1), every, 5)
+    _compare(got, want_values)
 
 
 def test_patching_a_head_with_equal_inputs_changes_nothing(device: torch.device) -> None:

@@ -195,7 +195,10 @@ class Observers:
         Returns ``call`` itself when no editor replaced anything, else a call with the new
         q, k, v (mask, causality, scale and query mask unchanged). Keys and values come back
         with one head count: when an editor returns one of them per query head (H) and the
-        other per key/value head (Hk), the other is repeated to H.
+        other per key/value head (Hk), the other is repeated to H. On a call without a mask an
+        editor may return keys and values of more positions than it was given (S' > S: the
+        earlier positions of a sequence whose later queries alone are computed, put before the
+        given ones; causality stays aligned bottom-right, each query at its own position).
 
         Raises:
             ValueError: an editor returned something other than None or (q, k, v) of the
@@ -252,6 +255,8 @@ def _checked_edit(call: AttentionCall, new: object) -> tuple[Tensor, Tensor, Ten
     q, k, v = new
     b, h, t, d = call.q.shape
     hk, s, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
+    if call.mask is None and k.dim() == 4 and k.shape[2] > s:  # earlier positions put before
+        s = k.shape[2]
     heads = f"{hk} or {h}" if hk != h else f"{h}"
     for name, x, shape, letters in (
         ("q", q, f"({b}, {h}, {t}, {d})", "(B, H, T, D)"),

@@ -189,6 +189,9 @@ class ModelMap:
         token_types: whether the model's forward takes ``token_type_ids`` and embeds them.
         call_options: keyword arguments every run here passes (``use_cache=False`` for a model
             that would otherwise keep a cache of every stacked variant).
+        positions_argument: the keyword of the model's forward that takes each token's position
+            (``"positions"``, ``"position_ids"``), so that a run of a sequence's later tokens
+            alone embeds them where they are; None when not known.
     """
 
     family: str
@@ -205,6 +208,7 @@ class ModelMap:
     position_limit: int | None = None
     token_types: bool = False
     call_options: Mapping[str, Any] = field(default_factory=dict)
+    positions_argument: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -241,6 +245,7 @@ class ModelMap:
         causal: bool | None = None,
         position_limit: int | None = None,
         token_types: bool = False,
+        positions_argument: str | None = None,
     ) -> ModelMap:
         """The map of a model built from multihead's modules: the
         :class:`~multihead.MultiHeadAttention` modules are the sites, in module order; the
@@ -306,6 +311,7 @@ class ModelMap:
             causal=causal,
             position_limit=position_limit,
             token_types=token_types,
+            positions_argument=positions_argument,
         )
 
 

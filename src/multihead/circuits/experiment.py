@@ -32,6 +32,7 @@ from multihead.circuits.input_pair import (
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.circuits.stacked_runs import variants_per_forward
 from multihead.circuits.steering import model_heads
+from multihead.circuits.suffix_runs import SuffixRuns
 from multihead.mapping import model_map
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observers import ObservableAttention
@@ -77,12 +78,14 @@ class Experiment:
         pair: the two inputs (:class:`~multihead.circuits.input_pair.InputPair`).
         metric: ``metric(output) -> () or (B,)``, reading the logits or the whole output as
             the caller's ``metric_input`` said.
+        metric_input: that: ``"logits"`` or ``"output"``.
     """
 
     model: nn.Module
     found: list[tuple[str, ObservableAttention]]
     pair: InputPair
     metric: Metric
+    metric_input: str = "logits"
     outputs: list[Any] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -105,7 +108,7 @@ class Experiment:
         pair = InputPair(model, clean, corrupt)
         if not callable(metric):
             raise TypeError(f"metric must be a callable metric(logits), got {describe(metric)}")
-        return cls(model, found, pair, metric_reader(metric, metric_input))
+        return cls(model, found, pair, metric_reader(metric, metric_input), metric_input)
 
     def value(self, inputs: Any, what: str, copies: int = 1) -> Tensor:
         """The metric on the model's output for ``inputs`` (a () tensor; ``what`` names the run
@@ -137,6 +140,16 @@ class Experiment:
         prefix = PrefixCache.build(self.model, self.found, first, caller=caller, log=log)
         value = prefix.clean if prefix is not None else first(what)
         return Unpatched(value, self.last_output, prefix)
+
+    def suffix_runs(
+        self, inputs: Any, unpatched: Unpatched, *, caller: str, log: logging.Logger
+    ) -> SuffixRuns | None:
+        """Runs of ``inputs`` from a later position on, for a per-position sweep on it
+        (:mod:`~multihead.circuits.suffix_runs`), or None (the reason logged on ``log``)."""
+        return SuffixRuns.build(
+            self.pair, inputs, self.metric, self.metric_input, unpatched.output,
+            unpatched.prefix, caller=caller, log=log,
+        )  # fmt: skip
 
     def stack_size(
         self, batch_size: int | None, output: Any, recorded: list[Tensor], log: logging.Logger

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
@@ -104,6 +105,10 @@ def _check_not_empty(name: str, value: Tensor) -> None:
         )
 
 
+def _first_batched(value: dict[str, Any]) -> Tensor:
+    return next(v for v in value.values() if isinstance(v, Tensor) and v.dim() > 0)
+
+
 def _batch_size(value: Tensor | dict[str, Any]) -> int:
     if isinstance(value, Tensor):
         return value.shape[0]
@@ -157,6 +162,60 @@ class InputPair:
     def run(self, inputs: Tensor | dict[str, Any], copies: int = 1) -> Any:
         """The model's output on ``inputs``, or on ``copies`` of them stacked along the batch."""
         return _call(self.model, inputs, self.extra, copies, self.batch)
+
+    @property
+    def length(self) -> int:
+        """T, the positions of each sequence (the inputs' second dimension)."""
+        first = self.clean if isinstance(self.clean, Tensor) else _first_batched(self.clean)
+        return first.shape[1] if first.dim() > 1 else 1
+
+    def suffix_refusal(self, inputs: Tensor | dict[str, Any]) -> str | None:
+        """Why ``inputs`` cannot be run from a later position on alone (:meth:`run_suffix`),
+        or None when they can: every tensor is (B, T, ...) and cut along T, but an attention
+        mask, which is dropped and so must let every token be seen."""
+        if isinstance(inputs, Tensor):
+            return None if inputs.dim() >= 2 else "the input has no positions to cut"
+        for key, value in inputs.items():
+            if not isinstance(value, Tensor):
+                continue
+            if key == "attention_mask":
+                if not bool(value.bool().all()):
+                    return "the inputs hold padding (an attention_mask with zeros)"
+            elif value.dim() < 2 or value.shape[:2] != (self.batch, self.length):
+                return f"inputs[{key!r}] is not (B, T, ...) = ({self.batch}, {self.length}, ...)"
+        return None
+
+    def run_suffix(
+        self,
+        inputs: Tensor | dict[str, Any],
+        start: int,
+        copies: int,
+        positions_argument: str,
+        stop: int | None = None,
+    ) -> Any:
+        """The model's output on positions ``start`` … ``stop`` - 1 (default T - 1) of
+        ``inputs`` (``copies`` stacked), given their positions as ``positions_argument``
+        (B·copies, stop - start): what the run of the whole input gives there, once each
+        attention call is also given the keys and values of the earlier positions (the
+        caller's q/k/v editors do that). Inputs as :meth:`suffix_refusal` allows."""
+        stop = self.length if stop is None else stop
+        if isinstance(inputs, Tensor):
+            given: dict[str, Any] = {"": inputs}
+        else:
+            given = {k: v for k, v in inputs.items() if k != "attention_mask"}
+        cut = {
+            k: _tile(v[:, start:stop], copies, self.batch) if isinstance(v, Tensor) else v
+            for k, v in given.items()
+        }
+        if positions_argument not in cut:
+            device = next(v.device for v in cut.values() if isinstance(v, Tensor))
+            positions = torch.arange(start, stop, device=device)
+            cut[positions_argument] = positions.expand(self.batch * copies, -1)
+        extra = {k: v for k, v in self.extra.items() if k not in cut}
+        ids = cut.pop("", None)
+        if ids is not None:
+            return self.model(ids, **cut, **extra)
+        return self.model(**cut, **extra)
 
 
 def model_inputs(model: nn.Module, inputs: object, name: str = "inputs") -> Tensor | dict[str, Any]:

@@ -43,9 +43,10 @@ from multihead.circuits.input_pair import InputPair, Metric
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
 from multihead.circuits.steering import HeadKey, head_table, resolve_head
+from multihead.circuits.suffix_runs import SuffixRuns
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.head_shard import held_heads
-from multihead.observers import AttentionCall, ObservableAttention, registered
+from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle, registered
 from multihead.sites import HeadName
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "DIRECTIONS",
     "record_layers",
     "chosen_heads",
+    "variant_chunks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -220,6 +222,11 @@ def patch_heads(
         unpatched = experiment.unpatched(target, "unpatched run", caller="patch_heads", log=logger)
         base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
         size = experiment.stack_size(batch_size, single, list(recorded.values()), logger)
+        suffix = (
+            experiment.suffix_runs(target, unpatched, caller="patch_heads", log=logger)
+            if per_position
+            else None
+        )
         lengths = {out.shape[1] for out in recorded.values()}
         if per_position and len(lengths) > 1:
             raise ValueError(
@@ -235,12 +242,13 @@ def patch_heads(
             src = recorded[layer]  # (B, T, H, Dv)
             # every variant of the layer, built on the host and copied to the device once
             spans = range(src.shape[1]) if per_position else [None]
-            variants = [(h, t) for h in layer_heads for t in spans]
+            # position-major: a run from a later position holds the variants of one position
+            variants = [(h, t) for t in spans for h in layer_heads]
             masks[layer] = variants  # each forward's (n, T, H) mask is made for its n alone
             index = torch.tensor([[h, t or 0] for h, t in variants], device=result.device)
             places[layer] = (layer, *index.unbind(1)) if per_position else (layer, index[:, 0])
             forwards += [
-                (layer, s, min(s + size, len(variants))) for s in range(0, len(variants), size)
+                (layer, *chunk) for chunk in variant_chunks(variants, size, suffix is not None)
             ]
         # data parallel: each rank runs its share of the forwards; the changes meet in one sum
         changes = torch.zeros_like(result)
@@ -251,7 +259,7 @@ def patch_heads(
                 mask = _variant_mask(masks[layer][start:stop], recorded[layer], site)
                 values = _run_variants(
                     pair, target, experiment.metric, single, site, layer, recorded[layer], mask,
-                    prefix,
+                    prefix, suffix, masks[layer][start][1],
                 )  # fmt: skip
                 where = tuple(p if isinstance(p, int) else p[start:stop] for p in places[layer])
                 changes[where] = values.to(result.dtype) - base
@@ -264,6 +272,18 @@ def patch_heads(
     return result
 
 
+def variant_chunks(
+    variants: list[tuple[int, int | None]], size: int, by_position: bool
+) -> list[tuple[int, int]]:
+    """The (first, end) of each forward's variants: ``size`` at most, and with
+    ``by_position`` all of one position (a run from that position on holds them)."""
+    bounds = [0]
+    for i in range(1, len(variants)):
+        if i - bounds[-1] == size or (by_position and variants[i][1] != variants[i - 1][1]):
+            bounds.append(i)
+    return list(zip(bounds, [*bounds[1:], len(variants)], strict=True))
+
+
 def _run_variants(
     pair: InputPair,
     target: Any,
@@ -274,24 +294,37 @@ def _run_variants(
     src: Tensor,
     patched: Tensor,
     prefix: PrefixCache | None,
+    suffix: SuffixRuns | None = None,
+    position: int | None = None,
 ) -> Tensor:
     """One forward of n stacked copies of the target input, variant i with the per-head output
     of ``layer`` replaced by ``src``'s (B, T, H, Dv) where ``patched[i]`` (T, H) is True;
-    returns the metric of every variant (n,)."""
+    returns the metric of every variant (n,). With ``suffix``, every variant patches at
+    ``position`` and the forward runs from there on."""
     n, b = patched.shape[0], src.shape[0]
-    where = patched[:, None, :, :, None]  # (n, 1, T, H, 1)
 
-    def observer(call: AttentionCall, out: Tensor) -> Tensor:
-        if out.shape != (n * b, *src.shape[1:]):
-            raise ValueError(
-                f"patch_heads: layer {layer} was called with a per-head output of shape "
-                f"{tuple(out.shape)} in a run of {n} stacked variants of {tuple(src.shape)}; "
-                f"patch only layers the model calls once on the whole input"
-            )
-        stacked = out.unflatten(0, (n, b))  # (n, B, T, H, Dv)
-        return torch.where(where, src.to(out.dtype), stacked).flatten(0, 1)
+    def attach(start: int, stop: int | None) -> list[ObserverHandle]:
+        """The observer of a run of positions ``start`` … ``stop`` - 1."""
+        part = src[:, start:stop]  # (B, stop - start, H, Dv)
+        where = patched[:, None, start:stop, :, None]  # (n, 1, stop - start, H, 1)
 
-    output = run_stacked(
-        pair, target, n, layer, prefix, lambda: [site.register_observer(observer)], "patch_heads"
-    )
+        def observer(call: AttentionCall, out: Tensor) -> Tensor:
+            if out.shape != (n * b, *part.shape[1:]):
+                raise ValueError(
+                    f"patch_heads: layer {layer} was called with a per-head output of shape "
+                    f"{tuple(out.shape)} in a run of {n} stacked variants of "
+                    f"{tuple(part.shape)}; patch only layers the model calls once on the whole "
+                    f"input"
+                )
+            stacked = out.unflatten(0, (n, b))  # (n, B, T, H, Dv)
+            return torch.where(where, part.to(out.dtype), stacked).flatten(0, 1)
+
+        return [site.register_observer(observer)]
+
+    if suffix is not None and position is not None:
+        # a head's output at one position: its block writes there alone
+        output = suffix.run(n, position, layer, attach, local=True)
+    else:
+        t = src.shape[1]
+        output = run_stacked(pair, target, n, layer, prefix, lambda: attach(0, t), "patch_heads")
     return stacked_metrics(pair, metric, output, single, n, f"patched layer {layer}")

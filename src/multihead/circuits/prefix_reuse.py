@@ -128,6 +128,20 @@ def _copy(value: Any, copies: int = 1) -> Any:
     return value
 
 
+def _from(output: Any, start: int, stop: int | None, copies: int) -> Any:
+    """A recorded block output's positions ``start`` … ``stop`` - 1: its residual stream (the
+    output, or its first item: (B, T, E)) cut along T and repeated ``copies`` times along the
+    batch; the other items as recorded."""
+    if isinstance(output, Tensor):
+        return output[:, start:stop].repeat(copies, *(1,) * (output.dim() - 1))
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return type(output)((_from(output[0], start, stop, copies), *output[1:]))
+    raise TypeError(
+        f"a reused block returned {type(output).__name__}, not its residual stream (B, T, E) "
+        f"or a tuple starting with it"
+    )
+
+
 class PrefixCache:
     """Record every block's calls on one clean run; hand their outputs back on later runs.
 
@@ -278,6 +292,55 @@ class PrefixCache:
         never = len(self.order)
         first = min((self.order.get(i, never) for i in self.holders[layer]), default=never)
         return self._skip_before(first, copies)
+
+    def reuses(self, layer: int) -> bool:
+        """Whether the block holding ``layer``'s attention is one this cache reuses (and was
+        called on the recorded run)."""
+        return bool(self.holders[layer]) and all(i in self.order for i in self.holders[layer])
+
+    def skipping_suffix(
+        self,
+        layer: int,
+        start: int,
+        stop: int | None = None,
+        copies: int = 1,
+        written: Tensor | None = None,
+    ) -> Any:
+        """Within the block: a run of the recorded input's positions ``start`` … ``stop`` - 1
+        alone (its ``copies`` variants stacked), in which the blocks before ``layer``'s hand
+        back those positions of their recorded outputs (the residual stream, (B, T, E), cut
+        along T). With ``written`` ((copies·B, 1, E)), ``layer``'s block too, with ``written``
+        at position ``start`` (what a patch of that block changed there alone).
+
+        Their arguments are not compared: such a run gives them other shapes than the
+        recorded ones (fewer positions). Whoever runs it checks once that it reproduces the
+        recorded run (:class:`~multihead.circuits.suffix_runs.SuffixRuns` does).
+        """
+        never = len(self.order)
+        first = min((self.order.get(i, never) for i in self.holders[layer]), default=never)
+        counts: dict[int, int] = {}
+
+        def make_forward(index: int, block: nn.Module) -> Callable[..., Any] | None:
+            rank = self.order.get(index, never)
+            own = written is not None and rank == first
+            if rank >= first and not own:
+                return None
+            recorded = self.calls[index]
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                k = counts.get(index, 0)
+                counts[index] = k + 1
+                self.skipped += 1
+                output = _from(recorded[min(k, len(recorded) - 1)].output, start, stop, copies)
+                if own:
+                    assert written is not None
+                    stream = output if isinstance(output, Tensor) else output[0]
+                    stream[:, :1] = written.to(stream.dtype)
+                return output
+
+            return forward
+
+        return _patched(self.blocks, make_forward)
 
     def _skip_before(self, first: int, copies: int = 1) -> Any:
         """Blocks whose first call ranked below ``first`` hand back their recorded outputs."""

@@ -44,7 +44,7 @@ from multihead._checks import check_choice, check_indices, check_optional_positi
 from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
 from multihead.circuits.experiment import Experiment
 from multihead.circuits.patch_result import PatchResult
-from multihead.circuits.patching import DIRECTIONS, chosen_heads, patch_heads
+from multihead.circuits.patching import DIRECTIONS, chosen_heads, patch_heads, variant_chunks
 from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.mapping import model_map
@@ -192,6 +192,11 @@ class _SitePatch:
                 self.target, "unpatched run", caller="patch", log=logger
             )
             base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
+            suffix = (
+                experiment.suffix_runs(self.target, unpatched, caller="patch", log=logger)
+                if self.per_position
+                else None
+            )
             stand_ins = [self._as_heads(src) for src in sources.values()]
             size = experiment.stack_size(batch_size, single, stand_ins, logger)
             t = next(iter(sources.values())).shape[2 if self.site == "pattern" else 1]
@@ -201,36 +206,44 @@ class _SitePatch:
             shape += (t,) if self.per_position else ()
             result = torch.full(shape, float("nan"), dtype=base.dtype, device=base.device)
             spans: list[int | None] = list(range(t)) if self.per_position else [None]
+            # position-major: a run from a later position holds the variants of one position
             variants = {
-                layer: [(h, at) for h in units for at in spans] for layer, units in by_layer.items()
+                layer: [(h, at) for at in spans for h in units] for layer, units in by_layer.items()
             }
             forwards = [
-                (layer, s, min(s + size, len(v)))
+                (layer, *chunk)
                 for layer, v in variants.items()
-                for s in range(0, len(v), size)
+                for chunk in variant_chunks(v, size, suffix is not None)
             ]
             changes = torch.zeros_like(result)
             error: Exception | None = None
             try:
                 for layer, start, stop in self.split.share(forwards):
                     chunk = variants[layer][start:stop]
+                    first = chunk[0][1] if suffix is not None else None
                     attach = functools.partial(self._attach, layer, chunk, sources[layer])
-                    output = run_stacked(
-                        pair, self.target, len(chunk), layer, prefix, attach, "patch"
-                    )
+                    if suffix is not None and first is not None:
+                        # the block's input, keys and values reach the later positions
+                        local = self.site not in ("resid_pre", *_KV_SITES)
+                        output = suffix.run(len(chunk), first, layer, attach, local=local)
+                    else:
+                        whole = functools.partial(attach, 0, None)
+                        output = run_stacked(
+                            pair, self.target, len(chunk), layer, prefix, whole, "patch"
+                        )
                     values = stacked_metrics(
                         pair, experiment.metric, output, single, len(chunk),
                         f"{self.site} of layer {layer} patched",
                     )  # fmt: skip
-                    for (h, at), value in zip(chunk, values.to(result.dtype) - base, strict=True):
-                        changes[self._cell(layer, h, at)] = value
+                    for (h, pos), value in zip(chunk, values.to(result.dtype) - base, strict=True):
+                        changes[self._cell(layer, h, pos)] = value
             except Exception as e:  # every rank must hear of it before the sum
                 error = e
             self.split.gather(None, error)
             changes = self.split.sum(changes)
             for layer, chunk in variants.items():
-                for h, at in chunk:
-                    result[self._cell(layer, h, at)] = changes[self._cell(layer, h, at)]
+                for h, pos in chunk:
+                    result[self._cell(layer, h, pos)] = changes[self._cell(layer, h, pos)]
         return result
 
     def _cell(self, layer: int, unit: int, at: int | None) -> tuple[int, ...]:
@@ -253,10 +266,25 @@ class _SitePatch:
             return src.transpose(1, 2)  # (B, T, H, S)
         return src if src.dim() == 4 else src.unsqueeze(2)
 
-    def _attach(self, layer: int, chunk: list[tuple[int, int | None]], src: Tensor) -> list[Any]:
+    def _attach(
+        self,
+        layer: int,
+        chunk: list[tuple[int, int | None]],
+        src: Tensor,
+        start: int,
+        stop: int | None,
+    ) -> list[Any]:
         """Register the hooks that patch ``chunk``'s variants (stacked, variant-major) of
-        ``layer``'s site from ``src``; returns their handles."""
+        ``layer``'s site from ``src``; returns their handles. In a run of positions ``start``
+        … ``stop`` - 1 alone (:mod:`~multihead.circuits.suffix_runs`) the hooks see those
+        positions, but keys and values, which hold every one up to ``stop``."""
         n = len(chunk)
+        if self.site in _KV_SITES:
+            src = src[:, :stop]
+        else:
+            # a pattern's rows, and its keys up to the run's last (causal: none later is seen)
+            src = src[:, :, start:stop, :stop] if self.site == "pattern" else src[:, start:stop]
+            chunk = [(h, None if at is None else at - start) for h, at in chunk]
         if self.site in RESIDUAL_SITES:
             return self._attach_stream(layer, chunk, src)
         attention = self.experiment.found[layer][1]

@@ -301,6 +301,7 @@ def transformers_map(model: nn.Module) -> ModelMap:
     root = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
     base = _base(root)
     config = getattr(root, "config", None)
+    causal = _causal(root, base, [s for s in sites if _inside(base, s.module)])
     return ModelMap(
         family=str(getattr(config, "model_type", None) or type(root).__name__),
         sites=tuple(sites),
@@ -312,11 +313,12 @@ def transformers_map(model: nn.Module) -> ModelMap:
         unembedding=_unembedding(root),
         base=base,
         width=_first(config, _WIDTH_CONFIG) or _embedding_width(root),
-        causal=_causal(root, base, [s for s in sites if _inside(base, s.module)]),
+        causal=causal,
         position_limit=position_limit(root),
         token_types=int(getattr(config, "type_vocab_size", 0) or 0) > 0
         and _takes(base, "token_type_ids"),
         call_options={"use_cache": False} if _takes(model, "use_cache") else {},
+        positions_argument="position_ids" if causal and _takes(model, "position_ids") else None,
     )
 
 

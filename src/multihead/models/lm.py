@@ -196,7 +196,8 @@ class TransformerLM(nn.Module):
     def build_model_map(self) -> ModelMap:
         """Its :class:`~multihead.sites.ModelMap` (read through :func:`multihead.model_map`):
         blocks and heads, the token and position embeddings, the final norm (None when
-        post-LN) and the unembedding ``head``; causal; ``max_len`` positions."""
+        post-LN) and the unembedding ``head``; causal; ``max_len`` positions, taken as
+        ``positions``."""
         return ModelMap.of_modules(
             self,
             family="TransformerLM",
@@ -206,6 +207,7 @@ class TransformerLM(nn.Module):
             width=self.config.embed_dim,
             causal=True,
             position_limit=self.config.max_len,
+            positions_argument="positions",
         )
 
     def forward(

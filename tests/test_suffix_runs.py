@@ -1,0 +1,175 @@
+"""Per-position patches run from their position on (multihead.circuits.suffix_runs): equal to one
+full forward per patch (record_heads + intervene, written here) for metrics reading any
+positions; only the positions a metric reads are unembedded; the cases the runs cannot serve
+fall back to whole sequences and say why. (Every site against hook references, per position:
+test_site_patching.py, which runs these paths.)"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import multihead
+from multihead import MultiHeadAttention
+from multihead.models import TransformerLM
+
+Metric = Callable[[Tensor], Tensor]
+
+
+def _lm() -> TransformerLM:
+    torch.manual_seed(4)
+    return TransformerLM(30, 24, 4, 3, 40, max_len=16).to(torch.float64).eval()
+
+
+def _pair() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    clean = torch.randint(30, (2, 8), generator=generator)
+    corrupt = clean.clone()
+    corrupt[:, 2] = (corrupt[:, 2] + 11) % 30
+    return clean, corrupt
+
+
+def _loop(model: nn.Module, clean: Any, corrupt: Any, metric: Metric, **call: Any) -> Tensor:
+    """(L, H, T): one full forward per patch, head (l, h) at position t from clean (denoising)."""
+    sites = multihead.model_map(model).sites
+    keys = [(layer, h) for layer, site in enumerate(sites) for h in range(site.num_heads)]
+    with torch.no_grad():
+        with multihead.record_heads(model, keys) as source:
+            model(clean, **call)
+        with multihead.record_heads(model, keys) as target:
+            model(corrupt, **call)
+        base = metric(_logits(model(corrupt, **call))).mean()
+        t = corrupt.shape[1]
+        out = torch.empty(len(sites), sites[0].num_heads, t, dtype=torch.float64)
+        for layer, h in keys:
+            for at in range(t):
+                patched = target[layer, h].clone()
+                patched[:, at] = source[layer, h][:, at]
+                with multihead.intervene(model, {(layer, h): patched}):
+                    value = metric(_logits(model(corrupt, **call))).mean()
+                out[layer, h, at] = value - base
+    return out
+
+
+def _logits(output: Any) -> Tensor:
+    return output if isinstance(output, Tensor) else output.logits
+
+
+METRICS: dict[str, Metric] = {
+    "last": lambda logits: logits[:, -1, 3] - logits[:, -1, 5],
+    "two positions": lambda logits: logits[:, 5, 1] + logits[:, 2, 7],
+    "every position": lambda logits: logits.log_softmax(-1)[..., 4].mean(-1),
+}
+
+
+@pytest.mark.parametrize("name", list(METRICS))
+def test_per_position_patches_equal_one_forward_each(name: str) -> None:
+    lm = _lm()
+    clean, corrupt = _pair()
+    got = multihead.patch_heads(lm, clean, corrupt, METRICS[name], per_position=True)
+    want = _loop(lm, clean, corrupt, METRICS[name])
+    assert float(want.abs().max()) > 1e-4  # the patches change something
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_only_the_positions_the_metric_reads_are_unembedded() -> None:
+    lm = _lm()
+    clean, corrupt = _pair()
+    rows: list[tuple[int, int]] = []
+    lm.head.register_forward_hook(lambda m, a, out: rows.append(tuple(out.shape[:2])))
+    got = multihead.patch_heads(lm, clean, corrupt, METRICS["two positions"], per_position=True)
+    swept = [r for r in rows if r[0] == 4 * 2]  # the 4 heads' variants of one position, B = 2
+    # a run from position t <= 2 reads positions 2 and 5, from 3 to 5 position 5; one from a
+    # later position cannot change the metric and runs nothing
+    positions = [n for _, n in swept]
+    assert sorted(positions) == sorted([2] * 3 * 3 + [1] * 3 * 3)
+    assert torch.equal(got[..., 6:], torch.zeros_like(got[..., 6:]))
+
+
+def test_a_run_that_misplaces_positions_is_not_trusted(caplog: pytest.LogCaptureFixture) -> None:
+    class Forgetful(TransformerLM):
+        """A model that takes positions but embeds every run from position 0."""
+
+        def forward(self, ids: Tensor, *, positions: Tensor | None = None, **kw: Any) -> Tensor:
+            return super().forward(ids, **kw)
+
+    torch.manual_seed(4)
+    lm = Forgetful(30, 24, 4, 3, 40, max_len=16).to(torch.float64).eval()
+    clean, corrupt = _pair()
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+        got = multihead.patch_heads(lm, clean, corrupt, METRICS["last"], per_position=True)
+    assert "every per-position patch runs the whole sequence" in caplog.text
+    assert "from the whole run's" in caplog.text
+    torch.testing.assert_close(got, _loop(lm, clean, corrupt, METRICS["last"]))
+
+
+def test_cases_the_runs_cannot_serve_say_why(caplog: pytest.LogCaptureFixture) -> None:
+    lm = _lm()
+    clean, corrupt = _pair()
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+        multihead.patch_heads(
+            lm, clean, corrupt, lambda out: METRICS["last"](out), per_position=True,
+            metric_input="output",
+        )  # fmt: skip
+    assert "the metric reads the whole output, not the logits" in caplog.text
+
+
+def test_padding_and_sliding_windows_run_whole_sequences(caplog: pytest.LogCaptureFixture) -> None:
+    transformers = pytest.importorskip("transformers", minversion="5")
+    import multihead.hf  # noqa: F401  (registers "multihead")
+
+    torch.manual_seed(6)
+    config = transformers.MistralConfig(
+        vocab_size=30, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
+        attn_implementation="multihead",
+    )  # fmt: skip
+    model = transformers.MistralForCausalLM(config).to(torch.float64).eval()
+    clean, corrupt = _pair()
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+        got = multihead.patch_heads(model, clean, corrupt, METRICS["last"], per_position=True)
+    assert "the model attends through a sliding window" in caplog.text
+    want = _loop(model, clean, corrupt, METRICS["last"], use_cache=False)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+    caplog.clear()
+    config.sliding_window = None
+    model = transformers.MistralForCausalLM(config).to(torch.float64).eval()
+    mask = torch.ones_like(clean)
+    mask[0, :2] = 0  # left padding
+    inputs = [{"input_ids": ids, "attention_mask": mask} for ids in (clean, corrupt)]
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+        multihead.patch_heads(model, *inputs, METRICS["last"], per_position=True)
+    assert "the inputs hold padding (an attention_mask with zeros)" in caplog.text
+
+
+def test_a_q_k_v_editor_may_put_earlier_keys_before_the_call() -> None:
+    torch.manual_seed(7)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2).to(torch.float64).eval()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    seen: dict[str, Tensor] = {}
+
+    def record(call: Any) -> None:
+        seen["k"], seen["v"] = call.k, call.v
+
+    with torch.no_grad():
+        with mha.register_qkv_editor(record):
+            whole = mha(x, is_causal=True)  # (2, 6, 16)
+
+        def earlier(call: Any) -> tuple[Tensor, Tensor, Tensor]:
+            return (
+                call.q,
+                torch.cat([seen["k"][:, :, :4], call.k], 2),
+                torch.cat([seen["v"][:, :, :4], call.v], 2),
+            )
+
+        with mha.register_qkv_editor(earlier):
+            later = mha(x[:, 4:], is_causal=True)  # positions 4 and 5 alone
+    torch.testing.assert_close(later, whole[:, 4:], rtol=1e-12, atol=1e-12)
+    with mha.register_qkv_editor(earlier), pytest.raises(ValueError, match="returned k of shape"):
+        mha(x[:, 4:], mask=torch.ones(2, 2, dtype=torch.bool))  # a mask holds the call's keys
