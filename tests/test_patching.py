@@ -9,7 +9,6 @@ with the source run's, one forward per patch. It uses neither observers nor anyt
 from __future__ import annotations
 
 import collections
-
 import logging
 from collections.abc import Callable
 from typing import Any
