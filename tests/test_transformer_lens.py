@@ -10,6 +10,10 @@ bridge is an outside reference, not the code under test.
 One difference of naming: on a rotary model TransformerLens's ``hook_q`` / ``hook_k`` are the
 projections before rotary (``hook_rot_q`` / ``hook_rot_k`` after), while multihead's ``q`` and
 ``k`` are what the attention kernel reads, after rotary.
+
+Then activation patching (``multihead.patch`` against ``transformer_lens.patching``'s
+``get_act_patch_*``) and direct logit attribution per example (``multihead.logit_attribution``
+against the cache's ``stack_head_results`` and ``logit_attrs``), to the same 1e-5.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from multihead.circuits.activation_cache import SITES, hook_name
 transformers = pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("transformer_lens")
 bridge_sources = pytest.importorskip("transformer_lens.model_bridge.sources")
+tl_patching = pytest.importorskip("transformer_lens.patching")
 if not hasattr(bridge_sources, "build_bridge_from_module"):
     pytest.skip("TransformerLens before 4.0 has no TransformerBridge", allow_module_level=True)
 
 ATOL = 1e-5
 
 
-def _model(family: str) -> tuple[nn.Module, str]:
+def _model(family: str) -> tuple[Any, str]:
     """A tiny transformers model of ``family`` with every weight, bias and norm gain perturbed
     (transformers' initialisation zeroes biases, which would hide a bias mistake), in float32."""
     if family == "gpt2":
@@ -57,15 +62,36 @@ def _model(family: str) -> tuple[nn.Module, str]:
     return model.to(torch.float32).eval(), architecture
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_cache_equals_transformer_lens_run_with_cache(family: str) -> None:
-    model, architecture = _model(family)
-    # the bridge swaps the model's submodules for its own: give it a copy
-    wrapped = copy.deepcopy(model)
+def _bridge(model: nn.Module, architecture: str, **processing: Any) -> Any:
+    """A TransformerBridge around a copy of ``model`` (the bridge swaps the model's submodules
+    for its own), with hook_result on; with ``processing``, TransformerLens's weight processing
+    (``enable_compatibility_mode``'s arguments) on the copy's weights."""
+    wrapped: Any = copy.deepcopy(model)
     bridge = bridge_sources.build_bridge_from_module(
         wrapped, architecture, hf_config=wrapped.config
     )
+    if processing:
+        bridge.enable_compatibility_mode(disable_warnings=True, **processing)
     bridge.set_use_attn_result(True)  # hook_result, as in HookedTransformer
+    return bridge
+
+
+# per example: the token whose logit is explained and the one it is measured against
+ANSWER, WRONG = torch.tensor([3, 7, 11]), torch.tensor([5, 2, 9])
+
+
+def _logit_diff(logits: torch.Tensor) -> torch.Tensor:
+    """The mean over the batch of logit(ANSWER) - logit(WRONG) at the last position, from the
+    logits (B, T, V): the metric both libraries are given."""
+    last = logits[:, -1]
+    rows = torch.arange(last.shape[0])
+    return (last[rows, ANSWER] - last[rows, WRONG]).mean()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_cache_equals_transformer_lens_run_with_cache(family: str) -> None:
+    model, architecture = _model(family)
+    bridge = _bridge(model, architecture)
     ids = torch.randint(50, (2, 7))
     logits, theirs = bridge.run_with_cache(ids)
     with torch.no_grad():
@@ -112,3 +138,93 @@ def test_cache_equals_transformer_lens_run_with_cache(family: str) -> None:
             rtol=0,
             atol=ATOL,
         )
+
+
+@pytest.mark.parametrize(
+    ("family", "site"),
+    [("gpt2", "resid_pre"), ("llama", "resid_pre"), ("gpt2", "attn_out"), ("llama", "mlp_out")],
+)
+def test_patch_equals_transformer_lens_get_act_patch(family: str, site: str) -> None:
+    """``patch(site=..., per_position=True)`` (denoising: clean activations into the corrupt
+    run) against ``get_act_patch_resid_pre`` / ``_attn_out`` / ``_mlp_out`` on the same,
+    unprocessed weights. TransformerLens's cells are the patched run's metric; multihead's are
+    its change from the corrupt run's, which ``PatchResult.corrupt`` holds."""
+    model, architecture = _model(family)
+    bridge = _bridge(model, architecture)
+    clean, corrupt = torch.randint(50, (3, 6)), torch.randint(50, (3, 6))
+    _, clean_cache = bridge.run_with_cache(clean)
+    with torch.no_grad():
+        corrupt_metric = float(_logit_diff(bridge(corrupt)))
+    reference = getattr(tl_patching, f"get_act_patch_{site}")
+    theirs = reference(bridge, corrupt, clean_cache, _logit_diff)  # (L, T)
+    ours = multihead.patch(
+        model, clean, corrupt, _logit_diff, site=site, per_position=True, direction="denoise"
+    )
+    assert ours.values.shape == theirs.shape == (model.config.num_hidden_layers, 6)
+    assert ours.corrupt == pytest.approx(corrupt_metric, abs=ATOL)
+    # effects far above the tolerance: the comparison below is not of zeros
+    assert float(ours.values.abs().max()) > 1000 * ATOL
+    torch.testing.assert_close(ours.values, theirs - corrupt_metric, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_logit_attribution_equals_transformer_lens_per_example(family: str) -> None:
+    """Each head's direct contribution at the last position, per example (B = 3 prompts and
+    per-example answers), against TransformerLens's stacked head results through the final
+    norm's scale at the run.
+
+    TransformerLens's ``apply_ln=True`` centres the stack (LayerNorm) and divides by the cached
+    ``ln_final.hook_scale``, but does not multiply by the final norm's gain γ: on
+    HookedTransformer's processed weights γ lives in W_U (``fold_ln``), while the unprocessed
+    bridge's ``W_U`` is the model's bare ``lm_head`` (its docstring warns DLA is misleading
+    there). So (1) on the unprocessed bridge the applied stack is projected onto γ ⊙ W_U[a] here,
+    for the answer's logit alone; (2) on a bridge with TransformerLens's processing (fold_ln,
+    centred writing weights and unembedding) its own ``logit_attrs`` gives the logit difference
+    answer - wrong: ``center_unembed`` shifts every logit of a position by the same amount, which
+    a difference cancels, and which a single logit would not.
+
+    ``fold_value_biases`` stays off: it moves each head's value bias term b_V^h W_O^h (constant
+    over positions, the pattern's rows summing to 1) out of the head into the layer's output
+    bias, while multihead's heads keep it (a head's output is what its z writes, value bias
+    included): a difference of convention, not of the sum. (TransformerLens 4.3's
+    fold_value_biases also fails on the grouped-query Llama: it reshapes the key/value heads'
+    b_V as if there were one per query head.)"""
+    model, architecture = _model(family)
+    ids = torch.randint(50, (3, 6))
+    assert all(not torch.equal(ids[0], row) for row in ids[1:])  # different prompts
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    final_norm: Any = model.transformer.ln_f if family == "gpt2" else model.model.norm
+    unembedding: Any = model.lm_head.weight  # (V, E), no bias in either family
+    assert model.lm_head.bias is None
+
+    # (1) the unprocessed weights, as the cache test: the answer's logit
+    bridge = _bridge(model, architecture)
+    _, cache = bridge.run_with_cache(ids)
+    stack = cache.stack_head_results(layer=-1, pos_slice=-1, apply_ln=True)  # (L·H, B, E)
+    direction = (final_norm.weight * unembedding[ANSWER]).detach()  # (B, E): γ ⊙ W_U[a]
+    theirs = (stack * direction).sum(-1).unflatten(0, (layers, heads))  # (L, H, B)
+    ours = multihead.logit_attribution(model, ids, ANSWER, reduce="none", position=-1)
+    assert ours.heads.shape == (layers, heads, 3, 1)
+    torch.testing.assert_close(ours.heads[..., 0], theirs, rtol=0, atol=ATOL)
+    # per example indeed: the rows differ (a batch mean broadcast would fail the comparison)
+    assert float((theirs[..., 0] - theirs[..., 1]).abs().max()) > 1000 * ATOL
+
+    # (2) TransformerLens's processed weights and its own logit_attrs: the logit difference
+    processed = _bridge(model, architecture, fold_value_biases=False)
+    logits, cache = processed.run_with_cache(ids)
+    with torch.no_grad():  # the processing keeps the logit differences
+        expected = model(ids).logits
+    rows = torch.arange(3)
+    torch.testing.assert_close(
+        logits[rows, -1, ANSWER] - logits[rows, -1, WRONG],
+        expected[rows, -1, ANSWER] - expected[rows, -1, WRONG],
+        rtol=0,
+        atol=ATOL,
+    )
+    stack = cache.stack_head_results(layer=-1, pos_slice=-1)  # logit_attrs applies the norm
+    with torch.no_grad():  # its W_U is a parameter
+        theirs = cache.logit_attrs(stack, ANSWER, WRONG, pos_slice=-1)
+    theirs = theirs.unflatten(0, (layers, heads))
+    ours = multihead.logit_attribution(model, ids, ANSWER, WRONG, reduce="none", position=-1)
+    torch.testing.assert_close(ours.heads[..., 0], theirs, rtol=0, atol=ATOL)
+    assert float((theirs[..., 0] - theirs[..., 2]).abs().max()) > 1000 * ATOL
