@@ -193,7 +193,9 @@ def main() -> int:
         return multihead.patch_heads(model, clean, corrupt, metric, per_position=True)
 
     def attribute() -> torch.Tensor:
-        return multihead.attribution_patching(model, clean, corrupt, metric, per_position=True)
+        return multihead.attribution_patching(
+            model, clean, corrupt, metric, per_position=True
+        ).values
 
     def forward() -> None:
         with torch.no_grad():
@@ -203,7 +205,7 @@ def main() -> int:
     receivers = [(shape["layers"] - 1, h) for h in range(shape["heads"])]
 
     def paths() -> torch.Tensor:
-        return multihead.path_patching(model, clean, corrupt, metric, senders, receivers)
+        return multihead.path_patching(model, clean, corrupt, metric, senders, receivers).values
 
     naive_path_values = []
 

@@ -161,10 +161,23 @@ def test_against_a_hand_recomputation(device: torch.device) -> None:
     hand = _Hand(lm)
     senders = [(0, h) for h in range(H)]
     receivers = [(1, h) for h in range(H)]
-    got = path_patching(lm, clean, corrupt, metric, senders, receivers)
+    result = path_patching(lm, clean, corrupt, metric, senders, receivers)
+    got = result.values
     assert got.shape == (H, H, 3) and got.dtype == torch.float32
 
     base = metric(hand.clean_logits(clean)).mean()
+    # the result names its axes and cells, and carries the two runs' metrics
+    assert result.dims == ("sender", "receiver", "via") and result.direction == "noise"
+    assert result.names == (
+        tuple(f"L0H{h}" for h in range(H)),
+        tuple(f"L1H{h}" for h in range(H)),
+        VIA,
+    )
+    assert result.label((2, 1, 1)) == "L0H2 -> L1H1.k"
+    assert result.clean == pytest.approx(float(base), abs=1e-5)
+    assert result.corrupt == pytest.approx(
+        float(metric(hand.clean_logits(corrupt)).mean()), abs=1e-5
+    )
     want = torch.zeros(H, H, 3, dtype=torch.float64)
     wrong = torch.zeros(H, H, 3, dtype=torch.float64)
     for s in range(H):
@@ -180,7 +193,7 @@ def test_against_a_hand_recomputation(device: torch.device) -> None:
     some = path_patching(
         lm, clean, corrupt, metric, [(0, 2), (0, 0), (0, 2)], [(-1, 3), (1, 1)],
         via=("v", "k"), batch_size=1,
-    )  # fmt: skip
+    ).values  # fmt: skip
     assert some.shape == (3, 2, 2)
     expect = want[[2, 0, 2]][:, [3, 1]][:, :, [2, 1]]
     _compare(some, expect.to(some.device))
@@ -189,7 +202,7 @@ def test_against_a_hand_recomputation(device: torch.device) -> None:
 def test_equal_inputs_change_nothing(device: torch.device) -> None:
     lm = _attn_only(device)
     ids = torch.randint(V, (2, T), device=device)
-    got = path_patching(lm, ids, ids.clone(), _last_logprob(1), [(0, 0), (0, 3)], [(1, 2)])
+    got = path_patching(lm, ids, ids.clone(), _last_logprob(1), [(0, 0), (0, 3)], [(1, 2)]).values
     assert torch.allclose(got, torch.zeros_like(got), atol=1e-6)
 
 
@@ -297,10 +310,10 @@ def test_transformer_lm_with_feed_forward(device: torch.device) -> None:
     metric = _last_logprob(2)
     # senders in two layers, receivers in two (frozen heads and feed-forward networks between)
     senders, receivers = [(0, 1), (1, 3), (0, 2)], [(2, 0), (3, 2), (2, 3)]
-    got = path_patching(lm, clean, corrupt, metric, senders, receivers, batch_size=4)
+    got = path_patching(lm, clean, corrupt, metric, senders, receivers, batch_size=4).values
     want = _hook_reference(lm, _own_sites(lm), clean, corrupt, metric, senders, receivers)
     _compare(got, want.to(got.device))
-    auto = path_patching(lm, clean, corrupt, metric, senders, receivers)
+    auto = path_patching(lm, clean, corrupt, metric, senders, receivers).values
     torch.testing.assert_close(auto, got, rtol=1e-5, atol=1e-6)
 
 
@@ -315,10 +328,11 @@ def test_blocks_before_the_patched_layer_are_not_run(device: torch.device) -> No
     ids = torch.randint(V, (2, 5), device=device)
     other = torch.randint(V, (2, 5), device=device)
     path_patching(lm, ids, other, _last_logprob(1), [(0, 0), (0, 1)], [(2, 0)], batch_size=2)
-    # corrupt (ends at layer 0), clean recording the frozen layer 1 (ends there), clean and
-    # check (the last layer only) of the prefix reuse, run 1 (one forward of both senders,
-    # from layer 0, ending at layer 2's inputs), run 2 (6 variants, 3 forwards, from layer 2)
-    assert calls == [1 + 1 + 1 + 1, 1 + 1 + 1, 1 + 1 + 1 + 3]
+    # corrupt (whole: its metric is reported), clean recording the frozen layer 1 (ends there),
+    # clean and check (the last layer only) of the prefix reuse, run 1 (one forward of both
+    # senders, from layer 0, ending at layer 2's inputs), run 2 (6 variants, 3 forwards, from
+    # layer 2)
+    assert calls == [1 + 1 + 1 + 1, 1 + 1 + 1 + 1, 1 + 1 + 1 + 1 + 3]
 
 
 @pytest.mark.cpu_only
@@ -348,7 +362,7 @@ def test_bert_padded(device: torch.device) -> None:
 
     senders, receivers = [(0, 0), (1, 2)], [(2, 1), (2, 3)]
     bert.unpad = True
-    got = path_patching(bert, clean, corrupt, metric, senders, receivers)
+    got = path_patching(bert, clean, corrupt, metric, senders, receivers).values
     bert.unpad = False  # the reference's hooks read (B, T, ·) projections
     want = _hook_reference(bert, _own_sites(bert), clean, corrupt, metric, senders, receivers)
     _compare(got, want, atol=5e-5)
@@ -389,7 +403,7 @@ def test_gpt2(device: torch.device) -> None:
     corrupt = torch.randint(50, (2, 6), device=device)
     metric = _last_logprob(7)
     senders, receivers = [(0, 1), (1, 0)], [(2, 3), (2, 0)]
-    got = path_patching(model, clean, corrupt, metric, senders, receivers)
+    got = path_patching(model, clean, corrupt, metric, senders, receivers).values
     want = _hook_reference(model, sites, clean, corrupt, metric, senders, receivers)
     _compare(got, want.to(got.device))
 
@@ -417,7 +431,7 @@ def test_grouped_query_llama_leaves_the_siblings_alone(device: torch.device) -> 
         for layer in copy.model.layers
     ]  # fmt: skip
     senders, receivers = [(0, 2), (1, 5)], [(2, 1), (2, 0)]  # 0 and 1 share a key/value head
-    got = path_patching(model, clean, corrupt, metric, senders, receivers)
+    got = path_patching(model, clean, corrupt, metric, senders, receivers).values
     want = _hook_reference(copy, sites, clean, corrupt, metric, senders, receivers)
     _compare(got, want.to(got.device), atol=5e-5)
 
@@ -459,7 +473,7 @@ def test_a_path_through_the_keys_only(device: torch.device) -> None:
     model = model.to(device).eval()
     clean = torch.randint(V, (4, T), device=device)
     corrupt = torch.randint(V, (4, T), device=device)
-    got = path_patching(model, clean, corrupt, _last_logprob(3), [(0, 0)], [(1, 1), (1, 2)])
+    got = path_patching(model, clean, corrupt, _last_logprob(3), [(0, 0)], [(1, 1), (1, 2)]).values
     q, k, v = got[0, 0].tolist()
     assert abs(k) > 1e-2
     assert abs(q) < 1e-5 and abs(v) < 1e-5

@@ -211,15 +211,17 @@ def _circuits(model: Any, clean: torch.Tensor, corrupt: torch.Tensor, last: int)
         model, clean, corrupt, logit_diff, direction="noise", per_position=True,
         heads=[(1, last), (1, 0), (0, 1)], batch_size=3,
     )  # fmt: skip
-    out["attribution"] = attribution_patching(model, clean, corrupt, logit_diff, per_position=True)
+    out["attribution"] = attribution_patching(
+        model, clean, corrupt, logit_diff, per_position=True
+    ).values
     out["paths"] = path_patching(
         model, clean, corrupt, logit_diff, senders=[(0, last), (0, 0)],
         receivers=[(1, 1), (1, last)], batch_size=3,
-    )  # fmt: skip
+    ).values  # fmt: skip
     out["paths_kv"] = path_patching(
         model, clean, corrupt, logit_diff, senders=[(0, 0)], receivers=[(1, last)],
         via=("v", "k"),
-    )  # fmt: skip
+    ).values  # fmt: skip
     parts = logit_attribution(model, clean, answer=5, wrong=7)
     out["logit_attribution_heads"] = parts.heads  # (L, H, T)
     out["logit_attribution_rest"] = torch.stack(

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, check_optional_positive_int, describe, is_int
 from multihead.circuits.experiment import Experiment
 from multihead.circuits.input_pair import InputPair, Metric
+from multihead.circuits.patch_result import PatchResult
 from multihead.circuits.patching import check_recorded, record_layers
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.circuits.stacked_runs import (
@@ -55,7 +56,7 @@ from multihead.observers import (
     ObserverHandle,
     QKVEditor,
 )
-from multihead.sites import HeadName
+from multihead.sites import HeadName, head_label
 
 __all__ = ["path_patching", "VIA"]
 
@@ -75,7 +76,7 @@ def path_patching(
     via: Sequence[str] = VIA,
     batch_size: int | None = None,
     metric_input: str = "logits",
-) -> Tensor:
+) -> PatchResult:
     r"""Path patching: the metric's change when a sender head's output changes from clean to
     corrupt only through a receiver head's queries, keys or values.
 
@@ -111,7 +112,10 @@ def path_patching(
         batch_size: variants per forward; default as for :func:`~multihead.patch_heads`.
 
     Returns:
-        (len(senders), len(receivers), len(via)) in the metric's dtype and device. On a
+        A :class:`~multihead.circuits.patch_result.PatchResult`: values (len(senders),
+        len(receivers), len(via)) in the metric's dtype and device, dims ``("sender",
+        "receiver", "via")``, each index named (``names``: ``"L0H1"``, ``"L1H3"``, ``"k"``; a
+        cell's label ``"L0H1 -> L1H3.k"``), the clean and corrupt metrics beside them. On a
         tensor-parallel model (every rank calling this together) a sender's output and a
         receiver's inputs are replaced on the rank that holds the head, and every rank gets the
         one-process result.
@@ -125,9 +129,10 @@ def path_patching(
             ``(layer, head)`` pairs of ints, ``via`` given as one string.
 
     Example:
-        >>> effects = path_patching(lm, clean_ids, corrupt_ids, logit_diff,
-        ...                         senders=[(0, 1)], receivers=[(1, 1)])  # (1, 1, 3)
-        >>> effects[0, 0]  # via q, k, v
+        >>> paths = path_patching(lm, clean_ids, corrupt_ids, logit_diff,
+        ...                       senders=[(0, 1)], receivers=[(1, 1)])  # (1, 1, 3)
+        >>> paths.values[0, 0]  # via q, k, v
+        >>> paths.top(3), paths.plot()
     """
     check_optional_positive_int("batch_size", batch_size)
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
@@ -153,7 +158,10 @@ def path_patching(
     frozen = list(range(sender_layers[0] + 1, max(receiver_heads)))
 
     with torch.no_grad():
-        corrupt_out = _recorded(found, pair, pair.corrupt, sender_layers)
+        with record_layers(found, sender_layers) as recorded_corrupt:
+            corrupt_value = experiment.value(pair.corrupt, "corrupt run")
+        check_recorded(found, sender_layers, recorded_corrupt)
+        corrupt_out = dict(recorded_corrupt)
         clean_out = _recorded(found, pair, pair.clean, frozen) if frozen else {}
         unpatched = experiment.unpatched(
             pair.clean, "clean run", caller="path_patching", log=logger
@@ -211,7 +219,15 @@ def path_patching(
         for order, keys in ((unique_senders, sent), (unique_receivers, received))
     ]
     kind_index = torch.tensor([unique_kinds.index(k) for k in kinds], device=table.device)
-    return table[pick[0]][:, pick[1]][:, :, kind_index]
+    names = (
+        tuple(head_label(*key) for key in sent),
+        tuple(head_label(*key) for key in received),
+        tuple(kinds),
+    )
+    return PatchResult(
+        table[pick[0]][:, pick[1]][:, :, kind_index], ("sender", "receiver", "via"), "path",
+        "noise", float(base), float(corrupt_value), names,
+    )  # fmt: skip
 
 
 def _heads(name: str, keys: object, found: list[tuple[str, ObservableAttention]]) -> list[HeadKey]:
