@@ -141,6 +141,19 @@ def test_senders_by_receivers_inputs(setup: Any) -> None:
     _colour_bar_clear_of_the_data(fig=ax.figure)
 
 
+def test_a_set_and_the_logits_draw_only_the_inputs_they_have(setup: Any) -> None:
+    lm, clean, corrupt = setup
+    paths = multihead.path_patching(
+        lm, clean, corrupt, _metric, ["L0H1", "mlp1"], [(2, 0, -1), [(2, 3), (2, 1)], "logits"]
+    )  # via q, k, v, resid: the heads' resid and the logits' q, k, v are NaN, and not drawn
+    ax, data, xs, ys = _drawn(paths.plot())
+    heads = [f"{r}.{x}" for r in ("L2H0@[4]", "{L2H3, L2H1}") for x in "qkv"]
+    assert ys == ["L0H1", "MLP1"] and xs == [*heads, "logits"]
+    want = torch.cat([paths.values[:, :2, :3].reshape(2, 6), paths.values[:, 2, 3:]], dim=1)
+    assert not want.isnan().any()
+    torch.testing.assert_close(_cells(data), want.float())
+
+
 def test_effects_figure_is_exported() -> None:
     from multihead.viz import effects_figure
     from multihead.viz.plots import effects_figure as plots_effects_figure

@@ -194,7 +194,9 @@ def _patch(
     with status("Patching…", shown):
         paths_table = None
         if senders:  # first: its checks of the heads come before the long runs
-            paths_table = multihead.path_patching(*run, senders, receivers)  # (N, R, 3)
+            paths_table = multihead.path_patching(
+                *run, senders, receivers, direction="noise"
+            )  # (N, R, 3): the clean run, each sender from the corrupt one
         effects = multihead.patch(*run, direction=args.direction)
         estimates = multihead.attribution_patching(*run, direction=args.direction).values
         top = _cells(effects, args.top)
