@@ -57,7 +57,7 @@ class PatchResult:
         dims: the axes' names: ``("layer", "head")``, ``("layer", "head", "position")``,
             ``("layer",)``, ``("layer", "position")``; ``("sender", "receiver", "via")`` for
             path patching.
-        site: the site patched (``"z"``, ``"resid_pre"``, ...).
+        site: the site patched (``"z"``, ``"resid_pre"``, ...; ``"path"`` for path patching).
         direction: ``"denoise"`` (the corrupt run, patched from the clean one) or ``"noise"``.
         clean: the metric on the clean run.
         corrupt: the metric on the corrupt run.
