@@ -243,7 +243,9 @@ def main() -> int:
         lm_naive_values.update(naive_patches(lm, lm_clean, lm_corrupt, metric, lm_patches))
 
     def attribute() -> torch.Tensor:
-        return multihead.attribution_patching(model, clean, corrupt, metric, per_position=True)
+        return multihead.attribution_patching(
+            model, clean, corrupt, metric, per_position=True
+        ).values
 
     def forward() -> None:
         with torch.no_grad():
@@ -253,7 +255,7 @@ def main() -> int:
     receivers = [(shape["layers"] - 1, h) for h in range(shape["heads"])]
 
     def paths() -> torch.Tensor:
-        return multihead.path_patching(model, clean, corrupt, metric, senders, receivers)
+        return multihead.path_patching(model, clean, corrupt, metric, senders, receivers).values
 
     naive_path_values = []
 

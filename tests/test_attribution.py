@@ -82,11 +82,20 @@ def test_equals_finite_differences(direction: str, device: torch.device) -> None
     ]
     want = finite_differences(lm, projections, source, target, _metric, 1e-5).to(device)
 
-    got = attribution_patching(lm, clean, corrupt, _metric, per_position=True, direction=direction)
+    result = attribution_patching(
+        lm, clean, corrupt, _metric, per_position=True, direction=direction
+    )
+    got = result.values
     assert got.shape == (3, 6, 7) and got.dtype == torch.float64
+    assert result.dims == ("layer", "head", "position") and result.direction == direction
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+    # the two runs' metrics, each from a plain forward
+    with torch.no_grad():
+        assert result.clean == pytest.approx(float(_metric(lm(clean)).mean()), abs=1e-12)
+        assert result.corrupt == pytest.approx(float(_metric(lm(corrupt)).mean()), abs=1e-12)
     whole = attribution_patching(lm, clean, corrupt, _metric, direction=direction)
-    torch.testing.assert_close(whole, want.sum(-1), rtol=1e-6, atol=1e-8)
+    assert whole.dims == ("layer", "head")
+    torch.testing.assert_close(whole.values, want.sum(-1), rtol=1e-6, atol=1e-8)
     # the parameters get no gradient; nothing stays registered
     assert all(p.grad is None for p in lm.parameters())
     assert not any(m._observers for m in lm.modules() if isinstance(m, MultiHeadAttention))
@@ -110,11 +119,11 @@ def test_grouped_query_llama_equals_finite_differences(device: torch.device) -> 
     # Llama's RMSNorm computes in float32 whatever the model's dtype: a coarser step
     want = finite_differences(model, projections, clean, corrupt, metric, 1e-3).to(device)
     # the metric is given the logits by default, the whole output when asked
-    got = attribution_patching(model, clean, corrupt, _metric, per_position=True)
+    got = attribution_patching(model, clean, corrupt, _metric, per_position=True).values
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
     whole = attribution_patching(
         model, clean, corrupt, metric, per_position=True, metric_input="output"
-    )
+    ).values
     torch.testing.assert_close(whole, got, rtol=0, atol=0)
 
 
@@ -139,7 +148,9 @@ def test_a_layer_the_metric_does_not_read_scores_zero(device: torch.device) -> N
     model = _SecondLayerUnread().to(device, torch.float64)
     clean = torch.randint(20, (2, 5), device=device)
     corrupt = torch.randint(20, (2, 5), device=device)
-    got = attribution_patching(model, clean, corrupt, lambda out: _metric(out), per_position=True)
+    got = attribution_patching(
+        model, clean, corrupt, lambda out: _metric(out), per_position=True
+    ).values
     assert got.shape == (2, 4, 5)
     assert torch.equal(got[1], torch.zeros_like(got[1]))  # no gradient reaches it
     projections = [(model.first.out_proj, 4), (model.second.out_proj, 4)]

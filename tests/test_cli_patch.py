@@ -137,7 +137,7 @@ def test_path_patching_table(
     senders, receivers = [(0, 1), (0, 0)], [(1, 1)]
     table = multihead.path_patching(
         model, pair.clean, pair.corrupt, pair.metric, senders, receivers
-    )
+    ).values
     assert [tuple(map(int, row[:4])) for row in rows] == [(0, 1, 1, 1), (0, 0, 1, 1)]
     for i, row in enumerate(rows):
         assert [float(x) for x in row[4:]] == pytest.approx(table[i, 0].tolist(), abs=1e-3)

@@ -219,9 +219,11 @@ def test_path_patching_takes_labels(lm: TransformerLM, device: torch.device) -> 
     want = multihead.path_patching(
         lm, clean, corrupt, _metric, [(0, 1), (0, 3), (1, 2)], [(2, 3), (2, 0)]
     )
-    assert got.shape == (3, 2, 3)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert float(got.abs().max()) > 1e-8
+    assert got.values.shape == (3, 2, 3)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=0)
+    assert float(got.values.abs().max()) > 1e-8
+    # the result writes the heads in the one notation, whichever way they were given
+    assert got.names == (("L0H1", "L0H3", "L1H2"), ("L2H3", "L2H0"), ("q", "k", "v"))
 
 
 def test_capture_of_heads_named_with_their_layers(lm: TransformerLM, device: torch.device) -> None:

@@ -82,16 +82,17 @@ FLOORS: dict[str, int] = {
     "mapping": 13,
     # 14: capture, statistics, head distances: seeing heads; tensors in, tensors out, no text
     "observe": 14,
-    # 15: causing: interventions, importance, patching, path patching, attribution, logit
+    # 15: pictures, the page, the head map: tensors, labels and statistics in, figures out
+    #     (below circuits, so that a patching result draws itself)
+    "viz": 15,
+    # 16: causing: interventions, importance, patching, path patching, attribution, logit
     #     attribution (texts only through a text model's own tokenize)
-    "circuits": 15,
-    # 16: the text floor: any tokenizer's batch (TokenBatch, tokenize, the one word rule),
+    "circuits": 16,
+    # 17: the text floor: any tokenizer's batch (TokenBatch, tokenize, the one word rule),
     #     TextModel (a pure model, its tokenizer, pooling), loops over texts
-    "text": 16,
-    # 17: local files -> models: load_text_model, minilm, load_bert
-    "pretrained": 17,
-    # 18: pictures, the page, the head map
-    "viz": 18,
+    "text": 17,
+    # 18: local files -> models: load_text_model, minilm, load_bert
+    "pretrained": 18,
     # 19: training (tasks, loop, plots)
     "training": 19,
     # 20: explain() and its parts (the Explanation, the focus word, head effects)

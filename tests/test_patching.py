@@ -306,10 +306,10 @@ def test_row1_a_loss_reduced_over_the_batch_is_measured_per_variant(device: torc
     with pytest.raises(ValueError, match=r"batch_size=4 stacks .* output\.loss is one number"):
         patch_heads(model, clean_kw, corrupt_kw, loss, batch_size=4, **whole)
     pairs = (clean_kw, corrupt_kw, loss)
-    table = multihead.path_patching(model, *pairs, [(0, 1), (0, 2)], [(2, 0)], **whole)
+    table = multihead.path_patching(model, *pairs, [(0, 1), (0, 2)], [(2, 0)], **whole).values
     one_at_a_time = torch.stack(
         [
-            multihead.path_patching(model, *pairs, [sender], [(2, 0)], **whole)[0]
+            multihead.path_patching(model, *pairs, [sender], [(2, 0)], **whole).values[0]
             for sender in [(0, 1), (0, 2)]
         ]
     )

@@ -11,6 +11,12 @@
   q/k/v projections record and replace one head's columns. A grouped-query Llama is compared with
   its copy whose key/value heads are repeated per query head (the same function; there, one
   query head's keys have their own columns), so the siblings of a receiver must stay untouched.
+- The whole of Wang et al., by the same hooks (run 1 freezing every head from the sender's
+  layer on, run 2 replacing every head of a set at once, at its positions; a hook on the
+  feed-forward module replacing its output for an MLP sender; the logits measured on run 1):
+  receivers at chosen positions, a set across two layers, the logits, MLP senders, both
+  directions, on TransformerLM, GPT-2 and a grouped-query Llama (kv="query_head" against its
+  per-query-head copy, kv="shared" against its own key/value columns).
 - A model built so that a sender reaches the metric only through a receiver's keys: via k is
   large, via q and v are zero (to rounding).
 """
@@ -57,8 +63,8 @@ def _bigger(model: nn.Module, std: float) -> None:
 
 def _compare(got: Tensor, want: Tensor, atol: float = 2e-5) -> None:
     assert got.shape == want.shape
-    assert want.abs().max() > 1e-3, "the reference is all ~0: nothing is tested"
-    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=1e-4)
+    assert want.nan_to_num().abs().max() > 1e-3, "the reference is all ~0: nothing is tested"
+    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=1e-4, equal_nan=True)
 
 
 # -- by hand: a two-layer attention-only model --------------------------------------------------
@@ -161,10 +167,23 @@ def test_against_a_hand_recomputation(device: torch.device) -> None:
     hand = _Hand(lm)
     senders = [(0, h) for h in range(H)]
     receivers = [(1, h) for h in range(H)]
-    got = path_patching(lm, clean, corrupt, metric, senders, receivers)
+    result = path_patching(lm, clean, corrupt, metric, senders, receivers)
+    got = result.values
     assert got.shape == (H, H, 3) and got.dtype == torch.float32
 
     base = metric(hand.clean_logits(clean)).mean()
+    # the result names its axes and cells, and carries the two runs' metrics
+    assert result.dims == ("sender", "receiver", "via") and result.direction == "noise"
+    assert result.names == (
+        tuple(f"L0H{h}" for h in range(H)),
+        tuple(f"L1H{h}" for h in range(H)),
+        VIA,
+    )
+    assert result.label((2, 1, 1)) == "L0H2 -> L1H1.k"
+    assert result.clean == pytest.approx(float(base), abs=1e-5)
+    assert result.corrupt == pytest.approx(
+        float(metric(hand.clean_logits(corrupt)).mean()), abs=1e-5
+    )
     want = torch.zeros(H, H, 3, dtype=torch.float64)
     wrong = torch.zeros(H, H, 3, dtype=torch.float64)
     for s in range(H):
@@ -180,7 +199,7 @@ def test_against_a_hand_recomputation(device: torch.device) -> None:
     some = path_patching(
         lm, clean, corrupt, metric, [(0, 2), (0, 0), (0, 2)], [(-1, 3), (1, 1)],
         via=("v", "k"), batch_size=1,
-    )  # fmt: skip
+    ).values  # fmt: skip
     assert some.shape == (3, 2, 2)
     expect = want[[2, 0, 2]][:, [3, 1]][:, :, [2, 1]]
     _compare(some, expect.to(some.device))
@@ -189,7 +208,7 @@ def test_against_a_hand_recomputation(device: torch.device) -> None:
 def test_equal_inputs_change_nothing(device: torch.device) -> None:
     lm = _attn_only(device)
     ids = torch.randint(V, (2, T), device=device)
-    got = path_patching(lm, ids, ids.clone(), _last_logprob(1), [(0, 0), (0, 3)], [(1, 2)])
+    got = path_patching(lm, ids, ids.clone(), _last_logprob(1), [(0, 0), (0, 3)], [(1, 2)]).values
     assert torch.allclose(got, torch.zeros_like(got), atol=1e-6)
 
 
@@ -199,10 +218,18 @@ def test_equal_inputs_change_nothing(device: torch.device) -> None:
 class _Site:
     """Where a layer's heads can be reached with torch hooks: ``out`` takes the concatenated
     per-head outputs (B, T, H·Dv) as its input; ``proj[kind]`` = (module, column offset) whose
-    output holds ``kind``'s heads, D columns each (one per query head)."""
+    output (B, T, ·) holds ``kind``'s heads, D columns each; query head h's keys and values are
+    the columns of head ``h // kv_group``."""
 
-    def __init__(self, out: nn.Module, dv: int, proj: dict[str, tuple[nn.Module, int]], d: int):
-        self.out, self.dv, self.proj, self.d = out, dv, proj, d
+    def __init__(
+        self,
+        out: nn.Module,
+        dv: int,
+        proj: dict[str, tuple[nn.Module, int]],
+        d: int,
+        kv_group: int = 1,
+    ) -> None:
+        self.out, self.dv, self.proj, self.d, self.kv_group = out, dv, proj, d, kv_group
 
 
 def _hook_reference(
@@ -211,10 +238,21 @@ def _hook_reference(
     clean: Any,
     corrupt: Any,
     metric: Callable[[Any], Tensor],
-    senders: list[tuple[int, int]],
-    receivers: list[tuple[int, int]],
+    senders: list[Any],
+    receivers: list[Any],
+    *,
+    mlps: list[nn.Module] | None = None,
+    via: tuple[str, ...] = VIA,
+    direction: str = "noise",
 ) -> Tensor:
-    """(senders, receivers, 3) by Wang et al.'s two runs, one forward each, with hooks."""
+    """(senders, receivers, via) by Wang et al.'s two runs, one forward each, with hooks, NaN
+    where a receiver has no such input.
+
+    Senders are ``(layer, head)`` or ``("mlp", layer)`` (``mlps[layer]``'s output replaced);
+    receivers ``(layer, head)``, ``(layer, head, positions)``, a list of these (patched
+    together) or ``"logits"``. Run 1 freezes every head from the sender's layer on (those the
+    sender cannot reach keep their target values anyway) and runs to the end."""
+    source, target = (corrupt, clean) if direction == "noise" else (clean, corrupt)
 
     def run(inputs: Any, hooks: list[tuple[nn.Module, str, Callable[..., Any]]]) -> Any:
         handles = [
@@ -234,46 +272,80 @@ def _hook_reference(
         run(inputs, [(s.out, "pre", lambda m, a: got.append(a[0])) for s in sites])
         return got
 
+    def record_mlps(inputs: Any) -> list[Tensor]:
+        got: list[Tensor] = []
+        run(inputs, [(m, "fwd", lambda m, a, out: got.append(out)) for m in mlps or []])
+        return got
+
     def columns(layer: int, head: int, kind: str) -> tuple[nn.Module, slice]:
         module, offset = sites[layer].proj[kind]
         d = sites[layer].d
-        return module, slice(offset + head * d, offset + (head + 1) * d)
+        unit = head if kind == "q" else head // sites[layer].kv_group
+        return module, slice(offset + unit * d, offset + (unit + 1) * d)
 
-    def frozen(layer: int, sender: tuple[int, int]) -> Callable[..., Any]:
-        """The layer's heads all at clean, but the sender's, from corrupt."""
-        x = clean_outs[layer].clone()
-        if layer == sender[0]:
+    def frozen(layer: int, sender: Any) -> Callable[..., Any]:
+        """The layer's heads all at the target run's, but a sender head's, from the source."""
+        x = target_outs[layer].clone()
+        if sender[0] == layer:
             dv = sites[layer].dv
             cols = slice(sender[1] * dv, (sender[1] + 1) * dv)
-            x[..., cols] = corrupt_outs[layer][..., cols]
+            x[..., cols] = source_outs[layer][..., cols]
         return lambda m, args: (x, *args[1:])
+
+    def members(receiver: Any) -> list[tuple[int, int, list[int] | None]]:
+        group = receiver if isinstance(receiver, list) else [receiver]
+        out = []
+        for layer, head, *at in group:
+            positions = None if not at else [at[0]] if isinstance(at[0], int) else list(at[0])
+            out.append((layer, head, positions))
+        return out
 
     def recording(seen: list[Tensor], cols: slice) -> Callable[..., None]:
         return lambda m, a, out: seen.append(out[..., cols].clone())
 
-    def replacing(new: Tensor, cols: slice) -> Callable[..., Tensor]:
+    def replacing(new: Tensor, cols: slice, positions: list[int] | None) -> Callable[..., Tensor]:
         def hook(m: nn.Module, a: Any, out: Tensor) -> Tensor:
             out = out.clone()
-            out[..., cols] = new
+            rows = slice(None) if positions is None else [p % out.shape[1] for p in positions]
+            out[:, rows, cols] = new[:, rows]
             return out
 
         return hook
 
     with torch.no_grad():
-        base = metric(_run(model, clean)).mean()
-        clean_outs, corrupt_outs = record_outs(clean), record_outs(corrupt)
-        result = torch.zeros(len(senders), len(receivers), 3, dtype=torch.float64)
+        base = metric(_run(model, target)).mean()
+        target_outs, source_outs = record_outs(target), record_outs(source)
+        source_mlps = record_mlps(source)
+        result = torch.full((len(senders), len(receivers), len(via)), math.nan, dtype=torch.float64)
         for i, sender in enumerate(senders):
-            freeze = [
-                (sites[n].out, "pre", frozen(n, sender)) for n in range(sender[0], len(sites))
-            ]
-            for j, (layer, head) in enumerate(receivers):
-                for k, kind in enumerate(VIA):
-                    module, cols = columns(layer, head, kind)
-                    seen: list[Tensor] = []
-                    run(clean, [*freeze, (module, "fwd", recording(seen, cols))])  # run 1
-                    out = run(clean, [(module, "fwd", replacing(seen[0], cols))])  # run 2
-                    result[i, j, k] = metric(out).mean() - base
+            mlp = sender[0] == "mlp"
+            layer0 = sender[1] if mlp else sender[0]
+            run1 = [(sites[n].out, "pre", frozen(n, sender)) for n in range(layer0, len(sites))]
+            if mlp:
+                assert mlps is not None
+                run1.append((mlps[layer0], "fwd", lambda m, a, out, x=source_mlps[layer0]: x))
+            for j, receiver in enumerate(receivers):
+                if receiver == "logits":
+                    if "resid" in via:
+                        out = run(target, run1)  # run 1 is the patched run
+                        result[i, j, via.index("resid")] = metric(out).mean() - base
+                    continue
+                for k, kind in enumerate(via):
+                    if kind == "resid":
+                        continue
+                    seen: list[list[Tensor]] = []
+                    record, replace = [], []
+                    for layer, head, positions in members(receiver):
+                        module, cols = columns(layer, head, kind)
+                        seen.append([])
+                        record.append((module, "fwd", recording(seen[-1], cols)))
+                        replace.append((module, positions, cols))
+                    run(target, [*run1, *record])  # run 1
+                    run2 = [
+                        (module, "fwd", replacing(got[0], cols, positions))
+                        for (module, positions, cols), got in zip(replace, seen, strict=True)
+                    ]
+                    result[i, j, k] = metric(run(target, run2)).mean() - base  # run 2
     return result
 
 
@@ -297,10 +369,10 @@ def test_transformer_lm_with_feed_forward(device: torch.device) -> None:
     metric = _last_logprob(2)
     # senders in two layers, receivers in two (frozen heads and feed-forward networks between)
     senders, receivers = [(0, 1), (1, 3), (0, 2)], [(2, 0), (3, 2), (2, 3)]
-    got = path_patching(lm, clean, corrupt, metric, senders, receivers, batch_size=4)
+    got = path_patching(lm, clean, corrupt, metric, senders, receivers, batch_size=4).values
     want = _hook_reference(lm, _own_sites(lm), clean, corrupt, metric, senders, receivers)
     _compare(got, want.to(got.device))
-    auto = path_patching(lm, clean, corrupt, metric, senders, receivers)
+    auto = path_patching(lm, clean, corrupt, metric, senders, receivers).values
     torch.testing.assert_close(auto, got, rtol=1e-5, atol=1e-6)
 
 
@@ -315,10 +387,11 @@ def test_blocks_before_the_patched_layer_are_not_run(device: torch.device) -> No
     ids = torch.randint(V, (2, 5), device=device)
     other = torch.randint(V, (2, 5), device=device)
     path_patching(lm, ids, other, _last_logprob(1), [(0, 0), (0, 1)], [(2, 0)], batch_size=2)
-    # corrupt (ends at layer 0), clean recording the frozen layer 1 (ends there), clean and
-    # check (the last layer only) of the prefix reuse, run 1 (one forward of both senders,
-    # from layer 0, ending at layer 2's inputs), run 2 (6 variants, 3 forwards, from layer 2)
-    assert calls == [1 + 1 + 1 + 1, 1 + 1 + 1, 1 + 1 + 1 + 3]
+    # corrupt (whole: its metric is reported), clean recording the frozen layer 1 (ends there),
+    # clean and check (the last layer only) of the prefix reuse, run 1 (one forward of both
+    # senders, from layer 0, ending at layer 2's inputs), run 2 (6 variants, 3 forwards, from
+    # layer 2)
+    assert calls == [1 + 1 + 1 + 1, 1 + 1 + 1 + 1, 1 + 1 + 1 + 1 + 3]
 
 
 @pytest.mark.cpu_only
@@ -348,7 +421,7 @@ def test_bert_padded(device: torch.device) -> None:
 
     senders, receivers = [(0, 0), (1, 2)], [(2, 1), (2, 3)]
     bert.unpad = True
-    got = path_patching(bert, clean, corrupt, metric, senders, receivers)
+    got = path_patching(bert, clean, corrupt, metric, senders, receivers).values
     bert.unpad = False  # the reference's hooks read (B, T, ·) projections
     want = _hook_reference(bert, _own_sites(bert), clean, corrupt, metric, senders, receivers)
     _compare(got, want, atol=5e-5)
@@ -357,11 +430,11 @@ def test_bert_padded(device: torch.device) -> None:
 # -- Hugging Face: GPT-2, and a grouped-query Llama against its per-query-head copy -------------
 
 
-def _gpt2(device: torch.device) -> tuple[nn.Module, list[_Site]]:
+def _gpt2(device: torch.device, layers: int = 3) -> tuple[nn.Module, list[_Site]]:
     transformers = pytest.importorskip("transformers", minversion="5")
     torch.manual_seed(4)
     config = transformers.GPT2Config(
-        vocab_size=50, n_embd=24, n_layer=3, n_head=4, n_positions=32, bos_token_id=0,
+        vocab_size=50, n_embd=24, n_layer=layers, n_head=4, n_positions=32, bos_token_id=0,
         eos_token_id=0,
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config).to(device).eval()
@@ -374,10 +447,10 @@ def _gpt2(device: torch.device) -> tuple[nn.Module, list[_Site]]:
     return model, sites
 
 
-def _llama(device: torch.device, kv_heads: int) -> nn.Module:
+def _llama(device: torch.device, kv_heads: int, layers: int = 3) -> nn.Module:
     transformers = pytest.importorskip("transformers", minversion="5")
     config = transformers.LlamaConfig(
-        vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=3,
+        vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=layers,
         num_attention_heads=6, num_key_value_heads=kv_heads, max_position_embeddings=32,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).to(device).eval()
@@ -389,7 +462,7 @@ def test_gpt2(device: torch.device) -> None:
     corrupt = torch.randint(50, (2, 6), device=device)
     metric = _last_logprob(7)
     senders, receivers = [(0, 1), (1, 0)], [(2, 3), (2, 0)]
-    got = path_patching(model, clean, corrupt, metric, senders, receivers)
+    got = path_patching(model, clean, corrupt, metric, senders, receivers).values
     want = _hook_reference(model, sites, clean, corrupt, metric, senders, receivers)
     _compare(got, want.to(got.device))
 
@@ -417,9 +490,131 @@ def test_grouped_query_llama_leaves_the_siblings_alone(device: torch.device) -> 
         for layer in copy.model.layers
     ]  # fmt: skip
     senders, receivers = [(0, 2), (1, 5)], [(2, 1), (2, 0)]  # 0 and 1 share a key/value head
-    got = path_patching(model, clean, corrupt, metric, senders, receivers)
+    got = path_patching(model, clean, corrupt, metric, senders, receivers).values
     want = _hook_reference(copy, sites, clean, corrupt, metric, senders, receivers)
     _compare(got, want.to(got.device), atol=5e-5)
+
+
+# -- the whole of Wang et al.: positions, sets, the logits, MLP senders, both directions ---------
+
+# senders as path_patching takes them, and as the reference reads them
+SENDERS: list[Any] = [(0, 1), ("mlp", 0), "L1H2", "mlp1"]
+REFERENCE_SENDERS: list[Any] = [(0, 1), ("mlp", 0), (1, 2), ("mlp", 1)]
+# a query (key, value) at the last position; a set across two layers, one head at two
+# positions; a whole head; the logits; a head at the first and last positions
+RECEIVERS: list[Any] = [(2, 0, -1), [(2, 3), (3, 1, [1, 2])], (3, 2), "logits", (2, 1, [0, -1])]
+EVERY = ("q", "k", "v", "resid")
+NAMES = (
+    ("L0H1", "MLP0", "L1H2", "MLP1"),
+    ("L2H0@[5]", "{L2H3, L3H1@[1, 2]}", "L3H2", "logits", "L2H1@[0, 5]"),
+    EVERY,
+)
+
+
+def _whole(
+    model: nn.Module,
+    reference: tuple[nn.Module, list[_Site], list[nn.Module]],
+    direction: str,
+    device: torch.device,
+    *,
+    kv: str = "query_head",
+    atol: float = 2e-5,
+) -> Tensor:
+    """path_patching of SENDERS and RECEIVERS against the hook reference (of ``reference``'s
+    model, sites and feed-forward networks); returns the values."""
+    g = torch.Generator().manual_seed(11)  # the same inputs at every call
+    clean, corrupt = torch.randint(50, (2, 2, 6), generator=g).to(device).unbind()
+    metric = _last_logprob(4)
+    result = path_patching(
+        model, clean, corrupt, metric, SENDERS, RECEIVERS, direction=direction, kv=kv,
+        batch_size=5,
+    )  # fmt: skip
+    want = _hook_reference(
+        reference[0], reference[1], clean, corrupt, metric, REFERENCE_SENDERS, RECEIVERS,
+        mlps=reference[2], via=EVERY, direction=direction,
+    )  # fmt: skip
+    _compare(result.values, want.to(device), atol=atol)
+    assert result.names == NAMES and result.direction == direction
+    # a head has no "resid", the logits have no q, k, v: NaN there, every other cell a number
+    assert result.values[:, 3, :3].isnan().all() and result.values[:, [0, 1, 2, 4], 3].isnan().all()
+    with torch.no_grad():
+        assert result.clean == pytest.approx(float(metric(_run(model, clean)).mean()), abs=1e-5)
+        assert result.corrupt == pytest.approx(float(metric(_run(model, corrupt)).mean()), abs=1e-5)
+    # as many variants a forward as the budget holds: the same numbers
+    auto = path_patching(
+        model, clean, corrupt, metric, SENDERS, RECEIVERS, direction=direction, kv=kv
+    )
+    torch.testing.assert_close(auto.values, result.values, rtol=1e-5, atol=1e-6, equal_nan=True)
+    return result.values
+
+
+@pytest.mark.parametrize("direction", ["noise", "denoise"])
+def test_the_whole_of_wang_et_al_on_transformer_lm(direction: str, device: torch.device) -> None:
+    torch.manual_seed(7)
+    lm = TransformerLM(50, E, 4, 4, 40, max_len=16).to(device).eval()
+    _bigger(lm, 0.5)
+    _whole(lm, (lm, _own_sites(lm), [b.ff for b in lm.blocks]), direction, device)
+
+
+@pytest.mark.parametrize("direction", ["noise", "denoise"])
+def test_the_whole_of_wang_et_al_on_gpt2(direction: str, device: torch.device) -> None:
+    model, sites = _gpt2(device, layers=4)
+    mlps = [b.mlp for b in model.transformer.h]  # type: ignore[union-attr]
+    _whole(model, (model, sites, mlps), direction, device)
+
+
+@pytest.mark.parametrize("direction", ["noise", "denoise"])
+def test_the_whole_of_wang_et_al_on_a_grouped_query_llama(
+    direction: str, device: torch.device
+) -> None:
+    torch.manual_seed(8)
+    model = _llama(device, kv_heads=2, layers=4)
+    _bigger(model, 0.5)
+    copy = _llama(device, kv_heads=6, layers=4)  # each key/value head repeated per query head
+    state = model.state_dict()
+    for name, t in list(state.items()):
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            state[name] = t.unflatten(0, (2, 4)).repeat_interleave(3, 0).flatten(0, 1)
+    copy.load_state_dict(state)
+
+    def sites(m: Any, group: int) -> list[_Site]:
+        return [
+            _Site(layer.self_attn.o_proj, 4,
+                  {"q": (layer.self_attn.q_proj, 0), "k": (layer.self_attn.k_proj, 0),
+                   "v": (layer.self_attn.v_proj, 0)}, 4, kv_group=group)
+            for layer in m.model.layers
+        ]  # fmt: skip
+
+    # kv="query_head": one query head's keys and values, as its copy's own columns
+    own = _whole(
+        model, (copy, sites(copy, 1), [la.mlp for la in copy.model.layers]), direction, device,
+        atol=5e-5,
+    )  # fmt: skip
+    # kv="shared": the key/value head's columns, which its 3 query heads read
+    shared = _whole(
+        model, (model, sites(model, 3), [la.mlp for la in model.model.layers]), direction,
+        device, kv="shared", atol=5e-5,
+    )  # fmt: skip
+    # the queries and the logits agree; the keys and values differ where siblings read them
+    torch.testing.assert_close(shared[:, :, [0, 3]], own[:, :, [0, 3]], equal_nan=True)
+    assert (shared[:, :, 1:3] - own[:, :, 1:3]).nan_to_num().abs().max() > 1e-3
+
+
+def test_a_set_is_not_its_members_one_at_a_time(device: torch.device) -> None:
+    torch.manual_seed(9)
+    lm = TransformerLM(50, E, 4, 3, 40, max_len=16).to(device).eval()
+    _bigger(lm, 0.5)
+    clean = torch.randint(50, (2, 6), device=device)
+    corrupt = torch.randint(50, (2, 6), device=device)
+    metric = _last_logprob(4)
+    members = [(1, 0), (2, 1), (2, 3)]
+    got = path_patching(lm, clean, corrupt, metric, [(0, 2)], [members, *members], via=("v",))
+    together, alone = got.values[0, 0, 0], got.values[0, 1:, 0]
+    assert (together - alone.sum()).abs() > 1e-4  # paths through several heads interact
+    want = _hook_reference(
+        lm, _own_sites(lm), clean, corrupt, metric, [(0, 2)], [members], via=("v",)
+    )
+    _compare(got.values[:, :1], want.to(device))
 
 
 # -- a sender that reaches the metric only through the receiver's keys --------------------------
@@ -459,7 +654,7 @@ def test_a_path_through_the_keys_only(device: torch.device) -> None:
     model = model.to(device).eval()
     clean = torch.randint(V, (4, T), device=device)
     corrupt = torch.randint(V, (4, T), device=device)
-    got = path_patching(model, clean, corrupt, _last_logprob(3), [(0, 0)], [(1, 1), (1, 2)])
+    got = path_patching(model, clean, corrupt, _last_logprob(3), [(0, 0)], [(1, 1), (1, 2)]).values
     q, k, v = got[0, 0].tolist()
     assert abs(k) > 1e-2
     assert abs(q) < 1e-5 and abs(v) < 1e-5
@@ -489,13 +684,19 @@ def test_bad_inputs_name_the_argument() -> None:
         path_patching(lm, ids, ids, metric, [(0, 0), (1, 2)], [(1, 0)])
     with pytest.raises(ValueError, match=r"senders item \(1, 0\) must be in an earlier layer"):
         path_patching(lm, ids, ids, metric, [(1, 0)], [(0, 0)])
-    with pytest.raises(ValueError, match=r"via item must be one of 'q', 'k', 'v', got 'o'"):
+    with pytest.raises(
+        ValueError, match=r"via item must be one of 'q', 'k', 'v', 'resid', got 'o'"
+    ):
         path_patching(lm, ids, ids, metric, s, r, via=("k", "o"))
-    with pytest.raises(TypeError, match=r"via must be a sequence of 'q', 'k', 'v' .* got 'k'"):
+    with pytest.raises(
+        TypeError, match=r"via must be a sequence of 'q', 'k', 'v', 'resid' .* got 'k'"
+    ):
         path_patching(lm, ids, ids, metric, s, r, via="k")
     with pytest.raises(ValueError, match=r"via must name at least one"):
         path_patching(lm, ids, ids, metric, s, r, via=())
-    with pytest.raises(ValueError, match=r"receivers must name at least one \(layer, head\)"):
+    with pytest.raises(
+        ValueError, match=r"receivers must name at least one of \(layer, head\), .* 'logits'"
+    ):
         path_patching(lm, ids, ids, metric, s, [])
     with pytest.raises(
         TypeError,
@@ -513,3 +714,69 @@ def test_bad_inputs_name_the_argument() -> None:
     assert not any(m.observers for m in lm.modules() if isinstance(m, MultiHeadAttention))
     assert all("forward" not in vars(b) for b in lm.blocks)
     assert multihead.path_patching is path_patching  # the lazy public name
+
+
+def test_bad_ends_of_a_path_name_the_item() -> None:
+    torch.manual_seed(0)
+    lm = TransformerLM(V, E, 4, 2, 40, max_len=16).eval()
+    ids = torch.randint(V, (2, 5))
+    metric = _last_logprob(0)
+    s, r = [(0, 0)], [(1, 0)]
+
+    def refused(error: type[Exception], match: str, **kwargs: Any) -> None:
+        with pytest.raises(error, match=match):
+            path_patching(lm, ids, ids, metric, **{"senders": s, "receivers": r, **kwargs})
+
+    # the receivers' forms
+    refused(
+        ValueError,
+        r"receivers item L1H0@\[9\] position index 9 is out of range: there are 5 positions in "
+        r"the receivers' inputs \(0..4\)",
+        receivers=[(1, 0, 9)],
+    )
+    refused(ValueError, r"receivers item \(1, 0, \[\]\): positions must name at least one",
+            receivers=[(1, 0, [])])  # fmt: skip
+    refused(TypeError, r"positions must be an int or a sequence of ints, got '3'",
+            receivers=[(1, 0, "3")])  # fmt: skip
+    refused(TypeError, r"a set of receivers patched together is a list, e\.g\. \[\(1, 3\)",
+            receivers=[((1, 0), (1, 1))])  # fmt: skip
+    refused(ValueError, r"a set of receivers holds heads, .* got 'logits'",
+            receivers=[[(1, 0), "logits"]])  # fmt: skip
+    refused(ValueError, r"a set of receivers holds heads, .* got \[\(1, 1\)\]",
+            receivers=[[(1, 0), [(1, 1)]]])  # fmt: skip
+    refused(TypeError, r"receivers item must be one of .* got 1.5", receivers=[1.5])
+    # via against the receivers
+    refused(ValueError, r"via must hold 'resid' .* when 'logits' is a receiver, got \('q',\)",
+            receivers=["logits"], via=("q",))  # fmt: skip
+    refused(ValueError, r"via must hold 'q', 'k' or 'v' .* got \('resid',\)", via=("resid",))
+    # the senders' forms
+    refused(ValueError, r"senders item 'mlp9': layer index 9 is out of range: there are 2",
+            senders=["mlp9"])  # fmt: skip
+    refused(ValueError, r"senders item 'MLP1' must be in an earlier layer than every receiver",
+            senders=[("MLP", 1)])  # fmt: skip
+    refused(TypeError, r"senders item must be a \(layer, head\) pair of ints, got \('mlp',\)",
+            senders=[("mlp",)])  # fmt: skip
+    attn_only = TransformerLM(V, E, 4, 2, 40, max_len=16, attn_only=True).eval()
+    with pytest.raises(ValueError, match=r"senders item 'mlp0': block 0 of .* has no feed-forward"):
+        path_patching(attn_only, ids, ids, metric, ["mlp0"], r)
+    # the switches
+    refused(ValueError, r"direction must be one of 'denoise', 'noise', got 'sideways'",
+            direction="sideways")  # fmt: skip
+    refused(ValueError, r"kv must be one of 'query_head', 'shared', got 'both'", kv="both")
+    assert not any(m.observers for m in lm.modules() if isinstance(m, MultiHeadAttention))
+
+
+def test_a_feed_forward_sender_on_a_tensor_parallel_model_is_refused() -> None:
+    from multihead import hf
+    from multihead.head_shard import HeadShard
+
+    model = _llama(torch.device("cpu"), kv_heads=2)
+    for _, site in hf.attention_sites(model):  # told it is split over two ranks
+        site.head_shard = HeadShard(num_heads=6, rank=0, world_size=2)
+    ids = torch.randint(50, (2, 5))
+    with pytest.raises(
+        ValueError,
+        match=r"feed-forward network senders \('MLP3'\) on a tensor-parallel model are not "
+        r"supported",
+    ):
+        path_patching(model, ids, ids, _last_logprob(0), ["mlp0"], ["logits"])

@@ -442,10 +442,16 @@ def test_attribution_of_each_site_equals_finite_differences(
     clean = torch.randint(30, (2, 4), device=device)
     corrupt = clean.clone()
     corrupt[:, 1] = (corrupt[:, 1] + 7) % 30
-    got = multihead.attribution_patching(
+    estimate = multihead.attribution_patching(
         model, clean, corrupt, _metric, site=site, per_position=True
     )
+    got = estimate.values
     residual = site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+    # patch's axes, and the two runs' metrics, each from a plain forward
+    dims = ("layer", "position") if residual else ("layer", "head", "position")
+    assert estimate.dims == dims and estimate.site == site
+    assert estimate.clean == pytest.approx(float(_metric(_run(model, clean, [])).mean()))
+    assert estimate.corrupt == pytest.approx(float(_metric(_run(model, corrupt, [])).mean()))
     units = 1 if residual else parts.kv_heads if site in ("k", "v") else parts.heads
     # Llama's RMSNorm computes in float32 whatever the model's dtype: its rounding (~6e-8 of
     # the metric) over the step bounds the difference's error, a longer step, looser
@@ -457,7 +463,7 @@ def test_attribution_of_each_site_equals_finite_differences(
                 cell = (layer, at) if residual else (layer, unit, at)
                 assert float(got[cell]) == pytest.approx(want, rel=rel, abs=abs_), cell
     whole = multihead.attribution_patching(model, clean, corrupt, _metric, site=site)
-    torch.testing.assert_close(whole, got.sum(-1))
+    torch.testing.assert_close(whole.values, got.sum(-1))
 
 
 def test_a_result_without_a_finite_gap_still_lists_its_cells() -> None:

@@ -211,15 +211,24 @@ def _circuits(model: Any, clean: torch.Tensor, corrupt: torch.Tensor, last: int)
         model, clean, corrupt, logit_diff, direction="noise", per_position=True,
         heads=[(1, last), (1, 0), (0, 1)], batch_size=3,
     )  # fmt: skip
-    out["attribution"] = attribution_patching(model, clean, corrupt, logit_diff, per_position=True)
+    out["attribution"] = attribution_patching(
+        model, clean, corrupt, logit_diff, per_position=True
+    ).values
     out["paths"] = path_patching(
         model, clean, corrupt, logit_diff, senders=[(0, last), (0, 0)],
         receivers=[(1, 1), (1, last)], batch_size=3,
-    )  # fmt: skip
+    ).values  # fmt: skip
     out["paths_kv"] = path_patching(
         model, clean, corrupt, logit_diff, senders=[(0, 0)], receivers=[(1, last)],
         via=("v", "k"),
-    )  # fmt: skip
+    ).values  # fmt: skip
+    # Wang et al.'s other cases: a receiver at one position, a set of heads on two ranks, the
+    # logits; denoising; the key/value head shared by its query heads
+    out["paths_whole"] = path_patching(
+        model, clean, corrupt, logit_diff, senders=[(0, last), (0, 0)],
+        receivers=[(1, last, -1), [(1, 0), (1, last)], "logits"], direction="denoise",
+        kv="shared", batch_size=4,
+    ).values  # fmt: skip
     parts = logit_attribution(model, clean, answer=5, wrong=7)
     out["logit_attribution_heads"] = parts.heads  # (L, H, T)
     out["logit_attribution_rest"] = torch.stack(
@@ -395,6 +404,7 @@ CASES = {
     "attribution": OUT_ATOL,
     "paths": OUT_ATOL,
     "paths_kv": OUT_ATOL,
+    "paths_whole": OUT_ATOL,
     "logit_attribution_heads": OUT_ATOL,
     "logit_attribution_rest": OUT_ATOL,
     "logit_attribution_total": OUT_ATOL,
@@ -467,6 +477,9 @@ def test_circuits_see_heads_of_every_rank(group: Any) -> None:
             assert per_head[:, last].abs().max() > 100 * OUT_ATOL, (family, case)
         assert got["paths"][0].abs().max() > 100 * OUT_ATOL, family  # sender (0, last)
         assert got["paths"][:, 1].abs().max() > 100 * OUT_ATOL, family  # receiver (1, last)
+        for receiver in range(3):  # each of the new receivers moves the metric
+            cells = got["paths_whole"][:, receiver].nan_to_num()
+            assert cells.abs().max() > 100 * OUT_ATOL, (family, receiver)
         assert got["logit_attribution_total"].abs().max() < 1e-4, family  # the parts add up
 
 

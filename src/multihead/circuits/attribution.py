@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, describe
 from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
 from multihead.circuits.experiment import Experiment, warn_if_random
-from multihead.circuits.input_pair import Metric
+from multihead.circuits.input_pair import Metric, metric_value
+from multihead.circuits.patch_result import PatchResult
 from multihead.circuits.patching import DIRECTIONS, record_layers
 from multihead.circuits.steering import head_table
 from multihead.head_shard import every_head
@@ -45,7 +46,7 @@ def attribution_patching(
     direction: str = "denoise",
     metric_input: str = "logits",
     site: str = "z",
-) -> Tensor:
+) -> PatchResult:
     r"""The first-order estimate of :func:`~multihead.patch_heads`, from two forwards and one
     backward.
 
@@ -76,14 +77,21 @@ def attribution_patching(
         direction: ``"denoise"`` or ``"noise"``: which run is patched (see above).
 
     Returns:
-        (L, H), or (L, H, T) with ``per_position``, in the metric's dtype (float32 at least)
-        and device; NaN where a layer has fewer heads than the most. On a tensor-parallel model
-        (every rank calling this together) each rank scores the heads it holds and every rank
-        gets every head's.
+        A :class:`~multihead.circuits.patch_result.PatchResult` with :func:`multihead.patch`'s
+        axes for the site: values (L, H), or (L, H, T) with ``per_position`` (for z), in the
+        metric's dtype (float32 at least) and device, NaN where a layer has fewer heads than
+        the most; the clean and corrupt metrics (of the two forwards) beside them. On a
+        tensor-parallel model (every rank calling this together) each rank scores the heads it
+        holds and every rank gets every head's.
 
     Raises:
         ValueError, TypeError: as :func:`~multihead.patch_heads`, and a metric that does not
             depend on the heads through autograd.
+
+    Example:
+        >>> estimate = attribution_patching(lm, clean_ids, corrupt_ids, logit_diff)
+        >>> estimate.values  # (L, H), as patch_heads'
+        >>> estimate.top(5), estimate.plot()
     """
     check_choice("direction", direction, DIRECTIONS)
     check_choice("site", site, SITES)
@@ -91,14 +99,31 @@ def attribution_patching(
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     warn_if_random(model, "attribution_patching")
+    dims: tuple[str, ...] = ("layer",) if site in RESIDUAL_SITES else ("layer", "head")
+    dims += ("position",) if per_position else ()
     if site not in ("z", "result"):  # result is linear in z: the same estimate
-        return _SiteAttribution(experiment, site).estimate(direction, per_position)
+        values, source_value, target_value = _SiteAttribution(experiment, site).estimate(
+            direction, per_position
+        )
+    else:
+        values, source_value, target_value = _estimate_heads(experiment, direction, per_position)
+    clean, corrupt = (
+        (source_value, target_value) if direction == "denoise" else (target_value, source_value)
+    )
+    return PatchResult(values, dims, site, direction, clean, corrupt)
+
+
+def _estimate_heads(
+    experiment: Experiment, direction: str, per_position: bool
+) -> tuple[Tensor, float, float]:
+    """Every head's estimate (L, H) or (L, H, T), and the metric on the source and target
+    runs."""
     found, pair = experiment.found, experiment.pair
     source, target = pair.pick(direction)
     layers = list(range(len(found)))
 
     with torch.no_grad(), record_layers(found, layers) as sources:
-        pair.run(source)
+        source_value = experiment.value(source, "source run")
     xis: dict[int, Tensor] = {}
     targets: dict[int, Tensor] = {}
     leaves = (
@@ -132,7 +157,7 @@ def attribution_patching(
         per_token = every_head(per_token, 1, found[layer][1].head_shard)
         heads = per_token.shape[1]
         result[layer, :heads] = per_token.T if per_position else per_token.sum(0)
-    return result
+    return result, float(source_value), float(value.detach())
 
 
 def _leaf(layer: int, xis: dict[int, Tensor], targets: dict[int, Tensor]) -> Any:
@@ -172,14 +197,20 @@ class _SiteAttribution:
                 f"use site='z' there"
             )
 
-    def estimate(self, direction: str, per_position: bool) -> Tensor:
+    def estimate(self, direction: str, per_position: bool) -> tuple[Tensor, float, float]:
+        """The estimate (module docstring's shapes), and the metric on the source and target
+        runs."""
         experiment, site = self.experiment, self.site
         source, target = experiment.pair.pick(direction)
         layers = range(len(experiment.found))
         names = [(site, layer) for layer in layers]
-        with torch.no_grad():
+        outputs: list[Any] = []  # the source run's output, as the cache's forward returns it
+        keep = experiment.model.register_forward_hook(lambda m, a, out: outputs.append(out))
+        with torch.no_grad(), registered([keep]):
             sources = cache(experiment.model, source, names=names)
             targets = cache(experiment.model, target, names=names)
+        pair = experiment.pair
+        source_value = metric_value(experiment.metric, outputs[0], pair.batch, "source run")
         xis: dict[int, Tensor] = {}
         with registered(self._leaves(xis)), torch.enable_grad():
             value = experiment.value(target, "target run")
@@ -215,7 +246,7 @@ class _SiteAttribution:
                 result[layer] = cells if per_position else cells.sum()
             else:
                 result[layer, : cells.shape[1]] = cells.T if per_position else cells.sum(0)
-        return result
+        return result, float(source_value), float(value.detach())
 
     def _leaves(self, xis: dict[int, Tensor]) -> Any:
         """The hooks (and editors, observers) adding each layer's ξ where the site is made."""

@@ -14,6 +14,13 @@ Axis order, one for every site: layer first, then head (per-head sites), then po
 A result whose axes are not layers, heads and positions (path patching's senders, receivers
 and their inputs) names each index along each axis in :attr:`PatchResult.names`.
 
+:meth:`PatchResult.plot` draws the effects as one heatmap (:func:`multihead.viz.plots.
+effects_figure`, a diverging scale around 0, NaN cells blank), rows and columns by the axes:
+
+    (L,)          layers × the site                 (L, T)      layers × positions
+    (L, H)        layers × heads                    (L, H, T)   the top heads × positions
+    (N, R, X)     senders × each receiver's inputs (``"L1H3.k"``)
+
 Shapes: L layers, H heads, Hk key/value heads, T positions, N senders, R receivers, X receiver
 inputs.
 """
@@ -21,15 +28,23 @@ inputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from multihead._checks import check_positive_int
+from multihead._checks import check_positive_int, describe
+from multihead.sites import head_label
+from multihead.viz.plots import effects_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["PatchResult"]
+
+_PATH_DIMS = ("sender", "receiver", "via")
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,7 @@ class PatchResult:
         dims: the axes' names: ``("layer", "head")``, ``("layer", "head", "position")``,
             ``("layer",)``, ``("layer", "position")``; ``("sender", "receiver", "via")`` for
             path patching.
-        site: the site patched (``"z"``, ``"resid_pre"``, ...).
+        site: the site patched (``"z"``, ``"resid_pre"``, ...; ``"path"`` for path patching).
         direction: ``"denoise"`` (the corrupt run, patched from the clean one) or ``"noise"``.
         clean: the metric on the clean run.
         corrupt: the metric on the corrupt run.
@@ -78,7 +93,7 @@ class PatchResult:
             parts = {
                 dim: axis[i] for dim, axis, i in zip(self.dims, self.names, index, strict=True)
             }
-            if self.dims == ("sender", "receiver", "via"):
+            if self.dims == _PATH_DIMS:
                 return f"{parts['sender']} -> {parts['receiver']}.{parts['via']}"
             return " ".join(parts.values())
         named = dict(zip(self.dims, index, strict=True))
@@ -134,6 +149,93 @@ class PatchResult:
             row["normalized"] = normal[i] if normal is not None else None
             rows.append(row)
         return rows
+
+    def plot(
+        self, *, top: int = 10, tokens: Sequence[str] | None = None, title: str | None = None
+    ) -> Figure:
+        """The effects as one heatmap (module docstring): a diverging scale centred on 0, NaN
+        cells (nothing patched) blank, each cell labelled with its value when there are at
+        most 24 columns.
+
+        Args:
+            top: for (L, H, T), how many heads to draw: those with the largest
+                Σ_t |P[l, h, t]|, largest first (heads never patched left out).
+            tokens: names of the T positions (e.g. the clean input's tokens); default their
+                numbers.
+            title: the figure's title; default the site and direction.
+
+        Returns:
+            A matplotlib Figure (save it with :func:`multihead.viz.plots.save_figure`).
+
+        Raises:
+            ValueError: ``tokens`` not of the result's length, ``top`` not positive.
+            ImportError: matplotlib is missing (the ``viz`` extra).
+        """
+        check_positive_int("top", top)
+        grid, rows, columns, ylabel, xlabel = self._grid(top, tokens)
+        if title is None:
+            what = "Path patching" if self.dims == _PATH_DIMS else f"Patching {self.site}"
+            title = f"{what} ({self.direction})"
+        return effects_figure(
+            grid, rows, columns, title=title, label=f"metric change ({self.direction})",
+            xlabel=xlabel, ylabel=ylabel,
+        )  # fmt: skip
+
+    def _grid(
+        self, top: int, tokens: Sequence[str] | None
+    ) -> tuple[Tensor, list[str], list[str], str, str]:
+        """(the (rows, columns) effects to draw, row labels, column labels, the rows' axis
+        label, the columns')."""
+        values = self.values.detach().float().cpu()
+        if self.dims == _PATH_DIMS and self.names is not None:
+            senders, receivers, via = self.names
+            # a logits receiver has one input, the residual stream; a head has q, k, v
+            cells = [
+                (j, x)
+                for j, receiver in enumerate(receivers)
+                for x, kind in enumerate(via)
+                if (receiver == "logits") == (kind == "resid")
+            ]
+            grid = torch.stack([values[:, j, x] for j, x in cells], dim=1)  # (N, columns)
+            columns = [
+                "logits" if receivers[j] == "logits" else f"{receivers[j]}.{via[x]}"
+                for j, x in cells
+            ]
+            return grid, list(senders), columns, "sender", "receiver.input"
+        layers = [str(layer) for layer in range(values.shape[0])]
+        unit = "key/value head" if self.site in ("k", "v") else "head"
+        if self.dims == ("layer",):
+            return values[:, None], layers, [self.site], "layer", ""
+        if self.dims == ("layer", "head"):
+            return values, layers, [str(h) for h in range(values.shape[1])], "layer", unit
+        positions = self._positions(values.shape[-1], tokens)
+        if self.dims == ("layer", "position"):
+            return values, layers, positions, "layer", "position"
+        if self.dims != ("layer", "head", "position"):
+            raise ValueError(
+                f"plot() draws the axes patch and path_patching give, got dims {self.dims}"
+            )
+        n = values.shape[1]
+        patched = ~values.isnan().all(-1).flatten()  # (L·H,) the heads patched at all
+        order = values.abs().nansum(-1).flatten().argsort(descending=True).tolist()
+        heads = [(i // n, i % n) for i in order if patched[i]][:top]
+        if not heads:
+            raise ValueError("plot(): no head of this result was patched (every value is NaN)")
+        grid = torch.stack([values[layer, head] for layer, head in heads])  # (top, T)
+        return grid, [head_label(*h) for h in heads], positions, unit, "position"
+
+    @staticmethod
+    def _positions(t: int, tokens: Sequence[str] | None) -> list[str]:
+        """The T positions' column labels: ``tokens``, or their numbers."""
+        if tokens is None:
+            return [str(i) for i in range(t)]
+        if isinstance(tokens, str) or not isinstance(tokens, Sequence):
+            raise TypeError(f"tokens must be a sequence of {t} strings, got {describe(tokens)}")
+        if len(tokens) != t:
+            raise ValueError(
+                f"tokens must name the result's {t} positions, got {len(tokens)} tokens"
+            )
+        return [str(token) for token in tokens]
 
 
 def _indices(shape: torch.Size) -> list[tuple[int, ...]]:

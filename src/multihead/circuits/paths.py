@@ -1,29 +1,48 @@
-"""Path patching: does a head's change reach the metric through a later head's q, k or v?
+r"""Path patching: does a sender's change reach the metric through a later head's q, k or v, or
+through no head at all?
 
 Activation patching (:func:`~multihead.circuits.patching.patch_heads`) says that a head matters;
 path patching (Wang et al. 2022, "Interpretability in the Wild", the IOI circuit) says through
-which later head, and through which of its inputs. For a sender head s, a receiver head r in a
-later layer and one of r's inputs x ∈ {q, k, v}:
+which later heads, and through which of their inputs. With ``(source, target) = (corrupt,
+clean)`` for ``direction="noise"`` (the default, Wang et al.'s) and ``(clean, corrupt)`` for
+``"denoise"``; a sender s (head (l, h)'s output :math:`z_{l,h}`, or block l's feed-forward
+output :math:`m_l`); a receiver r, a set of heads R (one head, or several patched together),
+each with the positions :math:`P_h` of its input to patch (every position by default); and
+:math:`x \in \{q, k, v\}` one input of the receivers' heads:
 
-1. run the clean input with s's per-head output taken from the corrupt run and every other
-   head's output frozen at its clean value; feed-forward networks, norms and embeddings are
-   recomputed, so the change reaches r directly and through the feed-forward networks, never
-   through another head. Record r's x (its queries, or the keys or values its query head sees);
-2. run the clean input with only r's x replaced by the recorded one (everything else
-   recomputed);
-3. the effect is metric(run 2) - metric(clean).
+1. run 1: the target input with s := s(source) and every head after s frozen at its target
+   output, :math:`z_{l',h'} := z_{l',h'}(\text{target})`; feed-forward networks, norms and
+   embeddings recomputed, so the change reaches the receivers directly and through the
+   feed-forward networks, never through another head. Record :math:`x_h` for every h ∈ R
+   (its queries, or the keys or values it attends with);
+2. run 2: the target input with :math:`x_h[P_h] := x_h(\text{run 1})[P_h]` for every h ∈ R at
+   once, everything else recomputed::
 
-Both runs are stacked along the batch as in patch_heads (:func:`~multihead.circuits.stacked_runs.
-run_stacked`): run 1 stacks the senders of one layer (one variant each, recording every
-receiver's inputs at once, and stopping after the last receiver's layer has been read), run 2
-the (sender, receiver, x) variants of one receiver layer; the blocks before the patched layer
-hand back their outputs from the clean run (:class:`~multihead.circuits.prefix_reuse.PrefixCache`).
-A receiver's x is replaced by a q/k/v editor
-(:meth:`~multihead.MultiHeadAttention.register_qkv_editor`): on a grouped-query model the keys
-and values come back per query head, so r's siblings on its key/value head keep their own.
+       P[s, r, x] = metric(run 2) - metric(target)
+
+For the receiver ``"logits"`` (the final residual stream, input ``"resid"``) run 1 alone::
+
+       P[s, logits, resid] = metric(run 1) - metric(target)
+
+the sender's change reaching the logits through no head: directly, and through the
+feed-forward networks after it (Wang et al.'s path to the logits, which IOI measures for the
+name movers).
+
+Keys and values on grouped-query models (``kv``): with ``"query_head"`` (the default) replacing
+head h's keys or values changes what h alone sees (a q/k/v editor returns keys and values per
+query head, :meth:`~multihead.MultiHeadAttention.register_qkv_editor`; h's siblings on its
+key/value head keep theirs); with ``"shared"`` the key/value head ``h // group`` itself is
+replaced, so every query head reading it sees the change (TransformerLens's ``hook_k`` and
+``hook_v`` are per key/value head). Without grouped heads the two agree.
+
+Both runs are stacked along the batch as in patch_heads (:class:`~multihead.circuits.path_runs.
+PathRuns`): run 1 stacks the senders of one layer, run 2 the (sender, receiver, x) variants of
+the receivers that start at one layer; the blocks before the patched layer hand back their
+outputs from the target run. :mod:`~multihead.circuits.path_endpoints` reads the senders and
+receivers and writes their names.
 
 Shapes: B batch, T query length, S key length, H query heads, Hk key/value heads, D head dim,
-n stacked variants, N senders, R receivers of one layer.
+E residual width, n stacked variants, N senders, R receiving heads of one layer.
 """
 
 from __future__ import annotations
@@ -36,32 +55,25 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_choice, check_optional_positive_int, describe, is_int
+from multihead._checks import check_choice, check_optional_positive_int, describe
 from multihead.circuits.experiment import Experiment
 from multihead.circuits.input_pair import InputPair, Metric
-from multihead.circuits.patching import check_recorded, record_layers
-from multihead.circuits.prefix_reuse import PrefixCache
-from multihead.circuits.stacked_runs import (
-    EndOfRun,
-    run_stacked,
-    stacked_metrics,
-)
-from multihead.circuits.steering import HeadKey, resolve_head
-from multihead.head_shard import held_heads
-from multihead.observers import (
-    AttentionCall,
-    AttentionObserver,
-    ObservableAttention,
-    ObserverHandle,
-    QKVEditor,
-)
-from multihead.sites import HeadName
+from multihead.circuits.patch_result import PatchResult
+from multihead.circuits.patching import DIRECTIONS, check_recorded, record_layers
+from multihead.circuits.path_endpoints import Receiver, Sender, parse_receivers, parse_senders
+from multihead.circuits.path_runs import PathRuns, recorded_feed_forward
+from multihead.circuits.stacked_runs import EndOfRun, stacked_metrics
+from multihead.mapping import model_map
+from multihead.observers import AttentionCall, ObservableAttention
 
-__all__ = ["path_patching", "VIA"]
+__all__ = ["path_patching", "VIA", "RESID", "KV_MODES"]
 
 logger = logging.getLogger(__name__)
 
 VIA = ("q", "k", "v")
+# the logits' one input: the final residual stream
+RESID = "resid"
+KV_MODES = ("query_head", "shared")
 
 
 def path_patching(
@@ -69,174 +81,271 @@ def path_patching(
     clean: Any,
     corrupt: Any,
     metric: Metric,
-    senders: Sequence[HeadName],
-    receivers: Sequence[HeadName],
+    senders: Sequence[Any],
+    receivers: Sequence[Any],
     *,
-    via: Sequence[str] = VIA,
+    via: Sequence[str] | None = None,
+    direction: str = "noise",
+    kv: str = "query_head",
     batch_size: int | None = None,
     metric_input: str = "logits",
-) -> Tensor:
-    r"""Path patching: the metric's change when a sender head's output changes from clean to
-    corrupt only through a receiver head's queries, keys or values.
+) -> PatchResult:
+    r"""Path patching: the metric's change when a sender's output changes between the runs only
+    through the receivers' queries, keys or values (or through no head, to the logits).
 
-    With :math:`z_s(x)` sender s's per-head output (B, T, Dv) on input x and :math:`x_r`
-    receiver r's queries (B, T, D), or the keys or values (B, S, D) its query head attends
-    with::
+    With :math:`s` a sender's output (head (l, h)'s per-head output (B, T, Dv), or block l's
+    feed-forward output (B, T, E)) and :math:`x_h` receiving head h's queries (B, T, D), or the
+    keys or values (B, S, D) it attends with::
 
-        run 1:  clean, z_s := z_s(corrupt), every other head's output := its clean value
-                (feed-forward networks and norms recomputed); record x_r
-        run 2:  clean, x_r := x_r(run 1)                     (everything else recomputed)
-        P[s, r, x] = metric(run 2) - metric(clean)
+        run 1:  target, s := s(source), every head after s := its target output
+                (feed-forward networks and norms recomputed); record x_h, h in the receiver
+        run 2:  target, x_h[P_h] := x_h(run 1)[P_h] for every h in the receiver
+                (everything else recomputed)
+        P[s, r, x]          = metric(run 2) - metric(target)
+        P[s, logits, resid] = metric(run 1) - metric(target)
 
-    as Wang et al. (2022) define it. A sender changes its receiver directly and through the
-    feed-forward networks between them, never through another head; a receiver's effect goes
-    on to the metric through everything after it. On a grouped-query model replacing r's keys
-    or values leaves the query heads that share its key/value head as they were.
+    as Wang et al. (2022) define it (the module docstring says more), with ``(source, target)
+    = (corrupt, clean)`` when noising and ``(clean, corrupt)`` when denoising.
 
     The runs are stacked along the batch, ``batch_size`` variants a forward, and the blocks
-    before the patched layer are not run again (see the module docstring): with N senders, R
-    receivers and V inputs, N variants of run 1 and N·R·V of run 2, besides one corrupt
-    forward (to the last sender's layer), one clean forward recording the heads to freeze (to
-    the last receiver's layer), and the clean and check runs of the prefix reuse. Between the
-    two runs it holds, per receiver input, N·R·B·(T or S)·D values.
+    before the patched layer are not run again: with N senders, R receivers and V inputs, N
+    variants of run 1 and N·R·V of run 2, besides one whole source forward, one target forward
+    recording the heads to freeze (to the last receiver's layer; to the end with ``"logits"``),
+    and the target and check runs of the prefix reuse. Between the two runs it holds, per
+    receiver input, N·R·B·(T or S)·D values.
 
     Args:
         model, clean, corrupt, metric, metric_input: as for :func:`~multihead.patch_heads`.
-            Heads are ``(layer, head)`` as :func:`~multihead.capture` numbers them (negative indices
-            count from the end; on grouped-query models ``head`` is a query head), layers in
-            the order the model calls them.
-        senders: the heads whose output changes, each in an earlier layer than every receiver.
-        receivers: the heads whose inputs carry the change.
-        via: which inputs of the receiver: any of ``"q"``, ``"k"``, ``"v"``.
+            Heads are ``(layer, head)`` or ``"L0H1"`` as :func:`~multihead.capture` numbers
+            them (negative indices count from the end; on grouped-query models ``head`` is a
+            query head), layers in the order the model calls them.
+        senders: what changes: heads, ``(layer, head)`` / ``"L0H1"``, and feed-forward
+            networks, ``("mlp", layer)`` / ``"mlp3"`` (the block holding attention layer
+            ``layer``); each in an earlier layer than every receiving head.
+        receivers: where the change is read, each one of: a head, ``(layer, head)`` /
+            ``"L1H3"``; a head at chosen positions of its input, ``(layer, head, positions)``
+            (an int or ints along the query axis for q, the key axis for k and v; negative from
+            the end: ``(9, 9, -1)`` patches the last query); a **list** of such heads patched
+            together in one run (``[(7, 3), (7, 9), (8, 6)]``, in any layers); or
+            ``"logits"``.
+        via: the receivers' inputs: any of ``"q"``, ``"k"``, ``"v"`` (heads) and ``"resid"``
+            (the logits'). Default ``("q", "k", "v")``, with ``"resid"`` after them when the
+            logits are a receiver. A cell whose receiver has no such input (a head's
+            ``"resid"``, the logits' ``"q"``) is NaN.
+        direction: ``"noise"`` (default: run the clean input, the sender from the corrupt run)
+            or ``"denoise"`` (run the corrupt input, the sender from the clean run, the other
+            heads frozen at their corrupt outputs).
+        kv: on grouped-query models, what a receiver's keys and values are: ``"query_head"``
+            (default: the receiving query head's own, its siblings untouched) or ``"shared"``
+            (its key/value head's, seen by every query head of the group).
         batch_size: variants per forward; default as for :func:`~multihead.patch_heads`.
 
     Returns:
-        (len(senders), len(receivers), len(via)) in the metric's dtype and device. On a
-        tensor-parallel model (every rank calling this together) a sender's output and a
-        receiver's inputs are replaced on the rank that holds the head, and every rank gets the
-        one-process result.
+        A :class:`~multihead.circuits.patch_result.PatchResult`: values (len(senders),
+        len(receivers), len(via)) in the metric's dtype and device, dims ``("sender",
+        "receiver", "via")``, each index named (``names``: ``"L0H1"`` or ``"MLP3"``;
+        ``"L1H3"``, ``"L1H3@[6]"``, ``"{L1H3, L1H4}"`` or ``"logits"``; ``"k"``; a cell's label
+        ``"L0H1 -> L1H3.k"``), the clean and corrupt metrics beside them. On a tensor-parallel
+        model (every rank calling this together) a sender's output and a receiver's inputs are
+        replaced on the rank that holds the head, and every rank gets the one-process result.
 
     Raises:
-        ValueError: a sender in the same layer as a receiver or after it, an unknown ``via``,
-            none of them given, ``clean`` and ``corrupt`` with different shapes or keys, a
+        ValueError: a sender in the same layer as a receiving head or after it, an unknown
+            ``via``, ``direction`` or ``kv``, none given, ``via`` without ``"resid"`` for the
+            logits (or without q, k or v for heads), positions out of range, an empty set, a
+            set inside a set, a feed-forward network sender of a block that has none (or on a
+            tensor-parallel model), ``clean`` and ``corrupt`` with different shapes or keys, a
             metric that does not return a scalar (or (B,)) floating point tensor, heads out of
             range, a bad ``batch_size``.
-        TypeError: inputs of another kind, a metric that is not callable, heads that are not
-            ``(layer, head)`` pairs of ints, ``via`` given as one string.
+        TypeError: inputs of another kind, a metric that is not callable, senders or receivers
+            of none of the forms above, ``via`` given as one string.
 
     Example:
-        >>> effects = path_patching(lm, clean_ids, corrupt_ids, logit_diff,
-        ...                         senders=[(0, 1)], receivers=[(1, 1)])  # (1, 1, 3)
-        >>> effects[0, 0]  # via q, k, v
+        >>> paths = path_patching(lm, clean_ids, corrupt_ids, logit_diff,
+        ...                       senders=[(0, 1), "mlp0"], receivers=[(1, 1), "logits"])
+        >>> paths.values.shape  # (2, 2, 4): via q, k, v, resid
+        >>> paths.top(3), paths.plot()
+        >>> # IOI: every S-inhibition head's queries at END, patched together
+        >>> path_patching(gpt2, abc, abb, logit_diff, senders=[(l, h) for l in range(7) for h
+        ...               in range(12)], receivers=[[(7, 3, -1), (7, 9, -1), (8, 6, -1),
+        ...               (8, 10, -1)]], via=("q",))
     """
     check_optional_positive_int("batch_size", batch_size)
+    check_choice("direction", direction, DIRECTIONS)
+    check_choice("kv", kv, KV_MODES)
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     found, pair = experiment.found, experiment.pair
-    sent = _heads("senders", senders, found)
-    received = _heads("receivers", receivers, found)
-    kinds = _via(via)
-    first = min(received)
-    for key in sent:
-        if key[0] >= first[0]:
-            raise ValueError(
-                f"senders item {key} must be in an earlier layer than every receiver, got layer "
-                f"{key[0]} and receivers item {first} in layer {first[0]}: path patching follows "
-                f"what a sender writes into a later head's inputs"
-            )
+    mapped = model_map(model)
+    sent = parse_senders(senders, found, mapped)
+    received = parse_receivers(receivers, found)
+    kinds = _via(via, received)
+    _check_order(sent, received)
+    if any(s.head is None for s in sent) and any(site.head_shard for _, site in found):
+        raise ValueError(
+            "path_patching: feed-forward network senders ('MLP3') on a tensor-parallel model are "
+            "not supported (the feed-forward output is split over the ranks): send heads there"
+        )
     unique_senders = list(dict.fromkeys(sent))
-    unique_receivers = list(dict.fromkeys(received))
     unique_kinds = list(dict.fromkeys(kinds))
-    sender_layers = sorted({layer for layer, _ in unique_senders})
-    receiver_heads: dict[int, list[int]] = {}
-    for layer, head in unique_receivers:
-        receiver_heads.setdefault(layer, []).append(head)
-    frozen = list(range(sender_layers[0] + 1, max(receiver_heads)))
+    head_kinds = [kind for kind in unique_kinds if kind != RESID]
+    logits = any(r.logits for r in received)
+    receiver_layers = sorted({m.layer for r in received for m in r.members})
+    # heads frozen in run 1: after the first sender, up to the last receiver's layer (its inputs
+    # are read before its heads run), or to the end when the logits read the stream
+    end = len(found) if logits else receiver_layers[-1]
+    frozen = list(range(min(s.layer for s in sent) + 1, end))
+    head_layers = sorted({s.layer for s in unique_senders if s.head is not None})
+    mlp_layers = sorted({s.layer for s in unique_senders if s.head is None})
+    source, target = pair.pick(direction)
+    source_name, target_name = (
+        ("corrupt", "clean") if direction == "noise" else ("clean", "corrupt")
+    )
 
     with torch.no_grad():
-        corrupt_out = _recorded(found, pair, pair.corrupt, sender_layers)
-        clean_out = _recorded(found, pair, pair.clean, frozen) if frozen else {}
+        # the source run, whole (its metric is the result's): the senders' outputs, and the
+        # first receiving layer's to know the positions T
+        seen = sorted({*head_layers, *receiver_layers[:1]})
+        with record_layers(found, seen) as outs, recorded_feed_forward(mapped, mlp_layers) as mlps:
+            source_value = experiment.value(source, f"{source_name} run")
+        check_recorded(found, seen, outs)
+        if receiver_layers:
+            length = outs[receiver_layers[0]].shape[1]
+            received = [r.resolved(length) for r in received]
+        unique_receivers = list(dict.fromkeys(received))
+        target_out = _recorded(found, pair, target, frozen) if frozen else {}
         unpatched = experiment.unpatched(
-            pair.clean, "clean run", caller="path_patching", log=logger
+            target, f"{target_name} run", caller="path_patching", log=logger
         )
         base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
-        size = experiment.stack_size(
-            batch_size, single, [*corrupt_out.values(), *clean_out.values()], logger
-        )
+        held = [*outs.values(), *target_out.values()] or [m.unsqueeze(2) for m in mlps.values()]
+        size = experiment.stack_size(batch_size, single, held, logger)
 
-        runs = _Runs(found, pair, prefix, corrupt_out, clean_out, receiver_heads, unique_kinds)
-        # run 1, the senders of a layer stacked: the receivers' inputs, senders in ``row`` order
-        row: dict[HeadKey, int] = {}
-        parts: list[dict[int, dict[str, Tensor]]] = []
-        for layer in sender_layers:
-            heads = [head for sender_layer, head in unique_senders if sender_layer == layer]
-            for start in range(0, len(heads), size):
-                chunk = heads[start : start + size]
-                row.update({(layer, head): len(row) + i for i, head in enumerate(chunk)})
-                parts.append(runs.senders(layer, chunk))
-        recorded = {
-            receiver: {kind: torch.cat([p[receiver][kind] for p in parts]) for kind in unique_kinds}
-            for receiver in receiver_heads
-        }  # receiver layer -> kind -> (N, B, R, T or S, D)
-
-        # run 2, the (sender, receiver, kind) variants of a receiver layer stacked
-        table = torch.empty(
-            len(unique_senders), len(unique_receivers), len(unique_kinds),
+        receiver_heads: dict[int, list[int]] = {}  # layer -> its receiving heads, in order
+        for r in unique_receivers:
+            for m in r.members:
+                heads = receiver_heads.setdefault(m.layer, [])
+                if m.head not in heads:
+                    heads.append(m.head)
+        runs = PathRuns(
+            found, mapped, pair, target, prefix, dict(outs), mlps, target_out, receiver_heads,
+            head_kinds, end, kv,
+        )  # fmt: skip
+        table = torch.full(
+            (len(unique_senders), len(unique_receivers), len(unique_kinds)), float("nan"),
             dtype=base.dtype, device=base.device,
         )  # fmt: skip
-        for layer, heads in receiver_heads.items():
+        logit_cells = [
+            (j, unique_kinds.index(RESID)) for j, r in enumerate(unique_receivers) if r.logits
+        ]
+        # run 1, the senders of a layer stacked: the receivers' inputs, senders in ``row`` order
+        row: dict[Sender, int] = {}
+        parts: list[dict[int, dict[str, Tensor]]] = []
+        for layer in sorted({s.layer for s in unique_senders}):
+            group = [s for s in unique_senders if s.layer == layer]
+            for start in range(0, len(group), size):
+                chunk = group[start : start + size]
+                row.update({s: len(row) + i for i, s in enumerate(chunk)})
+                got, output = runs.senders(layer, chunk)
+                parts.append(got)
+                if logit_cells:
+                    values = stacked_metrics(
+                        pair, experiment.metric, output, single, len(chunk),
+                        f"senders of layer {layer}, to the logits",
+                    )  # fmt: skip
+                    for s, value in zip(chunk, values.to(table.dtype) - base, strict=True):
+                        for j, x in logit_cells:
+                            table[unique_senders.index(s), j, x] = value
+        recorded = {
+            layer: {kind: torch.cat([p[layer][kind] for p in parts]) for kind in head_kinds}
+            for layer in receiver_heads
+        }  # receiver layer -> kind -> (N, B, R, T or S, D), senders in row order
+
+        # run 2, the (sender, receiver, kind) variants of the receivers starting at one layer
+        starts: dict[int, list[int]] = {}
+        for j, r in enumerate(unique_receivers):
+            if not r.logits:
+                starts.setdefault(r.first_layer, []).append(j)
+        for layer, items in sorted(starts.items()):
             variants = [
-                (row[sender], head, slot, kind)
-                for slot, head in enumerate(heads)
-                for sender in unique_senders
-                for kind in range(len(unique_kinds))
+                (row[s], unique_receivers[j], kind)
+                for j in items
+                for kind in head_kinds
+                for s in unique_senders
             ]
             where = [
-                (i, unique_receivers.index((layer, head)), kind)
-                for head in heads
+                (i, j, unique_kinds.index(kind))
+                for j in items
+                for kind in head_kinds
                 for i in range(len(unique_senders))
-                for kind in range(len(unique_kinds))
             ]
             for start in range(0, len(variants), size):
-                values = runs.receivers(
-                    layer,
-                    variants[start : start + size],
-                    recorded[layer],
-                    experiment.metric,
-                    single,
-                )
+                chunk_variants = variants[start : start + size]
+                output = runs.receivers(layer, chunk_variants, recorded)
+                values = stacked_metrics(
+                    pair, experiment.metric, output, single, len(chunk_variants),
+                    f"receivers from layer {layer}",
+                )  # fmt: skip
                 index = torch.tensor(where[start : start + size], device=table.device)
                 table[index.unbind(1)] = values.to(table.dtype) - base
-    pick = [
-        torch.tensor([order.index(key) for key in keys], device=table.device)
-        for order, keys in ((unique_senders, sent), (unique_receivers, received))
-    ]
+    sender_index = torch.tensor([unique_senders.index(s) for s in sent], device=table.device)
+    receiver_index = [unique_receivers.index(r) for r in received]
     kind_index = torch.tensor([unique_kinds.index(k) for k in kinds], device=table.device)
-    return table[pick[0]][:, pick[1]][:, :, kind_index]
+    names = (
+        tuple(s.label for s in sent),
+        tuple(r.label for r in received),
+        tuple(kinds),
+    )
+    clean_value, corrupt_value = (
+        (base, source_value) if direction == "noise" else (source_value, base)
+    )
+    values = table[sender_index][:, receiver_index][:, :, kind_index]
+    dims = ("sender", "receiver", "via")
+    return PatchResult(
+        values, dims, "path", direction, float(clean_value), float(corrupt_value), names
+    )
 
 
-def _heads(name: str, keys: object, found: list[tuple[str, ObservableAttention]]) -> list[HeadKey]:
-    """``keys``, a non-empty sequence of ``(layer, head)`` pairs, resolved in order."""
-    if isinstance(keys, (str, bytes, Tensor)) or not isinstance(keys, Sequence):
-        raise TypeError(f"{name} must be a sequence of (layer, head) pairs, got {describe(keys)}")
-    if len(keys) == 2 and all(is_int(k) for k in keys):
-        raise TypeError(
-            f"{name} must be a sequence of (layer, head) pairs, got {describe(keys)} (one pair: "
-            f"write [{describe(tuple(keys))}])"
-        )
-    if not keys:
-        raise ValueError(f"{name} must name at least one (layer, head) pair, got none")
-    return [resolve_head(f"{name} item", key, found) for key in keys]
-
-
-def _via(via: object) -> list[str]:
-    """``via``, a non-empty sequence of ``"q"``, ``"k"``, ``"v"``."""
+def _via(via: object, received: list[Receiver]) -> list[str]:
+    """``via``, a non-empty sequence of ``"q"``, ``"k"``, ``"v"``, ``"resid"`` fitting the
+    receivers (None: every input they have)."""
+    heads = any(not r.logits for r in received)
+    logits = any(r.logits for r in received)
+    if via is None:
+        return [*(VIA if heads else ()), *((RESID,) if logits else ())]
     if isinstance(via, str) or not isinstance(via, Sequence):
         raise TypeError(
-            f"via must be a sequence of 'q', 'k', 'v' (e.g. ('k',)), got {describe(via)}"
+            f"via must be a sequence of 'q', 'k', 'v', 'resid' (e.g. ('k',)), got {describe(via)}"
         )
     if not via:
-        raise ValueError("via must name at least one of 'q', 'k', 'v', got none")
-    return [check_choice("via item", kind, VIA) for kind in via]
+        raise ValueError("via must name at least one of 'q', 'k', 'v', 'resid', got none")
+    kinds = [check_choice("via item", kind, (*VIA, RESID)) for kind in via]
+    if logits and RESID not in kinds:
+        raise ValueError(
+            f"via must hold 'resid' (the logits' input, the final residual stream) when "
+            f"'logits' is a receiver, got {describe(tuple(kinds))}"
+        )
+    if heads and not any(kind in VIA for kind in kinds):
+        raise ValueError(
+            f"via must hold 'q', 'k' or 'v' (a head's inputs) when a head is a receiver, got "
+            f"{describe(tuple(kinds))}"
+        )
+    return kinds
+
+
+def _check_order(sent: list[Sender], received: list[Receiver]) -> None:
+    """Every sender in an earlier layer than every receiving head (ValueError)."""
+    members = [m for r in received for m in r.members]
+    if not members:
+        return
+    first = min(members, key=lambda m: m.layer)
+    for s in sent:
+        if s.layer >= first.layer:
+            raise ValueError(
+                f"senders item {s.shown} must be in an earlier layer than every receiver, got "
+                f"layer {s.layer} and receivers item {(first.layer, first.head)} in layer "
+                f"{first.layer}: path patching follows what a sender writes into a later "
+                f"head's inputs"
+            )
 
 
 def _recorded(
@@ -257,202 +366,3 @@ def _recorded(
             pair.run(inputs)
     check_recorded(found, layers, recorded)
     return dict(recorded)
-
-
-def _stacked(call_tensor: Tensor, n: int, batch: int, layer: int) -> Tensor:
-    """(n·B, ...) -> (n, B, ...), or a ValueError for a layer called on another batch."""
-    if call_tensor.shape[0] != n * batch:
-        raise ValueError(
-            f"path_patching: layer {layer} was called on a batch of {call_tensor.shape[0]} in a "
-            f"run of {n} stacked variants of {batch}; patch only layers the model calls once "
-            f"on the whole input"
-        )
-    return call_tensor.unflatten(0, (n, batch))
-
-
-class _Runs:
-    """The stacked runs of one :func:`path_patching` call, on the clean input: run 1 for some
-    senders of one layer, run 2 for some variants of one receiver layer.
-
-    Args:
-        found: the model's attention sites.
-        pair: the clean and corrupt inputs.
-        prefix: the clean run's block outputs, or None (full forwards).
-        corrupt_out: sender layer -> its per-head output (B, T, H, Dv) on corrupt.
-        clean_out: layer -> its per-head output on clean, for every layer to freeze.
-        receiver_heads: receiver layer -> its receivers' heads (R), in order.
-        kinds: the receivers' inputs to record, of "q", "k", "v".
-    """
-
-    def __init__(
-        self,
-        found: list[tuple[str, ObservableAttention]],
-        pair: InputPair,
-        prefix: PrefixCache | None,
-        corrupt_out: dict[int, Tensor],
-        clean_out: dict[int, Tensor],
-        receiver_heads: dict[int, list[int]],
-        kinds: list[str],
-    ) -> None:
-        self.found = found
-        self.pair = pair
-        self.prefix = prefix
-        self.corrupt_out = corrupt_out
-        self.clean_out = clean_out
-        self.receiver_heads = receiver_heads
-        self.kinds = kinds
-        self.last = max(receiver_heads)
-
-    def senders(self, layer: int, heads: list[int]) -> dict[int, dict[str, Tensor]]:
-        """Run 1 for the senders ``heads`` of ``layer``, one stacked variant each: receiver
-        layer -> kind -> the receivers' inputs (n, B, R, T or S, D), keys and values those of
-        each receiver's key/value head."""
-        got: dict[int, dict[str, Tensor]] = {}
-
-        def attach() -> list[ObserverHandle]:
-            got.clear()  # a run repeated (the prefix reuse's check failed) records anew
-            return self._sender_hooks(layer, heads, got)
-
-        run_stacked(
-            self.pair, self.pair.clean, len(heads), layer, self.prefix, attach, "path_patching"
-        )
-        missing = [receiver for receiver in self.receiver_heads if receiver not in got]
-        if missing:
-            raise ValueError(
-                f"the model did not call attention layer {missing[0]} "
-                f"({self.found[missing[0]][0]}) on the inputs: there is nothing to patch there"
-            )
-        return got
-
-    def _sender_hooks(
-        self, layer: int, heads: list[int], got: dict[int, dict[str, Tensor]]
-    ) -> list[ObserverHandle]:
-        """Register run 1: the sender's output from corrupt, every head of the later layers
-        before the last receiver's frozen at clean, the receivers' inputs into ``got``; the
-        run ends at the last receiver's layer."""
-        n = len(heads)
-        src = self.corrupt_out[layer]  # (B, T, H, Dv)
-        batch = self.pair.batch
-        site = self.found[layer][1]
-        patched = torch.zeros(n, 1, 1, site.num_heads, 1, dtype=torch.bool)
-        patched[torch.arange(n), 0, 0, heads] = True
-        held = held_heads(site.num_heads, site.head_shard)  # another rank's sender: its rank's
-        patched = patched[:, :, :, held.start : held.stop].to(src.device)  # (n, 1, 1, H, 1)
-
-        def sender(call: AttentionCall, out: Tensor) -> Tensor:
-            stacked = _stacked(out, n, batch, layer)  # (n, B, T, H, Dv)
-            return torch.where(patched, src.to(out.dtype), stacked).flatten(0, 1)
-
-        def freeze(frozen: int) -> AttentionObserver:
-            def observer(call: AttentionCall, out: Tensor) -> Tensor:
-                _stacked(out, n, batch, frozen)
-                return self.clean_out[frozen].to(out.dtype).repeat(n, 1, 1, 1)  # (n·B, T, H, Dv)
-
-            return observer
-
-        def record(receiver: int) -> QKVEditor:
-            site = self.found[receiver][1]
-            # the receivers this rank's calls hold, (R,) on the site's device, made here: no
-            # copy from the host inside the forward
-            heads_r = self._held(receiver)[1]
-            index = torch.tensor(heads_r, dtype=torch.long, device=next(site.parameters()).device)
-
-            def editor(call: AttentionCall) -> None:
-                group = call.q.shape[1] // call.k.shape[1]  # query heads per key/value head
-                for kind in self.kinds:
-                    x = _stacked(getattr(call, kind), n, batch, receiver)  # (n, B, H/Hk, ., D)
-                    chosen = index if kind == "q" else index // group  # the key/value heads
-                    got.setdefault(receiver, {})[kind] = x.index_select(2, chosen.to(x.device))
-                    # (n, B, R, T or S, D)
-                if receiver == self.last:
-                    raise EndOfRun  # nothing after the last receiver's inputs is needed
-
-            return editor
-
-        handles: list[ObserverHandle] = []
-        try:
-            handles.append(self.found[layer][1].register_observer(sender))
-            for frozen in range(layer + 1, self.last):
-                handles.append(self.found[frozen][1].register_observer(freeze(frozen)))
-            for receiver in self.receiver_heads:
-                handles.append(self.found[receiver][1].register_qkv_editor(record(receiver)))
-        except BaseException:
-            for handle in handles:
-                handle.remove()
-            raise
-        return handles
-
-    def _held(self, layer: int) -> tuple[dict[int, int], list[int]]:
-        """The receivers of ``layer`` this rank's calls hold (all without tensor parallelism):
-        (their slot among the layer's receivers -> their slot among the held ones, their heads
-        among the call's heads)."""
-        site = self.found[layer][1]
-        held = held_heads(site.num_heads, site.head_shard)
-        receivers = self.receiver_heads[layer]
-        mine = [(slot, head) for slot, head in enumerate(receivers) if head in held]
-        slots = {slot: j for j, (slot, _) in enumerate(mine)}
-        return slots, [head - held.start for _, head in mine]
-
-    def receivers(
-        self,
-        layer: int,
-        variants: list[tuple[int, int, int, int]],
-        recorded: dict[str, Tensor],
-        metric: Metric,
-        single: Any,
-    ) -> Tensor:
-        """Run 2 for ``variants`` of receiver layer ``layer`` (sender row, receiver head, its
-        slot among the layer's receivers, index into the kinds), one stacked variant each: the
-        metric of each (n,). ``recorded`` holds the receivers this rank holds (all of them
-        without tensor parallelism); another rank's receiver is edited by its rank."""
-        n = len(variants)
-        slots, heads = self._held(layer)
-        own = [
-            (i, row, heads[slots[slot]], slots[slot], kind)
-            for i, (row, _, slot, kind) in enumerate(variants)
-            if slot in slots
-        ]
-        editor = _receiver_editor(layer, n, own, self.kinds, recorded, self.pair.batch)
-        site = self.found[layer][1]
-        output = run_stacked(
-            self.pair, self.pair.clean, n, layer, self.prefix,
-            lambda: [site.register_qkv_editor(editor)], "path_patching",
-        )  # fmt: skip
-        return stacked_metrics(self.pair, metric, output, single, n, f"receivers, layer {layer}")
-
-
-def _receiver_editor(
-    layer: int,
-    n: int,
-    variants: list[tuple[int, int, int, int, int]],
-    kinds: list[str],
-    recorded: dict[str, Tensor],
-    batch: int,
-) -> QKVEditor:
-    """The q/k/v editor of run 2 for ``n`` stacked variants, of which ``variants`` (its place
-    in the stack, sender row, receiver head among the call's, its slot in ``recorded``, index
-    into ``kinds``) are edited here: the receiver's input of that kind from ``recorded`` (kind
-    -> (N, B, R, T or S, D))."""
-    device = next(iter(recorded.values())).device
-    # kind -> (places, heads, rows, slots), each (n_kind,): built on the host and copied to the
-    # device once, before any forward
-    chosen: dict[str, tuple[Tensor, ...]] = {}
-    for i, kind in enumerate(kinds):
-        mine = [(place, head, row, slot) for place, row, head, slot, k in variants if k == i]
-        if mine:
-            chosen[kind] = torch.tensor(mine, dtype=torch.long).to(device).unbind(1)
-
-    def editor(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-        new = {"q": call.q, "k": call.k, "v": call.v}
-        h = call.q.shape[1]
-        for kind in kinds:  # every rank checks the shapes, whether it edits or not
-            _stacked(new[kind], n, batch, layer)
-        for kind, (place, head, row, slot) in chosen.items():
-            x = _stacked(new[kind], n, batch, layer)  # (n, B, H or Hk, T or S, D)
-            # keys and values per query head: the receiver's siblings keep their own
-            x = x.repeat_interleave(h // x.shape[2], dim=2) if x.shape[2] != h else x.clone()
-            x[place, :, head] = recorded[kind][row, :, slot].to(x.dtype)
-            new[kind] = x.flatten(0, 1)
-        return new["q"], new["k"], new["v"]
-
-    return editor

@@ -5,9 +5,10 @@
     multihead patch --model DIR --clean "The Eiffel Tower is in" \\
         --corrupt "The Colosseum is in" --answer " Paris" --wrong " Rome"
 
-The command parses, builds the inputs and the metric, calls :func:`multihead.patch_heads` (and
+The command parses, builds the inputs and the metric, calls :func:`multihead.patch` (and
 :func:`multihead.attribution_patching` beside it), prints the heads that matter most and writes
-an (L × H) heatmap, a heads × positions map of the top heads and a page (the clean text's
+the results' pictures (:meth:`multihead.PatchResult.plot`: an (L × H) heatmap, a heads ×
+positions map of the top heads) and a page (the clean text's
 attention, with each head's patching effect in the table's importance column). With
 ``--senders`` and ``--receivers`` it also prints :func:`multihead.path_patching`'s table (each
 sender through each receiver's q, k and v). Errors are one line and exit code 2
@@ -46,7 +47,7 @@ from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
-from multihead.viz.plots import effects_figure, save_figure
+from multihead.viz.plots import save_figure
 
 __all__ = ["register", "run"]
 
@@ -187,41 +188,28 @@ def _patch(
         print_warnings(caught)
         print_split(experiment.model)
 
-    model = experiment.model
-    with status("Patching…", shown), torch.no_grad():
-        clean_value = float(_mean(experiment.metric(experiment.run(experiment.clean))))
-        corrupt_value = float(_mean(experiment.metric(experiment.run(experiment.corrupt))))
     if args.site != "z":
-        return _patch_site(args, experiment, shown, out, formats, clean_value, corrupt_value)
+        return _patch_site(args, experiment, shown, out, formats)
+    run = (experiment.model, experiment.clean, experiment.corrupt, experiment.metric)
     with status("Patching…", shown):
         paths_table = None
         if senders:  # first: its checks of the heads come before the long runs
             paths_table = multihead.path_patching(
-                model, experiment.clean, experiment.corrupt, experiment.metric, senders, receivers
-            )  # (senders, receivers, 3)
-        effects = multihead.patch_heads(
-            model, experiment.clean, experiment.corrupt, experiment.metric,
-            direction=args.direction,
-        )  # fmt: skip
-        estimates = multihead.attribution_patching(
-            model, experiment.clean, experiment.corrupt, experiment.metric,
-            direction=args.direction,
-        )  # fmt: skip
-        n_heads = effects.shape[1]
-        flat = effects.flatten().nan_to_num(0.0)
-        order = flat.abs().argsort(descending=True)[: args.top].tolist()
-        top = [(i // n_heads, i % n_heads) for i in order]
-        positions = multihead.patch_heads(
-            model, experiment.clean, experiment.corrupt, experiment.metric,
-            direction=args.direction, per_position=True, heads=top,
+                *run, senders, receivers, direction="noise"
+            )  # (N, R, 3): the clean run, each sender from the corrupt one
+        effects = multihead.patch(*run, direction=args.direction)
+        estimates = multihead.attribution_patching(*run, direction=args.direction).values
+        top = _cells(effects, args.top)
+        positions = multihead.patch(
+            *run, direction=args.direction, per_position=True, heads=top
         )  # fmt: skip
         # the page's forwards: rank 0's, and every rank's when the model's forward is collective
         page = _page_inputs(experiment) if "html" in formats and (shown or tp) else None
     if not shown:
         return 0
-    _report(experiment, args.direction, clean_value, corrupt_value, effects, estimates, top)
+    _report(experiment, args.direction, effects, estimates, top)
     if paths_table is not None:
-        _report_paths(senders, receivers, paths_table)
+        _report_paths(paths_table)
 
     with status("Drawing…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -240,8 +228,6 @@ def _patch_site(
     shown: bool,
     out: Path,
     formats: list[str],
-    clean: float,
-    corrupt: float,
 ) -> int:
     """``--site`` other than z: :func:`multihead.patch` of that site, the cells that move the
     metric most, and a layer x position map (residual sites) or the heads' maps."""
@@ -253,15 +239,15 @@ def _patch_site(
         top_cells = result.top(args.top)
         positions = None
         if not residual:
-            heads = [(int(h[0]), int(h[1])) for h in _cells(result, args.top)]
+            heads = _cells(result, args.top)
             positions = multihead.patch(
                 *run, site=site, direction=direction, per_position=True, heads=heads
-            ).values
+            )
     if not shown:
         return 0
     layers = result.values.shape[0]
     print(f"{experiment.name}: {layers} layers; site {site}; metric: {experiment.describe}")
-    print(f"  clean {clean:.3f}   corrupt {corrupt:.3f}   (clean - corrupt {clean - corrupt:.3f})")
+    _print_metrics(result)
     print()
     source = "clean" if direction == "denoise" else "corrupt"
     print(f"What moves the metric most ({direction}: {site} from the {source} run):")
@@ -270,38 +256,24 @@ def _patch_site(
     for label, value in top_cells:
         share = normal.get(label)
         print(f"  {label:22s}{value:>22.3f}{'' if share is None else f'{share:>14.3f}'}")
-    label = f"metric change ({direction})"
     with status("Drawing…"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out.mkdir(parents=True, exist_ok=True)
         if residual:
             figures = {
-                site: effects_figure(
-                    result.values,
-                    [str(i) for i in range(layers)],
-                    experiment.tokens,
+                site: result.plot(
+                    tokens=experiment.tokens,
                     title=f"Patching {site} ({direction}), one layer and position at a time",
-                    label=label,
-                    xlabel="position (the clean input's first sequence)",
-                    ylabel="layer",
-                )  # fmt: skip
+                )
             }
         else:
             assert positions is not None
-            heads = _cells(result, args.top)
             unit = "key/value head" if site in ("k", "v") else "head"
             figures = {
-                "heads": effects_figure(
-                    result.values, [str(i) for i in range(layers)],
-                    [str(h) for h in range(result.values.shape[1])],
-                    title=f"Patching {site} ({direction}): {experiment.name}", label=label,
-                    xlabel=unit, ylabel="layer",
-                ),
-                "positions": effects_figure(
-                    positions[[la for la, _ in heads], [h for _, h in heads]],
-                    [head_label(la, h) for la, h in heads], experiment.tokens,
+                "heads": result.plot(title=f"Patching {site} ({direction}): {experiment.name}"),
+                "positions": positions.plot(
+                    top=args.top, tokens=experiment.tokens,
                     title=f"Top {unit}s' {site}, patched one position at a time ({direction})",
-                    label=label, xlabel="position (the clean input's first sequence)",
                 ),
             }  # fmt: skip
         paths = _save(figures, out, formats)
@@ -342,22 +314,22 @@ def _head_names(flag: str, names: list[str]) -> list[tuple[int, int]]:
     return heads
 
 
-def _mean(value: Any) -> Any:
-    return value.float().mean()
+def _print_metrics(result: Any) -> None:
+    """The clean and corrupt metrics a result is measured between."""
+    clean, corrupt = result.clean, result.corrupt
+    print(f"  clean {clean:.3f}   corrupt {corrupt:.3f}   (clean - corrupt {clean - corrupt:.3f})")
 
 
 def _report(
     experiment: PatchExperiment,
     direction: str,
-    clean: float,
-    corrupt: float,
     effects: Any,
     estimates: Any,
     top: list[tuple[int, int]],
 ) -> None:
-    layers, heads = effects.shape
+    layers, heads = effects.values.shape
     print(f"{experiment.name}: {layers} layers x {heads} heads; metric: {experiment.describe}")
-    print(f"  clean {clean:.3f}   corrupt {corrupt:.3f}   (clean - corrupt {clean - corrupt:.3f})")
+    _print_metrics(effects)
     print()
     what = (
         "corrupt run, one head's output from the clean run"
@@ -367,21 +339,20 @@ def _report(
     print(f"Heads that move the metric most ({direction}: {what}):")
     print(f"  {'head':8s}{'patched - unpatched':>22s}{'attribution estimate':>24s}")
     for layer, head in top:
-        effect, estimate = float(effects[layer, head]), float(estimates[layer, head])
+        effect, estimate = float(effects.values[layer, head]), float(estimates[layer, head])
         print(f"  {head_label(layer, head):8s}{effect:>22.3f}{estimate:>24.3f}")
 
 
-def _report_paths(
-    senders: list[tuple[int, int]], receivers: list[tuple[int, int]], table: Any
-) -> None:
+def _report_paths(table: Any) -> None:
+    """:func:`multihead.path_patching`'s result, one line per (sender, receiver)."""
     print()
     print("Path patching (clean run, the sender's output from the corrupt run reaching the metric")
     print("only through the receiver's q, k or v; every other head frozen at its clean output):")
     print(f"  {'sender':9s}{'receiver':10s}{'via q':>10s}{'via k':>10s}{'via v':>10s}")
-    for i, (sl, sh) in enumerate(senders):
-        for j, (rl, rh) in enumerate(receivers):
-            q, k, v = (float(x) for x in table[i, j])
-            sender, receiver = head_label(sl, sh), head_label(rl, rh)
+    senders, receivers, _ = table.names
+    for i, sender in enumerate(senders):
+        for j, receiver in enumerate(receivers):
+            q, k, v = (float(x) for x in table.values[i, j])
             print(f"  {sender:9s}{receiver:10s}{q:>10.3f}{k:>10.3f}{v:>10.3f}")
 
 
@@ -397,30 +368,17 @@ def _write(
 ) -> list[Path]:
     """Write the figures of ``formats`` and, with ``page`` (:func:`_page_inputs`), the page."""
     out.mkdir(parents=True, exist_ok=True)
-    label = f"metric change ({direction})"
-    layers, heads = effects.shape
     figures = {
-        "heads": effects_figure(
-            effects,
-            [str(i) for i in range(layers)],
-            [str(h) for h in range(heads)],
-            title=f"Activation patching ({direction}): {experiment.name}",
-            label=label,
-            xlabel="head",
-            ylabel="layer",
-        ),
-        "positions": effects_figure(
-            positions[[layer for layer, _ in top], [head for _, head in top]],
-            [head_label(layer, head) for layer, head in top],
-            experiment.tokens,
+        "heads": effects.plot(title=f"Activation patching ({direction}): {experiment.name}"),
+        "positions": positions.plot(
+            top=len(top),
+            tokens=experiment.tokens,
             title=f"Top heads, patched one position at a time ({direction})",
-            label=label,
-            xlabel="position (the clean input's first sequence)",
         ),
     }
     paths = _save(figures, out, formats)
     if page is not None:
-        paths.append(_page(experiment, direction, effects, out / "patching.html", *page))
+        paths.append(_page(experiment, direction, effects.values, out / "patching.html", *page))
     return paths
 
 

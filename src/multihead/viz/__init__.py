@@ -1,5 +1,6 @@
-"""Pictures of attention: heatmap grids and single heads (matplotlib), and one self-contained
-interactive HTML page.
+"""Pictures of attention: heatmap grids and single heads (matplotlib), the heatmap of patching
+effects (``effects_figure``, which :meth:`multihead.PatchResult.plot` draws with), and one
+self-contained interactive HTML page.
 
 matplotlib and rich come with the ``viz`` extra (``pip install 'multihead[viz]'``); they are
 imported only when a picture is drawn, so importing this package costs nothing.
@@ -15,6 +16,7 @@ _LAZY: dict[str, str] = {
     "check_output_dir": "multihead.viz.formats",
     "grid_figure": "multihead.viz.plots",
     "head_figure": "multihead.viz.plots",
+    "effects_figure": "multihead.viz.plots",
     "save_figure": "multihead.viz.plots",
     "heads_map_figure": "multihead.viz.heads_map",
     "save_heads_map": "multihead.viz.heads_map",

@@ -373,7 +373,8 @@ def effects_figure(
     ylabel: str = "",
 ) -> Figure:
     """A heatmap of signed scores, one per row × column (e.g. activation patching's (L, H), or
-    the top heads × positions), on a diverging scale centred on 0 (blue below, red above);
+    the top heads × positions: :meth:`multihead.PatchResult.plot` draws every patching result
+    with it), on a diverging scale centred on 0 (blue below, red above);
     cells labelled with their values when there are at most 24 columns, columns labelled
     when there are at most 40 (the grid's rule for token labels).
 
