@@ -379,7 +379,7 @@ def main() -> int:
         report={
             "title": "Circuits on the GPU: `bench_patch.py --device cuda`"
             if gpu
-            else "Circuits (issue 21): `benchmarks/bench_patch.py`",
+            else "Circuits (issues 21, 30): `benchmarks/bench_patch.py`",
             "tables": [
                 {
                     "caption": f"{', '.join(f'{k}={v}' for k, v in shape.items())}, "
@@ -392,11 +392,10 @@ def main() -> int:
             "gpu": gpu,
             "load_after": info["load_average"],
             "notes": [
-                f"Largest difference from the naive loop: {difference:.2e} over the "
-                f"{len(patches)} timed patches (largest effect {scale:.2e}; "
-                f"{lm_difference:.2e} on the induction model, largest effect {lm_scale:.2e}), "
-                f"{path_difference:.2e} over the {n_paths} path-patching numbers. The induction "
-                f"model: {', '.join(f'{k}={v}' for k, v in small.items())}."
+                f"Largest difference from the naive loops: {difference:.1e} (effects to "
+                f"{scale:.1e}), {lm_difference:.1e} on the TransformerLM "
+                f"({', '.join(f'{k}={v}' for k, v in small.items())}; effects to "
+                f"{lm_scale:.1e}), {path_difference:.1e} on paths."
             ],
         },
     )

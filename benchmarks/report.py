@@ -90,9 +90,9 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ),
     (
         "patch",
-        "A random `LlamaForCausalLM` through the bridge; metric: the last position's logit "
-        "difference; the naive loop timed on a sample and scaled. On a CPU `patch_heads` saves "
-        "only the blocks before the patched layer.",
+        "A random `LlamaForCausalLM` (bridge) and induction-shaped `TransformerLM`; metric: the"
+        " last logit difference; naive loops timed on a sample, scaled. Per-position patches "
+        "run from their position on.",
     ),
     (
         "attention_gpu",

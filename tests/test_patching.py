@@ -167,6 +167,8 @@ def test_blocks_before_the_patched_layer_are_not_run(device: torch.device) -> No
 
 
 def test_a_per_position_patch_runs_from_its_position(device: torch.device) -> None:
+    if device.type != "cpu":
+        pytest.skip("on a GPU per-position patches run whole sequences stacked (fewer forwards)")
     torch.manual_seed(2)
     lm = _lm(device)
     seen: list[collections.Counter[tuple[int, int]]] = [collections.Counter() for _ in range(3)]

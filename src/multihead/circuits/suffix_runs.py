@@ -28,7 +28,9 @@ the last position, or of an answer's positions, does not).
 the positions read (to the dtype's rounding: they multiply fewer rows at a time); when they do
 not, or the model or inputs do not allow them (not causal, no positions argument, padding, a
 sliding window, tensor parallelism, a metric of the whole output), every patch runs the whole
-sequence, and the reason is logged.
+sequence, and the reason is logged. So does a model on a GPU, where a forward costs its kernel
+launches more than its arithmetic: there the whole sequences stacked along the batch take a few
+large forwards where these runs take one or two per position and layer.
 
 Shapes: B batch, T tokens, S keys, E width, V vocabulary, H heads, Hk key/value heads, D one
 head's width, n stacked variants, s = T - t recomputed positions.
@@ -141,19 +143,28 @@ class SuffixRuns:
         reason = cls._refusal(pair, inputs, metric_input, output)
         if reason is None:
             mapped = model_map(pair.model)
-            keys, values = _recorded_keys(pair, inputs, mapped)
             logits = logits_of(output)
             assert logits is not None
-            read = _read_positions(metric, logits)
-            runs = cls(pair, inputs, mapped, prefix, keys, values, output, read)
-            reason = runs._check()
-            if reason is None:
-                return runs
+            try:
+                keys, values = _recorded_keys(pair, inputs, mapped)
+            except _NotASuffixRun as e:
+                reason = str(e)
+            else:
+                read = _read_positions(metric, logits)
+                runs = cls(pair, inputs, mapped, prefix, keys, values, output, read)
+                reason = runs._check()
+                if reason is None:
+                    return runs
         log.info("%s: every per-position patch runs the whole sequence (%s)", caller, reason)
         return None
 
     @staticmethod
     def _refusal(pair: InputPair, inputs: Any, metric_input: str, output: Any) -> str | None:
+        logits = logits_of(output)
+        if logits is not None and logits.device.type != "cpu":
+            # a GPU's small forwards cost their launches: the whole sequences stacked into a
+            # few large forwards are faster there than a forward or two per position
+            return f"on {logits.device.type}, whole sequences stacked take fewer forwards"
         mapped = model_map(pair.model)
         if mapped.causal is not True:
             return "the model is not causal: a patch reaches earlier positions"
@@ -161,14 +172,16 @@ class SuffixRuns:
             return "the model's map names no positions argument for a run of later tokens"
         if any(site.shard is not None for site in mapped.sites):
             return "the model is tensor-parallel"
-        windows = [getattr(site.module, "sliding_window", None) for site in mapped.sites]
-        config = getattr(pair.model, "config", None)
-        windows.append(getattr(config, "sliding_window", None))
-        if any(w for w in windows):
-            return "the model attends through a sliding window"
+        # transformers' attention modules carry their layer's window (None on global layers)
+        windows = [getattr(s.module, "sliding_window", None) for s in mapped.sites]
+        if not any(hasattr(s.module, "sliding_window") for s in mapped.sites):
+            config = getattr(pair.model, "config", None)
+            if getattr(config, "use_sliding_window", True):
+                windows.append(getattr(config, "sliding_window", None))
+        if any(isinstance(w, int) and w < pair.length for w in windows):
+            return "the model attends through a sliding window shorter than the inputs"
         if metric_input != "logits":
             return "the metric reads the whole output, not the logits"
-        logits = logits_of(output)
         if logits is None or logits.dim() != 3 or logits.shape[:2] != (pair.batch, pair.length):
             return "the model's output holds no (B, T, V) logits"
         return pair.suffix_refusal(inputs)
@@ -177,14 +190,17 @@ class SuffixRuns:
         """Why runs from a later position do not reproduce the unpatched run (the first and
         the last layer patched, from the middle position), or None when they do."""
         t = self.logits.shape[1]
-        start = t // 2
+        if self.read is not None and not self.read:
+            return None  # the metric reads no position: no run is ever made
+        # the middle position, or the last one read if earlier: a run that reads something
+        start = min(t // 2, max(self.read if self.read is not None else [t - 1]))
         read = self._kept(start)
-        if t < 2 or not read:
-            return None
         scale = float(self.logits.abs().max())
         bound = _AGREEMENT.get(self.logits.dtype, _LOW_PRECISION_AGREEMENT) * max(scale, 1.0)
         last = len(self.mapped.sites) - 1
-        for layer, local in ((0, False), (last, False), (0, True), (last, True)):
+        # every block run from the position (the first layer's block at it alone), and every
+        # block skipped but the last
+        for layer, local in ((0, True), (last, False)):
             try:
                 output = self.run(1, start, layer, lambda a, b: [], local=local)
             except _NotASuffixRun as e:
@@ -263,7 +279,9 @@ class SuffixRuns:
             index = torch.arange(logits.shape[1], device=full.device)
         self.dirty = index + start
         full[:, self.dirty] = logits.to(full.dtype)
-        return _with_logits(output, full)
+        # the metric reads the logits alone: the rest of the output as the unpatched run's,
+        # whose tensors (hidden states of all T positions, ...) split like one run's
+        return _with_logits(self.output, full)
 
     def _written(
         self,
@@ -334,25 +352,29 @@ class SuffixRuns:
     def _earlier(self, layer: int, start: int, stop: int, n: int) -> QKVEditor:
         """Layer ``layer``'s editor in a run of positions ``start`` … ``stop`` - 1: the keys
         and values of positions before ``start`` put before the call's."""
-        keys = self.keys[layer][:, :, :start].repeat(n, 1, 1, 1)  # (n·B, Hk, start, D)
-        values = self.values[layer][:, :, :start].repeat(n, 1, 1, 1)
-        t = stop
+        keys = self.keys[layer][:, :, :start]  # (B, Hk, start, D)
+        values = self.values[layer][:, :, :start]
+        b, hk = keys.shape[:2]
 
         def editor(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor] | None:
             if call.mask is not None:
                 raise _NotASuffixRun(
                     f"attention layer {layer} was given a mask on a run from a later position"
                 )
-            if call.k.shape[2] != t - start or call.k.shape[1] != keys.shape[1]:
+            if call.k.shape != (n * b, hk, stop - start, keys.shape[3]):
                 raise _NotASuffixRun(
                     f"attention layer {layer} was given keys {tuple(call.k.shape)} on a run of "
-                    f"{t - start} positions, expected (n·B, {keys.shape[1]}, {t - start}, D)"
+                    f"{stop - start} positions, expected (n·B, Hk, T, D) = ({n * b}, {hk}, "
+                    f"{stop - start}, {keys.shape[3]})"
                 )
             if not start:
                 return None
-            k = torch.cat([keys.to(call.k.dtype), call.k], dim=2)  # (n·B, Hk, T, D)
-            v = torch.cat([values.to(call.v.dtype), call.v], dim=2)
-            return call.q, k, v
+            # the variants' shared earlier positions copied once, into the concatenation
+            k, v = (
+                torch.cat([x.to(y.dtype).expand(n, *x.shape), y.unflatten(0, (n, b))], dim=3)
+                for x, y in ((keys, call.k), (values, call.v))
+            )  # (n, B, Hk, T, D)
+            return call.q, k.flatten(0, 1), v.flatten(0, 1)
 
         return editor
 
