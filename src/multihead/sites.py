@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Union, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
 from multihead.head_shard import HeadShard
@@ -42,6 +42,8 @@ __all__ = [
     "head_label",
     "is_head",
     "parse_head",
+    "output_tensor",
+    "with_output_tensor",
 ]
 
 
@@ -86,6 +88,19 @@ def parse_head(name: str, value: object) -> tuple[int, int]:
         f"{name} must be a (layer, head) pair of ints, got {value!r} (or a head written as "
         f"'L0H1': layer 0, head 1)"
     )
+
+
+def output_tensor(output: Any) -> Tensor:
+    """What a block or a block's part returns, as one tensor: the output itself, or the first
+    item of the tuple or list it returns (transformers' modules put extras after it)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def with_output_tensor(output: Any, tensor: Tensor) -> Any:
+    """``output`` (as :func:`output_tensor` reads it) with its tensor replaced by ``tensor``."""
+    if isinstance(output, (tuple, list)):
+        return type(output)((tensor, *output[1:]))
+    return tensor
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from multihead.circuits.steering import model_heads
 from multihead.mapping import model_map
 from multihead.observe.recorder import capture
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.sites import Block, ModelMap
+from multihead.sites import Block, ModelMap, output_tensor
 
 __all__ = [
     "SITES",
@@ -242,10 +242,6 @@ def _positions(positions: object, t: int) -> list[int] | None:
     return out
 
 
-def _first(value: Any) -> Tensor:
-    return value[0] if isinstance(value, (tuple, list)) else value
-
-
 @torch.no_grad()
 def cache(
     model: nn.Module,
@@ -328,7 +324,7 @@ def cache(
     def on_block(layer: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             x = args[0] if args else kwargs["hidden_states"]
-            y = _first(out)
+            y = output_tensor(out)
             for site, value in (("resid_pre", x), ("resid_post", y)):
                 if (site, layer) in wanted:
                     keep((site, layer), value)
@@ -339,7 +335,7 @@ def cache(
 
     def on_part(site: str, layer: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            seen[site, layer] = _first(out).detach()
+            seen[site, layer] = output_tensor(out).detach()
 
         return hook
 

@@ -99,8 +99,7 @@ def attribution_patching(
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     warn_if_random(model, "attribution_patching")
-    dims: tuple[str, ...] = ("layer",) if site in RESIDUAL_SITES else ("layer", "head")
-    dims += ("position",) if per_position else ()
+    dims = PatchResult.site_dims(site, per_position)
     if site not in ("z", "result"):  # result is linear in z: the same estimate
         values, source_value, target_value = _SiteAttribution(experiment, site).estimate(
             direction, per_position

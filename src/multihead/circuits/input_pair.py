@@ -30,6 +30,7 @@ from multihead.mapping import model_map
 
 __all__ = [
     "InputPair",
+    "logits_of",
     "METRIC_INPUTS",
     "Metric",
     "metric_reader",
@@ -112,7 +113,7 @@ def _first_batched(value: dict[str, Any]) -> Tensor:
 def _batch_size(value: Tensor | dict[str, Any]) -> int:
     if isinstance(value, Tensor):
         return value.shape[0]
-    return next(v.shape[0] for v in value.values() if isinstance(v, Tensor) and v.dim() > 0)
+    return _first_batched(value).shape[0]
 
 
 def _tile(value: Any, copies: int, batch: int) -> Any:
@@ -287,6 +288,16 @@ def _check_alike(clean: Tensor | dict[str, Any], corrupt: Tensor | dict[str, Any
             )
 
 
+def logits_of(output: Any) -> Tensor | None:
+    """A model output's logits: the output itself when it is a tensor, else its ``logits``
+    field or key; None when it has none."""
+    if isinstance(output, Tensor):
+        return output
+    found = output.get("logits") if isinstance(output, Mapping) else None
+    found = getattr(output, "logits", found)
+    return found if isinstance(found, Tensor) else None
+
+
 def metric_reader(metric: Metric, metric_input: str) -> Metric:
     """``metric`` as the patching functions call it on a model's output: given the logits
     (``"logits"``: an output's ``logits`` field, a tensor output as it is, any other output
@@ -301,9 +312,8 @@ def metric_reader(metric: Metric, metric_input: str) -> Metric:
     def read(output: Any) -> Tensor:
         given, what = output, f"the model's output ({_describe(output)})"
         if metric_input == "logits" and not isinstance(output, Tensor):
-            logits = output.get("logits") if isinstance(output, Mapping) else None
-            logits = getattr(output, "logits", logits)
-            if isinstance(logits, Tensor):
+            logits = logits_of(output)
+            if logits is not None:
                 given, what = logits, f"the logits ({_describe(logits)}), the output's .logits"
             else:
                 what += ", which carries no logits"

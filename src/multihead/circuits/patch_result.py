@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_positive_int, describe
+from multihead.circuits.activation_cache import RESIDUAL_SITES
 from multihead.sites import head_label
 from multihead.viz.plots import effects_figure
 
@@ -73,6 +74,14 @@ class PatchResult:
     clean: float
     corrupt: float
     names: tuple[tuple[str, ...], ...] | None = None
+
+    @staticmethod
+    def site_dims(site: str, per_position: bool) -> tuple[str, ...]:
+        """The axes of a result of patching ``site`` (module docstring): ``("layer",)`` for a
+        residual site, ``("layer", "head")`` per head, and ``"position"`` after them with
+        ``per_position``."""
+        dims: tuple[str, ...] = ("layer",) if site in RESIDUAL_SITES else ("layer", "head")
+        return dims + (("position",) if per_position else ())
 
     def __post_init__(self) -> None:
         if len(self.dims) != self.values.dim():

@@ -222,17 +222,17 @@ def patch_heads(
         unpatched = experiment.unpatched(target, "unpatched run", caller="patch_heads", log=logger)
         base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
         size = experiment.stack_size(batch_size, single, list(recorded.values()), logger)
-        suffix = (
-            experiment.suffix_runs(target, unpatched, caller="patch_heads", log=logger)
-            if per_position
-            else None
-        )
         lengths = {out.shape[1] for out in recorded.values()}
         if per_position and len(lengths) > 1:
             raise ValueError(
                 f"per_position=True needs one query length T in every patched layer, got "
                 f"{sorted(lengths)} (pass heads= of layers with one length)"
             )
+        suffix = (
+            experiment.suffix_runs(target, unpatched, caller="patch_heads", log=logger)
+            if per_position
+            else None
+        )
         positions = lengths.pop()
         result = head_table(found, base, positions if per_position else None)
         masks: dict[int, list[tuple[int, int | None]]] = {}  # layer -> its variants (head, t)
@@ -294,8 +294,8 @@ def _run_variants(
     src: Tensor,
     patched: Tensor,
     prefix: PrefixCache | None,
-    suffix: SuffixRuns | None = None,
-    position: int | None = None,
+    suffix: SuffixRuns | None,
+    position: int | None,
 ) -> Tensor:
     """One forward of n stacked copies of the target input, variant i with the per-head output
     of ``layer`` replaced by ``src``'s (B, T, H, Dv) where ``patched[i]`` (T, H) is True;

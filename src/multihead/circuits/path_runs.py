@@ -40,7 +40,7 @@ from multihead.observers import (
     Removable,
     registered,
 )
-from multihead.sites import ModelMap
+from multihead.sites import ModelMap, output_tensor, with_output_tensor
 
 __all__ = ["PathRuns", "recorded_feed_forward"]
 
@@ -53,7 +53,7 @@ def recorded_feed_forward(mapped: ModelMap, layers: list[int]) -> Iterator[dict[
 
     def make(layer: int) -> Any:
         def hook(m: nn.Module, args: Any, out: Any) -> None:
-            recorded[layer] = _first(out).detach()
+            recorded[layer] = output_tensor(out).detach()
 
         return hook
 
@@ -84,11 +84,6 @@ def _mlp(mapped: ModelMap, layer: int) -> nn.Module:
     module = stack_block(mapped, layer, "a feed-forward network sender").mlp
     assert module is not None
     return module
-
-
-def _first(out: Any) -> Tensor:
-    """A module's output tensor: itself, or the first item of a tuple (a block's extras)."""
-    return out[0] if isinstance(out, tuple) else out
 
 
 def _stacked(call_tensor: Tensor, n: int, batch: int, layer: int) -> Tensor:
@@ -248,7 +243,7 @@ class PathRuns:
         patched = patched.reshape(n, *[1] * src.dim()).to(src.device)  # (n, 1, ...)
 
         def hook(m: nn.Module, args: Any, out: Any) -> Any:
-            first = _first(out)
+            first = output_tensor(out)
             if first.shape != (n * src.shape[0], *src.shape[1:]):
                 raise ValueError(
                     f"path_patching: the feed-forward network of block {layer} gave "
@@ -257,7 +252,7 @@ class PathRuns:
                     f"on the whole input"
                 )
             new = torch.where(patched, src.to(first.dtype), first.unflatten(0, (n, -1)))
-            return (new.flatten(0, 1), *out[1:]) if isinstance(out, tuple) else new.flatten(0, 1)
+            return with_output_tensor(out, new.flatten(0, 1))
 
         return hook
 

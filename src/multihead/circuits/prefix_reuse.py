@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from multihead.mapping import model_map
 from multihead.observers import ObservableAttention
 from multihead.packing import PackedBatch
-from multihead.sites import Site
+from multihead.sites import Site, output_tensor, with_output_tensor
 
 __all__ = ["PrefixCache"]
 
@@ -129,17 +129,16 @@ def _copy(value: Any, copies: int = 1) -> Any:
 
 
 def _from(output: Any, start: int, stop: int | None, copies: int) -> Any:
-    """A recorded block output's positions ``start`` … ``stop`` - 1: its residual stream (the
-    output, or its first item: (B, T, E)) cut along T and repeated ``copies`` times along the
-    batch; the other items as recorded."""
-    if isinstance(output, Tensor):
-        return output[:, start:stop].repeat(copies, *(1,) * (output.dim() - 1))
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
-        return type(output)((_from(output[0], start, stop, copies), *output[1:]))
-    raise TypeError(
-        f"a reused block returned {type(output).__name__}, not its residual stream (B, T, E) "
-        f"or a tuple starting with it"
-    )
+    """A recorded block output's positions ``start`` … ``stop`` - 1: its residual stream
+    (:func:`~multihead.sites.output_tensor`, (B, T, E)) cut along T and repeated ``copies``
+    times along the batch; the other items as recorded."""
+    stream = output_tensor(output)
+    if not isinstance(stream, Tensor):
+        raise TypeError(
+            f"a reused block returned {type(output).__name__}, not its residual stream "
+            f"(B, T, E) or a tuple starting with it"
+        )
+    return with_output_tensor(output, stream[:, start:stop].repeat(copies, 1, 1))
 
 
 class PrefixCache:
@@ -287,11 +286,14 @@ class PrefixCache:
         """Within the block: one edited run of ``layer`` reuses the blocks before its own;
         with ``copies`` > 1 the run stacks that many variants of the recorded input (its
         batched arguments repeated along the batch, variant-major)."""
-        # the first call of a block holding the layer; a layer outside every block (or never
-        # run) bounds nothing: a block whose arguments it changed would not match anyway
+        return self._skip_before(self._first_call(layer), copies)
+
+    def _first_call(self, layer: int) -> int:
+        """The rank of the first call of a block holding ``layer``; a layer outside every
+        block (or never run) bounds nothing: a block whose arguments it changed would not
+        match anyway."""
         never = len(self.order)
-        first = min((self.order.get(i, never) for i in self.holders[layer]), default=never)
-        return self._skip_before(first, copies)
+        return min((self.order.get(i, never) for i in self.holders[layer]), default=never)
 
     def reuses(self, layer: int) -> bool:
         """Whether the block holding ``layer``'s attention is one this cache reuses (and was
@@ -317,7 +319,7 @@ class PrefixCache:
         recorded run (:class:`~multihead.circuits.suffix_runs.SuffixRuns` does).
         """
         never = len(self.order)
-        first = min((self.order.get(i, never) for i in self.holders[layer]), default=never)
+        first = self._first_call(layer)
         counts: dict[int, int] = {}
 
         def make_forward(index: int, block: nn.Module) -> Callable[..., Any] | None:
@@ -334,7 +336,7 @@ class PrefixCache:
                 output = _from(recorded[min(k, len(recorded) - 1)].output, start, stop, copies)
                 if own:
                     assert written is not None
-                    stream = output if isinstance(output, Tensor) else output[0]
+                    stream = output_tensor(output)
                     stream[:, :1] = written.to(stream.dtype)
                 return output
 

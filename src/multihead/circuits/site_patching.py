@@ -49,26 +49,13 @@ from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall
-from multihead.sites import HeadName
+from multihead.sites import HeadName, output_tensor, with_output_tensor
 
 __all__ = ["patch"]
 
 logger = logging.getLogger(__name__)
 
 _KV_SITES = ("k", "v")
-
-
-def _first(value: Any) -> Tensor:
-    return value[0] if isinstance(value, (tuple, list)) else value
-
-
-def _with_first(value: Any, first: Tensor) -> Any:
-    """``value`` (a tensor, or a tuple/list whose first item is the tensor) with it replaced."""
-    if isinstance(value, tuple):
-        return (first, *value[1:])
-    if isinstance(value, list):
-        return [first, *value[1:]]
-    return first
 
 
 def patch(
@@ -132,8 +119,7 @@ def patch(
     with torch.no_grad():
         clean_value = experiment.value(pair.clean, "clean run")
         corrupt_value = experiment.value(pair.corrupt, "corrupt run")
-    dims: tuple[str, ...] = ("layer",) if site in RESIDUAL_SITES else ("layer", "head")
-    dims += ("position",) if per_position else ()
+    dims = PatchResult.site_dims(site, per_position)
     if site in ("z", "result"):
         every = [(layer, h) for layer in chosen for h in range(found[layer][1].num_heads)]
         values = patch_heads(
@@ -342,6 +328,9 @@ class _SitePatch:
             stacked = current.unflatten(0, (n, b))
             return torch.where(mask, by.to(current.dtype), stacked).flatten(0, 1)
 
+        def source_out(m: nn.Module, a: Any, out: Any) -> Any:  # the module's output := src's
+            return with_output_tensor(out, replaced(output_tensor(out), src[None]))
+
         block = stack_block(self.mapped, layer, f"patching {self.site}")
         if self.site == "resid_pre":
 
@@ -355,11 +344,7 @@ class _SitePatch:
 
             return [block.module.register_forward_pre_hook(pre, with_kwargs=True)]
         if self.site == "resid_post":
-            return [
-                block.module.register_forward_hook(
-                    lambda m, a, out: _with_first(out, replaced(_first(out), src[None]))
-                )
-            ]
+            return [block.module.register_forward_hook(source_out)]
         part = block.mlp if self.site == "mlp_out" else block.attention
         if part is None:
             raise ValueError(
@@ -367,11 +352,7 @@ class _SitePatch:
                 f"{layer}'s {'feed-forward' if self.site == 'mlp_out' else 'attention'} module"
             )
         if self.site in ("attn_out", "mlp_out"):
-            return [
-                part.register_forward_hook(
-                    lambda m, a, out: _with_first(out, replaced(_first(out), src[None]))
-                )
-            ]
+            return [part.register_forward_hook(source_out)]
         # resid_mid = resid_pre + attn_out: the write that makes the sum the source's
         entering: list[Tensor] = []
 
@@ -379,9 +360,9 @@ class _SitePatch:
             entering[:] = [args[0] if args else kwargs["hidden_states"]]
 
         def write(m: nn.Module, a: Any, out: Any) -> Any:
-            written = _first(out)
+            written = output_tensor(out)
             wanted = src[None] - entering[0].unflatten(0, (n, b)).to(src.dtype)
-            return _with_first(out, replaced(written, wanted))
+            return with_output_tensor(out, replaced(written, wanted))
 
         return [
             block.module.register_forward_pre_hook(record, with_kwargs=True),

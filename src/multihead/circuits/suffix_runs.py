@@ -47,29 +47,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.input_pair import InputPair, Metric
+from multihead.circuits.input_pair import InputPair, Metric, logits_of
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, ObserverHandle, QKVEditor, registered
-from multihead.sites import ModelMap
+from multihead.sites import ModelMap, output_tensor
 
-__all__ = ["SuffixRuns", "logits_of"]
+__all__ = ["SuffixRuns"]
 
 # How far a run from a later position may stray from the whole run, relative to the largest
 # logit, before it is not trusted: rounding differs (fewer rows per product), a wrong position
 # or mask differs by the logits' own size.
 _AGREEMENT = {torch.float64: 1e-9, torch.float32: 1e-4}
 _LOW_PRECISION_AGREEMENT = 5e-2
-
-
-def logits_of(output: Any) -> Tensor | None:
-    """A model output's logits: the output itself when it is a tensor, else its ``logits``
-    field or key; None when it has none."""
-    if isinstance(output, Tensor):
-        return output
-    found = output.get("logits") if isinstance(output, Mapping) else None
-    found = getattr(output, "logits", found)
-    return found if isinstance(found, Tensor) else None
 
 
 def _with_logits(output: Any, logits: Tensor) -> Any:
@@ -297,7 +287,7 @@ class SuffixRuns:
         got: list[Tensor] = []
 
         def capture(module: nn.Module, args: Any, output: Any) -> None:
-            stream = output if isinstance(output, Tensor) else output[0]
+            stream = output_tensor(output)
             got.append(stream[:, :1].detach().clone())
             raise _Written
 
