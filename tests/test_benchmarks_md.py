@@ -40,15 +40,26 @@ def _results() -> list[Path]:
     return sorted(p for p in RESULTS.glob("*.json") if not p.stem.endswith("_quick"))
 
 
-def test_benchmarks_md_is_the_reports_output() -> None:
-    want = report.render(report.load_reports(RESULTS))
-    got = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
-    assert got == want, "BENCHMARKS.md is stale: run python benchmarks/report.py"
+@pytest.mark.parametrize(("name", "gpu"), [("BENCHMARKS.md", False), ("BENCHMARKS-GPU.md", True)])
+def test_benchmarks_md_is_the_reports_output(name: str, gpu: bool) -> None:
+    want = report.render(report.load_reports(RESULTS), gpu=gpu)
+    got = (ROOT / name).read_text(encoding="utf-8")
+    assert got == want, f"{name} is stale: run python benchmarks/report.py"
 
 
-def test_benchmarks_md_stays_under_500_lines() -> None:
-    lines = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()
+@pytest.mark.parametrize("name", ["BENCHMARKS.md", "BENCHMARKS-GPU.md"])
+def test_benchmarks_md_stays_under_500_lines(name: str) -> None:
+    lines = (ROOT / name).read_text(encoding="utf-8").splitlines()
     assert len(lines) < 500
+
+
+def test_a_run_on_a_gpu_is_in_the_gpu_file_alone() -> None:
+    reports = report.load_reports(RESULTS)
+    cpu, gpu = report.render(reports), report.render(reports, gpu=True)
+    for stem, block in reports.items():
+        heading = f"## {block['title']}\n"
+        on_gpu = bool(block["machine"].get("gpu"))
+        assert (heading in gpu, heading in cpu) == (on_gpu, not on_gpu), stem
 
 
 def test_every_results_file_has_machine_versions_date_and_a_table() -> None:

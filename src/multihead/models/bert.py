@@ -13,7 +13,7 @@ LayerNorms and feed-forward networks see only the N real tokens (a
 :class:`multihead.packing.PackedBatch` passed down the layers as ``packing=``); only attention
 sees the (B, T) layout, under the key mask. Hugging Face's BertModel computes all B·T positions
 everywhere, and so does this model on a GPU (``unpad="auto"``), where the padded positions cost
-less than the packing's gathers, scatters and host reads (BENCHMARKS.md, bench_bert on a GPU).
+less than the packing's gathers, scatters and host reads (BENCHMARKS-GPU.md, bench_bert).
 The result on real tokens is the padded computation's; the padding positions of
 ``last_hidden_state`` hold zeros on every path. Observers, :func:`multihead.capture` and forward
 hooks see both paths alike.
