@@ -316,7 +316,7 @@ def _frozen_norm(
             "norm; no part of the block maps the one to the other"
         )
     rounding = torch.finfo(h.dtype).eps
-    return FrozenNorm.of(norm, eps, x, h, "qk_attribution's pre-attention norm", rounding)
+    return FrozenNorm.of(norm, eps, x, h, "qk_attribution (the pre-attention norm)", rounding)
 
 
 def _head_parts(
