@@ -462,3 +462,38 @@ def test_512_token_page_opens_with_every_thumbnail(driver: Any, tmp_path: Path) 
         drawn = torch.tensor(thumb[2], dtype=torch.float32).view(64, 64, 4)
         assert (drawn[..., :3] - ramp).abs().max() <= 1.0
     _no_errors_no_network(driver)
+
+
+def test_qk_pairs_are_listed_beside_the_head_view(driver: Any, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    path = _page(tmp_path)
+    _open(driver, path)
+    assert not driver.find_element(By.ID, "qk-panel").is_displayed()  # not asked: no panel
+    qk = {
+        "head": "L1H3", "query": 10, "key": 2, "query_token": "it", "key_token": "animal",
+        "score": 4.25, "weight": 0.61, "rise": [["L0H1", 2.5], ["embed", -0.25]],
+        "pairs": [["embed", "L0H1", 3.0], ["MLP0", "embed", -1.5], ["q bias", "<b>", 0.5]],
+    }  # fmt: skip
+    page = write_page(tmp_path / "qk.html", *_weights_and_tokens(), focus=10, qk=qk)
+    _open(driver, page)
+    assert driver.find_element(By.ID, "qk-panel").is_displayed()
+    title = driver.find_element(By.ID, "qk-title").text
+    assert "L1H3" in title and "key 2 (animal)" in title and "4.250" in title
+    rows = [
+        [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        for tr in driver.find_elements(By.CSS_SELECTOR, "#qk-pairs tbody tr")
+    ]
+    assert rows == [
+        ["embed", "L0H1", "3.000"],
+        ["MLP0", "embed", "-1.500"],
+        ["q bias", "<b>", "0.500"],
+    ]
+    assert driver.find_element(By.ID, "qk-rise").text.endswith("L0H1 +2.500, embed -0.250")
+    _no_errors_no_network(driver)
+
+
+def _weights_and_tokens() -> tuple[torch.Tensor, list[str]]:
+    t = len(TOKENS)
+    gen = torch.Generator().manual_seed(2)
+    return torch.softmax(torch.randn(2, 4, t, t, generator=gen), dim=-1), TOKENS

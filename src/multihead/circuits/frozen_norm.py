@@ -1,10 +1,11 @@
-"""The final norm with its scale frozen at one run: an affine map, so a sum splits through it.
+"""A norm with its scale frozen at one run: an affine map, so a sum splits through it.
 
 A LayerNorm computes ``γ ⊙ (x - mean x) / σ(x) + β``, an RMSNorm ``γ ⊙ x / rms(x)``. With σ
 (B, T) taken from one run's residual stream x and held fixed, the norm is affine in x, and the
 stream's parts (embeddings, each head's write, each feed-forward's) go through it one by one:
 ``norm(x) = Σ_c linear(c) + β``. Direct logit attribution and the logit lens's per-head reading
-are this split.
+are this split of the final norm; QK attribution splits a block's pre-attention norm the same
+way.
 
 Shapes: B batch, T tokens, E width.
 """
@@ -33,7 +34,7 @@ def _whole(value: object) -> object:
 
 @dataclass(frozen=True)
 class FrozenNorm:
-    """A final LayerNorm or RMSNorm with its scale frozen at one run.
+    """A LayerNorm or RMSNorm (the final one, or a block's) with its scale frozen at one run.
 
     Attributes:
         gamma: (E,) the norm's weight (ones without one).
@@ -80,7 +81,7 @@ class FrozenNorm:
             if torch.allclose(rebuilt, y, rtol=rtol, atol=tolerance):
                 return frozen
         raise ValueError(
-            f"{caller} reads a final LayerNorm or RMSNorm (γ ⊙ x / rms(x)); the final norm "
+            f"{caller} reads a LayerNorm or RMSNorm (γ ⊙ x / rms(x)); the norm "
             f"{type(norm).__name__} computes something else"
         )
 

@@ -90,6 +90,14 @@ def register(subparsers: Any) -> None:
         "one",
     )
     p.add_argument(
+        "--qk",
+        type=_head,
+        metavar="LxHy",
+        help="also split that head's score of the key it attends to most from the focus token "
+        "into (query-side, key-side) component pairs (a causal LM: --model): the report and "
+        "the page list the top pairs",
+    )
+    p.add_argument(
         "--no-importance",
         dest="importance",
         action="store_false",
@@ -152,6 +160,14 @@ def _heads(text: str) -> list[tuple[int, int]]:
                 f"expected heads such as L5H11 or L0H2,L5H11 (layer 5, head 11), got {text!r}"
             ) from None
     return pairs
+
+
+def _head(text: str) -> tuple[int, int]:
+    """``"L1H3"`` -> (1, 3): one head (argparse type, as :func:`_heads`)."""
+    heads = _heads(text)
+    if len(heads) != 1:
+        raise argparse.ArgumentTypeError(f"expected one head such as L1H3, got {text!r}")
+    return heads[0]
 
 
 _UNITS = {"": 2**30, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -231,6 +247,7 @@ def _explain(
             ablate=args.ablate,
             importance=args.importance,
             memory_limit=args.memory_limit,
+            qk=args.qk,
         )
     if not shown:
         return ex, []
@@ -291,6 +308,8 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
         print(f"  {'most important (zeroed: embedding moves):':44s}{best}")
     if ex.ablation is not None and ex.ablated_top_words is not None:
         _print_ablation(ex)
+    if ex.qk is not None:
+        _print_qk(ex)
     print()
     print("Wrote:")
     for p in paths:
@@ -307,3 +326,16 @@ def _print_ablation(ex: Explanation) -> None:
         after = f"{ablated.words[0].word} {ablated.words[0].weight:.2f}"
         print(f"  layer {clean.layer}:  {before:24s} -> {after}")
     print(f"  sentence embedding: cosine {ex.ablation.cosine:.4f} to the clean one")
+
+
+def _print_qk(ex: Explanation) -> None:
+    qk = ex.qk
+    assert qk is not None
+    print()
+    print(
+        f"Why {head_label(qk.layer, qk.head)} looks at {ex.tokens[qk.key]!r} (token {qk.key}) "
+        f"from {ex.tokens[qk.query]!r}: score {qk.score:.3f} (weight "
+        f"{float(qk.weights[qk.key]):.2f}), top (query side, key side) pairs:"
+    )
+    for a, b, v in qk.top(5):
+        print(f"  {a:>14s} x {b:<14s} {v:+.3f}")

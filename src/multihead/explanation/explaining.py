@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from multihead._checks import check_indices, describe, is_int
+from multihead._checks import check_index, check_indices, describe, is_int
+from multihead.circuits.qk_attribution import qk_attribution
 from multihead.explanation.focus import (
     LayerFocus,
     choose_focus,
@@ -46,6 +47,7 @@ from multihead.memory_budget import (
 )
 from multihead.observe.head_summary import HeadStatistics
 from multihead.pretrained.text_loader import load_text_model
+from multihead.sites import HeadName, parse_head
 from multihead.text.model import TextModel
 from multihead.text.tokenization import TokenBatch, TruncationWarning, check_text
 
@@ -97,6 +99,7 @@ def explain(
     ablate: Sequence[tuple[int, int]] | None = None,
     importance: bool = True,
     memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    qk: HeadName | None = None,
 ) -> Explanation:
     """Run a text through a model and gather its attention around one focus token.
 
@@ -120,6 +123,10 @@ def explain(
         memory_limit: bytes the weights may take at their peak (:func:`explain_peak_bytes`,
             from L, H and the text's T; default 4 GiB). A text longer than fits is cut to the
             tokens that fit, with a warning, before anything is captured.
+        qk: a head, ``"L1H3"`` or ``(1, 3)``: also split its score of the key it attends to
+            most from the focus token into (query-side, key-side) component pairs
+            (:func:`multihead.qk_attribution`; a causal LM's text model only):
+            :attr:`Explanation.qk`, shown on the page beside the head view.
 
     Returns:
         An :class:`Explanation`: every layer's and head's weights (L, H, T, T), head statistics,
@@ -161,6 +168,11 @@ def explain(
     if focus_index is not None and not is_int(focus_index):
         raise TypeError(f"focus_index must be an int or None, got {describe(focus_index)}")
     memory_limit = check_memory_limit("memory_limit", memory_limit)
+    qk_head = None
+    if qk is not None:
+        raw = parse_head("qk", qk)
+        qk_layer = check_index(f"qk {qk!r}: layer", raw[0], n_layers, "layers")
+        qk_head = (qk_layer, check_index(f"qk {qk!r}: head", raw[1], n_heads, "heads"))
 
     with warnings.catch_warnings():
         # Said below in explain's own words, with where the text was cut.
@@ -245,6 +257,13 @@ def explain(
         ]
 
     ablation = None if ablate_list is None else ablated_weights(model, batch, ablate_list)
+    split = None
+    if qk_head is not None:  # the key the head attends to most from the focus
+        key = int(weights[qk_head[0], qk_head[1], focus_at].argmax())
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        split = qk_attribution(
+            model, inputs, layer=qk_head[0], head=qk_head[1], query=focus_at, key=key
+        )
     return Explanation(
         text=text,
         tokens=tokens,
@@ -266,6 +285,7 @@ def explain(
         ablation=ablation,
         ablated_top_words=None if ablation is None else tops(ablation.weights),
         causal=causal,
+        qk=split,
     )
 
 

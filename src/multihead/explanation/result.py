@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from multihead._checks import check_index
+from multihead.circuits.qk_attribution import QKAttribution
 from multihead.explanation.focus import LayerFocus
 from multihead.explanation.head_effects import Ablation
 from multihead.observe.head_summary import HeadStatistics
@@ -59,6 +60,8 @@ class Explanation:
         ablated_top_words: per covered layer, the focus token's top words in that run.
         causal: the model is a decoder: each token attends only to itself and earlier tokens
             (every weight above the diagonal is 0); pictures and the page draw lower triangles.
+        qk: with ``explain(qk=head)``, that head's score of the key it attends to most from the
+            focus token, split into component pairs (the page lists the top ones), else None.
     """
 
     text: str
@@ -79,6 +82,7 @@ class Explanation:
     ablation: Ablation | None = None
     ablated_top_words: list[LayerFocus] | None = None
     causal: bool = False
+    qk: QKAttribution | None = None
 
     @property
     def focus_head(self) -> tuple[int, int]:
@@ -152,7 +156,27 @@ class Explanation:
             title=f"Attention in {self.model_name}",
             subtitle=self.text if len(self.text) <= 300 else self.text[:300] + "…",
             causal=self.causal,
+            qk=self._qk_panel(),
         )
+
+    def _qk_panel(self, top: int = 10) -> dict[str, object] | None:
+        """What the page shows of :attr:`qk`: its top pairs and the key-side components that
+        rise most at its key (plain values), or None."""
+        qk = self.qk
+        if qk is None:
+            return None
+        rise = qk.key_rise()[:5] if int(qk.visible.sum()) > 1 else []
+        return {
+            "head": f"L{qk.layer}H{qk.head}",
+            "query": qk.query,
+            "key": qk.key,
+            "query_token": self.tokens[qk.query],
+            "key_token": self.tokens[qk.key],
+            "score": round(qk.score, 5),
+            "weight": round(float(qk.weights[qk.key]), 5),
+            "pairs": [[a, b, round(v, 5)] for a, b, v in qk.top(top)],
+            "rise": [[label, round(v, 5)] for label, v in rise],
+        }
 
     def save_png(self, path: str | Path) -> Path:
         """Save the heatmap grid as PNG."""

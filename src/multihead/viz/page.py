@@ -31,7 +31,7 @@ import base64
 import html
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -126,6 +126,7 @@ def render_page(
     subtitle: str = "",
     causal: bool = False,
     compress: bool = True,
+    qk: Mapping[str, Any] | None = None,
 ) -> str:
     """The interactive page as one HTML string.
 
@@ -146,6 +147,10 @@ def render_page(
             to earlier tokens.
         compress: deflate the weights (inflated by the browser's DecompressionStream; every
             current browser has it). Without it the page is ~4/3 of L·H·T² bytes.
+        qk: a QK attribution to list beside the head view (plain values: ``head``, ``query``,
+            ``key``, ``query_token``, ``key_token``, ``score``, ``weight``, ``pairs`` as
+            ``[query-side label, key-side label, value]`` rows, ``rise`` as ``[label, value]``
+            rows), or None for no such panel.
 
     Returns:
         A complete HTML document with no external reference.
@@ -199,6 +204,7 @@ def render_page(
         "weights": base64.b64encode(payload).decode("ascii"),
         "scales": base64.b64encode(scales).decode("ascii"),
         "stats": statistics.to_dict() if statistics is not None else None,
+        "qk": dict(qk) if qk is not None else None,
     }
     if importance is not None:
         if statistics is None or tuple(importance.shape) != (
