@@ -61,7 +61,13 @@ class _Parts:
 
     def mlp_norm(self, i: int) -> nn.Module:
         b = self.blocks[i]
-        return b.norm2 if self.family == "lm" else b.ln_2 if self.family == "gpt2" else b.post_attention_layernorm
+        return (
+            b.norm2
+            if self.family == "lm"
+            else b.ln_2
+            if self.family == "gpt2"
+            else b.post_attention_layernorm
+        )
 
     def mlp(self, i: int) -> nn.Module:
         b = self.blocks[i]
@@ -100,7 +106,10 @@ class _Parts:
             proj = b.attn.c_proj
             return proj, lambda z, k: z[..., k * d : (k + 1) * d] @ proj.weight[k * d : (k + 1) * d]
         proj = b.self_attn.out_proj if self.family == "lm" else b.self_attn.o_proj
-        return proj, lambda z, k: z[..., k * d : (k + 1) * d] @ proj.weight[:, k * d : (k + 1) * d].T
+        return (
+            proj,
+            lambda z, k: z[..., k * d : (k + 1) * d] @ proj.weight[:, k * d : (k + 1) * d].T,
+        )
 
 
 def _writes(parts: _Parts, ids: Tensor) -> dict[str, Tensor]:
@@ -180,7 +189,9 @@ def _receiver_gradient(parts: _Parts, ids: Tensor, receiver: str) -> Tensor:
     return grad
 
 
-def _reference(parts: _Parts, clean: Tensor, corrupt: Tensor, senders: list[str], receivers: list[str]) -> Tensor:
+def _reference(
+    parts: _Parts, clean: Tensor, corrupt: Tensor, senders: list[str], receivers: list[str]
+) -> Tensor:
     a, b = _writes(parts, clean), _writes(parts, corrupt)
     out = torch.full((len(senders), len(receivers)), float("nan"), dtype=torch.float64)
     for j, r in enumerate(receivers):
@@ -250,7 +261,11 @@ def _ungrouped(model: nn.Module) -> nn.Module:
 
 
 CASES = [("lm", torch.float32, 1e-5), ("lm", torch.float64, 1e-10)]
-CASES += [(f, dt, tol) for f in ("gpt2", "llama") for dt, tol in ((torch.float32, 1e-5), (torch.float64, 1e-10))]
+CASES += [
+    (f, dt, tol)
+    for f in ("gpt2", "llama")
+    for dt, tol in ((torch.float32, 1e-5), (torch.float64, 1e-10))
+]
 
 
 @pytest.mark.parametrize(("family", "dtype", "tolerance"), CASES)
@@ -262,7 +277,9 @@ def test_eap_equals_hooks(family: str, dtype: torch.dtype, tolerance: float) -> 
     got = edge_attribution(model, clean, corrupt, _metric, receivers=kinds)
     assert got.ig_steps == 1 and got.senders[0] == "embed"
     reference_model = _ungrouped(model) if family == "llama" else model
-    want = _reference(_Parts(reference_model, family), clean, corrupt, list(got.senders), list(got.receivers))
+    want = _reference(
+        _Parts(reference_model, family), clean, corrupt, list(got.senders), list(got.receivers)
+    )
     assert want.nan_to_num().abs().max() > 1e-2, "the reference is all ~0: nothing is tested"
     assert torch.equal(got.values.isnan(), want.isnan())
     torch.testing.assert_close(got.values.double(), want, atol=tolerance, rtol=0, equal_nan=True)
@@ -275,7 +292,9 @@ def test_eap_equals_hooks(family: str, dtype: torch.dtype, tolerance: float) -> 
             i = shared.receivers.index(f"L1KV1.{kind}")
             summed = sum(got.values[:, got.receivers.index(f"L1H{h}.{kind}")] for h in (3, 4, 5))
             # (the Llama norm computes in float32 whatever the dtype: its rounding)
-            torch.testing.assert_close(shared.values[:, i], summed, atol=1e-6, rtol=0, equal_nan=True)
+            torch.testing.assert_close(
+                shared.values[:, i], summed, atol=1e-6, rtol=0, equal_nan=True
+            )
 
 
 def test_integrated_gradients_average_the_path_points() -> None:
@@ -301,7 +320,10 @@ def test_integrated_gradients_average_the_path_points() -> None:
             handle.remove()
     want = want.masked_fill(got.values.isnan(), float("nan"))
     torch.testing.assert_close(got.values, want, atol=1e-10, rtol=0, equal_nan=True)
-    assert not torch.allclose(got.values.nan_to_num(), edge_attribution(model, clean, corrupt, _metric).values.nan_to_num())
+    assert not torch.allclose(
+        got.values.nan_to_num(),
+        edge_attribution(model, clean, corrupt, _metric).values.nan_to_num(),
+    )
 
 
 def test_attribution_patching_ig_steps() -> None:
@@ -311,16 +333,24 @@ def test_attribution_patching_ig_steps() -> None:
     torch.manual_seed(4)
     clean, corrupt = torch.randint(20, (3, 7)), torch.randint(20, (3, 7))
     plain = multihead.attribution_patching(model, clean, corrupt, _metric, direction="noise")
-    one = multihead.attribution_patching(model, clean, corrupt, _metric, direction="noise", ig_steps=1)
+    one = multihead.attribution_patching(
+        model, clean, corrupt, _metric, direction="noise", ig_steps=1
+    )
     torch.testing.assert_close(one.values, plain.values, atol=0, rtol=0)
     # nodes = the heads' edges summed over their receivers? no: check against edges' sums
-    edges = edge_attribution(model, clean, corrupt, _metric, ig_steps=4, receivers=("q", "k", "v", "mlp", "logits"))
-    nodes = multihead.attribution_patching(model, clean, corrupt, _metric, direction="noise", ig_steps=4)
+    edges = edge_attribution(
+        model, clean, corrupt, _metric, ig_steps=4, receivers=("q", "k", "v", "mlp", "logits")
+    )
+    nodes = multihead.attribution_patching(
+        model, clean, corrupt, _metric, direction="noise", ig_steps=4
+    )
     # a head's write reaches the metric only through the receivers after it: its edges' sum
     for layer in range(2):
         for head in range(4):
             row = edges.values[edges.senders.index(f"L{layer}H{head}")]
-            torch.testing.assert_close(nodes.values[layer, head], row.nansum(), atol=1e-9, rtol=1e-6)
+            torch.testing.assert_close(
+                nodes.values[layer, head], row.nansum(), atol=1e-9, rtol=1e-6
+            )
 
 
 def test_faithfulness_ends_and_reference() -> None:
@@ -331,8 +361,12 @@ def test_faithfulness_ends_and_reference() -> None:
     clean, corrupt = torch.randint(20, (3, 7)), torch.randint(20, (3, 7))
     kinds = ("q", "k", "v", "mlp", "logits")
     scores = edge_attribution(model, clean, corrupt, _metric, receivers=kinds)
-    assert faithfulness(model, clean, corrupt, _metric, scores.circuit(0)) == pytest.approx(0, abs=1e-10)
-    assert faithfulness(model, clean, corrupt, _metric, scores.circuit(len(scores))) == pytest.approx(1, abs=1e-10)
+    assert faithfulness(model, clean, corrupt, _metric, scores.circuit(0)) == pytest.approx(
+        0, abs=1e-10
+    )
+    assert faithfulness(
+        model, clean, corrupt, _metric, scores.circuit(len(scores))
+    ) == pytest.approx(1, abs=1e-10)
     some = scores.circuit(10)
     got = faithfulness(model, clean, corrupt, _metric, some)
     want = _faithfulness_by_hooks(model, clean, corrupt, set(some.edges), scores)
@@ -340,7 +374,9 @@ def test_faithfulness_ends_and_reference() -> None:
     assert 0.05 < abs(got) and abs(got - 1) > 0.05  # neither end: the circuit matters
 
 
-def _faithfulness_by_hooks(model: TransformerLM, clean: Tensor, corrupt: Tensor, kept: set[str], scores: Any) -> float:
+def _faithfulness_by_hooks(
+    model: TransformerLM, clean: Tensor, corrupt: Tensor, kept: set[str], scores: Any
+) -> float:
     """The circuit run by hooks: each receiver's columns (or input) recomputed from the stream
     plus Σ (corrupt write - this run's write) over its senders not in ``kept``."""
     parts = _Parts(model, "lm")
@@ -355,17 +391,36 @@ def _faithfulness_by_hooks(model: TransformerLM, clean: Tensor, corrupt: Tensor,
                 out = out + (bad[s] - now[s])
         return out
 
-    handles.append(model.blocks[0].register_forward_pre_hook(lambda m, a, kw: now.__setitem__("embed", a[0]), with_kwargs=True))
+    handles.append(
+        model.blocks[0].register_forward_pre_hook(
+            lambda m, a, kw: now.__setitem__("embed", a[0]), with_kwargs=True
+        )
+    )
     for i in range(2):
         proj, write = parts.out_projection(i)
-        handles.append(proj.register_forward_pre_hook(lambda m, a, w=write, i=i: now.update({f"L{i}H{k}": w(a[0], k) for k in range(4)})))
-        handles.append(parts.mlp(i).register_forward_hook(lambda m, a, o, i=i: now.__setitem__(f"L{i} mlp", o)))
+        handles.append(
+            proj.register_forward_pre_hook(
+                lambda m, a, w=write, i=i: now.update({f"L{i}H{k}": w(a[0], k) for k in range(4)})
+            )
+        )
+        handles.append(
+            parts.mlp(i).register_forward_hook(lambda m, a, o, i=i: now.__setitem__(f"L{i} mlp", o))
+        )
         stream: list[Tensor] = []
-        handles.append(parts.norm(i).register_forward_pre_hook(lambda m, a, s=stream: s.append(a[0])))
+        handles.append(
+            parts.norm(i).register_forward_pre_hook(lambda m, a, s=stream: s.append(a[0]))
+        )
 
         busy: list[bool] = []
 
-        def qkv(m: nn.Module, args: Any, out: Tensor, i: int = i, s: list[Tensor] = stream, busy: list[bool] = busy) -> Tensor | None:
+        def qkv(
+            m: nn.Module,
+            args: Any,
+            out: Tensor,
+            i: int = i,
+            s: list[Tensor] = stream,
+            busy: list[bool] = busy,
+        ) -> Tensor | None:
             if busy:
                 return None
             busy.append(True)
@@ -380,12 +435,17 @@ def _faithfulness_by_hooks(model: TransformerLM, clean: Tensor, corrupt: Tensor,
 
         handles.append(parts.projection(i, "q", 0)[0].register_forward_hook(qkv))
         norm2 = parts.mlp_norm(i)
-        handles.append(norm2.register_forward_pre_hook(lambda m, a, i=i: (delta(f"L{i} mlp", a[0]),)))
+        handles.append(
+            norm2.register_forward_pre_hook(lambda m, a, i=i: (delta(f"L{i} mlp", a[0]),))
+        )
     handles.append(model.norm.register_forward_pre_hook(lambda m, a: (delta("logits", a[0]),)))
     with torch.no_grad():
         m = float(_metric(model(clean)).mean())
     for h in handles:
         h.remove()
     with torch.no_grad():
-        m_clean, m_corrupt = float(_metric(model(clean)).mean()), float(_metric(model(corrupt)).mean())
+        m_clean, m_corrupt = (
+            float(_metric(model(clean)).mean()),
+            float(_metric(model(corrupt)).mean()),
+        )
     return (m - m_corrupt) / (m_clean - m_corrupt)
