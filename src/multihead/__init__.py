@@ -53,6 +53,8 @@ _LAZY: dict[str, str] = {
     "LogitAttribution": "multihead.circuits.direct_logit_attribution",
     "logit_lens": "multihead.circuits.logit_lens",
     "LogitLens": "multihead.circuits.logit_lens",
+    "qk_attribution": "multihead.circuits.qk_attribution",
+    "QKAttribution": "multihead.circuits.qk_attribution",
     "explain": "multihead.explanation",  # the package re-exports it
     "TextModel": "multihead.text.model",
     "load_text_model": "multihead.pretrained.text_loader",

@@ -36,6 +36,8 @@ _LAZY: dict[str, str] = {
     "LogitAttribution": "multihead.circuits.direct_logit_attribution",
     "logit_lens": "multihead.circuits.logit_lens",
     "LogitLens": "multihead.circuits.logit_lens",
+    "qk_attribution": "multihead.circuits.qk_attribution",
+    "QKAttribution": "multihead.circuits.qk_attribution",
     "cache": "multihead.circuits.activation_cache",
     "ActivationCache": "multihead.circuits.activation_cache",
 }
