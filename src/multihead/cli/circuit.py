@@ -16,6 +16,7 @@ one line and exit code 2 (``multihead.cli.main``).
 from __future__ import annotations
 
 import argparse
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,14 @@ def register(subparsers: Any) -> None:
         default=0.9,
         metavar="F",
         help="the faithfulness the reported circuit must reach (default 0.9)",
+    )
+    p.add_argument(
+        "--query",
+        type=int,
+        default=-1,
+        metavar="POS",
+        help="the query position whose attention the QK attribution of the circuit's top heads "
+        "explains, in the clean input's first sequence (default -1, the last)",
     )
     p.add_argument(
         "--draws", type=int, default=3, metavar="N", help="random circuits per size (default 3)"
@@ -159,6 +168,7 @@ def _circuit(
         share = 100 * size / curve.total
         print(f"  the top {size} edges ({share:.0f}% of {curve.total}) reach {args.reach}")
     shown = size if size is not None else min(args.top, len(scores))
+    _print_qk(experiment, scores.top(max(shown, 1)), args.query)
     figures = {
         "faithfulness": curve.plot(title=f"Faithfulness of the top edges ({method})"),
         "circuit": scores.plot(max(shown, 1), title=f"{experiment.name}: the top {shown} edges"),
@@ -169,3 +179,39 @@ def _circuit(
     ]
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _print_qk(experiment: PatchExperiment, edges: list[tuple[str, float]], query: int) -> None:
+    """The QK attribution of the circuit's top heads (those its edges reach through their
+    queries or keys, at most three): at ``query`` of the clean input's first sequence, the key
+    the head scores highest and the (query side, key side) pairs that make its score, and the
+    key-side components that lift that key above the others."""
+    heads: list[tuple[int, int]] = []
+    for label, _ in edges:
+        receiver = label.partition(" -> ")[2]
+        match = re.fullmatch(r"L(\d+)H(\d+)\.[qk]", receiver)
+        if match and (int(match[1]), int(match[2])) not in heads:
+            heads.append((int(match[1]), int(match[2])))
+    if not heads:
+        return
+    clean = experiment.clean
+    first = {k: v[:1] for k, v in clean.items()} if isinstance(clean, dict) else clean[:1]
+    print(f"\nQK attribution of the circuit's top heads (query position {query}):")
+    for layer, head in heads[:3]:
+        probe = multihead.qk_attribution(
+            experiment.model, first, layer=layer, head=head, query=query, key=query
+        )
+        key = int(probe.scores().nan_to_num(float("-inf")).argmax())
+        qk = multihead.qk_attribution(
+            experiment.model, first, layer=layer, head=head, query=query, key=key
+        )
+        print(
+            f"  L{layer}H{head}: key {key} scores {qk.total():.2f}; "
+            f"top pairs (query side, key side):"
+        )
+        for a, b, v in qk.top(3):
+            print(f"    {a:<10} {b:<10} {v:8.2f}")
+        rise = qk.key_rise() if int(qk.visible.sum()) > 1 else []
+        if rise:
+            lifts = ", ".join(f"{label} {value:+.2f}" for label, value in rise[:3])
+            print(f"    key side lifting key {key} over the others: {lifts}")
