@@ -13,6 +13,7 @@ from typing import Any
 from torch import Tensor
 
 from multihead._checks import check_positive_int, describe
+from multihead.viz.circuit_graph import circuit_figure
 
 __all__ = ["Circuit", "EdgeScores", "circuit_edges"]
 
@@ -118,8 +119,6 @@ class EdgeScores:
     def plot(self, n: int = 20, **kwargs: Any) -> Any:
         """The top ``n`` edges as a graph picture (a matplotlib ``Figure``; the ``viz``
         extra): :func:`multihead.viz.circuit_graph.circuit_figure`."""
-        from multihead.viz.circuit_graph import circuit_figure
-
         return circuit_figure(self.top(n), **kwargs)
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ from multihead._checks import check_positive_int
 from multihead.circuits.edge_scores import Circuit, EdgeScores
 from multihead.circuits.faithfulness import CircuitRuns
 from multihead.circuits.input_pair import Metric
+from multihead.viz.circuit_graph import faithfulness_figure
 
 __all__ = ["FaithfulnessCurve", "default_sizes", "faithfulness_curve"]
 
@@ -61,8 +62,6 @@ class FaithfulnessCurve:
              labels: tuple[str, str] = ("top edges", "other")) -> Any:  # fmt: skip
         """The curves (a matplotlib ``Figure``; the ``viz`` extra): faithfulness against the
         fraction of edges, this curve, ``other`` (another method's) and the random circuits'."""
-        from multihead.viz.circuit_graph import faithfulness_figure
-
         curves = [(labels[0], self.sizes, self.values)]
         if other is not None:
             curves.append((labels[1], other.sizes, other.values))
