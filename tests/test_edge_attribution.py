@@ -130,7 +130,7 @@ def _writes(parts: _Parts, ids: Tensor) -> dict[str, Tensor]:
                 writes[f"L{i}H{k}"] = write(args[0].detach(), k)
 
         def mlp(m: nn.Module, args: Any, out: Any, i: int = i) -> None:
-            writes[f"L{i} mlp"] = out.detach()
+            writes[f"MLP{i}"] = out.detach()
 
         handles.append(proj.register_forward_pre_hook(heads))
         handles.append(parts.mlp(i).register_forward_hook(mlp))
@@ -152,8 +152,8 @@ def _receiver_gradient(parts: _Parts, ids: Tensor, receiver: str) -> Tensor:
             return (leaf[0],)
 
         handles.append(parts.final.register_forward_pre_hook(final))
-    elif receiver.endswith("mlp"):
-        i = int(receiver[1 : receiver.index(" ")])
+    elif receiver.startswith("MLP"):
+        i = int(receiver[3:])
         norm, mlp = parts.mlp_norm(i), parts.mlp(i)
         stream: list[Tensor] = []
         handles.append(norm.register_forward_pre_hook(lambda m, a: stream.append(a[0])))
@@ -207,9 +207,9 @@ def _stage(label: str) -> float:
         return 0
     if label == "logits":
         return 1e9
-    layer = int(label[1:].split("H")[0].split(" ")[0].split(".")[0])
-    if label.endswith(" mlp"):
-        return 2 * layer + 2
+    if label.startswith("MLP"):
+        return 2 * int(label[3:]) + 2
+    layer = int(label[1:].split("H")[0].split(".")[0])
     return 2 * layer + (1 if "." in label else 1.5)  # a head writes after its layer reads
 
 
@@ -353,6 +353,24 @@ def test_attribution_patching_ig_steps() -> None:
             )
 
 
+def test_feed_forward_labels_are_path_patchings() -> None:
+    """A feed-forward network is "MLP1" in and out, as path patching writes it; the pair form
+    names the same sender; the old "L1 mlp" is refused."""
+    model = _lm(torch.float64)
+    torch.manual_seed(5)
+    clean, corrupt = torch.randint(20, (2, 5)), torch.randint(20, (2, 5))
+    every = edge_attribution(model, clean, corrupt, _metric, receivers=("mlp", "logits"))
+    assert "MLP1" in every.senders and "MLP1" in every.receivers
+    assert not any("mlp" in label for label in every.senders + every.receivers)
+    for name in ("MLP0", "mlp0", ("mlp", 0)):
+        one = edge_attribution(model, clean, corrupt, _metric, senders=[name, "L0H1"])
+        assert one.senders == ("L0H1", "MLP0")
+        row = every.values[every.senders.index("MLP0"), every.receivers.index("logits")]
+        assert torch.equal(one.values[1, one.receivers.index("logits")], row)
+    with pytest.raises(TypeError, match="got 'L0 mlp'"):
+        edge_attribution(model, clean, corrupt, _metric, senders=["L0 mlp"])
+
+
 def test_faithfulness_ends_and_reference() -> None:
     """No edge: the corrupt run (0); every edge: the clean run (1); one circuit against the
     same run written with hooks."""
@@ -404,7 +422,7 @@ def _faithfulness_by_hooks(
             )
         )
         handles.append(
-            parts.mlp(i).register_forward_hook(lambda m, a, o, i=i: now.__setitem__(f"L{i} mlp", o))
+            parts.mlp(i).register_forward_hook(lambda m, a, o, i=i: now.__setitem__(f"MLP{i}", o))
         )
         stream: list[Tensor] = []
         handles.append(
@@ -435,9 +453,7 @@ def _faithfulness_by_hooks(
 
         handles.append(parts.projection(i, "q", 0)[0].register_forward_hook(qkv))
         norm2 = parts.mlp_norm(i)
-        handles.append(
-            norm2.register_forward_pre_hook(lambda m, a, i=i: (delta(f"L{i} mlp", a[0]),))
-        )
+        handles.append(norm2.register_forward_pre_hook(lambda m, a, i=i: (delta(f"MLP{i}", a[0]),)))
     handles.append(model.norm.register_forward_pre_hook(lambda m, a: (delta("logits", a[0]),)))
     with torch.no_grad():
         m = float(_metric(model(clean)).mean())

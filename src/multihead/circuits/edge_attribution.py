@@ -95,7 +95,7 @@ def edge_attribution(
         metric: ``metric(logits) -> () or (B,)``, differentiable.
         ig_steps: m, the integrated-gradient points (1: EAP, the gradient at the clean run).
         senders: None (every sender) or the senders to score: ``"embed"``, heads (``"L0H1"``,
-            ``(0, 1)``), feed-forward networks (``"L0 mlp"``).
+            ``(0, 1)``), feed-forward networks (``"MLP0"``, ``("mlp", 0)``).
         receivers: the receiver kinds: any of ``"q"``, ``"k"``, ``"v"``, ``"mlp"``,
             ``"logits"``.
         kv: on grouped-query models, ``"query_head"`` (each query head's own keys and values,

@@ -6,12 +6,12 @@ A **sender** writes into the residual stream; a **receiver** reads from it:
     senders     "embed"            what block 0 is given (token + position embeddings)
                 "L0H1"             a head's write: its output through its slice of the
                                    output projection, no bias (B, T, E)
-                "L0 mlp"           what block 0's feed-forward network adds (B, T, E)
+                "MLP0"             what block 0's feed-forward network adds (B, T, E)
     receivers   "L1H3.q" .k .v     a head's queries, keys or values: each reads the residual
                                    stream through the block's norm and its own columns of the
                                    projections; with kv="shared" a grouped model's key/value
                                    head, "L1KV0.k"
-                "L1 mlp"           block 1's feed-forward network, through its norm
+                "MLP1"             block 1's feed-forward network, through its norm
                 "logits"           the final residual stream, through the final norm
 
 An edge ``"L0H1 -> L1H3.k"`` exists when the sender writes before the receiver reads: a head
@@ -30,7 +30,6 @@ n senders.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,14 @@ from multihead.circuits.activation_cache import head_writes, stack_block
 from multihead.circuits.experiment import Experiment
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.sites import ModelMap, head_label, output_tensor, parse_head
+from multihead.sites import (
+    ModelMap,
+    head_label,
+    mlp_label,
+    mlp_layer,
+    output_tensor,
+    parse_head,
+)
 
 __all__ = [
     "EMBED",
@@ -60,7 +66,6 @@ EMBED = "embed"
 LOGITS = "logits"
 RECEIVER_KINDS = ("q", "k", "v", "mlp", "logits")
 KV_MODES = ("query_head", "shared")
-_MLP_NAME = re.compile(r"\s*(?:[Ll](\d+)\s*mlp|mlp\s*(\d+))\s*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class Sender:
     def label(self) -> str:
         if self.kind == "embed":
             return EMBED
-        return head_label(self.layer, self.head) if self.kind == "head" else f"L{self.layer} mlp"
+        return head_label(self.layer, self.head) if self.kind == "head" else mlp_label(self.layer)
 
     @property
     def stage(self) -> int:
@@ -98,7 +103,7 @@ class Receiver:
         if self.kind == LOGITS:
             return LOGITS
         if self.kind == "mlp":
-            return f"L{self.layer} mlp"
+            return mlp_label(self.layer)
         if self.shared and self.kind != "q":
             return f"L{self.layer}KV{self.head}.{self.kind}"
         return f"{head_label(self.layer, self.head)}.{self.kind}"
@@ -204,13 +209,13 @@ class EdgeModel:
 
     def parse_senders(self, senders: object) -> list[Sender]:
         """``None`` (every sender) or a sequence of "embed", heads (``"L0H1"``, ``(0, 1)``) and
-        feed-forward networks (``"L0 mlp"``, ``"mlp0"``, ``("mlp", 0)``), in forward order."""
+        feed-forward networks (``"MLP0"``, ``("mlp", 0)``), in forward order."""
         if senders is None:
             return list(self.senders)
         if isinstance(senders, (str, bytes, Tensor)) or not isinstance(senders, Sequence):
             raise TypeError(
                 f"senders must be None or a sequence of 'embed', heads ('L0H1') and feed-forward "
-                f"networks ('L0 mlp'), got {describe(senders)}"
+                f"networks ('MLP0'), got {describe(senders)}"
             )
         wanted: set[Sender] = set()
         for item in senders:
@@ -222,11 +227,7 @@ class EdgeModel:
     def _sender(self, item: object) -> Sender:
         if isinstance(item, str) and item.strip().lower() == EMBED:
             return Sender("embed")
-        layer: object = None
-        if isinstance(item, str) and (match := _MLP_NAME.fullmatch(item)):
-            layer = int(match[1] if match[1] is not None else match[2])
-        elif isinstance(item, tuple) and len(item) == 2 and item[0] == "mlp":
-            layer = item[1]
+        layer = mlp_layer(item)
         if layer is not None:
             sender = Sender("mlp", layer) if isinstance(layer, int) else None
             if sender is None or sender not in self.senders:

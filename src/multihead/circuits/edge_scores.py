@@ -46,8 +46,8 @@ class EdgeScores:
     (averaged over the integrated-gradient points).
 
     Attributes:
-        senders: the senders' labels, in forward order (``"embed"``, ``"L0H1"``, ``"L0 mlp"``).
-        receivers: the receivers' labels, in forward order (``"L1H3.k"``, ``"L1 mlp"``,
+        senders: the senders' labels, in forward order (``"embed"``, ``"L0H1"``, ``"MLP0"``).
+        receivers: the receivers' labels, in forward order (``"L1H3.k"``, ``"MLP1"``,
             ``"logits"``).
         values: (N, R), NaN where the sender writes after the receiver reads (no edge).
         clean, corrupt: the metric on the two runs.

@@ -1,7 +1,7 @@
 """Pictures of a circuit of edges: the graph (senders and receivers as nodes in layer rows,
 edges as arrows coloured by their score) and the faithfulness curves.
 
-Labels in, figures out: a node ``"L0H1"``, ``"L0 mlp"``, ``"embed"`` or ``"logits"``; an edge
+Labels in, figures out: a node ``"L0H1"``, ``"MLP0"``, ``"embed"`` or ``"logits"``; an edge
 ``"L0H1 -> L1H3.k"`` (its receiver's input after the dot: the arrow's label).
 """
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["circuit_figure", "faithfulness_figure"]
 
-_NODE = re.compile(r"L(\d+)(?:H|KV)(\d+)|L(\d+) mlp")
+_NODE = re.compile(r"L(\d+)(?:H|KV)(\d+)|MLP(\d+)")
 
 
 def _row_and_order(node: str) -> tuple[float, float]:
