@@ -17,12 +17,13 @@ the clean run. With ``ig_steps = m > 1`` the gradient is the mean over the point
 
 How the gradients are taken: one backward from the metric to zeros ξ added to each head's
 queries, keys and values (a q/k/v editor), to each feed-forward norm's input and to the final
-norm's input; then, per receiving head, one vector-Jacobian product from its queries (keys,
-values) back to the norm's input, with the cotangent on that head alone. On a grouped-query
-model with ``kv="query_head"``, the key and value gradients of each query head come from its
-own attention recomputed (:func:`~multihead.kernels.math_attention` on the recorded q, k, v and
-the gradient at the heads' outputs), one query head of every group at a time: keys and values
-are never repeated per query head.
+norm's input; then, per layer and kind, one batched vector-Jacobian product from the queries
+(keys, values) back to the norm's input, its cotangents (one per receiving head, nonzero on
+that head alone) stacked and vmapped through the same backward (``is_grads_batched``). On a
+grouped-query model with ``kv="query_head"``, the key and value gradients of each query head
+come from its own attention recomputed (:func:`~multihead.kernels.math_attention` on the
+recorded q, k, v and the gradient at the heads' outputs), one query head of every group at a
+time: keys and values are never repeated per query head.
 
 Shapes: B batch, T tokens, S keys, E residual width, H query heads, Hk key/value heads, D head
 dim, N senders, R receivers.
@@ -214,11 +215,18 @@ class _ReceiverGradients:
             if run.qkv is None or run.stream is None or run.xis is None:
                 continue
             grads_qkv = [grad_of(x) for x in run.xis]
+            by_kind: dict[str, list[tuple[Receiver, Tensor]]] = {}
             for receiver, cotangent in self._cotangents(layer, run, grads_qkv, grad_of(run.out_xi)):
+                by_kind.setdefault(receiver.kind, []).append((receiver, cotangent))
+            for kind, pairs in by_kind.items():
+                # every receiving head of one tensor in one vector-Jacobian product: the
+                # cotangents (R, B, H, T, D) batched (vmapped) through the same backward
                 (g,) = torch.autograd.grad(
-                    run.qkv["qkv".index(receiver.kind)], run.stream, cotangent, retain_graph=True
-                )
-                take(receiver, g)
+                    run.qkv["qkv".index(kind)], run.stream, torch.stack([c for _, c in pairs]),
+                    retain_graph=True, is_grads_batched=True,
+                )  # fmt: skip
+                for (receiver, _), g_r in zip(pairs, g, strict=True):
+                    take(receiver, g_r)
 
     def _cotangents(
         self,
