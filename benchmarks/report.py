@@ -107,6 +107,12 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "run from their position on.",
     ),
     (
+        "edge_attribution",
+        "A random attention-only `TransformerLM` of the induction model's shape and a random "
+        "grouped-query `LlamaForCausalLM` (bridge); metric: a last-position log-probability; "
+        "the baseline is one forward and the metric's backward to every parameter.",
+    ),
+    (
         "attention_gpu",
         "torch with `average_attn_weights=False`; medians of interleaved rounds. multihead's "
         "weights come from the fused Triton kernel: float32 scores and softmax, each weight "

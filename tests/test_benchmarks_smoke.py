@@ -80,3 +80,19 @@ def test_bench_tensor_parallel_quick(tmp_path: Path) -> None:
     assert payload["max_abs_difference"] < 1e-6
     assert [t["limit"] for t in payload["targets"]] == [1.1, 0.7, 0.7, 1.15]
     assert "vs tp forward" in done.stdout
+
+
+def test_bench_edge_attribution_quick(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_edge_attribution.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1800,  # a hang guard, never a speed budget
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "edge_attribution_quick.json").read_text(encoding="utf-8"))
+    assert payload["machine"]["torch"] and payload["rows"]
+    assert all(row["seconds"] > 0 and row["edges"] > 0 for row in payload["rows"])
+    assert "report" in payload

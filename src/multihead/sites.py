@@ -41,6 +41,8 @@ __all__ = [
     "HeadName",
     "head_label",
     "is_head",
+    "mlp_label",
+    "mlp_layer",
     "parse_head",
     "output_tensor",
     "with_output_tensor",
@@ -57,6 +59,29 @@ def head_label(layer: int, head: int) -> str:
 
 
 _HEAD_NAME = re.compile(r"\s*[Ll]\s*(-?\d+)\s*[Hh]\s*(-?\d+)\s*")
+_MLP_NAME = re.compile(r"\s*mlp\s*(-?\d+)\s*", re.IGNORECASE)
+
+
+def mlp_label(layer: int) -> str:
+    """The one written name of a block's feed-forward network: ``"MLP3"`` for block 3."""
+    return f"MLP{layer}"
+
+
+def mlp_layer(value: object) -> object:
+    """The layer a feed-forward network is named by, ``"MLP3"`` (any case) or ``("mlp", 3)``
+    (not yet checked: it may be any object in the pair form), or None when ``value`` is not
+    written as a feed-forward network."""
+    if isinstance(value, str):
+        match = _MLP_NAME.fullmatch(value)
+        return None if match is None else int(match[1])
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and value[0].lower() == "mlp"
+    ):
+        return value[1]
+    return None
 
 
 def is_head(value: object) -> bool:

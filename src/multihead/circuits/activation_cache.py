@@ -49,6 +49,7 @@ __all__ = [
     "HEAD_SITES",
     "ActivationCache",
     "cache",
+    "head_writes",
     "hook_name",
     "stack_block",
 ]
@@ -485,7 +486,15 @@ def _result(
     )
     if projection is None:
         return None
-    bias = projection(torch.zeros_like(flat[:, :1]))  # (B, 1, E)
+    return head_writes(projection, z)
+
+
+def head_writes(projection: nn.Module, z: Tensor) -> Tensor:
+    """(B, T, H, E): each head's output z (B, T, H, Dv) through ``projection`` (the module an
+    attention gives its heads' outputs flattened, (B, T, H·Dv) -> (B, T, E)), run once per head
+    on that head alone, less the bias (so any linear layout, GPT-2's Conv1D included, is read as
+    the model reads it)."""
+    bias = projection(torch.zeros_like(z.flatten(2)[:, :1]))  # (B, 1, E)
     heads = []
     for h in range(z.shape[2]):
         alone = torch.zeros_like(z)

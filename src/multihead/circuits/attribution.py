@@ -17,13 +17,19 @@ Shapes: B batch, T tokens, L layers, H heads (the most any layer has), Dv one he
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_choice, describe
+from multihead._checks import check_choice, check_positive_int, describe
 from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
+from multihead.circuits.embedding_path import (
+    interpolated_embeddings,
+    path_points,
+    recorded_embeddings,
+)
 from multihead.circuits.experiment import Experiment, warn_if_random
 from multihead.circuits.input_pair import Metric, metric_value
 from multihead.circuits.patch_result import PatchResult
@@ -46,6 +52,7 @@ def attribution_patching(
     direction: str = "denoise",
     metric_input: str = "logits",
     site: str = "z",
+    ig_steps: int = 1,
 ) -> PatchResult:
     r"""The first-order estimate of :func:`~multihead.patch_heads`, from two forwards and one
     backward.
@@ -75,6 +82,10 @@ def attribution_patching(
             be differentiable (it runs with gradients enabled).
         per_position: one estimate per head and position: (L, H, T).
         direction: ``"denoise"`` or ``"noise"``: which run is patched (see above).
+        ig_steps: m, integrated gradients (EAP-IG's for nodes): the gradient averaged over the
+            points ``source + (k / m) (target - source)`` of the embeddings (what block 0 is
+            given), k = 1 … m, the last the target run itself (1: the plain estimate). Heads'
+            sites (``z``, ``result``) only.
 
     Returns:
         A :class:`~multihead.circuits.patch_result.PatchResult` with :func:`multihead.patch`'s
@@ -95,6 +106,9 @@ def attribution_patching(
     """
     check_choice("direction", direction, DIRECTIONS)
     check_choice("site", site, SITES)
+    check_positive_int("ig_steps", ig_steps)
+    if ig_steps > 1 and site not in ("z", "result"):
+        raise ValueError(f"ig_steps > 1 scores heads (site 'z' or 'result'), got site={site!r}")
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
@@ -105,7 +119,9 @@ def attribution_patching(
             direction, per_position
         )
     else:
-        values, source_value, target_value = _estimate_heads(experiment, direction, per_position)
+        values, source_value, target_value = _estimate_heads(
+            experiment, direction, per_position, ig_steps
+        )
     clean, corrupt = (
         (source_value, target_value) if direction == "denoise" else (target_value, source_value)
     )
@@ -113,7 +129,7 @@ def attribution_patching(
 
 
 def _estimate_heads(
-    experiment: Experiment, direction: str, per_position: bool
+    experiment: Experiment, direction: str, per_position: bool, ig_steps: int = 1
 ) -> tuple[Tensor, float, float]:
     """Every head's estimate (L, H) or (L, H, T), and the metric on the source and target
     runs."""
@@ -128,17 +144,37 @@ def _estimate_heads(
     leaves = (
         site.register_observer(_leaf(layer, xis, targets)) for layer, (_, site) in enumerate(found)
     )
+    points = path_points(ig_steps)
+    if ig_steps > 1:  # the path between the two runs' embeddings (embedding_path.py)
+        mapped = model_map(experiment.model)
+        with torch.no_grad(), recorded_embeddings(mapped, "attribution_patching") as embedded:
+            experiment.value(source, "source run")
+            experiment.value(target, "target run")
+    summed: list[Tensor | None] = []
     with registered(leaves):
-        with torch.enable_grad():
-            value = experiment.value(target, "target run")
-            if not value.requires_grad:
-                raise ValueError(
-                    "attribution_patching needs metric(output) to depend on the heads through "
-                    "autograd: its result does not require grad (does it detach the output or "
-                    "run under torch.no_grad()?)"
+        for alpha in points:
+            path = (
+                interpolated_embeddings(
+                    mapped, embedded[0], embedded[1], alpha, "attribution_patching"
                 )
-            ran = [layer for layer in layers if layer in xis]
-            grads = torch.autograd.grad(value, [xis[layer] for layer in ran], allow_unused=True)
+                if ig_steps > 1
+                else contextlib.nullcontext()
+            )
+            with path, torch.enable_grad():
+                value = experiment.value(target, "target run")
+                if not value.requires_grad:
+                    raise ValueError(
+                        "attribution_patching needs metric(output) to depend on the heads "
+                        "through autograd: its result does not require grad (does it detach "
+                        "the output or run under torch.no_grad()?)"
+                    )
+                ran = [layer for layer in layers if layer in xis]
+                step = torch.autograd.grad(value, [xis[layer] for layer in ran], allow_unused=True)
+            summed = list(step) if not summed else [
+                a if b is None else (b if a is None else a + b)
+                for a, b in zip(summed, step, strict=True)
+            ]  # fmt: skip
+    grads = [None if g is None else g / ig_steps for g in summed]
     dtype = torch.promote_types(value.dtype, torch.float32)
     lengths = {sources[layer].shape[1] for layer in ran}
     if per_position and len(lengths) > 1:

@@ -23,7 +23,6 @@ Shapes: B batch, T positions, Dv one head's width, E the residual width.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,13 +32,12 @@ from multihead._checks import check_index, describe, is_int
 from multihead.circuits.activation_cache import stack_block
 from multihead.circuits.steering import resolve_head
 from multihead.observers import ObservableAttention
-from multihead.sites import ModelMap, head_label
+from multihead.sites import ModelMap, head_label, mlp_label, mlp_layer
 
 __all__ = ["LOGITS", "Member", "Receiver", "Sender", "parse_receivers", "parse_senders"]
 
 LOGITS = "logits"
 
-_MLP_NAME = re.compile(r"mlp(-?\d+)", re.IGNORECASE)
 _RECEIVER_FORMS = (
     "(layer, head), (layer, head, positions), a list of these patched together, or 'logits'"
 )
@@ -56,7 +54,7 @@ class Sender:
     @property
     def label(self) -> str:
         """``"L0H1"`` or ``"MLP3"``."""
-        return f"MLP{self.layer}" if self.head is None else head_label(self.layer, self.head)
+        return mlp_label(self.layer) if self.head is None else head_label(self.layer, self.head)
 
     @property
     def shown(self) -> str:
@@ -162,16 +160,7 @@ def _items(name: str, value: object, forms: str) -> list[object]:
 def _sender(
     item: object, found: Sequence[tuple[str, ObservableAttention]], mapped: ModelMap
 ) -> Sender:
-    layer: object = None
-    if isinstance(item, str) and (match := _MLP_NAME.fullmatch(item)):
-        layer = int(match[1])
-    elif (
-        isinstance(item, (tuple, list))
-        and len(item) == 2
-        and isinstance(item[0], str)
-        and item[0].lower() == "mlp"
-    ):
-        layer = item[1]
+    layer = mlp_layer(item)
     if layer is None:
         return Sender(*resolve_head("senders item", item, found))
     name = f"senders item {item!r}"

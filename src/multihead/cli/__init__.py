@@ -27,7 +27,7 @@ __all__ = ["main", "CLIError", "COMMANDS"]
 _USER_ERRORS = (CLIError, ValueError, TypeError, OSError)  # UnicodeError is a ValueError
 
 # Module names under multihead.cli, in the order `multihead --help` lists them.
-COMMANDS: tuple[str, ...] = ("explain", "train", "patch")
+COMMANDS: tuple[str, ...] = ("explain", "train", "patch", "circuit")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -18,6 +18,8 @@ _LAZY: dict[str, str] = {
     "head_figure": "multihead.viz.plots",
     "effects_figure": "multihead.viz.plots",
     "save_figure": "multihead.viz.plots",
+    "circuit_figure": "multihead.viz.circuit_graph",
+    "faithfulness_figure": "multihead.viz.circuit_graph",
     "heads_map_figure": "multihead.viz.heads_map",
     "save_heads_map": "multihead.viz.heads_map",
     "render_page": "multihead.viz.page",

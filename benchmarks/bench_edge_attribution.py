@@ -1,0 +1,166 @@
+"""Edge attribution's cost: EAP and EAP-IG against one forward and backward of the same batch.
+
+On two models, the metric the mean log-probability of the last position's token 3:
+
+- the induction model's shape: a random attention-only ``TransformerLM`` (2 layers, width
+  128, 4 heads, vocabulary 64; B = 64 sequences of T = 32, what ``induction_pair(32)`` holds);
+- a random grouped-query ``LlamaForCausalLM`` through the bridge (4 layers, width 256, 8
+  query heads on 2 key/value heads, vocabulary 1,000; B = 4, T = 64).
+
+Measures (each the median of ``--rounds`` rounds, wall clock; on a GPU synchronised):
+``edge_attribution(ig_steps=1)`` (EAP) ÷ one forward and backward (the metric's gradient for
+every parameter, ``torch.autograd.grad``), target ≤ 3×; ``edge_attribution(ig_steps=k)``
+(EAP-IG, ``--ig-steps``, default 8) ÷ the same, target ≤ k + 2. ``--quick`` runs tiny models
+in seconds for the smoke test.
+
+Run:  python benchmarks/bench_edge_attribution.py [--rounds 3] [--ig-steps 8] [--device cuda]
+      [--quick] [--results-dir DIR]
+Writes benchmarks/results/edge_attribution.json (_gpu on a GPU; _quick with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import device_argument, format_table, machine_info, write_json
+
+import multihead
+from multihead.models import TransformerLM
+
+INDUCTION = {"layers": 2, "width": 128, "heads": 4, "vocab": 64, "T": 32, "B": 64}
+LLAMA = {"layers": 4, "width": 256, "heads": 8, "kv_heads": 2, "vocab": 1000, "T": 64, "B": 4}
+QUICK_INDUCTION = {"layers": 2, "width": 32, "heads": 4, "vocab": 64, "T": 12, "B": 4}
+QUICK_LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "vocab": 100, "T": 12, "B": 2}
+
+
+def _metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1].float().log_softmax(-1)[:, 3]
+
+
+def _median(fn: Callable[[], Any], rounds: int, device: torch.device) -> float:
+    times = []
+    for _ in range(rounds + 1):  # the first is a warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _models(quick: bool, device: torch.device) -> list[tuple[str, Any, dict[str, int]]]:
+    shape = QUICK_INDUCTION if quick else INDUCTION
+    torch.manual_seed(0)
+    lm = TransformerLM(
+        shape["vocab"], shape["width"], shape["heads"], shape["layers"], 4 * shape["width"],
+        max_len=shape["T"], attn_only=True,
+    ).to(device).eval()  # fmt: skip
+    models: list[tuple[str, Any, dict[str, int]]] = [("induction TransformerLM", lm, shape)]
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - the hf extra
+        return models
+    shape = QUICK_LLAMA if quick else LLAMA
+    config = transformers.LlamaConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["width"],
+        intermediate_size=4 * shape["width"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=2 * shape["T"], attn_implementation="multihead",
+    )  # fmt: skip
+    import multihead.hf  # noqa: F401  (registers "multihead")
+
+    llama = transformers.LlamaForCausalLM(config).to(device).eval()
+    models.append(("grouped-query Llama (bridge)", llama, shape))
+    return models
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ig-steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results-dir", type=Path, default=None)
+    parser.add_argument("--device", type=device_argument, default=torch.device("cpu"))
+    args = parser.parse_args(argv)
+    device = args.device
+    rounds = 1 if args.quick else args.rounds
+    k = 2 if args.quick else args.ig_steps
+    rows, payload_rows = [], []
+    for name, model, shape in _models(args.quick, device):
+        generator = torch.Generator().manual_seed(1)
+        clean = torch.randint(shape["vocab"], (shape["B"], shape["T"]), generator=generator)
+        corrupt = torch.randint(shape["vocab"], (shape["B"], shape["T"]), generator=generator)
+        clean, corrupt = clean.to(device), corrupt.to(device)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def forward_backward(model: Any = model, clean: Any = clean, params: Any = params) -> None:
+            out = model(clean)
+            logits = out if isinstance(out, torch.Tensor) else out.logits
+            torch.autograd.grad(_metric(logits).mean(), params)
+
+        def eap(
+            model: Any = model, clean: Any = clean, corrupt: Any = corrupt, steps: int = 1
+        ) -> Any:
+            return multihead.edge_attribution(model, clean, corrupt, _metric, ig_steps=steps)
+
+        base = _median(forward_backward, rounds, device)
+        one = _median(eap, rounds, device)
+        many = _median(lambda eap=eap: eap(steps=k), rounds, device)
+        edges = len(eap())
+        for measure, seconds, target in (
+            ("EAP (ig_steps=1)", one, 3.0),
+            (f"EAP-IG (ig_steps={k})", many, k + 2.0),
+        ):
+            ratio = seconds / base
+            rows.append(
+                [f"{measure}, {name}", f"{seconds * 1e3:.0f}", f"{base * 1e3:.1f}", f"{ratio:.1f}x",
+                 f"<= {target:.0f}x", "met" if ratio <= target else "NOT met"]
+            )  # fmt: skip
+            payload_rows.append(
+                {"model": name, "measure": measure, "seconds": seconds,
+                 "forward_backward_seconds": base, "ratio": ratio, "target": target,
+                 "edges": edges, "shape": shape}
+            )  # fmt: skip
+    headers = ["measure", "ms", "fwd+bwd ms", "ratio", "target", ""]
+    print(format_table(headers, rows))
+    info = machine_info()
+    gpu = device.type == "cuda"
+    where = info["gpu"]["name"] if gpu else f"{info['cpu']}, {torch.get_num_threads()} threads"
+    print(f"{where}, torch {info['torch']}; {rounds} rounds (median)")
+    name = ("edge_attribution_gpu" if gpu else "edge_attribution") + (
+        "_quick" if args.quick else ""
+    )
+    path = write_json(
+        name,
+        {"machine": info, "rounds": rounds, "ig_steps": k, "rows": payload_rows},
+        directory=args.results_dir,
+        report={
+            "title": "Edge attribution (issue 32): `benchmarks/bench_edge_attribution.py`",
+            "tables": [
+                {
+                    "caption": f"EAP and EAP-IG ({k} steps) against one forward and backward of "
+                    f"the same batch; {rounds} rounds (median):",
+                    "header": headers,
+                    "rows": rows,
+                    "target_column": "target",
+                }
+            ],
+            "packages": ["transformers"],
+            "gpu": gpu,
+        },
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

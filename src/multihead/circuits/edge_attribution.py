@@ -1,0 +1,359 @@
+"""Edge attribution patching (EAP; Syed et al., 2023) and its integrated-gradients form (EAP-IG;
+Hanna et al., "Have Faith in Faithfulness", 2024): every edge of the graph at once.
+
+With the graph of :mod:`~multihead.circuits.edge_graph` (senders write into the residual
+stream, receivers read it), an edge's score is
+
+    S(s -> r) = Σ_{b, t, e} (w_s(corrupt) - w_s(clean))[b, t, e] · ∂m/∂x_r[b, t, e]
+
+where w_s is the sender's write (B, T, E) and x_r the receiver's own copy of the residual stream
+it reads (before its norm): the gradient reaches x_r only through that receiver (a head's
+queries, keys or values through the norm and that head's columns of the projection; a
+feed-forward network through its norm; the logits through the final norm). S estimates, to
+first order, how much the metric moves when that one edge carries the corrupt run's value in
+the clean run. With ``ig_steps = m > 1`` the gradient is the mean over the points
+``x_α = corrupt + α (clean - corrupt)``, ``α = k / m``, k = 1 … m, of the embeddings
+(:mod:`~multihead.circuits.embedding_path`).
+
+How the gradients are taken: one backward from the metric to zeros ξ added to each head's
+queries, keys and values (a q/k/v editor), to each feed-forward norm's input and to the final
+norm's input; then, per layer and kind, one batched vector-Jacobian product from the queries
+(keys, values) back to the norm's input, its cotangents (one per receiving head, nonzero on
+that head alone) stacked and vmapped through the same backward (``is_grads_batched``). On a
+grouped-query model with ``kv="query_head"``, the key and value gradients of each query head
+come from its own attention recomputed (:func:`~multihead.kernels.math_attention` on the
+recorded q, k, v and the gradient at the heads' outputs), one query head of every group at a
+time: keys and values are never repeated per query head.
+
+Shapes: B batch, T tokens, S keys, E residual width, H query heads, Hk key/value heads, D head
+dim, N senders, R receivers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import check_positive_int, describe
+from multihead.circuits.edge_graph import (
+    LOGITS,
+    RECEIVER_KINDS,
+    EdgeModel,
+    Receiver,
+)
+from multihead.circuits.edge_scores import EdgeScores
+from multihead.circuits.embedding_path import (
+    interpolated_embeddings,
+    path_points,
+    recorded_embeddings,
+)
+from multihead.circuits.experiment import Experiment, warn_if_random
+from multihead.circuits.input_pair import Metric
+from multihead.kernels import allowed, causal_mask, math_attention
+from multihead.observers import AttentionCall, Removable, registered
+
+__all__ = ["edge_attribution", "parse_kinds"]
+
+
+def parse_kinds(receivers: object) -> tuple[str, ...]:
+    """The receiver kinds asked for, checked (a non-empty sequence of q, k, v, mlp, logits)."""
+    if isinstance(receivers, str) or not isinstance(receivers, Sequence) or not receivers:
+        raise TypeError(
+            f"receivers must be a non-empty sequence of {', '.join(RECEIVER_KINDS)}, got "
+            f"{describe(receivers)}"
+        )
+    for kind in receivers:
+        if kind not in RECEIVER_KINDS:
+            raise ValueError(
+                f"receivers items must be one of {', '.join(RECEIVER_KINDS)}, got {kind!r}"
+            )
+    return tuple(k for k in RECEIVER_KINDS if k in receivers)
+
+
+def edge_attribution(
+    model: nn.Module,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric,
+    *,
+    ig_steps: int = 1,
+    senders: Sequence[Any] | None = None,
+    receivers: Sequence[str] = ("q", "k", "v", "logits"),
+    kv: str = "query_head",
+) -> EdgeScores:
+    """Score every edge from a sender to a receiver (module docstring), from two recording
+    forwards and ``ig_steps`` forwards and backwards.
+
+    Args:
+        model: a pre-LN stack (multihead's ``TransformerLM``, a transformers causal LM through
+            :mod:`multihead.hf`) with a final norm.
+        clean, corrupt: as for :func:`~multihead.patch_heads` (token ids (B, T) or keyword
+            dicts of one shape).
+        metric: ``metric(logits) -> () or (B,)``, differentiable.
+        ig_steps: m, the integrated-gradient points (1: EAP, the gradient at the clean run).
+        senders: None (every sender) or the senders to score: ``"embed"``, heads (``"L0H1"``,
+            ``(0, 1)``), feed-forward networks (``"MLP0"``, ``("mlp", 0)``).
+        receivers: the receiver kinds: any of ``"q"``, ``"k"``, ``"v"``, ``"mlp"``,
+            ``"logits"``.
+        kv: on grouped-query models, ``"query_head"`` (each query head's own keys and values,
+            the default) or ``"shared"`` (the key/value head, read by its whole group).
+
+    Returns:
+        :class:`~multihead.circuits.edge_scores.EdgeScores`: values (N, R) in the metric's
+        dtype (float32 at least), NaN where there is no edge.
+
+    Raises:
+        ValueError, TypeError: bad arguments (named), a model the graph cannot be read from, a
+            metric that does not depend on the model through autograd.
+
+    Example:
+        >>> scores = multihead.edge_attribution(lm, clean, corrupt, metric, ig_steps=16)
+        >>> scores.top(5)  # [("L0H1 -> L1H1.k", -0.8), ...]
+        >>> multihead.faithfulness(lm, clean, corrupt, metric, scores.circuit(20))
+    """
+    check_positive_int("ig_steps", ig_steps)
+    kinds = parse_kinds(receivers)
+    experiment = Experiment.of(model, clean, corrupt, metric)
+    warn_if_random(model, "edge_attribution")
+    graph = EdgeModel.of(experiment, kv, "edge_attribution")
+    chosen = graph.parse_senders(senders)
+    readers = graph.receivers(kinds)
+    pair = experiment.pair
+    with recorded_embeddings(graph.mapped, "edge_attribution") as embedded:
+        clean_writes, clean_value = graph.writes_of(pair.clean, "clean run")
+        corrupt_writes, corrupt_value = graph.writes_of(pair.corrupt, "corrupt run")
+    clean_embed, corrupt_embed = embedded[0], embedded[1]
+    dtype = torch.promote_types(clean_value.dtype, torch.float32)
+    delta = torch.stack([(corrupt_writes[s] - clean_writes[s]).to(dtype) for s in chosen])
+    del clean_writes, corrupt_writes
+    stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
+    scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
+    column = {r: j for j, r in enumerate(readers)}
+
+    def take(receiver: Receiver, gradient: Tensor) -> None:
+        n = sum(1 for stage in stages if stage < receiver.stage)
+        if n:
+            # (n, B·T·E) @ (B·T·E,) -> (n,)
+            scores[:n, column[receiver]] += delta[:n].flatten(1) @ gradient.to(dtype).flatten()
+
+    for alpha in path_points(ig_steps):
+        with interpolated_embeddings(
+            graph.mapped, corrupt_embed, clean_embed, alpha, "edge_attribution"
+        ):
+            _ReceiverGradients(graph, readers).run(take)
+    scores /= ig_steps
+    before = torch.tensor(stages, device=scores.device)[:, None]
+    after = torch.tensor([r.stage for r in readers], device=scores.device)[None, :]
+    scores = scores.masked_fill(before >= after, float("nan"))
+    return EdgeScores(
+        tuple(s.label for s in chosen), tuple(r.label for r in readers), scores,
+        float(clean_value), float(corrupt_value), ig_steps, kinds, kv,
+    )  # fmt: skip
+
+
+@dataclass
+class _LayerRun:
+    """What one attention layer's gradient run keeps: the norm's input, the q/k/v the kernel
+    was given (and their ξ), the call, and the per-head output's ξ."""
+
+    stream: Tensor | None = None
+    qkv: tuple[Tensor, Tensor, Tensor] | None = None
+    xis: tuple[Tensor, Tensor, Tensor] | None = None
+    call: AttentionCall | None = None
+    out_xi: Tensor | None = None
+    mlp_xi: Tensor | None = None
+
+
+class _ReceiverGradients:
+    """One forward and backward on the clean input (whatever block 0 is given), handing each
+    receiver's gradient (B, T, E) at its input to a callback."""
+
+    def __init__(self, graph: EdgeModel, receivers: list[Receiver]) -> None:
+        self.graph = graph
+        self.receivers = receivers
+        self.kinds = {r.kind for r in receivers}
+        self.runs = [_LayerRun() for _ in graph.layers]
+        self.logits_xi: list[Tensor] = []
+
+    def run(self, take: Callable[[Receiver, Tensor], None]) -> None:
+        graph = self.graph
+        experiment = graph.experiment
+        with registered(self._hooks()):
+            value = experiment.value(experiment.pair.clean, "clean run")
+            if not value.requires_grad:
+                raise ValueError(
+                    "edge_attribution needs metric(logits) to depend on the model through "
+                    "autograd: its result does not require grad (does it detach the logits?)"
+                )
+            leaves: list[Tensor] = []
+            for run in self.runs:
+                leaves += [
+                    *(run.xis or ()),
+                    *(x for x in (run.out_xi, run.mlp_xi) if x is not None),
+                ]
+            leaves += self.logits_xi
+            grads = torch.autograd.grad(value, leaves, retain_graph=True, allow_unused=True)
+        found = dict(zip(map(id, leaves), grads, strict=True))
+
+        def grad_of(x: Tensor | None) -> Tensor | None:
+            return None if x is None else found[id(x)]
+
+        for receiver in self.receivers:
+            if receiver.kind == LOGITS:
+                g = grad_of(self.logits_xi[0] if self.logits_xi else None)
+                if g is not None:
+                    take(receiver, g)
+            elif receiver.kind == "mlp":
+                g = grad_of(self.runs[receiver.layer].mlp_xi)
+                if g is not None:
+                    take(receiver, g)
+        for layer, run in enumerate(self.runs):
+            if run.qkv is None or run.stream is None or run.xis is None:
+                continue
+            grads_qkv = [grad_of(x) for x in run.xis]
+            by_kind: dict[str, list[tuple[Receiver, Tensor]]] = {}
+            for receiver, cotangent in self._cotangents(layer, run, grads_qkv, grad_of(run.out_xi)):
+                by_kind.setdefault(receiver.kind, []).append((receiver, cotangent))
+            for kind, pairs in by_kind.items():
+                # every receiving head of one tensor in one vector-Jacobian product: the
+                # cotangents (R, B, H, T, D) batched (vmapped) through the same backward
+                (g,) = torch.autograd.grad(
+                    run.qkv["qkv".index(kind)], run.stream, torch.stack([c for _, c in pairs]),
+                    retain_graph=True, is_grads_batched=True,
+                )  # fmt: skip
+                for (receiver, _), g_r in zip(pairs, g, strict=True):
+                    take(receiver, g_r)
+
+    def _cotangents(
+        self,
+        layer: int,
+        run: _LayerRun,
+        grads: list[Tensor | None],
+        out_grad: Tensor | None,
+    ) -> Iterator[tuple[Receiver, Tensor]]:
+        """Each q/k/v receiver of ``layer`` and the cotangent on its kind's tensor (B, H or Hk,
+        T or S, D) that is nonzero on its head alone."""
+        assert run.qkv is not None
+        wanted = [r for r in self.receivers if r.layer == layer and r.kind in ("q", "k", "v")]
+        per_query: dict[str, list[Tensor]] | None = None
+        for receiver in wanted:
+            index = "qkv".index(receiver.kind)
+            tensor = run.qkv[index]
+            heads_of_tensor = tensor.shape[1]
+            grad = grads[index]
+            if grad is None:
+                continue
+            cotangent = torch.zeros_like(tensor)
+            if receiver.kind == "q" or receiver.shared or heads_of_tensor == run.qkv[0].shape[1]:
+                cotangent[:, receiver.head] = grad[:, receiver.head]
+            else:  # a query head's own keys or values on a grouped model
+                if per_query is None:
+                    if out_grad is None or run.call is None:
+                        continue
+                    per_query = _per_query_head_kv_grads(run.call, run.qkv, out_grad)
+                group = run.qkv[0].shape[1] // heads_of_tensor
+                kv_head, member = divmod(receiver.head, group)
+                cotangent[:, kv_head] = per_query[receiver.kind][member][:, kv_head]
+            yield receiver, cotangent
+
+    def _hooks(self) -> Iterator[Removable]:
+        graph = self.graph
+        qkv_wanted = bool(self.kinds & {"q", "k", "v"})
+        grouped_kv = graph.kv == "query_head" and bool(self.kinds & {"k", "v"})
+        for layer, parts in enumerate(graph.layers):
+            run = self.runs[layer]
+            if qkv_wanted:
+                yield parts.norm.register_forward_pre_hook(_keep_stream(run))
+                yield graph.sites[layer].register_qkv_editor(_xi_editor(run))
+                if grouped_kv:
+                    yield graph.sites[layer].register_observer(_out_xi(run))
+            if "mlp" in self.kinds and parts.mlp_norm is not None:
+                yield parts.mlp_norm.register_forward_pre_hook(_add_xi(run, "mlp_xi"))
+        if LOGITS in self.kinds:
+            assert graph.mapped.final_norm is not None
+            yield graph.mapped.final_norm.register_forward_pre_hook(_logits_xi(self.logits_xi))
+
+
+def _keep_stream(run: _LayerRun) -> Any:
+    def hook(m: nn.Module, args: Any) -> None:
+        run.stream = args[0]
+
+    return hook
+
+
+def _xi_editor(run: _LayerRun) -> Any:
+    def editor(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = call.q, call.k, call.v
+        xis = tuple(torch.zeros_like(t, requires_grad=True) for t in (q, k, v))
+        run.qkv, run.xis, run.call = (q, k, v), xis, call  # type: ignore[assignment]
+        return q + xis[0], k + xis[1], v + xis[2]
+
+    return editor
+
+
+def _out_xi(run: _LayerRun) -> Any:
+    def observer(call: AttentionCall, out: Tensor) -> Tensor:
+        run.out_xi = torch.zeros_like(out, requires_grad=True)
+        return out + run.out_xi
+
+    return observer
+
+
+def _add_xi(run: _LayerRun, name: str) -> Any:
+    def hook(m: nn.Module, args: Any) -> Any:
+        xi = torch.zeros_like(args[0], requires_grad=True)
+        setattr(run, name, xi)
+        return (args[0] + xi, *args[1:])
+
+    return hook
+
+
+def _logits_xi(store: list[Tensor]) -> Any:
+    def hook(m: nn.Module, args: Any) -> Any:
+        xi = torch.zeros_like(args[0], requires_grad=True)
+        store[:] = [xi]
+        return (args[0] + xi, *args[1:])
+
+    return hook
+
+
+def _per_query_head_kv_grads(
+    call: AttentionCall, qkv: tuple[Tensor, Tensor, Tensor], out_grad: Tensor
+) -> dict[str, list[Tensor]]:
+    """Per group member j, the gradients (B, Hk, S, D) of the keys and values as query heads
+    j, G + j, 2G + j, … (one of each group) read them: their attention recomputed from the
+    recorded q, k, v with the gradient at their outputs (B, T, H, Dv); keys and values stay
+    grouped."""
+    q, k, v = (t.detach() for t in qkv)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    t, s = q.shape[2], k.shape[2]
+    mask = call.mask
+    if call.is_causal:
+        causal = causal_mask(t, s, device=q.device)
+        if mask is None:
+            mask = causal
+        elif mask.dtype == torch.bool:
+            mask = mask & causal
+        else:
+            mask = mask.masked_fill(~causal, float("-inf"))
+    out = {"k": [], "v": []}  # type: dict[str, list[Tensor]]
+    d_out = out_grad.transpose(1, 2)  # (B, H, T, Dv)
+    for member in range(group):
+        rows = slice(member, heads, group)
+        m = mask
+        if m is not None and m.dim() == 4 and m.shape[1] == heads:
+            m = m[:, rows]
+        if m is not None and m.dtype != torch.bool and not bool(allowed(m).any(-1).all()):
+            raise ValueError("edge_attribution: a query sees no key (a fully masked row)")
+        with torch.enable_grad():
+            keys, values = k.clone().requires_grad_(), v.clone().requires_grad_()
+            o, _ = math_attention(q[:, rows], keys, values, m, call.scale)  # (B, Hk, T, Dv)
+            dk, dv = torch.autograd.grad(o, (keys, values), d_out[:, rows].to(o.dtype))
+        out["k"].append(dk)
+        out["v"].append(dv)
+    return out

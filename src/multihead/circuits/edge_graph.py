@@ -1,0 +1,358 @@
+"""The computational graph edge attribution and faithfulness read: senders, receivers, edges,
+and where each lives in a model.
+
+A **sender** writes into the residual stream; a **receiver** reads from it:
+
+    senders     "embed"            what block 0 is given (token + position embeddings)
+                "L0H1"             a head's write: its output through its slice of the
+                                   output projection, no bias (B, T, E)
+                "MLP0"             what block 0's feed-forward network adds (B, T, E)
+    receivers   "L1H3.q" .k .v     a head's queries, keys or values: each reads the residual
+                                   stream through the block's norm and its own columns of the
+                                   projections; with kv="shared" a grouped model's key/value
+                                   head, "L1KV0.k"
+                "MLP1"             block 1's feed-forward network, through its norm
+                "logits"           the final residual stream, through the final norm
+
+An edge ``"L0H1 -> L1H3.k"`` exists when the sender writes before the receiver reads: a head
+of layer l reads what the embeddings, every earlier block and nothing of its own layer wrote; a
+feed-forward network also reads its own layer's heads; the logits read everything.
+
+:class:`EdgeModel` finds, in one probe run, what each receiver's input is (the module of the
+block whose output the attention or the feed-forward network is given: the pre-LN norm) and
+each layer's output projection, so that a run can record the senders' writes and change the
+receivers' inputs one by one.
+
+Shapes: B batch, T tokens, E residual width, H query heads, Hk key/value heads, Dv head width,
+n senders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead._checks import check_choice, describe
+from multihead.circuits.activation_cache import head_writes, stack_block
+from multihead.circuits.experiment import Experiment
+from multihead.mapping import model_map
+from multihead.observers import AttentionCall, Removable, registered
+from multihead.sites import (
+    ModelMap,
+    head_label,
+    mlp_label,
+    mlp_layer,
+    output_tensor,
+    parse_head,
+)
+
+__all__ = [
+    "EMBED",
+    "KV_MODES",
+    "LOGITS",
+    "RECEIVER_KINDS",
+    "EdgeModel",
+    "Receiver",
+    "Sender",
+    "edge_label",
+]
+
+EMBED = "embed"
+LOGITS = "logits"
+RECEIVER_KINDS = ("q", "k", "v", "mlp", "logits")
+KV_MODES = ("query_head", "shared")
+
+
+@dataclass(frozen=True)
+class Sender:
+    """``kind`` "embed", "head" or "mlp"; ``layer`` (-1 for the embeddings), ``head``."""
+
+    kind: str
+    layer: int = -1
+    head: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "embed":
+            return EMBED
+        return head_label(self.layer, self.head) if self.kind == "head" else mlp_label(self.layer)
+
+    @property
+    def stage(self) -> int:
+        """When it writes: 0 the embeddings, 2l + 1 layer l's heads, 2l + 2 its MLP."""
+        return 0 if self.kind == "embed" else 2 * self.layer + (1 if self.kind == "head" else 2)
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """``kind`` one of q, k, v (``head`` a query head, or with ``shared`` a key/value head),
+    "mlp" or "logits" (``layer`` the model's depth)."""
+
+    kind: str
+    layer: int
+    head: int = 0
+    shared: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.kind == LOGITS:
+            return LOGITS
+        if self.kind == "mlp":
+            return mlp_label(self.layer)
+        if self.shared and self.kind != "q":
+            return f"L{self.layer}KV{self.head}.{self.kind}"
+        return f"{head_label(self.layer, self.head)}.{self.kind}"
+
+    @property
+    def stage(self) -> int:
+        """When it reads: layer l's heads at 2l + 1 (before they write), its MLP at 2l + 2."""
+        return 2 * self.layer + (2 if self.kind in ("mlp", LOGITS) else 1)
+
+
+def edge_label(sender: Sender, receiver: Receiver) -> str:
+    """``"L0H1 -> L1H3.k"``."""
+    return f"{sender.label} -> {receiver.label}"
+
+
+@dataclass
+class _Layer:
+    """What one attention layer's block holds for the graph."""
+
+    norm: nn.Module  # the module whose output the attention is given (its input: the stream)
+    projection: nn.Module  # the module inside the attention fed its heads' outputs
+    mlp: nn.Module | None  # the block's feed-forward network
+    mlp_norm: nn.Module | None  # the module whose output it is given
+
+
+class EdgeModel:
+    """A model's senders and receivers, and the modules that make and read them.
+
+    Built by :meth:`of` from a checked :class:`~multihead.circuits.experiment.Experiment` (one
+    probe forward of the clean input, with no gradient).
+
+    Raises:
+        ValueError: a model the graph cannot be read from (no stack of one attention layer per
+            block, a block that does not give its attention a module's output, no final norm).
+    """
+
+    def __init__(
+        self, experiment: Experiment, mapped: ModelMap, layers: list[_Layer], kv: str
+    ) -> None:
+        self.experiment = experiment
+        self.mapped = mapped
+        self.layers = layers
+        self.kv = kv
+        self.sites = [site for _, site in experiment.found]
+        self.senders = [Sender("embed")]
+        for layer, site in enumerate(mapped.sites):
+            self.senders += [Sender("head", layer, h) for h in range(site.num_heads)]
+            if layers[layer].mlp is not None:
+                self.senders.append(Sender("mlp", layer))
+
+    @classmethod
+    def of(cls, experiment: Experiment, kv: str, caller: str) -> EdgeModel:
+        check_choice("kv", kv, KV_MODES)
+        model = experiment.model
+        mapped = model_map(model)
+        if mapped.final_norm is None:
+            raise ValueError(
+                f"{caller} needs the model's final norm (the logits' input); the map of "
+                f"{mapped.family} knows none"
+            )
+        if any(s.shard is not None for s in mapped.sites):
+            raise ValueError(f"{caller} does not support a tensor-parallel model")
+        blocks = [stack_block(mapped, layer, caller) for layer in range(mapped.num_layers)]
+        found: dict[Any, Any] = {}
+        with torch.no_grad(), registered(_probes(blocks, experiment, found)):
+            experiment.value(experiment.pair.clean, "clean run")
+        layers = []
+        for layer, block in enumerate(blocks):
+            norm = found.get(("norm", layer))
+            projection = found.get(("projection", layer))
+            if norm is None or projection is None:
+                what = "a module's output as its input" if norm is None else "an output projection"
+                raise ValueError(
+                    f"{caller} reads each head's input through its block's norm and its write "
+                    f"through its output projection; block {layer} of {mapped.family} gives its "
+                    f"attention no {what} the graph can find (a pre-LN block is needed)"
+                )
+            mlp_norm = found.get(("mlp_norm", layer))
+            if block.mlp is not None and mlp_norm is None:
+                raise ValueError(
+                    f"{caller}: block {layer} of {mapped.family} gives its feed-forward network "
+                    f"no module's output as its input (a pre-LN block is needed)"
+                )
+            layers.append(_Layer(norm, projection, block.mlp, mlp_norm))
+        return cls(experiment, mapped, layers, kv)
+
+    # -- the graph ------------------------------------------------------------------------------
+
+    def receivers(self, kinds: Sequence[str]) -> list[Receiver]:
+        """The receivers of ``kinds`` in forward order."""
+        out: list[Receiver] = []
+        shared = self.kv == "shared"
+        for layer, site in enumerate(self.mapped.sites):
+            for kind in ("q", "k", "v"):
+                if kind in kinds:
+                    heads = site.num_kv_heads if shared and kind != "q" else site.num_heads
+                    out += [Receiver(kind, layer, h, shared) for h in range(heads)]
+            if "mlp" in kinds and self.layers[layer].mlp is not None:
+                out.append(Receiver("mlp", layer))
+        if LOGITS in kinds:
+            out.append(Receiver(LOGITS, self.mapped.num_layers))
+        return out
+
+    def parse_senders(self, senders: object) -> list[Sender]:
+        """``None`` (every sender) or a sequence of "embed", heads (``"L0H1"``, ``(0, 1)``) and
+        feed-forward networks (``"MLP0"``, ``("mlp", 0)``), in forward order."""
+        if senders is None:
+            return list(self.senders)
+        if isinstance(senders, (str, bytes, Tensor)) or not isinstance(senders, Sequence):
+            raise TypeError(
+                f"senders must be None or a sequence of 'embed', heads ('L0H1') and feed-forward "
+                f"networks ('MLP0'), got {describe(senders)}"
+            )
+        wanted: set[Sender] = set()
+        for item in senders:
+            wanted.add(self._sender(item))
+        if not wanted:
+            raise ValueError("senders must name at least one sender, got none")
+        return [s for s in self.senders if s in wanted]
+
+    def _sender(self, item: object) -> Sender:
+        if isinstance(item, str) and item.strip().lower() == EMBED:
+            return Sender("embed")
+        layer = mlp_layer(item)
+        if layer is not None:
+            sender = Sender("mlp", layer) if isinstance(layer, int) else None
+            if sender is None or sender not in self.senders:
+                raise ValueError(
+                    f"senders item {item!r}: no such feed-forward network (the model has "
+                    f"{self.mapped.num_layers} blocks; attention-only blocks have none)"
+                )
+            return sender
+        layer, head = parse_head("senders item", item)
+        n = self.mapped.num_layers
+        if not -n <= layer < n:
+            raise ValueError(f"senders item {item!r}: layer must be in [{-n}, {n}), got {layer}")
+        layer %= n
+        heads = self.mapped.sites[layer].num_heads
+        if not -heads <= head < heads:
+            raise ValueError(
+                f"senders item {item!r}: head must be in [{-heads}, {heads}), got {head}"
+            )
+        return Sender("head", layer, head % heads)
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def recorded_writes(self) -> Iterator[dict[Sender, Tensor]]:
+        """Within the block, every run records each sender's write (B, T, E), detached: the
+        embeddings as block 0 is given them, each head's output through its slice of the
+        output projection, each feed-forward network's output."""
+        writes: dict[Sender, Tensor] = {}
+        blocks = [stack_block(self.mapped, layer, "") for layer in range(len(self.layers))]
+
+        def embed(m: nn.Module, args: Any, kwargs: Any) -> None:
+            writes[Sender("embed")] = _stream_argument(args, kwargs).detach()
+
+        def heads(layer: int) -> Any:
+            def observer(call: AttentionCall, out: Tensor) -> None:
+                result = head_writes(self.layers[layer].projection, out.detach())  # (B,T,H,E)
+                for h in range(result.shape[2]):
+                    writes[Sender("head", layer, h)] = result[:, :, h]
+
+            return observer
+
+        def mlp(layer: int) -> Any:
+            def hook(m: nn.Module, args: Any, out: Any) -> None:
+                writes[Sender("mlp", layer)] = output_tensor(out).detach()
+
+            return hook
+
+        def hooks() -> Iterator[Removable]:
+            yield blocks[0].module.register_forward_pre_hook(embed, with_kwargs=True)
+            for layer, parts in enumerate(self.layers):
+                yield self.sites[layer].register_observer(heads(layer))
+                if parts.mlp is not None:
+                    yield parts.mlp.register_forward_hook(mlp(layer))
+
+        with registered(hooks()):
+            yield writes
+
+    def writes_of(self, inputs: Any, what: str) -> tuple[dict[Sender, Tensor], Tensor]:
+        """Every sender's write on ``inputs`` (no gradient), and the metric there."""
+        with torch.no_grad(), self.recorded_writes() as writes:
+            value = self.experiment.value(inputs, what)
+        return dict(writes), value.detach()
+
+
+def _stream_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    """A block's residual stream argument: its first positional one, or ``hidden_states``."""
+    if args:
+        return args[0]
+    return kwargs["hidden_states"]
+
+
+def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) -> Iterator[Any]:
+    """Hooks that find, in one run, each block's attention norm and feed-forward norm (the
+    module of the block whose output tensor is the part's input) and output projection (the
+    module inside the attention given its heads' outputs, flattened)."""
+    made: dict[int, tuple[nn.Module, Tensor]] = {}  # id(output) -> (module, output: kept alive)
+    flat: dict[int, Tensor] = {}  # layer -> its heads' outputs (B, T, H·Dv)
+
+    def remember(m: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, Tensor):
+            made[id(out)] = (m, out)
+
+    def reading(key: tuple[str, int]) -> Any:
+        def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
+            given = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(given, Tensor) and key not in found:
+                maker = made.get(id(given))
+                if maker is not None and maker[1] is given:
+                    found[key] = maker[0]
+
+        return hook
+
+    def heads(layer: int) -> Any:
+        def observer(call: AttentionCall, out: Tensor) -> None:
+            flat[layer] = out.flatten(2)
+
+        return observer
+
+    def projection(layer: int) -> Any:
+        def hook(m: nn.Module, args: Any) -> None:
+            given, want = (args[0] if args else None), flat.get(layer)
+            if (
+                ("projection", layer) not in found
+                and isinstance(given, Tensor)
+                and want is not None
+                and given.shape == want.shape
+                and torch.equal(given, want)
+            ):
+                found["projection", layer] = m
+
+        return hook
+
+    for layer, block in enumerate(blocks):
+        attention = block.attention
+        inside = {id(m) for p in (attention, block.mlp) if p is not None for m in p.modules()}
+        for m in block.module.modules():
+            if id(m) not in inside and m is not block.module:
+                yield m.register_forward_hook(remember)
+        yield experiment.found[layer][1].register_observer(heads(layer))
+        if attention is not None:
+            yield attention.register_forward_pre_hook(reading(("norm", layer)), with_kwargs=True)
+            for m in attention.modules():
+                if m is not attention:
+                    yield m.register_forward_pre_hook(projection(layer))
+        if block.mlp is not None:
+            yield block.mlp.register_forward_pre_hook(
+                reading(("mlp_norm", layer)), with_kwargs=True
+            )

@@ -1,0 +1,241 @@
+"""Faithfulness: how much of the behaviour a circuit of edges carries on its own.
+
+The circuit run (EAP-IG's and the MIB benchmark's edge patching; Hanna et al. 2024) is the
+clean input in which every receiver of the graph reads, in place of its input x_r,
+
+    x_r + Σ_{s -> r not in the circuit} (w_s(corrupt) - w_s(this run))
+
+where w_s is the sender's write (B, T, E): an edge in the circuit carries what its sender writes
+in this very run (computed from its own, partly corrupted, inputs), every other edge the
+corrupt run's write. With no edge in the circuit every receiver reads the corrupt run's stream
+and the run is the corrupt run; with every edge, the clean run. A head's queries, keys and values
+are three receivers, each with its own input: the head's columns of the projections are
+recomputed from its own copy of the stream (the attention module called again, its kernel not
+run). Receiver kinds the circuit's graph did not score read their input unchanged.
+
+    faithfulness = (m(circuit) - m(corrupt)) / (m(clean) - m(corrupt))
+
+Shapes: B batch, T tokens, E residual width, H query heads, Hk key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead.circuits.edge_graph import LOGITS, EdgeModel, Receiver, Sender
+from multihead.circuits.edge_scores import Circuit, circuit_edges
+from multihead.circuits.experiment import Experiment, warn_if_random
+from multihead.circuits.input_pair import Metric
+from multihead.observers import AttentionCall, Removable, registered
+
+__all__ = ["CircuitRuns", "faithfulness"]
+
+
+def faithfulness(
+    model: nn.Module, clean: Any, corrupt: Any, metric: Metric, circuit: Circuit | Sequence[str]
+) -> float:
+    """The share of the clean metric the circuit's edges bring back on their own (module
+    docstring): 1 with every edge, 0 with none.
+
+    Args:
+        model, clean, corrupt, metric: as for :func:`~multihead.edge_attribution`.
+        circuit: a :class:`~multihead.circuits.edge_scores.Circuit` (``EdgeScores.circuit(n)``)
+            or a sequence of edge labels (``"L0H1 -> L1H3.k"``; receivers q, k, v and the logits).
+
+    Returns:
+        ``(m(circuit) - m(corrupt)) / (m(clean) - m(corrupt))``.
+
+    Raises:
+        ValueError: an edge the model's graph does not have, clean and corrupt metrics that are
+            equal (nothing to bring back), and as :func:`~multihead.edge_attribution`.
+    """
+    runs = CircuitRuns.of(model, clean, corrupt, metric, circuit_edges(circuit))
+    return runs.faithfulness(circuit_edges(circuit))
+
+
+class CircuitRuns:
+    """The clean and corrupt runs of one model and pair, and circuit runs against them."""
+
+    def __init__(self, graph: EdgeModel, kinds: tuple[str, ...]) -> None:
+        self.graph = graph
+        self.kinds = kinds
+        self.receivers = graph.receivers(kinds)
+        pair = graph.experiment.pair
+        self.corrupt_writes, corrupt = graph.writes_of(pair.corrupt, "corrupt run")
+        _, clean = graph.writes_of(pair.clean, "clean run")
+        self.clean, self.corrupt = float(clean), float(corrupt)
+        if self.clean == self.corrupt:
+            raise ValueError(
+                f"faithfulness needs the metric to differ between the clean and the corrupt "
+                f"run, got {self.clean} on both"
+            )
+        self.edges = {
+            f"{s.label} -> {r.label}": (s, r)
+            for r in self.receivers
+            for s in graph.senders
+            if s.stage < r.stage
+        }
+
+    @classmethod
+    def of(
+        cls, model: nn.Module, clean: Any, corrupt: Any, metric: Metric, circuit: Circuit
+    ) -> CircuitRuns:
+        experiment = Experiment.of(model, clean, corrupt, metric)
+        warn_if_random(model, "faithfulness")
+        return cls(EdgeModel.of(experiment, circuit.kv, "faithfulness"), circuit.receivers)
+
+    @property
+    def all_edges(self) -> list[str]:
+        """Every edge of the graph, receiver-major."""
+        return list(self.edges)
+
+    def faithfulness(self, circuit: Circuit) -> float:
+        """The circuit run's metric, normalised (module docstring)."""
+        return (self.metric(circuit) - self.corrupt) / (self.clean - self.corrupt)
+
+    def metric(self, circuit: Circuit) -> float:
+        """The metric on the circuit run."""
+        unknown = [e for e in circuit.edges if e not in self.edges]
+        if unknown:
+            raise ValueError(
+                f"circuit has edges the model's graph does not ({len(unknown)}: "
+                f"{', '.join(repr(e) for e in unknown[:3])}); edges are 'sender -> receiver', "
+                f"e.g. {next(iter(self.edges), '')!r}"
+            )
+        kept = {self.edges[e] for e in circuit.edges}
+        # receiver -> the senders whose edges into it carry the corrupt run's write
+        cut: dict[Receiver, list[Sender]] = {}
+        for sender, receiver in self.edges.values():
+            if (sender, receiver) not in kept:
+                cut.setdefault(receiver, []).append(sender)
+        graph = self.graph
+        with torch.no_grad(), graph.recorded_writes() as writes:
+            with registered(self._hooks(cut, writes)):
+                value = graph.experiment.value(graph.experiment.pair.clean, "circuit run")
+        return float(value)
+
+    def _delta(self, senders: list[Sender], writes: dict[Sender, Tensor]) -> Tensor:
+        """Σ (corrupt write - this run's write) over ``senders`` (B, T, E)."""
+        total = self.corrupt_writes[senders[0]] - writes[senders[0]]
+        for s in senders[1:]:
+            total = total + (self.corrupt_writes[s] - writes[s])
+        return total
+
+    def _hooks(
+        self, cut: dict[Receiver, list[Sender]], writes: dict[Sender, Tensor]
+    ) -> Iterator[Removable]:
+        graph = self.graph
+        for layer, parts in enumerate(graph.layers):
+            heads = {r: s for r, s in cut.items() if r.layer == layer and r.kind in "qkv"}
+            if heads:
+                yield from _HeadInputs(graph, layer, heads, writes, self._delta).hooks()
+            mlp = cut.get(Receiver("mlp", layer))
+            if mlp and parts.mlp_norm is not None:
+                yield parts.mlp_norm.register_forward_pre_hook(self._adding(mlp, writes))
+        logits = cut.get(Receiver(LOGITS, graph.mapped.num_layers))
+        if logits:
+            assert graph.mapped.final_norm is not None
+            yield graph.mapped.final_norm.register_forward_pre_hook(self._adding(logits, writes))
+
+    def _adding(self, senders: list[Sender], writes: dict[Sender, Tensor]) -> Any:
+        def hook(m: nn.Module, args: Any) -> Any:
+            return (args[0] + self._delta(senders, writes).to(args[0].dtype), *args[1:])
+
+        return hook
+
+
+class _Captured(Exception):
+    """Raised by the editor inside a second call of the attention, once q, k, v are read."""
+
+
+class _HeadInputs:
+    """One layer's q/k/v receivers with their own inputs: the attention module called again on
+    the norm of each receiver's stream, its q, k, v read and the call stopped before the kernel;
+    the first call's q, k, v replaced head by head."""
+
+    def __init__(
+        self,
+        graph: EdgeModel,
+        layer: int,
+        cut: dict[Receiver, list[Sender]],
+        writes: dict[Sender, Tensor],
+        delta: Any,
+    ) -> None:
+        self.parts = graph.layers[layer]
+        self.site = graph.sites[layer]
+        self.attention = graph.mapped.blocks[layer].attention if graph.mapped.blocks else None
+        self.cut = cut
+        self.writes = writes
+        self.delta = delta
+        self.stream: Tensor | None = None
+        self.normed: Tensor | None = None
+        self.call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.capturing = False
+        self.captured: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def hooks(self) -> Iterator[Removable]:
+        def keep_stream(m: nn.Module, args: Any, out: Any) -> None:
+            if not self.capturing:
+                self.stream, self.normed = args[0], out
+
+        def keep_call(m: nn.Module, args: Any, kwargs: Any) -> None:
+            if not self.capturing:
+                self.call_args = (args, kwargs)
+
+        assert self.attention is not None
+        yield self.parts.norm.register_forward_hook(keep_stream)
+        yield self.attention.register_forward_pre_hook(keep_call, with_kwargs=True)
+        yield self.site.register_qkv_editor(self.edit)
+
+    def edit(self, call: AttentionCall) -> tuple[Tensor, Tensor, Tensor] | None:
+        if self.capturing:
+            self.captured = (call.q, call.k, call.v)
+            raise _Captured
+        q, k, v = call.q, call.k, call.v
+        heads, kv_heads = q.shape[1], k.shape[1]
+        grouped = {r for r in self.cut if r.kind != "q" and not r.shared and kv_heads != heads}
+        if grouped:  # a query head's own keys and values: one per query head
+            k = k.repeat_interleave(heads // kv_heads, 1)
+            v = v.repeat_interleave(heads // kv_heads, 1)
+        new = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+        variants: dict[tuple[Sender, ...], tuple[Tensor, Tensor, Tensor]] = {}
+        for receiver, senders in self.cut.items():
+            key = tuple(senders)
+            if key not in variants:
+                variants[key] = self._qkv_of(self.delta(senders, self.writes))
+            index = "qkv".index(receiver.kind)
+            source = variants[key][index]
+            h = receiver.head
+            if receiver.kind != "q" and receiver in grouped:
+                source = source[:, h // (heads // kv_heads)]
+            else:
+                source = source[:, h]
+            new[receiver.kind][:, h] = source
+        return new["q"], new["k"], new["v"]
+
+    def _qkv_of(self, delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v the attention computes from the norm of this run's stream + ``delta``."""
+        assert self.stream is not None and self.call_args is not None
+        assert self.attention is not None
+        args, kwargs = self.call_args
+        self.capturing = True  # the hooks above keep the first call's stream and arguments
+        try:
+            normed = self.parts.norm(self.stream + delta.to(self.stream.dtype))
+            args = tuple(normed if a is self.normed else a for a in args)
+            kwargs = {key: normed if a is self.normed else a for key, a in kwargs.items()}
+            self.attention(*args, **kwargs)
+        except _Captured:
+            pass
+        finally:
+            self.capturing = False
+        if self.captured is None:
+            raise ValueError(
+                f"faithfulness: calling the attention of layer {self.site!r} again did not reach "
+                f"its q/k/v editors"
+            )  # pragma: no cover - every site runs its editors
+        captured, self.captured = self.captured, None
+        return captured

@@ -1,0 +1,217 @@
+"""``multihead circuit``: find a circuit of edges (EAP-IG), check it (faithfulness) and say why
+its top heads attend where they do (QK attribution).
+
+    multihead circuit --checkpoint runs/induction        # the built-in induction pair
+    multihead circuit --model DIR --clean "When Mary and John went to the store, John gave a \\
+        drink to" --corrupt "When Mary and John went to the store, Mary gave a drink to" \\
+        --answer " Mary" --wrong " John"
+
+It scores every edge (:func:`multihead.edge_attribution`, ``--ig-steps``), prints the top
+edges, the faithfulness curve of the top edges against random circuits
+(:func:`multihead.faithfulness_curve`) and the smallest circuit that reaches ``--reach``, and
+writes ``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph). Errors are
+one line and exit code 2 (``multihead.cli.main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import multihead
+from multihead.cli.common import (
+    CLIError,
+    add_device_arguments,
+    print_warnings,
+    status,
+    torchrun_world,
+)
+from multihead.cli.patch_experiment import PatchExperiment
+from multihead.viz.formats import check_output_dir
+from multihead.viz.plots import save_figure
+
+__all__ = ["register", "run"]
+
+_PICTURES = ("png", "svg")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``circuit`` subcommand."""
+    p = subparsers.add_parser(
+        "circuit",
+        help="find the circuit of edges that carries a behaviour (EAP-IG) and check it",
+        description=(
+            "Score every edge between heads, feed-forward networks, the embeddings and the "
+            "logits by edge attribution patching with integrated gradients (docs/circuits.md), "
+            "print the top edges and the faithfulness of the top-n edges against random "
+            "circuits, and write the faithfulness curve and the circuit's graph. Inputs and "
+            "the metric as for 'multihead patch'."
+        ),
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--checkpoint",
+        metavar="RUN",
+        help="a run of 'multihead train' (its directory or a checkpoints/step-N directory)",
+    )
+    where.add_argument(
+        "--model",
+        metavar="DIR_OR_NAME",
+        help="a Hugging Face causal LM directory or a name in the local Hugging Face cache, "
+        "read from local files only (extra hf)",
+    )
+    p.add_argument("--clean", metavar="TEXT", help="the input on which the model does it")
+    p.add_argument(
+        "--corrupt", metavar="TEXT", help="the input on which it does not (as many tokens)"
+    )
+    p.add_argument("--answer", metavar="TOKEN", help="the token the clean input should predict")
+    p.add_argument(
+        "--wrong", metavar="TOKEN", help="the token the corrupt input predicts (logit difference)"
+    )
+    p.add_argument(
+        "--ig-steps",
+        type=int,
+        default=16,
+        metavar="K",
+        help="integrated-gradient points (default 16; 1 is plain EAP)",
+    )
+    p.add_argument("--top", type=int, default=10, metavar="N", help="edges to list (default 10)")
+    p.add_argument(
+        "--reach",
+        type=float,
+        default=0.9,
+        metavar="F",
+        help="the faithfulness the reported circuit must reach (default 0.9)",
+    )
+    p.add_argument(
+        "--query",
+        type=int,
+        default=-1,
+        metavar="POS",
+        help="the query position whose attention the QK attribution of the circuit's top heads "
+        "explains, in the clean input's first sequence (default -1, the last)",
+    )
+    p.add_argument(
+        "--draws", type=int, default=3, metavar="N", help="random circuits per size (default 3)"
+    )
+    add_device_arguments(p)
+    p.add_argument(
+        "--out", default="circuit", metavar="DIR", help="where to write (default ./circuit/)"
+    )
+    p.add_argument(
+        "--format",
+        default="png",
+        metavar="LIST",
+        help="comma-separated, any of png, svg (default png)",
+    )
+    p.set_defaults(func=run, tensor_parallel=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``multihead circuit``; returns the exit code."""
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in _PICTURES]
+    if not formats or bad:
+        raise CLIError(f"--format must list png or svg, got {args.format!r}")
+    names = [f"{stem}.{f}" for stem in ("faithfulness", "circuit") for f in formats]
+    out = check_output_dir("--out", args.out, names)
+    for flag, value in (
+        ("--ig-steps", args.ig_steps),
+        ("--top", args.top),
+        ("--draws", args.draws),
+    ):
+        if value < 1:
+            raise CLIError(f"{flag} must be a positive number, got {value}")
+    if not 0 < args.reach <= 1:
+        raise CLIError(f"--reach must be in (0, 1], got {args.reach}")
+    texts = (args.clean, args.corrupt, args.answer)
+    if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
+        raise CLIError("--clean, --corrupt and --answer go together: give all three")
+    with torchrun_world(args.device) as world:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with status("loading the model"):
+                experiment = PatchExperiment.from_args(args, world.device)
+            code = _circuit(args, experiment, out, formats)
+        print_warnings(caught)
+        return code
+
+
+def _circuit(
+    args: argparse.Namespace, experiment: PatchExperiment, out: Path, formats: list[str]
+) -> int:
+    run = (experiment.model, experiment.clean, experiment.corrupt, experiment.metric)
+    method = "EAP" if args.ig_steps == 1 else f"EAP-IG, {args.ig_steps} steps"
+    with status(f"scoring every edge ({method})"):
+        scores = multihead.edge_attribution(*run, ig_steps=args.ig_steps)
+    with status("faithfulness of the top edges and of random circuits"):
+        curve = multihead.faithfulness_curve(*run, scores, draws=args.draws)
+    print(f"{experiment.name}: {len(scores)} edges; metric: {experiment.describe}")
+    print(f"  clean {scores.clean:.3f}   corrupt {scores.corrupt:.3f}")
+    print(f"\nTop edges ({method}: corrupt - clean write times the gradient at the receiver):")
+    width = max(len(label) for label, _ in scores.top(args.top))
+    for label, value in scores.top(args.top):
+        print(f"  {label:<{width}}  {value:9.3f}")
+    print("\nFaithfulness of the top-n edges (1: the clean run, 0: the corrupt run):")
+    print("  edges   top edges   random circuits")
+    for n, v, r in zip(curve.sizes, curve.values, curve.random, strict=True):
+        print(f"  {n:5d}   {v:9.3f}   {r:15.3f}")
+    ratio = curve.area / curve.random_area if curve.random_area > 0 else float("inf")
+    print(f"  area {curve.area:.3f}, random circuits' {curve.random_area:.3f} ({ratio:.1f}x)")
+    size = curve.smallest(args.reach)
+    if size is None:
+        print(f"  no circuit of these sizes reaches {args.reach}")
+    else:
+        share = 100 * size / curve.total
+        print(f"  the top {size} edges ({share:.0f}% of {curve.total}) reach {args.reach}")
+    shown = size if size is not None else min(args.top, len(scores))
+    _print_qk(experiment, scores.top(max(shown, 1)), args.query)
+    figures = {
+        "faithfulness": curve.plot(title=f"Faithfulness of the top edges ({method})"),
+        "circuit": scores.plot(max(shown, 1), title=f"{experiment.name}: the top {shown} edges"),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    written = [
+        save_figure(fig, out / f"{stem}.{fmt}") for stem, fig in figures.items() for fmt in formats
+    ]
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _print_qk(experiment: PatchExperiment, edges: list[tuple[str, float]], query: int) -> None:
+    """The QK attribution of the circuit's top heads (those its edges reach through their
+    queries or keys, at most three): at ``query`` of the clean input's first sequence, the key
+    the head scores highest and the (query side, key side) pairs that make its score, and the
+    key-side components that lift that key above the others."""
+    heads: list[tuple[int, int]] = []
+    for label, _ in edges:
+        receiver = label.partition(" -> ")[2]
+        match = re.fullmatch(r"L(\d+)H(\d+)\.[qk]", receiver)
+        if match and (int(match[1]), int(match[2])) not in heads:
+            heads.append((int(match[1]), int(match[2])))
+    if not heads:
+        return
+    clean = experiment.clean
+    first = {k: v[:1] for k, v in clean.items()} if isinstance(clean, dict) else clean[:1]
+    print(f"\nQK attribution of the circuit's top heads (query position {query}):")
+    for layer, head in heads[:3]:
+        probe = multihead.qk_attribution(
+            experiment.model, first, layer=layer, head=head, query=query, key=query
+        )
+        key = int(probe.scores().nan_to_num(float("-inf")).argmax())
+        qk = multihead.qk_attribution(
+            experiment.model, first, layer=layer, head=head, query=query, key=key
+        )
+        print(
+            f"  L{layer}H{head}: key {key} scores {qk.total():.2f}; "
+            f"top pairs (query side, key side):"
+        )
+        for a, b, v in qk.top(3):
+            print(f"    {a:<10} {b:<10} {v:8.2f}")
+        rise = qk.key_rise() if int(qk.visible.sum()) > 1 else []
+        if rise:
+            lifts = ", ".join(f"{label} {value:+.2f}" for label, value in rise[:3])
+            print(f"    key side lifting key {key} over the others: {lifts}")

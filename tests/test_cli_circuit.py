@@ -1,0 +1,81 @@
+"""``multihead circuit`` end to end on an induction run (the built-in pair): the printed edges
+are edge_attribution's, the printed curve faithfulness_curve's, the pictures are written; and
+its errors are one line with exit code 2."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import multihead
+from multihead.cli import main
+from multihead.models import TransformerLM
+from multihead.training import TrainConfig, train
+from multihead.training.induction_pair import induction_pair
+
+pytestmark = pytest.mark.cpu_only  # a CLI
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def induction_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("induction") / "run"
+    config = TrainConfig.for_task(
+        "induction", seq_len=16, steps=2, batch_size=8, embed_dim=32, num_heads=2, threads=1,
+        probe_every=2, plots=False, out=str(out),
+    )  # fmt: skip
+    train(config)
+    return out
+
+
+def test_induction_run(
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    argv = ["circuit", "--checkpoint", str(induction_run), "--out", str(out), "--ig-steps", "2"]
+    assert main([*argv, "--top", "4", "--draws", "1", "--format", "png,svg"]) == 0
+    stdout = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "circuit.png", "circuit.svg", "faithfulness.png", "faithfulness.svg",
+    ]  # fmt: skip
+    model = TransformerLM.load(induction_run).eval()
+    pair = induction_pair(16)
+    scores = multihead.edge_attribution(model, pair.clean, pair.corrupt, pair.metric, ig_steps=2)
+    printed = re.findall(r"^  (\S+ -> \S+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
+    assert [label for label, _ in printed] == [label for label, _ in scores.top(4)]
+    for (_, value), (_, want) in zip(printed, scores.top(4), strict=True):
+        assert float(value) == pytest.approx(want, abs=1e-3)
+    curve = re.findall(r"^\s+(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
+    sizes = [int(n) for n, _, _ in curve]
+    assert sizes[0] == 0 and sizes[-1] == len(scores)
+    assert float(curve[0][1]) == pytest.approx(0, abs=1e-3)  # no edge: the corrupt run
+    assert float(curve[-1][1]) == pytest.approx(1, abs=1e-3)  # every edge: the clean run
+    middle = sizes.index(sizes[len(sizes) // 2])
+    want = multihead.faithfulness(
+        model, pair.clean, pair.corrupt, pair.metric, scores.circuit(sizes[middle])
+    )
+    assert float(curve[middle][1]) == pytest.approx(want, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--ig-steps", "0"], "--ig-steps must be a positive number, got 0"),
+        (["--format", "gif"], "--format must list png or svg, got 'gif'"),
+        (["--clean", "1 2 3"], "--clean, --corrupt and --answer go together"),
+        (["--reach", "1.5"], "--reach must be in (0, 1], got 1.5"),
+    ],
+)
+def test_errors_are_one_line(
+    induction_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    message: str,
+) -> None:
+    argv = ["circuit", "--checkpoint", str(induction_run), "--out", str(tmp_path / "o"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
