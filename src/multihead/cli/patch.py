@@ -34,12 +34,14 @@ from multihead.cli.common import (
     CLIError,
     add_device_arguments,
     add_tensor_parallel_argument,
+    add_threads_argument,
     check_tensor_parallel,
     load_on_every_rank,
     print_split,
     print_warnings,
     printable,
     status,
+    torch_threads,
     torchrun_world,
 )
 from multihead.cli.patch_experiment import PatchExperiment
@@ -122,6 +124,7 @@ def register(subparsers: Any) -> None:
         help="path patching: heads in later layers than every sender, such as L1H1",
     )
     add_device_arguments(p)
+    add_threads_argument(p)
     add_tensor_parallel_argument(p)
     p.add_argument(
         "--out", default="patching", metavar="DIR", help="where to write (default ./patching/)"
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     senders = _head_names("--senders", args.senders or [])
     receivers = _head_names("--receivers", args.receivers or [])
 
-    with torchrun_world(args.device) as world:
+    with torch_threads(args.threads), torchrun_world(args.device) as world:
         return _patch(args, world, out, formats, senders, receivers)
 
 
