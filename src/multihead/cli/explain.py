@@ -30,6 +30,7 @@ from multihead.cli.common import (
 )
 from multihead.cli.explain_corpus import run_corpus
 from multihead.explanation import explain
+from multihead.explanation.head_effects import NEXT_TOKEN_KL
 from multihead.explanation.result import Explanation
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.sites import head_label, parse_head
@@ -208,7 +209,7 @@ def _explain(
         device = str(world.device) if args.tensor_parallel else args.device
         model = load_model(
             args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
-            together=args.tensor_parallel,
+            together=args.tensor_parallel, lm_head=args.importance,
         )  # fmt: skip
     if shown:
         print_warnings(caught)
@@ -248,6 +249,8 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     print(f"  {shown}")
     print()
     specials = list(dict.fromkeys(t for t, s in zip(ex.tokens, ex.special, strict=True) if s))
+    if ex.sink is not None:  # a decoder's first token: where heads park their weight
+        specials.append(f"the first token {ex.tokens[ex.sink]!r} (the attention sink)")
     apart = f"; {'/'.join(specials)} apart" if specials else ""
     # A causal model's focus token reads only itself and earlier tokens: say so.
     scope = "itself and earlier tokens only; " if ex.causal else ""
@@ -283,7 +286,8 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
         n = ex.importance.shape[1]
         flat = ex.importance.flatten()
         best = ", ".join(f"{head_label(i // n, i % n)} {float(flat[i]):.3f}" for i in order)
-        print(f"  {'most important (zeroed: embedding moves):':44s}{best}")
+        what = "next-token KL" if ex.importance_measure == NEXT_TOKEN_KL else "embedding moves"
+        print(f"  {f'most important (zeroed: {what}):':44s}{best}")
     if ex.ablation is not None and ex.ablated_top_words is not None:
         _print_ablation(ex)
     print()
