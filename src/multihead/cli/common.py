@@ -175,19 +175,19 @@ def load_model(
     dtype: str | None = None,
     tensor_parallel: bool = False,
     together: bool = False,
-    lm_head: bool = False,
+    next_token: bool = False,
 ) -> Any:
     """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
     default, loaded once per process, without one); a missing extra becomes a CLIError that
     names it. ``together``: every rank of the command's process group calls this
     (:func:`load_on_every_rank`: a failure on one is raised on all; with ``tensor_parallel``
-    the files are checked and agreed on before the collective build). ``lm_head``: keep a
+    the files are checked and agreed on before the collective build). ``next_token``: keep a
     causal language model's head (``head="lm"``: its next-token distribution, for
     ``explain``'s head importance) when the model is one; any other model loads without."""
 
     def load() -> Any:
         try:
-            if lm_head and given is not None and not _own_bert(given):
+            if next_token and given is not None and not _own_bert(given):
                 found = _causal_lm(given, device, dtype, tensor_parallel)
                 if found is not None:
                     return found

@@ -209,7 +209,7 @@ def _explain(
         device = str(world.device) if args.tensor_parallel else args.device
         model = load_model(
             args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
-            together=args.tensor_parallel, lm_head=args.importance,
+            together=args.tensor_parallel, next_token=args.importance,
         )  # fmt: skip
     if shown:
         print_warnings(caught)
