@@ -139,3 +139,28 @@ def test_cli_reports_the_sink_apart_and_the_kl(
         assert "The " not in words  # "the" (lower case, a later word) may be
         assert re.fullmatch(r" The \d\.\d\d", apart)
     assert "most important (zeroed: next-token KL):" in report
+
+
+def test_a_decoder_saved_without_its_head_keeps_the_embedding_measure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a Llama base model (untied, no lm_head in its files): the CLI does not run it with a
+    # random head (no warning about weights initialised at random), and measures the last
+    # token's state as before
+    from test_hf_explain import sentencepiece_like
+
+    torch.manual_seed(0)
+    tokenizer = sentencepiece_like("<s> $A")
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+    )  # fmt: skip
+    path = tmp_path / "base"
+    transformers.LlamaModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    argv = ["explain", "--model", str(path), TEXT, "--out", str(tmp_path / "o"), "--format", "png"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "most important (zeroed: embedding moves):" in captured.out
+    assert "random" not in captured.err, captured.err

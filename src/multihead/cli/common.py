@@ -218,9 +218,14 @@ def _own_bert(given: str) -> bool:
     return isinstance(config, dict) and config.get("model_type", "bert") == "bert"
 
 
+# What hf.loading's warning says of weights missing from the files (initialised at random).
+_RANDOM_WEIGHTS = "initialised at random"
+
+
 def _causal_lm(given: str, device: str, dtype: str | None, tensor_parallel: bool) -> Any:
     """The model ``given`` names with its language-model head, or None when it is not a causal
-    language model (its loader refuses ``head="lm"``: an encoder, an encoder-decoder); the
+    language model (its loader refuses ``head="lm"``: an encoder, an encoder-decoder) or its
+    files hold no head (a decoder's base model: the head would be initialised at random); the
     refused attempt's warnings are dropped, and whatever is wrong with the files the load
     without a head says again."""
     with warnings.catch_warnings(record=True) as caught:
@@ -231,6 +236,8 @@ def _causal_lm(given: str, device: str, dtype: str | None, tensor_parallel: bool
             )
         except (ValueError, TypeError, OSError):
             return None
+    if any(_RANDOM_WEIGHTS in str(w.message) for w in caught):
+        return None  # a base model's files: the head would be random (the loader says which)
     for w in caught:  # a causal LM's own warnings, as a load without a head gives them
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return model
