@@ -1,4 +1,4 @@
-"""The CLI's one thread policy (``--threads``, ``cli.common.torch_threads``): ``explain TEXT``,
+"""The CLI's one thread policy (``--threads``, ``cli.threads.torch_threads``): ``explain TEXT``,
 ``explain --corpus`` and ``patch`` each run their model on the threads the policy gives, and
 leave the caller's setting as it was. The number is read inside the command, where the library
 is called (a wrapper around the function each command runs its model through)."""
@@ -17,7 +17,7 @@ import multihead
 import multihead.cli.explain as cli_explain
 import multihead.cli.explain_corpus as cli_corpus
 from multihead.cli import main
-from multihead.cli.common import DEFAULT_THREADS
+from multihead.cli.threads import DEFAULT_THREADS
 
 pytestmark = pytest.mark.cpu_only  # a CLI
 pytest.importorskip("transformers", minversion="5")

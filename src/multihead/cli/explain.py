@@ -18,17 +18,16 @@ from typing import Any
 from multihead.cli.common import (
     add_device_arguments,
     add_tensor_parallel_argument,
-    add_threads_argument,
     check_tensor_parallel,
     load_model,
     print_split,
     print_warnings,
     printable,
     status,
-    torch_threads,
     torchrun_world,
 )
 from multihead.cli.explain_corpus import run_corpus
+from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.explanation import explain
 from multihead.explanation.head_effects import NEXT_TOKEN_KL
 from multihead.explanation.result import Explanation

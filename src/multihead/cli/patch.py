@@ -37,18 +37,17 @@ from multihead.cli.common import (
     CLIError,
     add_device_arguments,
     add_tensor_parallel_argument,
-    add_threads_argument,
     check_tensor_parallel,
     load_on_every_rank,
     print_split,
     print_warnings,
     printable,
     status,
-    torch_threads,
     torchrun_world,
 )
 from multihead.cli.patch_experiment import PatchExperiment
 from multihead.cli.text_pairs import TextPair, read_pairs
+from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
