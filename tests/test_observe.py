@@ -539,8 +539,9 @@ def test_roles_of_hand_built_heads(device: torch.device) -> None:
     assert stats.roles() == [["previous token", "[SEP]", "broad"]]
     assert stats.to_dict()["role"] == stats.roles()
     # without tokens the [SEP] score is unknown and can't win: head 1 reads the last key,
-    # which is the next token only for the query before it, so nothing reaches 0.3
-    assert HeadStatistics.from_weights(weights).roles() == [["previous token", "broad", "broad"]]
+    # which is the next token only for the query before it, so nothing reaches 0.3; but it
+    # reads one key (entropy 0): "other", not "broad", which is for heads that spread
+    assert HeadStatistics.from_weights(weights).roles() == [["previous token", "other", "broad"]]
     assert "previous token" in str(stats)
 
 
@@ -561,6 +562,53 @@ def test_roles_measure_heads_above_chance_in_a_causal_model(device: torch.device
     assert stats.chance is not None
     assert stats.chance["identity"][0, 0].item() == pytest.approx(harmonic)
     assert stats.roles() == [["broad", "previous token"]]
+
+
+def _causal_uniform(t: int) -> torch.Tensor:
+    """(T, T) a causal head reading every visible key alike: query i gives 1/(i+1) to each."""
+    even = torch.tril(torch.ones(t, t))
+    return even / even.sum(-1, keepdim=True)
+
+
+def test_a_decoder_s_sink_head_is_sink_and_broad_means_high_entropy(device: torch.device) -> None:
+    # A causal model's four heads, hand-built: all weight on token 0 (the attention sink), every
+    # visible key alike, the token before (sharp), and two tokens back (sharp, a place no role
+    # names). References by hand: the sink's first_token is 1, its chance the mean of 1/(i+1);
+    # the uniform head's entropy is its chance level, the mean of log(i+1).
+    t = 12
+    sink = torch.zeros(t, t)
+    sink[:, 0] = 1.0
+    two_back = torch.zeros(t, t)
+    two_back[torch.arange(t), (torch.arange(t) - 2).clamp(min=0)] = 1.0
+    heads = [sink, _causal_uniform(t), previous_token_map(t), two_back]
+    weights = torch.stack(heads)[None, None].to(device)  # (L=1, B=1, H=4, T, T)
+    tokens = [["The", *"abcdefghij", "."]]  # a decoder's text: no [CLS]
+    stats = HeadStatistics.from_weights(weights, tokens=tokens, causal=True)
+    assert stats.roles() == [["sink", "broad", "previous token", "other"]]
+    assert stats.first_token[0, 0].item() == pytest.approx(1.0)
+    assert stats.chance is not None
+    harmonic = sum(1 / (i + 1) for i in range(t)) / t
+    assert stats.chance["first_token"][0, 0].item() == pytest.approx(harmonic)
+    mean_log = sum(math.log(i + 1) for i in range(t)) / t
+    assert stats.chance["entropy"][0, 0].item() == pytest.approx(mean_log)
+    assert stats.entropy[0, 1].item() == pytest.approx(mean_log, abs=1e-5)
+    assert stats.spread()[0].tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0], abs=1e-5)
+    # "broad" is not where the sharpest heads go: every broad head spreads
+    broad = [j for j, role in enumerate(stats.roles()[0]) if role == "broad"]
+    assert all(stats.entropy[0, j].item() >= 0.5 * mean_log for j in broad)
+
+
+def test_bert_s_first_token_is_cls_not_a_sink(device: torch.device) -> None:
+    # BERT's first token is [CLS]: to_cls measures it, first_token leaves such texts out (NaN),
+    # so a head reading [CLS] is "[CLS]"; without the tokens, it is the first token: "sink"
+    t = 10
+    cls = torch.zeros(t, t)
+    cls[:, 0] = 1.0
+    weights = cls[None, None, None].to(device)  # (1, 1, 1, T, T)
+    stats = HeadStatistics.from_weights(weights, tokens=[["[CLS]", *"abcdefgh", "[SEP]"]])
+    assert math.isnan(stats.first_token[0, 0].item())
+    assert stats.roles() == [["[CLS]"]]
+    assert HeadStatistics.from_weights(weights).roles() == [["sink"]]
 
 
 def test_weight_on_a_token_the_text_lacks_is_unknown(device: torch.device) -> None:

@@ -9,12 +9,14 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from multihead._files import read_json
 from multihead.devices import DTYPES, resolve_device
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.observe.rows import attention_modules
@@ -119,15 +121,22 @@ def load_model(
     dtype: str | None = None,
     tensor_parallel: bool = False,
     together: bool = False,
+    next_token: bool = False,
 ) -> Any:
     """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
     default, loaded once per process, without one); a missing extra becomes a CLIError that
     names it. ``together``: every rank of the command's process group calls this
     (:func:`load_on_every_rank`: a failure on one is raised on all; with ``tensor_parallel``
-    the files are checked and agreed on before the collective build)."""
+    the files are checked and agreed on before the collective build). ``next_token``: keep a
+    causal language model's head (``head="lm"``: its next-token distribution, for
+    ``explain``'s head importance) when the model is one; any other model loads without."""
 
     def load() -> Any:
         try:
+            if next_token and given is not None and not _own_bert(given):
+                found = _causal_lm(given, device, dtype, tensor_parallel)
+                if found is not None:
+                    return found
             return load_text_model(
                 given, device=device, dtype=dtype, tensor_parallel=tensor_parallel
             )
@@ -143,6 +152,41 @@ def load_model(
     if not together:
         return load()
     return load_on_every_rank(load, check if tensor_parallel and given else None)
+
+
+def _own_bert(given: str) -> bool:
+    """Whether ``given`` is a directory that ``load_text_model`` runs on multihead's own BERT
+    (``config.json``'s model_type "bert"), which has no language-model head."""
+    try:
+        config = read_json(Path(given).expanduser() / "config.json")
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type", "bert") == "bert"
+
+
+# What hf.loading's warning says of weights missing from the files (initialised at random).
+_RANDOM_WEIGHTS = "initialised at random"
+
+
+def _causal_lm(given: str, device: str, dtype: str | None, tensor_parallel: bool) -> Any:
+    """The model ``given`` names with its language-model head, or None when it is not a causal
+    language model (its loader refuses ``head="lm"``: an encoder, an encoder-decoder) or its
+    files hold no head (a decoder's base model: the head would be initialised at random); the
+    refused attempt's warnings are dropped, and whatever is wrong with the files the load
+    without a head says again."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model = load_text_model(
+                given, device=device, dtype=dtype, tensor_parallel=tensor_parallel, head="lm"
+            )
+        except (ValueError, TypeError, OSError):
+            return None
+    if any(_RANDOM_WEIGHTS in str(w.message) for w in caught):
+        return None  # a base model's files: the head would be random (the loader says which)
+    for w in caught:  # a causal LM's own warnings, as a load without a head gives them
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return model
 
 
 @contextlib.contextmanager

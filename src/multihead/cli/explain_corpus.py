@@ -40,7 +40,7 @@ from multihead.cli.common import (
 )
 from multihead.memory_budget import format_bytes
 from multihead.observe.head_distance import HeadMap
-from multihead.observe.head_metrics import BROAD, ROLES
+from multihead.observe.head_metrics import BROAD, OTHER, ROLES
 from multihead.observe.head_summary import HeadStatistics
 from multihead.sites import head_label
 from multihead.text.corpus import Progress, corpus_statistics, head_distances
@@ -76,6 +76,7 @@ _SUMMARY = (
     ("identity", "self"),
     ("previous_token", "prev"),
     ("next_token", "next"),
+    ("first_token", "first"),
     ("to_cls", "[CLS]"),
     ("to_sep", "[SEP]"),
     ("to_punctuation", "punct"),
@@ -302,19 +303,21 @@ def _report(stats: HeadStatistics, head_map: HeadMap, name: str, num_texts: int)
 
 def role_members(stats: HeadStatistics) -> dict[str, list[tuple[int, int, float]]]:
     """Per role, the heads whose dominant role it is as (layer, head, score), strongest first
-    (score: the role's metric above chance, as roles() chose it; for "broad" heads, their
-    entropy)."""
+    (score: the role's metric above chance, as roles() chose it; for "broad" and "other"
+    heads, their entropy)."""
     roles = stats.roles()
     members: dict[str, list[tuple[int, int, float]]] = {}
     for i, layer in enumerate(stats.layers):
         for j, head in enumerate(stats.heads):
             role = roles[i][j]
-            # broad: entropy; else the role's score above chance, what the role was chosen by
+            # broad, other: entropy; else the role's score above chance, what it was chosen by
             score = float(
-                stats.entropy[i, j] if role == BROAD else stats.above_chance(ROLES[role])[i, j]
+                stats.entropy[i, j]
+                if role in (BROAD, OTHER)
+                else stats.above_chance(ROLES[role])[i, j]
             )
             members.setdefault(role, []).append((layer, head, score))
-    order = [*ROLES, BROAD]
+    order = [*ROLES, BROAD, OTHER]
     return {
         role: sorted(members[role], key=lambda m: -m[2])
         for role in sorted(members, key=order.index)
@@ -328,7 +331,7 @@ def _print_summary(
     print()
     print(
         "Heads by dominant role (strongest first; score: the role's weight above chance, "
-        "(s - c) / (1 - c); broad: entropy):"
+        "(s - c) / (1 - c); broad, other: entropy in nats):"
     )
     for role, members in role_members(stats).items():
         cells = ", ".join(

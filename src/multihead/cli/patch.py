@@ -4,6 +4,8 @@
     multihead patch --checkpoint runs/induction --senders L0H1 --receivers L1H0 L1H1
     multihead patch --model DIR --clean "The Eiffel Tower is in" \\
         --corrupt "The Colosseum is in" --answer " Paris" --wrong " Rome"
+    multihead patch --model DIR --pairs ioi.jsonl        # many pairs, batched (text_pairs.py)
+    multihead patch --model smollm2                      # its built-in IOI pair
 
 The command parses, builds the inputs and the metric, calls :func:`multihead.patch` (and
 :func:`multihead.attribution_patching` beside it), prints the heads that matter most and writes
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,15 +46,29 @@ from multihead.cli.common import (
     torchrun_world,
 )
 from multihead.cli.patch_experiment import PatchExperiment
+from multihead.cli.text_pairs import TextPair, read_pairs
+from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
 from multihead.viz.plots import save_figure
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "BUILT_IN_PAIRS"]
 
 _DEFAULT_FORMATS = ",".join(FORMATS)
+
+# The pair `multihead patch --model NAME` runs without texts, keyed by the name as given (the
+# models the loader knows by name): Wang et al.'s indirect-object identification (IOI), the
+# second name (the subject, S) repeated in clean and swapped for the first in corrupt.
+BUILT_IN_PAIRS: dict[str, TextPair] = {
+    "smollm2": TextPair(
+        clean="When Mary and John went to the store, John gave a drink to",
+        corrupt="When Mary and John went to the store, Mary gave a drink to",
+        answer=" Mary",
+        wrong=" John",
+    ),
+}
 
 
 def register(subparsers: Any) -> None:
@@ -64,9 +81,11 @@ def register(subparsers: Any) -> None:
             "from one run into the other (activation patching, docs/circuits.md), print the "
             "heads whose patch moves the metric most and write an (L x H) heatmap, a heads x "
             "positions map of the top heads and a page. The metric is the answer's logit minus "
-            "the wrong token's at the last position (its log-probability without --wrong); for "
-            "an induction run without texts, the mean log-probability of the repeated tokens on "
-            "a built-in pair (the repeat's first occurrence resampled)."
+            "the wrong token's at the last position (its log-probability without --wrong), the "
+            "mean over the pairs of --pairs; for an induction run without texts, the mean "
+            "log-probability of the repeated tokens on a built-in pair (the repeat's first "
+            f"occurrence resampled); for --model {' or '.join(BUILT_IN_PAIRS)} without texts, "
+            "an indirect-object identification (IOI) pair."
         ),
     )
     where = p.add_mutually_exclusive_group(required=True)
@@ -88,6 +107,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--answer", metavar="TOKEN", help="the token the clean input should predict")
     p.add_argument(
         "--wrong", metavar="TOKEN", help="the token the corrupt input predicts (logit difference)"
+    )
+    p.add_argument(
+        "--pairs",
+        metavar="FILE",
+        help='many clean/corrupt pairs for --model, one JSON object a line: {"clean": ..., '
+        '"corrupt": ..., "answer": " Mary", "wrong": " John"} ("wrong" on every line or none); '
+        "every text as many tokens; patched together, the metric their mean",
     )
     p.add_argument(
         "--direction",
@@ -122,6 +148,7 @@ def register(subparsers: Any) -> None:
         help="path patching: heads in later layers than every sender, such as L1H1",
     )
     add_device_arguments(p)
+    add_threads_argument(p)
     add_tensor_parallel_argument(p)
     p.add_argument(
         "--out", default="patching", metavar="DIR", help="where to write (default ./patching/)"
@@ -147,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     texts = (args.clean, args.corrupt, args.answer)
     if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
         raise CLIError("--clean, --corrupt and --answer go together: give all three")
+    pairs = _pairs(args)
     if (args.senders is None) != (args.receivers is None):
         raise CLIError("--senders and --receivers go together: give both")
     if args.senders is not None and args.site != "z":
@@ -158,8 +186,29 @@ def run(args: argparse.Namespace) -> int:
     senders = _head_names("--senders", args.senders or [])
     receivers = _head_names("--receivers", args.receivers or [])
 
-    with torchrun_world(args.device) as world:
-        return _patch(args, world, out, formats, senders, receivers)
+    with torch_threads(args.threads), torchrun_world(args.device) as world:
+        return _patch(args, world, out, formats, senders, receivers, pairs)
+
+
+def _pairs(args: argparse.Namespace) -> list[TextPair] | None:
+    """The pairs a ``--model`` run compares: ``--pairs FILE``, the flags' one pair, or the
+    model's built-in pair (:data:`BUILT_IN_PAIRS`); None for ``--checkpoint``
+    (which reads its texts from the flags) and a model without texts or a built-in pair."""
+    if args.pairs is not None:
+        if args.checkpoint:
+            raise CLIError(
+                "--pairs takes texts for a --model's tokenizer: give --model DIR, or --clean, "
+                "--corrupt and --answer with --checkpoint"
+            )
+        if any(t is not None for t in (args.clean, args.corrupt, args.answer, args.wrong)):
+            raise CLIError("--pairs replaces --clean, --corrupt, --answer and --wrong: give one")
+        return read_pairs(args.pairs)
+    if args.checkpoint:
+        return None
+    if args.clean is not None:
+        return [TextPair(args.clean, args.corrupt, args.answer, args.wrong)]
+    built_in = BUILT_IN_PAIRS.get(args.model)
+    return None if built_in is None else [built_in]
 
 
 def _patch(
@@ -169,21 +218,30 @@ def _patch(
     formats: list[str],
     senders: list[tuple[int, int]],
     receivers: list[tuple[int, int]],
+    pairs: list[TextPair] | None,
 ) -> int:
     """Load, patch, report and write. Under torchrun every rank loads the model and runs the
     patching (``patch_heads`` shares its patched forwards out over the ranks); rank 0 alone
     shows progress, prints and writes."""
     shown, tp = world.rank == 0, args.tensor_parallel
+    if shown and pairs is not None and pairs[0] is BUILT_IN_PAIRS.get(args.model):
+        pair = pairs[0]
+        print(
+            f"note: --model {printable(args.model)} without texts: its built-in pair, clean "
+            f"{pair.clean!r}, corrupt {pair.corrupt!r}, answer {pair.answer!r}, wrong "
+            f"{pair.wrong!r}",
+            file=sys.stderr,
+        )
 
     with status("Loading the model…", shown), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if world.size > 1:  # every rank of torchrun's group together
             experiment = load_on_every_rank(
-                lambda: PatchExperiment.from_args(args, world.device),
-                check=(lambda: PatchExperiment.check(args)) if tp else None,
+                lambda: PatchExperiment.from_args(args, world.device, pairs),
+                check=(lambda: PatchExperiment.check(args, pairs)) if tp else None,
             )
         else:
-            experiment = PatchExperiment.from_args(args, world.device)
+            experiment = PatchExperiment.from_args(args, world.device, pairs)
     if shown:
         print_warnings(caught)
         print_split(experiment.model)

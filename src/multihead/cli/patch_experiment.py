@@ -1,8 +1,9 @@
 """What ``multihead patch`` patches: a model, a clean and a corrupt input of the same length, a
 metric of the model's output, and how to show them; built from a training run (``--checkpoint``:
 the built-in induction pair, or prompts of its task) or from a Hugging Face causal LM directory
-(``--model``, its tokenizer, optionally split over torchrun's ranks with ``--tensor-parallel``).
-Errors a user can fix are :class:`~multihead.cli.common.CLIError`.
+(``--model``, its tokenizer, optionally split over torchrun's ranks with ``--tensor-parallel``;
+one pair or many, :mod:`multihead.cli.text_pairs`). Errors a user can fix are
+:class:`~multihead.cli.common.CLIError`.
 """
 
 from __future__ import annotations
@@ -17,15 +18,22 @@ from typing import Any
 import torch
 
 from multihead.cli.common import CLIError, printable
+from multihead.cli.text_pairs import TextPair
 from multihead.devices import DTYPES
 from multihead.models import TransformerLM
 from multihead.pretrained.text_loader import check_text_model_files, load_text_model
-from multihead.text.tokenization import TruncationWarning
+from multihead.text.tokenization import TokenBatch, TruncationWarning
 from multihead.training import load_run
 from multihead.training.induction import MIN_SEQ_LEN
 from multihead.training.induction_pair import induction_pair
 
-__all__ = ["PatchExperiment"]
+__all__ = ["PatchExperiment", "SPACED_GAP"]
+
+# An answer (or wrong token) written without a leading space is warned about when its
+# log-probability after the clean text is more than this many nats (55x) below that of the
+# same word with the space: a word after a space is its own token with the space (" Mary"), and
+# "Mary" alone measures a token the model hardly predicts there.
+SPACED_GAP = 4.0
 
 
 @dataclass
@@ -35,7 +43,8 @@ class PatchExperiment:
     Attributes:
         model: the model, in eval mode.
         name: how reports and titles name it.
-        clean, corrupt: token ids (B, T) on the model's device (B = 1 for prompts).
+        clean, corrupt: token ids (B, T) on the model's device (B = 1 for prompts; the number
+            of pairs for ``--pairs``).
         metric: ``metric(output) -> (B,)``.
         describe: the metric, in words.
         tokens: the clean input's first sequence, shown token by token, for labels.
@@ -50,19 +59,28 @@ class PatchExperiment:
     tokens: list[str]
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, device: Any) -> PatchExperiment:
-        """From ``multihead patch``'s flags: ``--checkpoint`` or ``--model``, the texts,
-        ``--dtype`` and ``--tensor-parallel``, on ``device``.
+    def from_args(
+        cls, args: argparse.Namespace, device: Any, pairs: list[TextPair] | None = None
+    ) -> PatchExperiment:
+        """From ``multihead patch``'s flags: ``--checkpoint`` (its texts from the flags) or
+        ``--model`` (its texts: ``pairs``), ``--dtype`` and ``--tensor-parallel``, on
+        ``device``.
 
         Raises:
             CLIError: texts that are not the task's tokens, of different lengths, an answer
                 that is not one token; the built-in pair on a run of another task.
             ValueError, OSError: the loaders' refusals (the command prints them in one line).
+
+        Warns:
+            UserWarning: an answer or wrong token without a leading space far less likely
+                after the clean text than the same word with one (:data:`SPACED_GAP`).
         """
-        return _from_checkpoint(args, device) if args.checkpoint else _from_model_dir(args, device)
+        if args.checkpoint:
+            return _from_checkpoint(args, device)
+        return _from_model_dir(args, device, pairs or [])
 
     @staticmethod
-    def check(args: argparse.Namespace) -> None:
+    def check(args: argparse.Namespace, pairs: list[TextPair] | None = None) -> None:
         """Check what a process can alone before :meth:`from_args` builds the model: for
         ``--model``, its directory, tokenizer, config and weights' sizes and the texts' tokens.
         Under ``--tensor-parallel`` the build is collective: every rank checks this first and
@@ -72,7 +90,7 @@ class PatchExperiment:
             as :meth:`from_args` for these.
         """
         if args.model:
-            _check_model_dir(args)
+            _check_model_dir(args, pairs or [])
 
     def run(self, inputs: Any) -> Any:
         """The model's output on ``inputs`` (ids, or a dict of keyword arguments)."""
@@ -83,14 +101,30 @@ def _logits(output: Any) -> Any:
     return output if not hasattr(output, "logits") else output.logits
 
 
-def _last_token_metric(answer: int, wrong: int | None) -> Callable[[Any], Any]:
+def _last_token_metric(
+    answer: int | list[int], wrong: int | list[int] | None
+) -> Callable[[Any], Any]:
+    """``metric(output) -> (B,)`` at the last position: the answer's logit minus the wrong
+    token's, or without ``wrong`` the answer's log-probability; one token for every sequence,
+    or one per sequence (lists of B ids, the pairs of ``--pairs``)."""
+
     def metric(output: Any) -> Any:
         logits = _logits(output)[:, -1].float()  # (B, V) at the last position
+        a = _per_row(answer, logits)
         if wrong is None:
-            return logits.log_softmax(-1)[:, answer]
-        return logits[:, answer] - logits[:, wrong]
+            return logits.log_softmax(-1).gather(-1, a)[:, 0]
+        return (logits.gather(-1, a) - logits.gather(-1, _per_row(wrong, logits)))[:, 0]
 
     return metric
+
+
+def _per_row(ids: int | list[int], logits: Any) -> Any:
+    """(B, 1) int64 ids on the logits' device: one id for every row, or one each."""
+    b = logits.shape[0]
+    column = torch.tensor(ids if isinstance(ids, list) else [ids], device=logits.device)
+    if column.numel() not in (1, b):
+        raise ValueError(f"the metric reads {column.numel()} pairs' tokens, got {b} sequences")
+    return column.expand(b)[:, None]
 
 
 def _last_token_words(answer: str, wrong: str | None) -> str:
@@ -185,17 +219,22 @@ def _from_checkpoint(args: argparse.Namespace, device: Any) -> PatchExperiment:
     )
 
 
-def _check_model_dir(args: argparse.Namespace) -> None:
+def _check_model_dir(args: argparse.Namespace, pairs: list[TextPair]) -> None:
     """Everything about ``--model`` a process can check before the model is built: the texts
     are given, and the directory's files (tokenizer, config, the weights' sizes)."""
-    if args.clean is None:
-        raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
+    if not pairs:
+        raise CLIError(_NO_TEXTS)
     check_text_model_files(args.model)
 
 
-def _from_model_dir(args: argparse.Namespace, device: Any) -> PatchExperiment:
-    if args.clean is None:  # the texts are asked for before the model is loaded
-        raise CLIError("--model needs --clean, --corrupt and --answer (the texts to compare)")
+_NO_TEXTS = "--model needs --clean, --corrupt and --answer (the texts to compare), or --pairs FILE"
+
+
+def _from_model_dir(
+    args: argparse.Namespace, device: Any, pairs: list[TextPair]
+) -> PatchExperiment:
+    if not pairs:  # the texts are asked for before the model is loaded
+        raise CLIError(_NO_TEXTS)
     # the one loader: its tokenizer (padding and truncation neutralised, every id checked
     # against the embedding), the model's position limit, its language-model head
     text_model = load_text_model(
@@ -203,50 +242,134 @@ def _from_model_dir(args: argparse.Namespace, device: Any) -> PatchExperiment:
         tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
     limit = text_model.max_seq_length
-    batches = []
-    for flag, text in (("--clean", args.clean), ("--corrupt", args.corrupt)):
-        if not text.strip():
-            raise CLIError(f"{flag} must hold at least one token, got a text that gives none")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", TruncationWarning)
-            try:
-                batches.append(text_model.tokenize(text))
-            except TruncationWarning:
-                raise CLIError(
-                    f"{flag} is longer than the {limit} tokens {text_model.name} takes"
-                ) from None
-    clean, corrupt = batches
-    _same_length(int(clean.attention_mask.sum()), int(corrupt.attention_mask.sum()))
-
-    def token(flag: str, text: str) -> int:
-        ids = text_model.token_ids(text)
-        if len(ids) != 1:
+    cleans: list[TokenBatch] = []
+    corrupts: list[TokenBatch] = []
+    answers: list[int] = []
+    wrongs: list[int] = []
+    for pair in pairs:
+        batches = []
+        for key, text in (("clean", pair.clean), ("corrupt", pair.corrupt)):
+            flag = pair.flag(key)
+            if not text.strip():
+                raise CLIError(f"{flag} must hold at least one token, got a text that gives none")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", TruncationWarning)
+                try:
+                    batches.append(text_model.tokenize(text))
+                except TruncationWarning:
+                    raise CLIError(
+                        f"{flag} is longer than the {limit} tokens {text_model.name} takes"
+                    ) from None
+        clean, corrupt = batches
+        _same_length(
+            int(clean.attention_mask.sum()), int(corrupt.attention_mask.sum()), pair.source
+        )
+        if cleans and clean.input_ids.shape != cleans[0].input_ids.shape:
             raise CLIError(
-                f"{flag} must be one token of the model's vocabulary, got {text!r}: "
-                f"{len(ids)} tokens (a word after a space is often its own token with the "
-                f"space: try {' ' + text.strip()!r})"
+                f"{pair.source}: its texts have {clean.input_ids.shape[1]} tokens, the first "
+                f"pair's {cleans[0].input_ids.shape[1]}: every pair must have as many (patching "
+                f"compares the pairs position by position)"
             )
-        return ids[0]
-
-    answer = token("--answer", args.answer)
-    wrong = None if args.wrong is None else token("--wrong", args.wrong)
-    return PatchExperiment(
+        cleans.append(clean)
+        corrupts.append(corrupt)
+        answers.append(_one_token(text_model, pair.flag("answer"), pair.answer))
+        if pair.wrong is not None:
+            wrongs.append(_one_token(text_model, pair.flag("wrong"), pair.wrong))
+    ids = {
+        "clean": torch.cat([b.input_ids for b in cleans]),  # (B, T)
+        "corrupt": torch.cat([b.input_ids for b in corrupts]),
+    }
+    masks = {
+        "clean": torch.cat([b.attention_mask for b in cleans]),
+        "corrupt": torch.cat([b.attention_mask for b in corrupts]),
+    }
+    experiment = PatchExperiment(
         text_model,
         printable(text_model.name),
-        {"input_ids": clean.input_ids, "attention_mask": clean.attention_mask},
-        {"input_ids": corrupt.input_ids, "attention_mask": corrupt.attention_mask},
-        _last_token_metric(answer, wrong),
-        _last_token_words(args.answer, args.wrong),
-        [printable(t) for t in clean.tokens[0]],
+        {"input_ids": ids["clean"], "attention_mask": masks["clean"]},
+        {"input_ids": ids["corrupt"], "attention_mask": masks["corrupt"]},
+        _last_token_metric(answers, wrongs or None),
+        _describe(pairs),
+        [printable(t) for t in cleans[0].tokens[0]],
+    )
+    _warn_unspaced(experiment, pairs, answers, wrongs)
+    return experiment
+
+
+def _one_token(text_model: Any, flag: str, text: str) -> int:
+    ids = text_model.token_ids(text)
+    if len(ids) != 1:
+        raise CLIError(
+            f"{flag} must be one token of the model's vocabulary, got {text!r}: "
+            f"{len(ids)} tokens (a word after a space is often its own token with the "
+            f"space: try {' ' + text.strip()!r})"
+        )
+    return int(ids[0])
+
+
+def _describe(pairs: list[TextPair]) -> str:
+    """The metric, in words: of the one pair's tokens, or a mean over the pairs."""
+    if len(pairs) == 1:
+        return _last_token_words(pairs[0].answer, pairs[0].wrong)
+    if pairs[0].wrong is None:
+        return (
+            f"log-probability of each pair's answer at the last position, mean over "
+            f"{len(pairs)} pairs"
+        )
+    return (
+        f"logit of each pair's answer minus its wrong token at the last position, mean over "
+        f"{len(pairs)} pairs"
     )
 
 
-def _same_length(clean: int, corrupt: int) -> None:
+def _warn_unspaced(
+    experiment: PatchExperiment, pairs: list[TextPair], answers: list[int], wrongs: list[int]
+) -> None:
+    """One warning when an answer or wrong token written without a leading space is more than
+    :data:`SPACED_GAP` nats less likely after the clean text than the same word with a space
+    (when that is one token too): the first such pair named, and how many more there are."""
+    model = experiment.model
+    found = []  # (pair, key, text, its log-probability, the spaced form, its log-probability)
+    log_probs = None
+    for i, pair in enumerate(pairs):
+        for key, text, token in (
+            ("answer", pair.answer, answers[i]),
+            ("wrong", pair.wrong, wrongs[i] if wrongs else None),
+        ):
+            if text is None or token is None or text[:1].isspace():
+                continue
+            spaced = model.token_ids(" " + text.strip())
+            if len(spaced) != 1 or spaced[0] == token:
+                continue
+            if log_probs is None:  # one forward of the clean texts, for every pair
+                with torch.no_grad():
+                    log_probs = _logits(experiment.run(experiment.clean))[:, -1].float()
+                    log_probs = log_probs.log_softmax(-1).cpu()  # (B, V)
+            lp, spaced_lp = float(log_probs[i, token]), float(log_probs[i, spaced[0]])
+            if spaced_lp - lp > SPACED_GAP:
+                found.append((pair, key, text, lp, " " + text.strip(), spaced_lp))
+    if not found:
+        return
+    pair, key, text, lp, spaced, spaced_lp = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    warnings.warn(
+        f"{pair.flag(key)} {text!r} is far less likely after the clean text than {spaced!r} "
+        f"(log-probability {lp:.2f} against {spaced_lp:.2f}){more}: a word after a space is "
+        f"its own token with the space, and the metric reads {text!r} as given; did you mean "
+        f"{spaced!r}?",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def _same_length(clean: int, corrupt: int, source: str = "") -> None:
+    where = f"{source}: clean" if source else "--clean"
     if clean == 0:
-        raise CLIError("--clean must hold at least one token, got a text that gives none")
+        raise CLIError(f"{where} must hold at least one token, got a text that gives none")
     if clean != corrupt:
+        both = f"{source}: clean and corrupt" if source else "--clean and --corrupt"
         raise CLIError(
-            f"--clean and --corrupt must have as many tokens, got {clean} and {corrupt}: "
+            f"{both} must have as many tokens, got {clean} and {corrupt}: "
             f"patching replaces a head's output position by position"
         )
 

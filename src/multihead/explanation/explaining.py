@@ -36,7 +36,12 @@ from multihead.explanation.focus import (
     word_groups,
     word_text,
 )
-from multihead.explanation.head_effects import ablated_weights, check_heads, every_head
+from multihead.explanation.head_effects import (
+    ablated_weights,
+    check_heads,
+    every_head,
+    importance_measure,
+)
 from multihead.explanation.head_effects import importance as head_effect_importance
 from multihead.explanation.result import Explanation
 from multihead.memory_budget import (
@@ -118,8 +123,11 @@ def explain(
         heads: the heads they cover; default all.
         ablate: (layer, head) pairs to zero in a second run: :attr:`Explanation.ablation` and
             :attr:`Explanation.ablated_top_words` show what changes without them.
-        importance: also score every head by how far zeroing it moves the sentence embedding
-            (:attr:`Explanation.importance`; one extra forward per head).
+        importance: also score every head by how far zeroing it moves what the model puts out
+            (:attr:`Explanation.importance`; one extra forward per head): for a causal
+            language model with its head (``load_text_model(..., head="lm")``), the KL
+            divergence of the next-token distribution at the focus; else the cosine distance
+            of the sentence embedding (:mod:`multihead.explanation.head_effects`).
         memory_limit: bytes the weights may take at their peak (:func:`explain_peak_bytes`,
             from L, H and the text's T; default 4 GiB). A text longer than fits is cut to the
             tokens that fit, with a warning, before anything is captured.
@@ -199,6 +207,11 @@ def explain(
     offsets = [(int(o[0]), int(o[1])) for o in batch.offsets[0]]
     word_ids = list(batch.word_ids[0])
     special = [bool(x) for x in batch.special_mask[0, :t].tolist()]
+    # A decoder parks the attention it has nowhere else to put on its first token (the
+    # attention sink): set apart from the words, as [CLS] and [SEP] are, unless it is special
+    # already (a BOS token).
+    sink = 0 if causal and not special[0] else None
+    apart = [is_special or i == sink for i, is_special in enumerate(special)]
     truncated = bool(batch.truncated[0]) or over_budget is not None
     full_text = text
     if truncated:
@@ -247,12 +260,12 @@ def explain(
         causal=causal,
     )
 
-    groups = word_groups(word_ids, special)
-    own = next((g for g in groups if focus_at in g), [focus_at])
+    groups = word_groups(word_ids, apart)
+    own = next((g for g in word_groups(word_ids, special) if focus_at in g), [focus_at])
 
     def tops(weights: Tensor) -> list[LayerFocus]:
         return [
-            layer_focus(weights, layer, head_list, focus_at, text, tokens, offsets, groups, special)
+            layer_focus(weights, layer, head_list, focus_at, text, tokens, offsets, groups, apart)
             for layer in layer_list
         ]
 
@@ -278,10 +291,12 @@ def explain(
         heads=head_list,
         top_words=tops(weights),
         special=special,
+        sink=sink,
         word_ids=word_ids,
         model_name=model.name,
         truncated=truncated,
-        importance=head_effect_importance(model, batch) if importance else None,
+        importance=head_effect_importance(model, batch, focus_at) if importance else None,
+        importance_measure=importance_measure(model) if importance else None,
         ablation=ablation,
         ablated_top_words=None if ablation is None else tops(ablation.weights),
         causal=causal,

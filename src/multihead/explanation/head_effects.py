@@ -1,16 +1,25 @@
 """What happens without a head: the effects on a sentence that :func:`multihead.explain` reports.
 
-Attention maps show where a head looks, not whether it matters. For an encoder such as MiniLM
-whose output is a sentence embedding (mean over real tokens, L2-normalised), a head matters as
-much as removing it moves that embedding (for a decoder, the last real token's state,
-L2-normalised: what its next-token prediction reads; see :mod:`multihead.text.model`):
+Attention maps show where a head looks, not whether it matters. A head matters as much as
+removing it moves what the model puts out, measured by :func:`multihead.head_importance`
+(``method="ablation"``: head (l, h)'s output zeroed):
 
-    importance[l, h] = 1 - cos(e_clean, e_{without head (l, h)})
+- a causal language model with its head (``TextModel.head == "lm"``) predicts the next token:
+  the KL divergence, in nats, of the next-token distribution at the focus token,
 
-the cosine distance between the clean embedding and the embedding with head (l, h)'s output
-zeroed (:func:`multihead.head_importance`, ``method="ablation"``). 0 means the head changes
-nothing; MiniLM's largest values are a few hundredths. Zeroing acts on the per-head output
-before the output projection (:func:`multihead.intervene`), where a head exists as itself.
+      importance[l, h] = KL(p_clean || p_{without head (l, h)}),  p = softmax(logits[focus]);
+
+  the cosine distance of a hidden state follows the prediction poorly (on SmolLM2-135M the head
+  that moves the next-token distribution most ranked 160th of 270 by it);
+- any other text model (an encoder such as MiniLM, whose output is a sentence embedding: the
+  mean over real tokens, L2-normalised; a decoder without its head: the last real token's
+  state, see :mod:`multihead.text.model`): the cosine distance of that embedding,
+
+      importance[l, h] = 1 - cos(e_clean, e_{without head (l, h)}).
+
+0 means the head changes nothing; MiniLM's largest cosine distances are a few hundredths.
+Zeroing acts on the per-head output before the output projection (:func:`multihead.intervene`),
+where a head exists as itself. :func:`importance_measure` says in words which is measured.
 """
 
 from __future__ import annotations
@@ -29,10 +38,19 @@ from multihead.sites import parse_head
 from multihead.text.model import TextModel
 from multihead.text.tokenization import TokenBatch
 
+# What importance() measures, in words (importance_measure).
+NEXT_TOKEN_KL = "KL divergence (nats) of the next-token distribution at the focus, head zeroed"
+EMBEDDING_COSINE = "cosine distance of the sentence embedding, head zeroed"
+
 __all__ = [
     "embedding_distance",
+    "next_token_divergence",
     "every_head",
     "importance",
+    "importance_measure",
+    "predicts_next_token",
+    "NEXT_TOKEN_KL",
+    "EMBEDDING_COSINE",
     "ablated_weights",
     "check_heads",
     "Ablation",
@@ -91,14 +109,53 @@ def embedding_distance(model: TextModel, batch: TokenBatch) -> tuple[Tensor, Cal
     return clean, metric
 
 
-def importance(model: TextModel, batch: TokenBatch) -> Tensor:
-    """(L, H) cosine distance of the sentence embedding when each head is zeroed (float32, CPU).
+def next_token_divergence(
+    model: TextModel, batch: TokenBatch, position: int
+) -> tuple[Tensor, Callable[[], Tensor]]:
+    """The clean next-token log-probabilities (B, V) at ``position`` and a metric for
+    :func:`multihead.head_importance`: the mean over the batch of KL(p_clean || p_current) in
+    nats, as a scalar tensor (0 for the clean model). ``model`` keeps its language-model head
+    (``head="lm"``: its forward gives logits)."""
+
+    def log_probs() -> Tensor:
+        output = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        return output.logits[:, position].float().log_softmax(-1)  # (B, V)
+
+    with torch.no_grad():
+        clean = log_probs()
+
+    def metric() -> Tensor:
+        return (clean.exp() * (clean - log_probs())).sum(-1).mean()
+
+    return clean, metric
+
+
+def predicts_next_token(model: TextModel) -> bool:
+    """Whether :func:`importance` measures ``model``'s next-token distribution (a causal
+    language model with its head) rather than its sentence embedding."""
+    return model.causal and model.head == "lm"
+
+
+def importance_measure(model: TextModel) -> str:
+    """What :func:`importance` measures for ``model``, in words (for titles and reports)."""
+    return NEXT_TOKEN_KL if predicts_next_token(model) else EMBEDDING_COSINE
+
+
+def importance(model: TextModel, batch: TokenBatch, focus: int) -> Tensor:
+    """(L, H) how far zeroing each head moves what the model puts out (float32, CPU): for a
+    causal language model with its head, the KL divergence of the next-token distribution at
+    the token ``focus``; else the cosine distance of the sentence embedding
+    (:func:`importance_measure` says which).
 
     Args:
         model: a TextModel in eval mode.
         batch: its tokenized text.
+        focus: the position whose next-token distribution is measured (0 ≤ focus < T).
     """
-    _, metric = embedding_distance(model, batch)
+    if predicts_next_token(model):
+        _, metric = next_token_divergence(model, batch, focus)
+    else:
+        _, metric = embedding_distance(model, batch)
     return head_importance(model, metric, method="ablation").float().cpu()
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from multihead._checks import check_index
 from multihead.circuits.qk_attribution import QKAttribution
 from multihead.explanation.focus import LayerFocus
-from multihead.explanation.head_effects import Ablation
+from multihead.explanation.head_effects import NEXT_TOKEN_KL, Ablation
 from multihead.observe.head_summary import HeadStatistics
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir
 from multihead.viz.page import check_page_size, render_page
@@ -50,12 +50,19 @@ class Explanation:
         heads: the heads they cover (``top_words`` averages over these).
         top_words: per covered layer, the words the focus token attends to most.
         special: per token, whether it is a special token.
+        sink: a decoder's first token when it is a word (not a special token such as BOS): the
+            attention sink, where heads park the weight they have nowhere else to put. It is
+            set apart from the words as special tokens are (:attr:`apart`): not a top word, its
+            weight reported beside the specials', its label grey in the pictures, shaded on
+            the page. None for an encoder, or when the first token is special.
         word_ids: per token, the index of its word (None for special tokens).
         model_name: a name for the model, for titles.
         truncated: whether the text was longer than the model takes and was cut.
-        importance: (L, H) how far the sentence embedding moves (cosine distance) when each
-            head is zeroed (see :mod:`multihead.explanation.head_effects`), or None when not
-            computed.
+        importance: (L, H) how far zeroing each head moves what the model puts out: for a
+            causal language model with its head, the KL divergence of the next-token
+            distribution at the focus; else the cosine distance of the sentence embedding (see
+            :mod:`multihead.explanation.head_effects`); None when not computed.
+        importance_measure: what :attr:`importance` measures, in words (None without it).
         ablation: the run with the ``ablate`` heads zeroed, or None.
         ablated_top_words: per covered layer, the focus token's top words in that run.
         causal: the model is a decoder: each token attends only to itself and earlier tokens
@@ -79,10 +86,18 @@ class Explanation:
     model_name: str = "model"
     truncated: bool = False
     importance: Tensor | None = None
+    importance_measure: str | None = None
     ablation: Ablation | None = None
     ablated_top_words: list[LayerFocus] | None = None
     causal: bool = False
     qk: QKAttribution | None = None
+    sink: int | None = None
+
+    @property
+    def apart(self) -> list[bool]:
+        """Per token, whether it is set apart from the words: a special token, or the
+        :attr:`sink`."""
+        return [s or i == self.sink for i, s in enumerate(self.special)]
 
     @property
     def focus_head(self) -> tuple[int, int]:
@@ -118,6 +133,7 @@ class Explanation:
             heads=self.heads,
             focus=self.focus_index,
             causal=self.causal,
+            apart=self.apart,
             title=f"Attention in {self.model_name} (rows: queries, columns: keys; "
             f"focus: {self.focus_token!r}, token {self.focus_index})",
         )
@@ -136,7 +152,26 @@ class Explanation:
             head=head,
             focus=self.focus_index,
             causal=self.causal,
+            apart=self.apart,
             title=f"{self.model_name}: layer {layer}, head {head}",
+        )
+
+    def importance_figure(self) -> Figure:
+        """The layers × heads map of :attr:`importance`, its title saying what is measured.
+
+        Raises:
+            ValueError: no importance was computed (``explain(..., importance=False)``).
+        """
+        if self.importance is None:
+            raise ValueError("importance_figure needs the importance: explain(importance=True)")
+        measure = self.importance_measure or "importance"
+        kl = measure == NEXT_TOKEN_KL
+        focus = f"{self.focus_token!r} (token {self.focus_index})"
+        return importance_figure(
+            self.importance,
+            title=f"{self.model_name}: head importance\n{measure}"
+            + (f"; focus {focus}" if kl else ""),
+            label="KL divergence (nats)" if kl else "cosine distance",
         )
 
     def html(self) -> str:
@@ -146,7 +181,7 @@ class Explanation:
         return render_page(
             self._covered(),
             self.tokens,
-            special=self.special,
+            special=self.apart,
             layers=self.layers,
             heads=self.heads,
             statistics=self.statistics,
@@ -243,12 +278,7 @@ class Explanation:
                 f"head_L{layer}_H{head}": self.head_figure(layer, head),
             }
             if self.importance is not None:
-                figures["head_importance"] = importance_figure(
-                    self.importance,
-                    title=f"{self.model_name}: head importance (cosine distance of the sentence "
-                    f"embedding with the head zeroed)",
-                    label="cosine distance",
-                )
+                figures["head_importance"] = self.importance_figure()
         directory.mkdir(parents=True, exist_ok=True)
         written: list[Path] = []
         for name in names:

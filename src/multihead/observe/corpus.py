@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from multihead._checks import check_indices, check_positive_int
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.memory_budget import FLOAT32_BYTES
-from multihead.observe.head_metrics import CHANCE, METRICS, ROLES
+from multihead.observe.head_metrics import CHANCE, CHANCE_METRICS, METRICS
 from multihead.observe.head_summary import HeadStatistics, split_chance
 from multihead.observe.rows import attention_modules
 from multihead.observe.statistics import accumulate_statistics
@@ -146,7 +146,7 @@ def statistics_over_batches(
     order = _corpus_order([report[1] for report in reports], counts)
     n = sum(counts)
     # one all-reduce: the sums over each rank's texts (fixed names: a rank may have none)
-    names = [*METRICS, *(CHANCE + m for m in ROLES.values())]
+    names = [*METRICS, *(CHANCE + m for m in CHANCE_METRICS)]
     table = torch.zeros(2 * len(names), len(chosen), len(head_ids), dtype=torch.float64)
     if part.count:
         table[: len(names)] = torch.stack([part.sums[k] for k in names])

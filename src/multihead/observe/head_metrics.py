@@ -31,8 +31,11 @@ __all__ = [
     "ROLE_METRICS",
     "ROLES",
     "CHANCE",
+    "CHANCE_METRICS",
     "BROAD",
     "BROAD_BELOW",
+    "BROAD_ENTROPY",
+    "OTHER",
     "token_roles",
     "StatsAccumulator",
     "QueryChunk",
@@ -45,6 +48,10 @@ METRICS: dict[str, str] = {
     "previous_token": "weight on the position just before the query",
     "next_token": "weight on the position just after the query",
     "special": "weight on special tokens ([CLS], [SEP])",
+    "first_token": (
+        "weight on the text's first real token: a decoder's attention sink (texts whose first "
+        "token is [CLS] are left out: to_cls measures it)"
+    ),
     "induction": (
         "weight on the position right after an earlier occurrence of the query's token "
         "(queries whose token occurred before; needs token ids)"
@@ -68,15 +75,20 @@ ROLES: dict[str, str] = {
     "self": "identity",
     "previous token": "previous_token",
     "next token": "next_token",
+    "sink": "first_token",
     "[CLS]": "to_cls",
     "[SEP]": "to_sep",
     "punctuation": "to_punctuation",
     "induction": "induction",
     "duplicate token": "duplicate_token",
 }
-# A head none of whose role scores reaches this spreads its weight: Clark et al.'s "broad" heads.
+# A head none of whose role scores reaches BROAD_BELOW is "broad" (Clark et al.'s broad heads)
+# when its entropy is at least BROAD_ENTROPY of what an even spread over the visible keys has:
+# it spreads its weight. A head as sharp as a role's but on places no role names is "other".
 BROAD = "broad"
+OTHER = "other"
 BROAD_BELOW = 0.3
+BROAD_ENTROPY = 0.5
 
 CLS_TOKENS = frozenset({"[CLS]", "<s>"})
 SEP_TOKENS = frozenset({"[SEP]", "</s>"})
@@ -144,6 +156,7 @@ _SOURCES: dict[str, tuple[str, str]] = {
     "previous_token": ("previous", "prev"),
     "next_token": ("next", "next"),
     "special": ("special", "all"),
+    "first_token": ("first", "has_first"),
     "induction": ("after", "repeat"),
     "duplicate_token": ("earlier", "repeat"),
     "to_cls": ("cls", "has_cls"),
@@ -154,6 +167,7 @@ _SOURCES: dict[str, tuple[str, str]] = {
 }
 _QUERY_KINDS = (
     "all",
+    "has_first",
     "prev",
     "next",
     "repeat",
@@ -165,8 +179,11 @@ _QUERY_KINDS = (
 )
 # The score of the same metric for a head that spreads its weight evenly over the keys each
 # query can see (its chance level), kept as CHANCE + metric: a causal model's first query sees
-# itself alone, so identity 1 there says nothing about the head.
+# itself alone, so identity 1 there says nothing about the head. The entropy's is log(keys seen).
 CHANCE = "chance_"
+CHANCE_METRICS = ("entropy", *ROLES.values())
+# Metrics that are NaN, not 0, when no query they apply to was seen.
+_OPTIONAL = (*ID_METRICS, *ROLE_METRICS, "first_token")
 
 
 def _base(name: str) -> str:
@@ -185,8 +202,8 @@ class QueryChunk:
     Attributes:
         dtype: the dtype of the weights it is folded with (float32 at least).
         index: (1, 1, R, 3) int64, each query's own, previous and next position (clamped).
-        key_masks: (B, S, K) the keys marked per text, as values (special, [CLS], [SEP],
-            punctuation).
+        key_masks: (B, S, K) the keys marked per text, as values (special, the first token,
+            [CLS], [SEP], punctuation).
         earlier: (B, R, S) the keys marked per query, as values: the earlier occurrences of the
             query's token (the position after each is ``induction``'s), or None without token
             ids.
@@ -259,6 +276,8 @@ class StatsAccumulator:
             special & self.valid if special is not None else torch.zeros_like(self.valid)
         )  # (B, S)
         self.ids = token_ids.to(device) if token_ids is not None else None  # (B, T)
+        # each text's first real token (B, S): where a decoder parks its attention
+        self.first = self.valid & (self.valid.cumsum(1) == 1)
         self.roles: dict[str, Tensor] | None = None
         if tokens is not None:
             cls, sep, punct = token_roles(tokens, batch, length, device)
@@ -269,22 +288,21 @@ class StatsAccumulator:
             }
         self.shape = (batch, length)
         # The columns a chunk's values come in (QueryChunk, add_chunk) and the query kinds.
-        self._values = ["entropy", "special"]
+        self._values = ["entropy", "special", "first"]
         self._values += ["cls", "sep", "punctuation"] if self.roles is not None else []
         self._values += ["self", "previous", "next"]
         self._values += ["after", "earlier"] if self.ids is not None else []
         self._kinds = [k for k in _QUERY_KINDS if self._needs(k)]
         # The metrics these inputs can tell, and their chance levels (the rest are NaN).
         self.metrics = [m for m in METRICS if self._known(m)]
-        self.chance_metrics = [m for m in ROLES.values() if self._known(m)]
+        self.chance_metrics = [m for m in CHANCE_METRICS if self._known(m)]
         columns = [self._values.index(_SOURCES[m][0]) for m in self.metrics]
         self._value_columns = torch.tensor(columns, dtype=torch.long, device=device)
         self._metric_kinds = torch.tensor(
             [self._kinds.index(_SOURCES[m][1]) for m in self.metrics], device=device
         )
-        # chance values come without the entropy column
         self._chance_columns = torch.tensor(
-            [self._values.index(_SOURCES[m][0]) - 1 for m in self.chance_metrics],
+            [self._values.index(_SOURCES[m][0]) for m in self.chance_metrics],
             dtype=torch.long,
             device=device,
         )
@@ -308,7 +326,7 @@ class StatsAccumulator:
     def _needs(self, kind: str) -> bool:
         if kind == "repeat":
             return self.ids is not None
-        return kind in ("all", "prev", "next") or self.roles is not None
+        return kind in ("all", "has_first", "prev", "next") or self.roles is not None
 
     def chunk(self, rows: Tensor, visible: Tensor, dtype: torch.dtype) -> QueryChunk:
         """What query rows ``rows`` (R,) of the (T, S) problem bring to every layer whose
@@ -324,7 +342,14 @@ class StatsAccumulator:
         has_prev = (prev_pos >= 0)[None, :] & valid[:, prev_at]  # (B, R)
         has_next = (next_pos < s)[None, :] & valid[:, next_at]
         kinds = {"all": vq, "prev": vq * has_prev.to(dtype), "next": vq * has_next.to(dtype)}
-        keys = [self.special]  # (B, S) each
+        # the first token's weight: texts whose first token is not [CLS] (to_cls measures it)
+        cls_first = (
+            (self.roles["cls"] & self.first).any(1, keepdim=True)
+            if self.roles is not None
+            else torch.zeros(b, 1, dtype=torch.bool, device=valid.device)
+        )  # (B, 1)
+        kinds["has_first"] = vq * (~cls_first).to(dtype)
+        keys = [self.special, self.first]  # (B, S) each
         earlier_keys = None
         if self.ids is not None:
             positions = torch.arange(s, device=rows.device)
@@ -346,11 +371,17 @@ class StatsAccumulator:
         index = torch.stack([rows, prev_at, next_at], -1).view(1, 1, r, 3)
         # a head reading evenly the real keys each query may see is the chance level
         seen = visible.to(rows.device) & valid[:, None, :]  # (B, R, S)
-        even = seen.to(dtype) / seen.sum(-1, keepdim=True).clamp(min=1).to(dtype)
-        parts = [torch.bmm(even, key_masks), even.gather(-1, index[0].expand(b, r, 3))]
+        n_seen = seen.sum(-1, keepdim=True).clamp(min=1).to(dtype)  # (B, R, 1)
+        even = seen.to(dtype) / n_seen
+        # its entropy is log(keys seen); then the values of the even spread, column by column
+        parts = [
+            n_seen.log(),
+            torch.bmm(even, key_masks),
+            even.gather(-1, index[0].expand(b, r, 3)),
+        ]
         if earlier_keys is not None:
             parts += [(even * after).sum(-1, keepdim=True), (even * earlier).sum(-1, keepdim=True)]
-        chance_values = torch.cat(parts, -1)  # (B, R, values but the entropy)
+        chance_values = torch.cat(parts, -1)  # (B, R, values)
         chance = chance_values.index_select(-1, self._chance_columns)
         chance = chance * queries.index_select(-1, self._chance_kinds)  # (B, R, M_c)
         return QueryChunk(
@@ -432,7 +463,7 @@ class StatsAccumulator:
         for name in METRICS:
             known = name in self.metrics
             out[name] = metrics[..., self.metrics.index(name)] if known else nan
-        for name in ROLES.values():
+        for name in CHANCE_METRICS:
             known = name in self.chance_metrics
             out[CHANCE + name] = chance[..., self.chance_metrics.index(name)] if known else nan
         return out
@@ -443,11 +474,9 @@ class StatsAccumulator:
         sums, counts, chance_sums, chance_counts = self._per_sequence()
         slots, _, heads, _ = sums.shape
         # no query it applies to: NaN, for the metrics that need token ids or tokens
-        optional = torch.tensor(
-            [m in (*ID_METRICS, *ROLE_METRICS) for m in self.metrics], device=sums.device
-        )
+        optional = torch.tensor([m in _OPTIONAL for m in self.metrics], device=sums.device)
         optional_chance = torch.tensor(
-            [m in (*ID_METRICS, *ROLE_METRICS) for m in self.chance_metrics], device=sums.device
+            [m in _OPTIONAL for m in self.chance_metrics], device=sums.device
         )
         count = counts.sum(0)  # (M,)
         metrics = sums.sum(1) / count.clamp(min=1)  # (L', H', M)

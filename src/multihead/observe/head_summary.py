@@ -21,9 +21,11 @@ from torch import Tensor
 from multihead.observe.head_metrics import (
     BROAD,
     BROAD_BELOW,
+    BROAD_ENTROPY,
     CHANCE,
     ID_METRICS,
     METRICS,
+    OTHER,
     ROLES,
     StatsAccumulator,
 )
@@ -49,6 +51,7 @@ _COLUMNS = {
     "previous_token": "prev",
     "next_token": "next",
     "special": "special",
+    "first_token": "first",
     "induction": "induct",
     "duplicate_token": "dup",
     "to_cls": "[CLS]",
@@ -68,6 +71,11 @@ class HeadStatistics:
     ``previous_token`` 1 (the first token, which has none, is left out of that mean; likewise the
     last for ``next_token``). ``entropy`` is in nats: 0 for a head that reads one key, log(S) for a
     uniform one.
+
+    ``first_token`` is the weight on each text's first real token, where a decoder parks the
+    attention it has nowhere else to put (the attention sink: Xiao et al., "Efficient Streaming
+    Language Models with Attention Sinks", 2023); texts whose first token is [CLS] are left out
+    (``to_cls`` measures it), so it is NaN for BERT given its tokens.
 
     Token-identity metrics (need the token ids; NaN when they are unknown, e.g. when the model
     was run on embeddings, or when no query's token occurred earlier):
@@ -90,19 +98,19 @@ class HeadStatistics:
     Attributes:
         layers: the layer indices (L') the rows of each table refer to.
         heads: the head indices (H').
-        entropy, identity, previous_token, next_token, special, induction, duplicate_token,
-            to_cls, to_sep, to_punctuation, sep_to_sep, cls_entropy: (L', H') float32 (the
-            names of :data:`METRICS`).
+        entropy, identity, previous_token, next_token, special, first_token, induction,
+            duplicate_token, to_cls, to_sep, to_punctuation, sep_to_sep, cls_entropy: (L', H')
+            float32 (the names of :data:`METRICS`).
         most_attended: (B, L', H') int64, per sequence the key position with the largest mean
             weight.
         most_attended_weight: (B, L', H') that mean weight.
         num_queries: the number of (real) queries averaged over.
         tokens: the tokens of each sequence, when known, to label positions.
-        chance: per role metric (the values of :data:`~multihead.observe.head_metrics.ROLES`),
-            (L', H') the score a head would get by spreading its weight evenly over the keys
-            each query can see: 1/T-sized for a bidirectional model, far more for a causal
-            model's early queries (the first sees only itself). :meth:`roles` measures heads
-            above it.
+        chance: per role metric (the values of :data:`~multihead.observe.head_metrics.ROLES`)
+            and for ``entropy``, (L', H') the score a head would get by spreading its weight
+            evenly over the keys each query can see: 1/T-sized for a bidirectional model, far
+            more for a causal model's early queries (the first sees only itself); the entropy's
+            is the mean of log(keys seen). :meth:`roles` measures heads against it.
     """
 
     layers: list[int]
@@ -112,6 +120,7 @@ class HeadStatistics:
     previous_token: Tensor
     next_token: Tensor
     special: Tensor
+    first_token: Tensor
     induction: Tensor
     duplicate_token: Tensor
     to_cls: Tensor
@@ -245,25 +254,42 @@ class HeadStatistics:
     def roles(self) -> list[list[str]]:
         """Each head's dominant role, (L', H') labels: the :data:`~multihead.observe.head_metrics.
         ROLES` label whose metric is largest above chance ("self", "previous token", "next
-        token", "[CLS]", "[SEP]", "punctuation", "induction", "duplicate token"), or "broad" when
-        none reaches ``BROAD_BELOW`` (0.3: the head spreads its weight). Unknown (NaN) metrics
-        don't compete.
+        token", "sink" (the first token), "[CLS]", "[SEP]", "punctuation", "induction",
+        "duplicate token") when it reaches ``BROAD_BELOW`` (0.3); else "broad" when the head's
+        entropy is at least ``BROAD_ENTROPY`` (half) of what an even spread over the keys each
+        query can see has (the head spreads its weight), and "other" when it is sharper (it
+        reads places no role names). Unknown (NaN) metrics don't compete.
 
         Above chance: a score s whose chance level is c (:attr:`chance`) counts as
         (s - c) / (1 - c), the share of the weight the even spread would not put there, so
         that a head reading every visible key alike is "broad" in a causal model too (its first
-        queries see one or two keys). Without :attr:`chance`, the scores as they are.
+        queries see one or two keys). Without :attr:`chance`, the scores as they are, and every
+        head no role reaches is "broad".
         """
         scores = torch.stack([self.above_chance(m) for m in ROLES.values()])  # (R, L', H')
         best, which = scores.nan_to_num(nan=-1.0).max(dim=0)
+        spread = self.spread()
         labels = list(ROLES)
         return [
             [
-                labels[int(k)] if float(v) >= BROAD_BELOW else BROAD
-                for v, k in zip(vr, kr, strict=True)
+                labels[int(k)]
+                if float(v) >= BROAD_BELOW
+                else (OTHER if float(e) < BROAD_ENTROPY else BROAD)
+                for v, k, e in zip(vr, kr, er, strict=True)
             ]
-            for vr, kr in zip(best, which, strict=True)
+            for vr, kr, er in zip(best, which, spread, strict=True)
         ]
+
+    def spread(self) -> Tensor:
+        """(L', H') the entropy as a share of the even spread's (its chance level: the mean of
+        log(keys seen) over the queries): 1 for a head reading every visible key alike, 0 for
+        one reading one key; 1 where the chance level is unknown or 0 (every query sees one
+        key)."""
+        c = self.chance.get("entropy") if self.chance is not None else None
+        if c is None:
+            return torch.ones_like(self.entropy)
+        ratio = self.entropy / c.clamp(min=1e-6)
+        return torch.where(c > 1e-6, ratio, torch.ones_like(ratio)).nan_to_num(nan=1.0)
 
     def above_chance(self, metric: str) -> Tensor:
         """(L', H') ``metric`` measured above its chance level: (s - c) / (1 - c) (see

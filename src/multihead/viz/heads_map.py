@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from multihead.viz.figure import matplotlib_module, new_figure, plain_text
+from multihead.viz.figure import matplotlib_module, new_figure, plain_text, wrap_text
 from multihead.viz.fonts import drawn_with_fonts
 from multihead.viz.formats import FIGURE_FORMATS
 from multihead.viz.plots import save_figure
@@ -23,7 +23,7 @@ from multihead.viz.plots import save_figure
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["heads_map_figure", "heads_map_labels", "save_heads_map", "HEADS_MAP"]
+__all__ = ["heads_map_figure", "heads_map_labels", "layer_colours", "save_heads_map", "HEADS_MAP"]
 
 # The file name, without its suffix (heads_map.png, heads_map.svg).
 HEADS_MAP = "heads_map"
@@ -32,13 +32,22 @@ _MARKERS = {
     "self": "o",
     "previous token": "<",
     "next token": ">",
+    "sink": "X",
     "[CLS]": "s",
     "[SEP]": "D",
     "punctuation": "P",
     "induction": "^",
     "duplicate token": "v",
     "broad": "*",
+    "other": "d",
 }
+
+
+# The map's size, inches (a square), and the column on its right for the legends.
+_MAP = 8.0
+_SIDE = 2.0
+# Up to this many layers each is named in a legend with its own colour; more get a colour bar.
+_NAMED_LAYERS = 10
 
 
 def _role_order(role: str) -> int:
@@ -77,6 +86,11 @@ def heads_map_figure(
 ) -> Figure:
     """Heads as points in 2-D, coloured by layer, each labelled "L{l}H{h}" and its role.
 
+    Up to 10 layers, each has a colour of its own (tab10), named in a legend; more layers are
+    hues from blue to red (turbo: neighbouring layers' shades of viridis cannot be told apart
+    at 30), read on a colour bar and in the labels. The legends and the bar stand beside the
+    map, never over its points.
+
     Args:
         positions: (N, 2) with N = L'·H', layer-major (head h of the i-th layer is i·H' + h).
         layers, heads: the layer (L') and head (H') numbers.
@@ -96,39 +110,73 @@ def heads_map_figure(
         )
     labels = heads_map_labels(layers, heads, roles)
     xy = positions.detach().to("cpu", torch.float64).numpy()
-    fig = new_figure(11, 9)
+    # Fixed places, inches: the points on the left, the legends and the layers' colour bar on
+    # the right, beside the points rather than over them.
+    fw, fh = _MAP + 0.9 + _SIDE, _MAP + 1.5
+    fig = new_figure(fw, fh)
     from matplotlib.lines import Line2D
 
-    ax = fig.add_subplot()
-    cmap = matplotlib_module().colormaps["viridis"]
-    colours = [cmap(i / max(1, len(layers) - 1)) for i in range(len(layers))]
+    ax = fig.add_axes((0.8 / fw, 0.7 / fh, _MAP / fw, _MAP / fh))
+    colours = layer_colours(len(layers))
     flat_roles = [role for row in roles for role in row]  # layer-major, as the positions
     for n, ((x, y), role) in enumerate(zip(xy, flat_roles, strict=True)):
         marker = _MARKERS.get(role, "o")
         ax.scatter([x], [y], color=colours[n // len(heads)], marker=marker, s=40, zorder=2)
-    handles = [
-        Line2D([], [], color=c, marker="o", linestyle="", label=f"layer {layer}")
-        for c, layer in zip(colours, layers, strict=True)
-    ]
-    handles += [
-        Line2D([], [], color="grey", marker=_MARKERS.get(role, "o"), linestyle="", label=role)
-        for role in dict.fromkeys(sorted(flat_roles, key=_role_order))
-    ]
-    # Labels offset a little from their points; small type, since 72 heads share the plot.
+    # Labels offset a little from their points; small type, since hundreds of heads may share it.
     span = float(max(xy.max(0) - xy.min(0))) or 1.0
     for (x, y), text in zip(xy, labels, strict=True):
         ax.text(x + 0.008 * span, y + 0.008 * span, plain_text(text), fontsize=5.5, zorder=3)
     ax.set_xlabel("MDS axis 1")
     ax.set_ylabel("MDS axis 2")
     ax.set_aspect("equal", adjustable="datalim")
-    ax.legend(handles=handles, loc="best", fontsize=8, title="colour: layer; shape: role")
+    shapes = [
+        Line2D([], [], color="grey", marker=_MARKERS.get(role, "o"), linestyle="", label=role)
+        for role in dict.fromkeys(sorted(flat_roles, key=_role_order))
+    ]
+    side = (0.8 + _MAP + 0.25) / fw  # the right column's left edge, a fraction of the width
+    fig.legend(
+        handles=shapes, loc="upper left", bbox_to_anchor=(side, 1 - 0.7 / fh), fontsize=8,
+        title="shape: role", title_fontsize=8, borderaxespad=0,
+    )  # fmt: skip
+    if len(layers) <= _NAMED_LAYERS:  # a colour each, named
+        named = [
+            Line2D([], [], color=c, marker="o", linestyle="", label=f"layer {layer}")
+            for c, layer in zip(colours, layers, strict=True)
+        ]
+        fig.legend(
+            handles=named, loc="lower left", bbox_to_anchor=(side, 0.7 / fh), fontsize=8,
+            title="colour: layer", title_fontsize=8, borderaxespad=0,
+        )  # fmt: skip
+    else:  # a scale of hues, read on a bar (and in each point's label)
+        bar = fig.add_axes((side, 0.7 / fh, 0.18 / fw, 0.45 * _MAP / fh))
+        matplotlib = matplotlib_module()
+        cmap = matplotlib.colors.ListedColormap(colours)
+        norm = matplotlib.colors.BoundaryNorm([i - 0.5 for i in range(len(layers) + 1)], cmap.N)
+        scale = matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap)
+        ticks = list(range(0, len(layers), max(1, len(layers) // 10)))
+        colour_bar = fig.colorbar(scale, cax=bar, ticks=ticks, label="colour: layer")
+        colour_bar.ax.set_yticklabels([str(layers[i]) for i in ticks], fontsize=7)
     ax.set_title(
-        title
-        or "Heads placed by the Jensen–Shannon distance between their attention (classical MDS)",
+        wrap_text(
+            title
+            or "Heads placed by the Jensen–Shannon distance between their attention "
+            "(classical MDS)",
+            _MAP,
+            10,
+        ),
         fontsize=10,
     )
-    fig.tight_layout()
     return fig
+
+
+def layer_colours(num_layers: int) -> list[tuple[float, float, float, float]]:
+    """A colour per layer (RGBA): up to 10 layers, tab10's distinct colours; more, as many
+    hues of turbo from blue to red (viridis' neighbouring shades of 30 layers cannot be told
+    apart)."""
+    cmaps = matplotlib_module().colormaps
+    if num_layers <= _NAMED_LAYERS:
+        return [cmaps["tab10"](i) for i in range(num_layers)]
+    return [cmaps["turbo"](0.05 + 0.9 * i / (num_layers - 1)) for i in range(num_layers)]
 
 
 def save_heads_map(fig: Figure, directory: str | Path, formats: Sequence[str]) -> list[Path]:

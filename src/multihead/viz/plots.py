@@ -17,7 +17,13 @@ import torch
 from torch import Tensor
 
 from multihead._files import atomic_write
-from multihead.viz.figure import matplotlib_module, new_figure, plain_text
+from multihead.viz.figure import (
+    APART_COLOUR,
+    matplotlib_module,
+    new_figure,
+    plain_text,
+    wrap_text,
+)
 from multihead.viz.fonts import (
     MissingGlyphsWarning,
     drawn_with_fonts,
@@ -42,6 +48,11 @@ _GRID_CELLS = 256
 # and drawn unlabelled, at a fixed size (a labelled one would grow past what can be drawn).
 _HEAD_LABEL_LIMIT = 512
 _CMAP = "Blues"
+# The grid's top margin, inches: above the title, each line of the title (10 pt), the heads'
+# labels (8 pt, just above the maps).
+_TITLE_PAD = 0.12
+_TITLE_LINE = 0.2
+_HEAD_LABELS = 0.3
 
 
 def _numbers(
@@ -103,6 +114,15 @@ def _check_tokens(tokens: Sequence[str], t: int, s: int) -> None:
         )
 
 
+def _label_colours(apart: Sequence[bool] | None, s: int) -> list[str]:
+    """Per key position the colour of its label: grey for a token set apart from the words."""
+    if apart is None:
+        return ["black"] * s
+    if len(apart) != s:
+        raise ValueError(f"apart must hold one flag per token ({s}), got {len(apart)}")
+    return [APART_COLOUR if a else "black" for a in apart]
+
+
 @drawn_with_fonts
 def grid_figure(
     weights: Tensor,
@@ -114,6 +134,7 @@ def grid_figure(
     title: str | None = None,
     cell_inches: float = 1.7,
     causal: bool = False,
+    apart: Sequence[bool] | None = None,
 ) -> Figure:
     """A grid of heatmaps, one per (layer, head): rows are layers, columns heads.
 
@@ -127,8 +148,11 @@ def grid_figure(
         cell_inches: the size of one heatmap.
         causal: a causal model's weights: the keys after each query are drawn blank (white),
             each map a lower triangle.
+        apart: per token (S), whether it is set apart from the words (special tokens, a
+            decoder's first token): its labels are drawn grey.
 
-    Maps of more than 256 tokens are drawn max-pooled to 256 × 256 cells (each cell the
+    The title stands above the heads' labels, wrapped to the figure's width. Maps of more
+    than 256 tokens are drawn max-pooled to 256 × 256 cells (each cell the
     largest weight it covers), so the figure's memory does not grow with T².
 
     Returns:
@@ -137,6 +161,7 @@ def grid_figure(
     w = _check_weights(weights, 4, "(L, H, T, S)")
     n_layers, n_heads, full_t, full_s = w.shape
     _check_tokens(tokens, full_t, full_s)
+    colours = _label_colours(apart, full_s)
     w = _fit(w, _GRID_CELLS, causal)
     t, s = w.shape[-2:]
     layers, heads = _numbers(
@@ -153,9 +178,14 @@ def grid_figure(
     # Fixed margins (inches) instead of a layout engine, and labels as plain texts instead of
     # ticks: ticks and constrained layout cost seconds with hundreds of labels.
     left, bottom = (1.0, 1.0) if labelled else (0.3, 0.3)
-    top, right = 0.6, 1.3
+    right = 1.3
     width, height = n_heads * cell_inches, n_layers * cell_inches
-    fw, fh = left + width + right, bottom + height + top
+    fw = left + width + right
+    # The title in fixed inches from the top (a suptitle's place is a fraction of the height,
+    # inside the maps of a tall grid), then the heads' labels, then the maps.
+    title = wrap_text(title or "Attention weights (rows: queries, columns: keys)", fw - 0.4, 10)
+    top = _TITLE_PAD + (title.count("\n") + 1) * _TITLE_LINE + _HEAD_LABELS
+    fh = bottom + height + top
     fig = new_figure(fw, fh)
     ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
     cmap = matplotlib_module().colormaps[_CMAP].with_extremes(bad="white")
@@ -177,6 +207,7 @@ def grid_figure(
                     va="center",
                     fontsize=font,
                     clip_on=False,
+                    color=colours[full_s - t + r],
                 )
         for j in range(n_heads):
             for c, token in enumerate(tokens):
@@ -189,6 +220,7 @@ def grid_figure(
                     rotation=90,
                     fontsize=font,
                     clip_on=False,
+                    color=colours[c],
                 )
     for j, head in enumerate(heads):
         ax.text(
@@ -212,7 +244,7 @@ def grid_figure(
         ((left + width + 0.45) / fw, (bottom + 0.2 * height) / fh, 0.12 / fw, 0.6 * height / fh)
     )
     fig.colorbar(image, cax=bar, label="attention weight")
-    fig.suptitle(title or "Attention weights (rows: queries, columns: keys)", fontsize=10)
+    fig.text(0.5, 1 - _TITLE_PAD / fh, title, ha="center", va="top", fontsize=10)
     return fig
 
 
@@ -234,6 +266,7 @@ def head_figure(
     focus: int | None = None,
     title: str | None = None,
     causal: bool = False,
+    apart: Sequence[bool] | None = None,
 ) -> Figure:
     """A large view of one head's (T, S) weights, every token labelled, with a colour bar.
 
@@ -244,6 +277,8 @@ def head_figure(
         focus: a query position whose row is outlined.
         title: overrides the default title.
         causal: a causal model's weights: the keys after each query are drawn blank (white).
+        apart: per token (S), whether it is set apart from the words (special tokens, a
+            decoder's first token): its labels are drawn grey.
 
     Up to 512 tokens every token is labelled; a longer map is drawn max-pooled to 512 × 512
     cells, unlabelled, 8 inches wide (a labelled one would outgrow what can be drawn).
@@ -251,6 +286,7 @@ def head_figure(
     w = _check_weights(weights, 2, "(T, S)")
     full_t, full_s = w.shape
     _check_tokens(tokens, full_t, full_s)
+    colours = _label_colours(apart, full_s)
     vmax = float(w.max().clamp(min=1e-6))  # before NaNs hide the maximum
     w = _fit(w, _HEAD_LABEL_LIMIT, causal)
     t, s = w.shape
@@ -287,9 +323,13 @@ def head_figure(
             va="top",
             fontsize=font,
             clip_on=False,
+            color=colours[j],
         )
     for i, token in enumerate(tokens[-t:] if labelled else []):
-        ax.text(-0.8, i, plain_text(token), ha="right", va="center", fontsize=font, clip_on=False)
+        ax.text(
+            -0.8, i, plain_text(token), ha="right", va="center", fontsize=font, clip_on=False,
+            color=colours[full_s - t + i],
+        )  # fmt: skip
     fig.text((left + width / 2) / fw, 0.12 / fh, "key (attended to)", ha="center", va="bottom")
     fig.text(
         0.12 / fw,
@@ -313,7 +353,7 @@ def head_figure(
         )
         if x
     )
-    ax.set_title(title or f"Attention, {where}".rstrip(", "))
+    ax.set_title(wrap_text(title or f"Attention, {where}".rstrip(", "), fw - 0.3, 12))
     return fig
 
 
@@ -337,7 +377,8 @@ def importance_figure(
     w = _check_weights(importance, 2, "(L, H)")
     n_layers, n_heads = w.shape
     layers, heads = _numbers(layers, heads, n_layers, n_heads, f"the {n_layers} × {n_heads} scores")
-    fig = new_figure(1.0 + 0.55 * n_heads + 1.2, 1.2 + 0.45 * n_layers)
+    fw = 1.0 + 0.55 * n_heads + 1.2
+    fig = new_figure(fw, 1.2 + 0.45 * n_layers)
     ax = fig.add_subplot()
     finite = w[torch.isfinite(w)]
     low = min(0.0, float(finite.min())) if finite.numel() else 0.0
@@ -355,7 +396,7 @@ def importance_figure(
     ax.set_yticks(range(n_layers), [str(layer) for layer in layers])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(wrap_text(title, fw - 0.3, 9), fontsize=9)  # tight_layout keeps it inside
     fig.colorbar(image, ax=ax, label=label)
     fig.tight_layout()
     return fig
@@ -391,7 +432,8 @@ def effects_figure(
             f"{len(columns)}"
         )
     cell = 0.55 if n_cols <= 24 else 0.28
-    fig = new_figure(1.6 + cell * n_cols + 1.2, 1.3 + 0.42 * n_rows)
+    fw = 1.6 + cell * n_cols + 1.2
+    fig = new_figure(fw, 1.3 + 0.42 * n_rows)
     ax = fig.add_subplot()
     finite = w[torch.isfinite(w)]
     top = max(float(finite.abs().max()), 1e-12) if finite.numel() else 1.0
@@ -414,7 +456,7 @@ def effects_figure(
     ax.set_yticks(range(n_rows), [plain_text(r) for r in rows], fontsize=7)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(wrap_text(title, fw - 0.3, 9), fontsize=9)
     fig.colorbar(image, ax=ax, label=label)
     fig.tight_layout()
     return fig
