@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import string
 import sys
@@ -275,14 +276,24 @@ def measure(threads: int) -> dict[str, Any]:
     return out
 
 
+def _rows(paths: dict[str, dict[str, float]]) -> str:
+    """A path-patching table's rows: receiver | q | k | v."""
+    return "\n".join(
+        f"| {head} | {v['q']:+.3f} | {v['k']:+.3f} | {v['v']:+.3f} |" for head, v in paths.items()
+    )
+
+
 def render(results: dict[str, Any], template: str) -> str:
-    """The page: the template with every {field} filled from the results."""
-    fields = dict(results)
-    # a few derived numbers the text names, computed here so the page stays a render
-    ind = results["induction"]
-    fields["derived"] = {
-        "zero_over_random_max": ind["zero_ablated"] - ind["random_max"],
-        "top_heads": ", ".join(t["head"] for t in ind["top"]),
+    """The page: the template with every {field} filled from the results (and the tables and
+    tokens the results index, written out here)."""
+    ioi = results["ioi"]
+    fields = {
+        **results,
+        "composition_rows": _rows(results["composition"]["paths"]),
+        "ioi_rows": _rows(ioi["paths"]),
+        "ioi_last_token": ioi["tokens"][ioi["last"]],
+        "ioi_s2_token": ioi["tokens"][ioi["s2"]],
+        "uniform_nats": math.log(results["model"]["vocab"]),
     }
     return string.Formatter().vformat(template, (), fields)
 
