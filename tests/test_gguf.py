@@ -100,9 +100,7 @@ def test_the_second_load_reads_the_cache(
     assert len(asked) == 1
 
 
-def test_a_directory_holding_one_gguf_file(
-    written: tuple[Path, Any, Any], tmp_path: Path
-) -> None:
+def test_a_directory_holding_one_gguf_file(written: tuple[Path, Any, Any], tmp_path: Path) -> None:
     path, reference, _ = written
     folder = tmp_path / "my-model"
     folder.mkdir()
