@@ -38,6 +38,7 @@ import json
 import math
 import random
 import string
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -273,7 +274,30 @@ def measure(threads: int) -> dict[str, Any]:
     print(f"ioi {out['ioi']}", file=sys.stderr)
     out["threads"] = threads
     out["seconds"] = round(time.perf_counter() - start, 1)
+    out["commit"] = _commit()
     return out
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with "+" when the tree has changes), or None outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty.strip() else "")
 
 
 def _rows(paths: dict[str, dict[str, float]]) -> str:
