@@ -93,11 +93,16 @@ def test_the_second_load_reads_the_cache(
     ids = first.tokenize(TEXT).input_ids
     with torch.no_grad():
         torch.testing.assert_close(second(ids).logits, first(ids).logits, rtol=0, atol=0)
-    # a changed file is converted again, not read from the old entry
+    # a changed file is converted again, not read from the old entry, which goes
     path.touch()
     with pytest.raises(AssertionError, match="was converted"):
         load_text_model(path, head="lm")
     assert len(asked) == 1
+    monkeypatch.undo()
+    monkeypatch.setenv(CACHE_ENV, str(_cache))
+    load_text_model(path, head="lm")
+    (entry,) = list((_cache / "gguf").iterdir())
+    assert entry != entries[0] and (entry / "source.json").is_file()
 
 
 def test_a_directory_holding_one_gguf_file(written: tuple[Path, Any, Any], tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ is written under a hidden name and renamed into place when whole, so a reader se
 entry or none, and two processes converting the same file at once both succeed. Setting
 ``MULTIHEAD_CACHE_DIR`` to an empty string turns the cache off: each load converts into a
 temporary directory, removed after the load. A cache that cannot be written is skipped with a
-warning. Delete an entry (or the folder) to free its space.
+warning. A new conversion of a file removes the entries of its earlier versions; delete an entry
+(or the folder) to free its space.
 """
 
 from __future__ import annotations
@@ -144,4 +145,19 @@ def _converted_into_cache(
         fsync_dir(entry.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale(entry, str(file))
     return entry
+
+
+def _remove_stale(entry: Path, file: str) -> None:
+    """Remove the entries of earlier versions of the same file (a reinstalled package): each
+    conversion takes four times the file's size, and only the newest is ever read again."""
+    for other in entry.parent.iterdir():
+        if other == entry or other.name.startswith("."):
+            continue
+        try:
+            source = json.loads((other / _SOURCE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(source, dict) and source.get("file") == file:
+            shutil.rmtree(other, ignore_errors=True)
