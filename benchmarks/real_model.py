@@ -318,6 +318,7 @@ def render(results: dict[str, Any], template: str) -> str:
         "ioi_last_token": ioi["tokens"][ioi["last"]],
         "ioi_s2_token": ioi["tokens"][ioi["s2"]],
         "uniform_nats": math.log(results["model"]["vocab"]),
+        "commit": results.get("commit") or "unrecorded",
     }
     return string.Formatter().vformat(template, (), fields)
 
