@@ -307,6 +307,13 @@ def _rows(paths: dict[str, dict[str, float]]) -> str:
     )
 
 
+def _strongest(paths: dict[str, dict[str, float]]) -> str:
+    """The receiver input with the largest effect, written "L20H0's v (-0.496)"."""
+    head, via = max(((h, v) for h, vias in paths.items() for v in vias),
+                    key=lambda hv: abs(paths[hv[0]][hv[1]]))  # fmt: skip
+    return f"{head}'s {via} ({paths[head][via]:+.3f})"
+
+
 def render(results: dict[str, Any], template: str) -> str:
     """The page: the template with every {field} filled from the results (and the tables and
     tokens the results index, written out here)."""
@@ -319,6 +326,8 @@ def render(results: dict[str, Any], template: str) -> str:
         "ioi_s2_token": ioi["tokens"][ioi["s2"]],
         "uniform_nats": math.log(results["model"]["vocab"]),
         "commit": results.get("commit") or "unrecorded",
+        "continuation": results["generation"]["continuation"].replace("\n", "\\n"),
+        "ioi_strongest_path": _strongest(ioi["paths"]),
     }
     return string.Formatter().vformat(template, (), fields)
 
