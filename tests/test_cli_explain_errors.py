@@ -213,7 +213,7 @@ CASES: list[tuple[str, list[str], Setup | None, str]] = [
         # not a directory, so a name: never downloaded, looked up in the local cache only
         r"model 'nowhere' is (neither|not) a directory",
     ),
-    ("model-empty", ["--model", ""], None, r"model must be a directory or a model name, got ''$"),
+    ("model-empty", ["--model", ""], None, r"a .gguf file or a model name, got ''$"),
     ("model-file", ["--model", "file.txt"], a_file, r"got 'file.txt' \(not a directory\)"),
     ("model-too-long", ["--model", TOO_LONG], None, r"path 'x+' cannot be used: File name too"),
     ("model-no-files", ["--model", "empty"], empty_dir, r"lacks config.json and model.safetensors"),

@@ -117,6 +117,7 @@ OPTIONAL_LAZY: frozenset[str] = frozenset(
         "huggingface_hub",  # comes with transformers
         "packaging",  # comes with transformers
         "accelerate",  # with transformers, for tensor parallelism
+        "gguf",  # [gguf]: GGUF files' headers
         "sentence_transformers",  # [test]: a reference beside transformers
         "triton",  # comes with CUDA builds of torch
         "IPython",  # a notebook, when one shows an Explanation

@@ -203,7 +203,7 @@ def test_the_default_is_loaded_once_and_minilm_is_fresh() -> None:
 def test_load_text_model_refusals(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"backend must be one of 'multihead', 'transformers'"):
         load_text_model(MINILM_DIR, backend="tensorflow")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"model must be a directory or a model name, got 3"):
+    with pytest.raises(TypeError, match=r"a directory, a .gguf file or a model name, got 3"):
         load_text_model(3)  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match=r"model directory './nowhere' does not exist"):
         load_text_model("./nowhere")

