@@ -107,12 +107,6 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "run from their position on.",
     ),
     (
-        "edge_attribution",
-        "A random attention-only `TransformerLM` of the induction model's shape and a random "
-        "grouped-query `LlamaForCausalLM` (bridge); metric: a last-position log-probability; "
-        "the baseline is one forward and the metric's backward to every parameter.",
-    ),
-    (
         "attention_gpu",
         "torch with `average_attn_weights=False`; medians of interleaved rounds. multihead's "
         "weights come from the fused Triton kernel: float32 scores and softmax, each weight "
@@ -377,14 +371,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if an output is stale")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results directory")
     parser.add_argument("--output", type=Path, default=OUTPUT, help="the CPU runs' file")
-    parser.add_argument("--gpu-output", type=Path, default=GPU_OUTPUT, help="the GPU runs' file")
+    parser.add_argument(
+        "--gpu-output",
+        type=Path,
+        default=None,
+        help=f"the GPU runs' file (default: {GPU_OUTPUT.name} beside --output)",
+    )
     args = parser.parse_args(argv)
     try:
         reports = load_reports(args.results)
     except ValueError as error:
         print(f"report: {error}", file=sys.stderr)
         return 2
-    outputs = {args.output: render(reports), args.gpu_output: render(reports, gpu=True)}
+    gpu_output = args.gpu_output or args.output.with_name(GPU_OUTPUT.name)
+    outputs = {args.output: render(reports), gpu_output: render(reports, gpu=True)}
     for output, text in outputs.items():
         count = text.count("\n")
         if count >= MAX_LINES:

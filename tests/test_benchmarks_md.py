@@ -236,6 +236,9 @@ def test_check_exits_1_in_one_line_when_the_file_is_stale(
     assert report.main(args) == 0
     text = out.read_text(encoding="utf-8")
     assert "## A fake run\n" in text and "A smoke run" not in text  # smoke runs left out
+    # the GPU runs' file is written beside --output, never over the repository's own
+    gpu_text = (tmp_path / "BENCHMARKS-GPU.md").read_text(encoding="utf-8")
+    assert gpu_text.startswith("# Benchmarks on a GPU")
     assert report.main([*args, "--check"]) == 0
     capsys.readouterr()
 
