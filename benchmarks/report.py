@@ -83,6 +83,13 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "run writes `results/hf.json`: rows of other lengths are added by hand.",
     ),
     (
+        "hf_gemma2",
+        "A random `Gemma2Model` at gemma-2-2b's widths (attention softcapping on the core); each "
+        "mode in its own child process, interleaved rounds. Capture records one query row per "
+        "head and layer, recomputed under the softcap; eager is transformers' T×T path, for "
+        "context.",
+    ),
+    (
         "compare",
         "Two checkouts' `src` (the earlier one from `git worktree add`), each measure in a fresh "
         "child process per checkout, the two alternating within each round; the median over "

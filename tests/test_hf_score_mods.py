@@ -12,8 +12,12 @@ result. References are transformers' own eager attention, or a hand computation 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -464,3 +468,24 @@ def test_site_patching_attribution_paths_and_statistics_run(family: str) -> None
     assert torch.isfinite(paths.values).all()
     stats = multihead.head_statistics(model, clean["input_ids"])
     assert torch.isfinite(stats.entropy).all() and stats.entropy.shape[:2] == (2, heads)
+
+
+def test_bench_gemma2_script_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_hf_gemma2.py runs end to end (--quick) and writes its JSON; no timing."""
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_hf_gemma2.py"
+    env = dict(os.environ, PYTHONPATH=str(Path(multihead.__file__).resolve().parent.parent))
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "hf_gemma2_quick.json").read_text(encoding="utf-8"))
+    modes = {row["mode"]: row for row in payload["rows"]}
+    assert set(modes) == {"multihead", "capture", "eager"}
+    # one row of every head of every layer: 2 layers x 8 heads x 256 keys, nothing more
+    assert modes["capture"]["recorded_elements"] == 2 * 8 * 256
+    assert all(row["seconds"] > 0 and row["peak_rss"] > 0 for row in payload["rows"])
