@@ -601,7 +601,7 @@ def test_linear_attention_layers_are_not_sites() -> None:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
         num_experts_per_tok=1, block_size=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        layer_types=["full_attention", "linear_attention", "full_attention"],
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.MiniMaxForCausalLM(config).eval()
@@ -612,8 +612,12 @@ def test_linear_attention_layers_are_not_sites() -> None:
         with multihead.capture(model) as rec:
             got = model(input_ids=ids).logits
     torch.testing.assert_close(got, eager.logits, atol=1e-5, rtol=0)
-    assert [r.name for r in rec.records] == ["model.layers.1.self_attn"]
-    torch.testing.assert_close(rec.weights[0], eager.attentions[1], atol=1e-6, rtol=0)
+    assert [r.name for r in rec.records] == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
+    for got_weights, layer in zip(rec.weights, (0, 2), strict=True):
+        torch.testing.assert_close(got_weights, eager.attentions[layer], atol=1e-6, rtol=0)
+    # the lightning layer's write would be nobody's term: direct logit attribution refuses
+    with pytest.raises(ValueError, match=r"writes to the stream between model.layers.0"):
+        multihead.logit_attribution(model, ids, 3)
 
 
 def test_two_attention_calls_per_layer_are_refused() -> None:

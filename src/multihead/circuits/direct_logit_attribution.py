@@ -284,6 +284,16 @@ def logit_attribution(
             f"logit_attribution needs the last block's output to go straight into the final "
             f"norm ({type(norm).__name__}); {type(model).__name__} changes it in between"
         )
+    for i in range(1, len(blocks)):
+        given, previous = hidden["in"][i], hidden["out"][i - 1]
+        if given is None or previous is None or not torch.equal(given, previous):
+            # a hybrid's other mixers (linear attention, Mamba) write between the attention
+            # blocks: their writes would be nobody's term
+            raise ValueError(
+                f"logit_attribution needs each attention block to take the previous one's "
+                f"output; in {type(model).__name__} something writes to the stream between "
+                f"{blocks[i - 1].name} and {blocks[i].name} (a layer without attention?)"
+            )
     weight, vocab_bias = unembedding.weight, unembedding.bias
     vocab = weight.shape[0]
 
