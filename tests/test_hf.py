@@ -594,6 +594,19 @@ def test_hybrid_family_with_unrouted_attention_is_refused() -> None:
             pass
 
 
+def test_attention_computed_in_a_helper_method_is_found() -> None:
+    # Pegasus-X's encoder attention computes its softmax in a helper method, not in forward
+    config = transformers.PegasusXConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, block_size=4, num_global_tokens=4, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.PegasusXModel(config)
+    with pytest.raises(ValueError, match=r"pegasus_x .*PegasusXGlobalLocalAttention"):
+        with multihead.capture(model):
+            pass
+
+
 def test_linear_attention_layers_are_not_sites() -> None:
     # MiniMax's lightning attention is linear (no softmax, no weights): like a Mamba or
     # convolution mixer it is no attention layer; the layers are its softmax attention modules

@@ -53,9 +53,10 @@ def _projects(module: nn.Module) -> bool:
 
 @functools.cache
 def _softmax(cls: Any) -> bool:
-    """Whether the forward of ``cls`` computes a softmax (linear attention does not)."""
+    """Whether ``cls`` computes a softmax anywhere in its code (linear attention does not; its
+    whole class is read: Pegasus-X's global-local attention computes it in a helper method)."""
     try:
-        return "softmax" in inspect.getsource(cls.forward)
+        return "softmax" in inspect.getsource(cls)
     except (OSError, TypeError, AttributeError):
         return True
 
