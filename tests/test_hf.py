@@ -506,14 +506,21 @@ def test_minilm_real_weights_through_transformers_bert(
         torch.testing.assert_close(w, e[:, :, :1], atol=1e-6, rtol=0)
 
 
-def test_softcapping_is_refused_naming_the_family(tmp_path: Path) -> None:
-    config = _decoder("Gemma2Config", head_dim=16, attn_logit_softcapping=50.0)()
+def test_softcapping_generates_as_eager(tmp_path: Path, device: torch.device) -> None:
+    # a cap small enough to change random scores (tests/test_hf_score_mods.py: every family)
+    config = _decoder("Gemma2Config", head_dim=16, attn_logit_softcapping=1.0, sliding_window=4)()
+    torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="multihead"
-    )
-    with pytest.raises(NotImplementedError, match=r"softcap.*gemma2"):
-        model(input_ids=torch.tensor([[5, 6, 7]]))
+    fam = Family("gemma2", lambda: config, "AutoModelForCausalLM", "decoder")
+    inputs = batch(fam, device)
+    eager = load(fam, tmp_path, "eager", device)
+    ours = load(fam, tmp_path, "multihead", device)
+    with torch.no_grad():
+        real = inputs["attention_mask"].bool()
+        got, ref = ours(**inputs).logits, eager(**inputs).logits
+        torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
+        kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(**inputs, **kw), eager.generate(**inputs, **kw))
 
 
 def test_family_not_routed_through_the_interface_is_named() -> None:
@@ -525,7 +532,7 @@ def test_family_not_routed_through_the_interface_is_named() -> None:
             pass
 
 
-def test_attention_sinks_equal_eager_and_observing_them_is_refused(
+def test_attention_sinks_equal_eager_with_weights_and_the_cache(
     tmp_path: Path, device: torch.device
 ) -> None:
     config = transformers.GptOssConfig(
@@ -557,11 +564,12 @@ def test_attention_sinks_equal_eager_and_observing_them_is_refused(
         torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
         kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(**inputs, **kw), eager.generate(**inputs, **kw))
-        with pytest.raises(NotImplementedError, match=r"output_attentions with attention sinks"):
-            ours(**inputs, output_attentions=True)
-        with pytest.raises(NotImplementedError, match=r"observing heads with attention sinks"):
-            with multihead.capture(ours):
-                ours(**inputs)
+        # GPT-OSS's own weights: the sink's share dropped (tests/test_hf_score_mods.py)
+        mine = ours(**inputs, output_attentions=True).attentions
+        theirs = eager(**inputs, output_attentions=True).attentions
+        for w, e in zip(mine, theirs, strict=True):
+            w, e = w.transpose(1, 2)[real], e.transpose(1, 2)[real]
+            torch.testing.assert_close(w, e, atol=1e-5, rtol=0)
 
 
 def test_hybrid_family_with_unrouted_attention_is_refused() -> None:
@@ -584,6 +592,45 @@ def test_hybrid_family_with_unrouted_attention_is_refused() -> None:
     with pytest.raises(ValueError, match=r"longt5 .*outside transformers' AttentionInterface"):
         with multihead.intervene(model, {(0, 0): 0.0}):
             pass
+
+
+def test_attention_computed_in_a_helper_method_is_found() -> None:
+    # Pegasus-X's encoder attention computes its softmax in a helper method, not in forward
+    config = transformers.PegasusXConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, block_size=4, num_global_tokens=4, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.PegasusXModel(config)
+    with pytest.raises(ValueError, match=r"pegasus_x .*PegasusXGlobalLocalAttention"):
+        with multihead.capture(model):
+            pass
+
+
+def test_linear_attention_layers_are_not_sites() -> None:
+    # MiniMax's lightning attention is linear (no softmax, no weights): like a Mamba or
+    # convolution mixer it is no attention layer; the layers are its softmax attention modules
+    config = transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+        num_experts_per_tok=1, block_size=4,
+        layer_types=["full_attention", "linear_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MiniMaxForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    ids = torch.randint(4, VOCAB, (2, T))
+    with torch.no_grad():
+        eager = model(input_ids=ids, output_attentions=True)
+        with multihead.capture(model) as rec:
+            got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, eager.logits, atol=1e-5, rtol=0)
+    assert [r.name for r in rec.records] == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
+    for got_weights, layer in zip(rec.weights, (0, 2), strict=True):
+        torch.testing.assert_close(got_weights, eager.attentions[layer], atol=1e-6, rtol=0)
+    # the lightning layer's write would be nobody's term: direct logit attribution refuses
+    with pytest.raises(ValueError, match=r"writes to the stream between model.layers.0"):
+        multihead.logit_attribution(model, ids, 3)
 
 
 def test_two_attention_calls_per_layer_are_refused() -> None:

@@ -49,8 +49,10 @@ FLOORS: dict[str, int] = {
     # 2: the math once (kernels.py) and the Triton kernel (weights_kernel.py imports triton)
     "kernels": 2,
     "weights_kernel": 2,
-    # 3: need_weights on CUDA, beside kernels (loads weights_kernel lazily: triton is optional)
+    # 3: need_weights on CUDA, beside kernels (loads weights_kernel lazily: triton is optional);
+    #    score modifications (softcap, sinks, score_mod, block_mask) on the kernels' math
     "fused_weights": 3,
+    "score_mods": 3,
     # 4: attention(): checks, masks, the backend choice; which heads a rank holds (tensor
     #    parallelism), what the observer channel names them by
     "functional": 4,

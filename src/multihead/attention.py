@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from multihead import functional
 from multihead._checks import (
@@ -30,6 +31,7 @@ from multihead.observers import (
     QKVEditor,
 )
 from multihead.packing import PackedBatch
+from multihead.score_mods import ScoreMod, ScoreMods
 
 __all__ = ["MultiHeadAttention", "AttentionCache"]
 
@@ -302,6 +304,11 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         cache: AttentionCache | None = None,
         packing: PackedBatch | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
+        score_mod: ScoreMod | None = None,
+        block_mask: BlockMask | None = None,
+        sink_weights: str = "dropped",
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when ``key`` is None).
 
@@ -322,8 +329,13 @@ class MultiHeadAttention(nn.Module):
                 keys/values are stored in it and attention runs over everything it holds.
             packing: a :class:`~multihead.packing.PackedBatch`: ``query`` holds the real tokens
                 of a padded (B, T) batch, packed, and the call is self-attention under its key
-                mask, computed on those tokens only. Not with key, value, mask, key_mask, cache
-                or need_weights.
+                mask, computed on those tokens only. Not with key, value, mask, key_mask, cache,
+                need_weights or a score modification.
+            softcap, sinks, score_mod, block_mask, sink_weights: score modifications, as for
+                :func:`multihead.functional.attention` (attention-logit softcapping, one sink
+                logit per head, FlexAttention's ``score_mod`` and ``BlockMask``, and which
+                weights a call with sinks returns); observers see them in ``call.mods``, and
+                capture recomputes its rows' weights under them.
 
         Returns:
             output (B, T, out_dim) ((N, out_dim) with ``packing``), or ``(output, weights)``
@@ -335,7 +347,19 @@ class MultiHeadAttention(nn.Module):
         """
         scale = 1.0 / math.sqrt(self.head_dim)
         dropout_p = self.dropout if self.training else 0.0
+        mods = ScoreMods(
+            softcap=softcap,
+            sinks=sinks,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            sink_weights=sink_weights,
+        )
         if packing is not None:
+            if mods:
+                raise ValueError(
+                    "packing= cannot be combined with softcap, sinks, score_mod or block_mask "
+                    "(a packed batch's rows are not the batch's): run the padded batch"
+                )
             check_packed_call(
                 query,
                 key,
@@ -376,7 +400,9 @@ class MultiHeadAttention(nn.Module):
         if self._observers:
             self_attention = key is None and cache is None
             query_mask = key_mask if self_attention else None
-            call = AttentionCall(self, (q, k, v), attn_mask, is_causal, scale, query_mask)
+            call = AttentionCall(
+                self, (q, k, v), attn_mask, is_causal, scale, query_mask, mods=mods
+            )
             if self._observers.editing:
                 call = self._observers.edit(call)
                 q, k, v = call.q, call.k, call.v
@@ -389,6 +415,11 @@ class MultiHeadAttention(nn.Module):
             scale=scale,
             dropout_p=dropout_p,
             need_weights=need_weights,
+            softcap=softcap,
+            sinks=sinks,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            sink_weights=sink_weights,
         )
         out, weights = result if isinstance(result, tuple) else (result, None)
         out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)

@@ -31,45 +31,23 @@ Backends:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from multihead import fused_weights, kernels
 from multihead._checks import check_choice, check_mask, check_probability
+from multihead.kernels import combine_masks
+from multihead.score_mods import ScoreMod, ScoreMods, flex_forward, modified_attention
 
 __all__ = ["attention", "combine_masks", "BACKENDS"]
 
-Backend = Literal["auto", "sdpa", "math"]
-BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "fused")
-
-
-def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    """Both masks at once: a key is allowed when both allow it.
-
-    Bool masks are ANDed; a bool mask on a float one puts -inf where the bool mask is False; two
-    float masks add. Shapes broadcast.
-
-    Args:
-        a, b: None, bool (True = may attend) or float (added to the scores) masks.
-
-    Returns:
-        The combined mask, or None when both are None.
-    """
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if a.dtype == torch.bool and b.dtype == torch.bool:
-        return a & b
-    if a.dtype == torch.bool:
-        a, b = b, a
-    if b.dtype == torch.bool:
-        return a.masked_fill(~b, float("-inf"))
-    return a + b
+BACKENDS: tuple[str, ...] = ("auto", "sdpa", "math", "fused", "flex")
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> None:
@@ -202,6 +180,11 @@ def attention(
     dropout_p: float = ...,
     need_weights: Literal[False] = ...,
     backend: str = ...,
+    softcap: float | None = ...,
+    sinks: Tensor | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sink_weights: str = ...,
 ) -> Tensor: ...
 
 
@@ -217,6 +200,11 @@ def attention(
     dropout_p: float = ...,
     need_weights: Literal[True],
     backend: str = ...,
+    softcap: float | None = ...,
+    sinks: Tensor | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sink_weights: str = ...,
 ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -232,6 +220,11 @@ def attention(
     dropout_p: float = ...,
     need_weights: bool = ...,
     backend: str = ...,
+    softcap: float | None = ...,
+    sinks: Tensor | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sink_weights: str = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 
 
@@ -246,6 +239,11 @@ def attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     backend: str = "auto",
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    sink_weights: str = "dropped",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, softmax(q kᵀ · scale + mask) · v.
 
@@ -287,13 +285,26 @@ def attention(
     _check_inputs(q, k, v, is_causal)
     dropout_p = check_probability("dropout_p", dropout_p)
     check_choice("backend", backend, BACKENDS)
-    if need_weights and backend == "sdpa":
+    mods = ScoreMods(
+        softcap=softcap,
+        sinks=sinks,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        sink_weights=sink_weights,
+    )
+    if need_weights and backend in ("sdpa", "flex"):
         raise ValueError(
-            "backend='sdpa' cannot return attention weights (torch's fused kernel never "
-            "materialises them): use backend='math' or 'auto' with need_weights=True"
+            f"backend={backend!r} cannot return attention weights (torch's fused kernels never "
+            f"materialise them): use backend='math' or 'auto' with need_weights=True"
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if mods or backend == "flex":
+        check_mask("mask", mask, (*q.shape[:-1], k.shape[-2]), "the scores' shape")
+        mods.check(q, k)
+        return _attend_modified(
+            q, k, v, mods, mask, is_causal, scale, dropout_p, need_weights, backend
+        )
     use_math = backend == "math" or (backend == "auto" and need_weights)
     tq, tk = q.shape[-2], k.shape[-2]
     if tk == 0:  # no key at all: every row is empty
@@ -332,3 +343,102 @@ def attention(
     if keep is not None:
         out = torch.where(keep, out, 0.0)
     return out
+
+
+def _attend_modified(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mods: ScoreMods,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    need_weights: bool,
+    backend: str,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`attention` under score modifications (checked), on the backend that can serve
+    them; q's leading dims are flattened into one batch dim for them."""
+    if backend == "fused":
+        raise ValueError(
+            "backend='fused' cannot apply score modifications (softcap, sinks, score_mod, "
+            "block_mask): use backend='auto', 'math' or 'flex'"
+        )
+    only_blocks = mods.softcap is None and mods.sinks is None and mods.score_mod is None
+    if backend == "sdpa":
+        if not only_blocks:
+            raise ValueError(
+                "backend='sdpa' cannot apply softcap, sinks or a score_mod (torch's fused kernel "
+                "takes a mask only): use backend='auto', 'math' or 'flex'"
+            )
+        # the block mask as a dense (B, H, T, S) bool mask: asked for by name, memory O(T·S)
+        return attention(
+            q,
+            k,
+            v,
+            mask=combine_masks(mask, _dense_block_mask(mods, q, k)),
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            backend="sdpa",
+        )
+    *lead, h, t, d = q.shape
+    s, dv = k.shape[-2], v.shape[-1]
+    batch = math.prod(lead)
+    q4 = q.reshape(batch, h, t, d)  # (B, H, T, D)
+    k4, v4 = k.reshape(batch, -1, s, d), v.reshape(batch, -1, s, dv)  # (B, Hk, S, D|Dv)
+    if len(lead) != 1:
+        mask = _flat_mask(mask, tuple(lead))
+        if mods.sinks is not None and mods.sinks.dim() > 1:
+            flat = mods.sinks.expand(*lead, h, t).reshape(batch, h, t)  # (B, H, T)
+            mods = dataclasses.replace(mods, sinks=flat)
+    if backend == "flex" or (
+        backend == "auto" and q.is_cuda and not need_weights and dropout_p == 0
+    ):
+        if dropout_p > 0:
+            raise ValueError(
+                "backend='flex' has no dropout (FlexAttention has none): use backend='math' "
+                "or 'auto', or dropout_p=0"
+            )
+        compiled = q.is_cuda and not torch.compiler.is_compiling()
+        fused = flex_forward(
+            q4, k4, v4, mods, mask=mask, is_causal=is_causal, scale=scale, compiled=compiled
+        )
+        return fused.reshape(*lead, h, t, dv)
+    out, weights = modified_attention(
+        q4,
+        k4,
+        v4,
+        mods,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        need_weights=need_weights,
+        dropout_p=dropout_p,
+    )
+    assert out is not None
+    out = out.reshape(*lead, h, t, dv)
+    if not need_weights:
+        return out
+    assert weights is not None
+    return out, weights.reshape(*lead, h, t, weights.shape[-1])
+
+
+def _flat_mask(mask: Tensor | None, lead: tuple[int, ...]) -> Tensor | None:
+    """A mask broadcastable to (*lead, H, T, S) as one broadcastable to (B, H, T, S), with
+    B = prod(lead)."""
+    if mask is None:
+        return None
+    tail = mask.shape[-3:] if mask.dim() >= 3 else (1,) * (3 - mask.dim()) + tuple(mask.shape)
+    return mask.expand(*lead, *tail).reshape(math.prod(lead), *tail)
+
+
+def _dense_block_mask(mods: ScoreMods, q: Tensor, k: Tensor) -> Tensor:
+    """The block mask as a bool mask (B, H, T, S), q's leading dims restored."""
+    *lead, h, t, _ = q.shape
+    batch = math.prod(lead)
+    device = q.device
+    at = [torch.arange(n, device=device) for n in (batch, h, t, k.shape[-2])]
+    allowed = mods.allowed(*at)
+    assert allowed is not None
+    return allowed.expand(batch, h, t, k.shape[-2]).reshape(*lead, h, t, k.shape[-2])

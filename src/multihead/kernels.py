@@ -27,6 +27,8 @@ from torch import Tensor
 __all__ = [
     "allowed",
     "causal_mask",
+    "combine_masks",
+    "add_mask",
     "scaled_weights",
     "math_attention",
     "softmax_",
@@ -90,6 +92,31 @@ def causal_mask(
     return keys <= (rows + (key_len - query_len))[:, None]  # (R, S)
 
 
+def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Both masks at once: a key is allowed when both allow it.
+
+    Bool masks are ANDed; a bool mask on a float one puts -inf where the bool mask is False; two
+    float masks add. Shapes broadcast.
+
+    Args:
+        a, b: None, bool (True = may attend) or float (added to the scores) masks.
+
+    Returns:
+        The combined mask, or None when both are None.
+    """
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    if a.dtype == torch.bool:
+        a, b = b, a
+    if b.dtype == torch.bool:
+        return a.masked_fill(~b, float("-inf"))
+    return a + b
+
+
 def softmax_(scores: Tensor) -> Tensor:
     """Softmax over the last dimension, in place when no autograd graph is recorded.
 
@@ -112,7 +139,7 @@ def softmax_(scores: Tensor) -> Tensor:
         return torch.softmax(scores, dim=-1)
 
 
-def _add_mask(scores: Tensor, mask: Tensor) -> Tensor:
+def add_mask(scores: Tensor, mask: Tensor) -> Tensor:
     """scores (..., T, S) with ``mask`` applied: -inf where a bool mask is False, a float mask
     added. In place when no graph is recorded (see :func:`softmax_`)."""
     in_place = not (torch.is_grad_enabled() and scores.requires_grad)
@@ -152,7 +179,7 @@ def scaled_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
     else:
         scores = torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
     if mask is not None:
-        scores = _add_mask(scores, mask)
+        scores = add_mask(scores, mask)
     return softmax_(scores)
 
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from multihead.head_shard import HeadShard
+from multihead.score_mods import ScoreMods
 
 __all__ = [
     "registered",
@@ -58,6 +59,9 @@ class AttentionCall:
         scale: the factor on the scores.
         query_mask: (B, T) bool, True at real (not padding) queries, when the call knows it
             (self-attention with a key mask, or a packed batch); else None.
+        mods: the call's score modifications (:class:`~multihead.score_mods.ScoreMods`:
+            softcap, sinks, score_mod, block_mask, and the sink weights convention its weights
+            are reported in); empty (false) when it has none.
 
     Args:
         heads: ``(q, k, v)``, or a function that makes them when first read (a packed batch puts
@@ -72,6 +76,8 @@ class AttentionCall:
         is_causal: bool,
         scale: float,
         query_mask: Tensor | None,
+        *,
+        mods: ScoreMods | None = None,
     ) -> None:
         self.module = module
         self._heads = heads
@@ -79,6 +85,7 @@ class AttentionCall:
         self.is_causal = is_causal
         self.scale = scale
         self.query_mask = query_mask
+        self.mods = ScoreMods() if mods is None else mods
 
     @functools.cached_property
     def _qkv(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -193,12 +200,13 @@ class Observers:
         """Run the editors in order, each seeing the previous one's replacements.
 
         Returns ``call`` itself when no editor replaced anything, else a call with the new
-        q, k, v (mask, causality, scale and query mask unchanged). Keys and values come back
-        with one head count: when an editor returns one of them per query head (H) and the
-        other per key/value head (Hk), the other is repeated to H. On a call without a mask an
-        editor may return keys and values of more positions than it was given (S' > S: the
-        earlier positions of a sequence whose later queries alone are computed, put before the
-        given ones; causality stays aligned bottom-right, each query at its own position).
+        q, k, v (mask, causality, scale, query mask and score modifications unchanged). Keys
+        and values come back with one head count: when an editor returns one of them per query
+        head (H) and the other per key/value head (Hk), the other is repeated to H. On a call
+        without a mask an editor may return keys and values of more positions than it was given
+        (S' > S: the earlier positions of a sequence whose later queries alone are computed,
+        put before the given ones; causality stays aligned bottom-right, each query at its own
+        position).
 
         Raises:
             ValueError: an editor returned something other than None or (q, k, v) of the
@@ -214,6 +222,7 @@ class Observers:
                     call.is_causal,
                     call.scale,
                     call.query_mask,
+                    mods=call.mods,
                 )
         return call
 

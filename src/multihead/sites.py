@@ -22,7 +22,7 @@ key/value heads, Dv one head's output width, E the residual width.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Union, runtime_checkable
 
@@ -35,6 +35,7 @@ from multihead.observers import ObservableAttention
 __all__ = [
     "BlockParts",
     "Block",
+    "block_norms",
     "MapsItself",
     "ModelMap",
     "Site",
@@ -195,6 +196,9 @@ class Block:
         attention: the module whose output is the block's attention write into the residual
             stream, or None where the map does not know it.
         mlp: the module whose output is its feed-forward write, or None (none, or not known).
+        norms: the norms inside it (outside its attention sites), each with its epsilon: what
+            a function that freezes a norm at a run reads (a post-attention norm, Gemma-2's
+            sandwich norms, is one of them).
     """
 
     index: int
@@ -204,6 +208,11 @@ class Block:
     reusable: bool
     attention: nn.Module | None = None
     mlp: nn.Module | None = None
+    norms: tuple[tuple[nn.Module, float], ...] = ()
+
+    def norm_eps(self, module: nn.Module) -> float | None:
+        """The epsilon of ``module`` if it is one of the block's norms, else None."""
+        return next((eps for norm, eps in self.norms if norm is module), None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -336,6 +345,7 @@ class ModelMap:
                     reusable=parts.pure and _keeps_forward(type(m)),
                     attention=getattr(m, parts.attention, None),
                     mlp=getattr(m, parts.mlp, None) if parts.mlp else None,
+                    norms=block_norms(m, [found[i].module for i in inside], _torch_norm_eps),
                 )
             )
         return cls(
@@ -377,6 +387,22 @@ def _keeps_forward(cls: type) -> bool:
     overriding it may keep state)."""
     owner = _declaring_class(cls)
     return owner is not None and getattr(cls, "forward", None) is vars(owner).get("forward", None)
+
+
+def block_norms(
+    block: nn.Module,
+    sites: Sequence[nn.Module],
+    eps_of: Callable[[nn.Module], float | None],
+) -> tuple[tuple[nn.Module, float], ...]:
+    """The norms of ``block`` outside its ``sites`` with their epsilon (``eps_of`` tells a norm:
+    its epsilon, or None for any other module)."""
+    inside = {id(m) for site in sites for m in site.modules()}
+    found = []
+    for m in block.modules():
+        eps = eps_of(m) if id(m) not in inside else None
+        if eps is not None:
+            found.append((m, eps))
+    return tuple(found)
 
 
 def _torch_norm_eps(norm: nn.Module | None) -> float | None:

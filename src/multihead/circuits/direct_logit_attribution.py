@@ -19,9 +19,20 @@ works the same, with ``W_U[a] - W_U[b]``). A head's term comes from one vector-J
 product of its layer's output projection (whichever module the per-head output is fed to),
 so nothing here depends on how a model family names its projections.
 
+A block that normalises its attention's output before adding it to the stream (Gemma-2's
+sandwich norms, OLMo-2's post-norms: ``x + N(Σ_h z_h W^O_h + b^O)``) is read the same way: N
+is frozen at this run too (its scale from this run's attention output), so it is linear and
+head h writes ``N_lin(z_h W^O_h)``; the heads' writes, ``N_lin(b^O)`` and N's bias add up to
+exactly what the block added (:mod:`multihead.circuits.attention_writes` finds N at the run).
+Gemma's norms scale by ``1 + γ``; :class:`~multihead.circuits.frozen_norm.FrozenNorm` reads
+either form. A family that caps its final logits (Gemma-2's ``final_logit_softcapping``:
+``c · tanh(logit / c)``) is explained before the cap: the unembedding's output, which is what
+adds up; the cap is monotonic, applied to that sum.
+
 It serves multihead's :class:`~multihead.models.TransformerLM` (pre-LN) and transformers
-causal LMs whose final norm and unembedding can be found (GPT-2, Llama and their kin) and whose
-blocks add their attention's output to the residual stream as it is. The direct term is only
+causal LMs whose final norm and unembedding can be found (GPT-2, Llama, Gemma-2 and their kin)
+and whose blocks add their attention's output to the stream as it is or through a norm. The
+direct term is only
 the path that skips every later layer: a head whose effect goes through later heads (a
 previous-token head feeding an induction head) has a small direct term and may still matter
 (activation patching measures that; docs/circuits.md).
@@ -42,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_index, check_positive_int, describe, is_int
+from multihead.circuits.attention_writes import AttentionWrites
 from multihead.circuits.experiment import warn_if_random
 from multihead.circuits.frozen_norm import FrozenNorm
 from multihead.circuits.input_pair import model_inputs, run_model
@@ -50,7 +62,7 @@ from multihead.circuits.steering import model_heads
 from multihead.head_shard import every_head
 from multihead.mapping import model_map
 from multihead.observers import Removable, registered
-from multihead.sites import ModelMap
+from multihead.sites import Block, ModelMap
 
 if dist.is_available():  # a torch built without distributed has no DTensor
     from torch.distributed.tensor import DTensor, Replicate
@@ -69,7 +81,8 @@ class LogitAttribution:
 
     Attributes:
         heads: (L, H, T) each head's direct contribution (NaN where a layer has fewer heads).
-        attention_bias: (L, T) each attention layer's output-projection bias (0 without one).
+        attention_bias: (L, T) each attention layer's output-projection bias (0 without one),
+            with a post-attention norm's bias where the block has one.
         mlp: (L, T) what each block adds besides its attention (its feed-forward network; 0 in
             an attention-only block).
         embeddings: (T,) the residual stream before the first block (token and position
@@ -133,7 +146,7 @@ def _final_parts(mapped: ModelMap, model: nn.Module) -> tuple[nn.Module, nn.Line
     return mapped.final_norm, mapped.unembedding
 
 
-def _blocks(mapped: ModelMap) -> list[nn.Module]:
+def _blocks(mapped: ModelMap) -> list[Block]:
     """Per attention layer, its block (one attention site each)."""
     blocks = [mapped.block_of(site.layer) for site in mapped.sites]
     for site, block in zip(mapped.sites, blocks, strict=True):
@@ -142,7 +155,7 @@ def _blocks(mapped: ModelMap) -> list[nn.Module]:
                 f"logit_attribution needs one attention module per block of a stack; "
                 f"{site.name} is not alone in one"
             )
-    return [b.module for b in blocks if b is not None]
+    return [b for b in blocks if b is not None]
 
 
 def _tokens(name: str, value: object, b: int, t: int, vocab: int, device: torch.device) -> Tensor:
@@ -215,7 +228,8 @@ def logit_attribution(
     Raises:
         ValueError: a model without a final norm or unembedding that can be found, a final norm
             that is neither a LayerNorm nor an RMSNorm as read here, blocks that are not a
-            stack of one attention module each, token ids out of range.
+            stack of one attention module each, an attention output that goes through
+            anything but one norm of its block before the stream, token ids out of range.
         TypeError: answer/wrong that are not token ids; inputs of another kind.
     """
     check_choice("reduce", reduce, ("mean", "none"))
@@ -226,6 +240,7 @@ def logit_attribution(
     mapped = model_map(model)
     norm, unembedding = _final_parts(mapped, model)
     blocks = _blocks(mapped)
+    writes = AttentionWrites(mapped, blocks)
     hidden: dict[str, list[Any]] = {"in": [None] * len(blocks), "out": [None] * len(blocks)}
     norm_io: list[Tensor] = []
     fed: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
@@ -248,7 +263,8 @@ def logit_attribution(
 
     def hooks() -> Iterator[Removable]:
         for i, block in enumerate(blocks):
-            yield block.register_forward_hook(on_block(i), with_kwargs=True)
+            yield block.module.register_forward_hook(on_block(i), with_kwargs=True)
+        yield from writes.hooks()
         for layer, site in enumerate(mapped.sites):
             for m in site.module.modules():
                 if m is not site.module:
@@ -268,6 +284,16 @@ def logit_attribution(
             f"logit_attribution needs the last block's output to go straight into the final "
             f"norm ({type(norm).__name__}); {type(model).__name__} changes it in between"
         )
+    for i in range(1, len(blocks)):
+        given, previous = hidden["in"][i], hidden["out"][i - 1]
+        if given is None or previous is None or not torch.equal(given, previous):
+            # a hybrid's other mixers (linear attention, Mamba) write between the attention
+            # blocks: their writes would be nobody's term
+            raise ValueError(
+                f"logit_attribution needs each attention block to take the previous one's "
+                f"output; in {type(model).__name__} something writes to the stream between "
+                f"{blocks[i - 1].name} and {blocks[i].name} (a layer without attention?)"
+            )
     weight, vocab_bias = unembedding.weight, unembedding.bias
     vocab = weight.shape[0]
 
@@ -330,18 +356,26 @@ def logit_attribution(
                 f"logit_attribution cannot find the output projection of layer {layer} ({name}): "
                 f"no module inside it is fed the per-head output"
             )
+        # a post-attention norm, frozen at this run, is linear: the heads' writes go through it
+        post = writes.norm(layer, "logit_attribution", rounding, dtype)
+        read_here = read if post is None else post.read(read)
         with torch.enable_grad():
             z = flat.detach().requires_grad_()
             written = projection(z)  # (B, T, E): Σ_h z_h W^O_h + b^O
-            (back,) = torch.autograd.grad((written.to(dtype) * read).sum(), z)
-        bias = term(projection(torch.zeros_like(flat)))  # (B, T): b^O's share
+            (back,) = torch.autograd.grad((written.to(dtype) * read_here).sum(), z)
+        # (B, T): b^O's share (and the post-attention norm's bias's)
+        bias = (projection(torch.zeros_like(flat)).to(dtype) * read_here).sum(-1)
+        if post is not None and post.beta is not None:
+            bias = bias + (post.beta * read).sum(-1)
         per_head_term = (flat.to(dtype) * back.to(dtype)).unflatten(-1, out.shape[2:]).sum(-1)
         # under tensor parallelism each rank has the terms of the heads it holds: gather all
         per_head_term = every_head(per_head_term, 2, found[layer][1].head_shard)  # (B, T, H)
         heads[layer, : per_head_term.shape[2]] = batch(per_head_term).movedim(-1, 0)
         attention_bias[layer] = batch(bias)
         block_in, block_out = hidden["in"][layer], hidden["out"][layer]
-        mlp[layer] = batch(term(block_out.to(dtype) - block_in.to(dtype) - written.detach()))
+        added = writes.written(layer)  # what the block added for its attention
+        added = written.detach() if added is None else added
+        mlp[layer] = batch(term(block_out.to(dtype) - block_in.to(dtype) - added.to(dtype)))
     zero = torch.zeros(shape, dtype=dtype, device=x.device)
     found_terms = LogitAttribution(
         heads=heads,

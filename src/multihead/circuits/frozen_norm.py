@@ -1,11 +1,14 @@
 """A norm with its scale frozen at one run: an affine map, so a sum splits through it.
 
-A LayerNorm computes ``γ ⊙ (x - mean x) / σ(x) + β``, an RMSNorm ``γ ⊙ x / rms(x)``. With σ
+A LayerNorm computes ``γ ⊙ (x - mean x) / σ(x) + β``, an RMSNorm ``γ ⊙ x / rms(x)`` (Gemma's
+RMSNorm stores the offset of its scale from 1: ``(1 + w) ⊙ x / rms(x)``, read as γ = 1 + w). With σ
 (B, T) taken from one run's residual stream x and held fixed, the norm is affine in x, and the
 stream's parts (embeddings, each head's write, each feed-forward's) go through it one by one:
 ``norm(x) = Σ_c linear(c) + β``. Direct logit attribution and the logit lens's per-head reading
-are this split of the final norm; QK attribution splits a block's pre-attention norm the same
-way.
+are this split, through the final norm and through a norm a block applies to its attention's
+output before adding it to the stream (Gemma-2's and OLMo-2's post-attention norms: there x is
+the attention's output, and its parts are the heads' writes); QK attribution splits a block's
+pre-attention norm the same way.
 
 Shapes: B batch, T tokens, E width.
 """
@@ -37,7 +40,7 @@ class FrozenNorm:
     """A LayerNorm or RMSNorm (the final one, or a block's) with its scale frozen at one run.
 
     Attributes:
-        gamma: (E,) the norm's weight (ones without one).
+        gamma: (E,) the norm's scale: its weight, or 1 + its weight (Gemma), ones without one.
         beta: (E,) its bias, or None (RMSNorm, or a LayerNorm without bias).
         sigma: (B, T, 1) the scale of the run: σ for LayerNorm, rms for RMSNorm.
         centred: whether the norm subtracts the mean (LayerNorm).
@@ -62,27 +65,33 @@ class FrozenNorm:
         must give ``y`` within a few steps of ``rounding`` (the dtype the norm ran in).
 
         Raises:
-            ValueError: ``norm`` is neither a LayerNorm nor an RMSNorm as read here (``caller``
-                names who needs it).
+            ValueError: ``norm`` is neither a LayerNorm nor an RMSNorm (scale γ or 1 + γ) as
+                read here (``caller`` names who needs it), or ``eps`` is None.
         """
-        gamma = _whole(getattr(norm, "weight", None))
+        weight = _whole(getattr(norm, "weight", None))
         beta = _whole(getattr(norm, "bias", None))
-        gamma = gamma.to(x.dtype) if isinstance(gamma, Tensor) else torch.ones_like(x[0, 0])
         beta = beta.to(x.dtype) if isinstance(beta, Tensor) else None
         centred = isinstance(norm, nn.LayerNorm)
+        if isinstance(weight, Tensor):
+            # the scale is γ, or 1 + γ (Gemma's norms store the scale's offset from 1): the
+            # one that gives the run's output is the norm's
+            gammas = [weight.to(x.dtype), 1.0 + weight.to(x.dtype)]
+        else:
+            gammas = [torch.ones_like(x[0, 0])]
         if eps is not None:
             c = x - x.mean(-1, keepdim=True) if centred else x
             sigma = (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (B, T, 1)
-            frozen = cls(gamma, beta, sigma, centred)
-            rebuilt = frozen.linear(x) + (beta if beta is not None else 0.0)
             # 1e-3 in float32; in half precision a few of its rounding steps (bfloat16: 3e-2)
             rtol = max(1e-3, 4 * rounding)
             tolerance = rtol * float(y.abs().max().clamp(min=1.0))
-            if torch.allclose(rebuilt, y, rtol=rtol, atol=tolerance):
-                return frozen
+            for gamma in gammas:
+                frozen = cls(gamma, beta, sigma, centred)
+                rebuilt = frozen.linear(x) + (beta if beta is not None else 0.0)
+                if torch.allclose(rebuilt, y, rtol=rtol, atol=tolerance):
+                    return frozen
         raise ValueError(
-            f"{caller} reads a LayerNorm or RMSNorm (γ ⊙ x / rms(x)); the norm "
-            f"{type(norm).__name__} computes something else"
+            f"{caller} reads a LayerNorm or RMSNorm (γ ⊙ x / rms(x), or (1 + γ) ⊙ x / rms(x)); "
+            f"the norm {type(norm).__name__} computes something else"
         )
 
     def linear(self, c: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from multihead import kernels
 from multihead.hf.sites import AttentionSite, attention_sites
 from multihead.observers import AttentionCall, registered
-from multihead.sites import Block, ModelMap, Site
+from multihead.sites import Block, ModelMap, Site, block_norms
 
 __all__ = ["transformers_map", "position_limit", "NORM_NAMES", "MLP_NAMES"]
 
@@ -162,6 +162,7 @@ def _blocks(model: nn.Module, sites: list[Site]) -> tuple[Block, ...]:
                 reusable=reusable,
                 attention=attention if attention is not module else None,
                 mlp=mlp,
+                norms=block_norms(module, [sites[i].module for i in layers], _block_norm_eps),
             )
         )
     return tuple(blocks)
@@ -201,6 +202,12 @@ def _norm_eps(norm: nn.Module | None) -> float | None:
         if isinstance(eps, float):
             return eps
     return None
+
+
+def _block_norm_eps(module: nn.Module) -> float | None:
+    """A norm's epsilon (a module whose class is named a norm: ``LayerNorm``, ``RMSNorm``,
+    ``Gemma2RMSNorm``, ...); None for any other module."""
+    return _norm_eps(module) if "norm" in type(module).__name__.lower() else None
 
 
 def _embedding_width(model: nn.Module) -> int | None:

@@ -10,14 +10,14 @@ This module sits below :mod:`multihead.hf.sites`: it reads a site through that p
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
-import torch
 from torch import Tensor, nn
 
 from multihead import functional, kernels
 from multihead.head_shard import held_heads
 from multihead.observers import AttentionCall, ObservableAttention
+from multihead.score_mods import ScoreMods
 
 # The oldest transformers the bridge is tested on (pyproject.toml's hf extra says the same;
 # a test holds them equal). Older 5.x releases route fewer families (T5 from 5.15) and lack
@@ -78,7 +78,7 @@ def family_name(module: nn.Module) -> str:
     return f"{model_type} ({type(module).__name__})" if model_type else type(module).__name__
 
 
-def _refuse(module: nn.Module, feature: str) -> None:
+def _refuse(module: nn.Module, feature: str) -> NoReturn:
     raise NotImplementedError(
         f"attn_implementation={NAME!r} does not support {feature}, which the {family_name(module)} "
         f"attention passed; load this model with attn_implementation='eager' instead"
@@ -114,20 +114,21 @@ def attention_forward(
         scaling: the factor on the scores; default 1 / sqrt(D).
         is_causal: overrides ``module.is_causal``.
         position_bias: (B or 1, H, T, S) added to the scores (T5-style relative bias).
-        **kwargs: ``output_attentions`` (return the weights), ``s_aux`` / ``sinks`` (attention
-            sinks: one logit per head, or broadcastable to (B, H, T, 1)), ``softcap`` (refused
-            when set), and what the mask already encodes (``sliding_window``, ...).
+        **kwargs: ``output_attentions`` (return the weights), ``softcap`` (attention-logit
+            softcapping: scores → c · tanh(scores / c) after the scale, before the mask),
+            ``s_aux`` / ``sinks`` (attention sinks: one logit per head (H,), or per query,
+            (B, H, T, 1)), and what the mask already encodes (``sliding_window``, ...).
 
     Returns:
         ``(out (B, T, H, Dv), weights (B, H, T, S) or None)``: ``out`` after the module's
-        observers, ``weights`` only with ``output_attentions=True``. The module's q/k/v editors
-        (if any) replace q, k, v before attention; weights are then those of the edited call.
+        observers, ``weights`` only with ``output_attentions=True``, with sinks in the family's
+        own convention (:func:`sink_weights_of`). The module's q/k/v editors (if any) replace
+        q, k, v before attention; weights are then those of the edited call.
     """
-    if kwargs.get("softcap") is not None:
-        _refuse(module, f"attention-logit softcapping (softcap={kwargs['softcap']})")
-    sink = kwargs.get("s_aux")
-    if sink is None:
-        sink = kwargs.get("sinks")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     unknown = sorted(k for k, v in kwargs.items() if k not in _HARMLESS and _carries_data(v))
     if unknown:
         # a tensor or number sdpa would ignore but eager may honour (sparse indices, head masks,
@@ -153,43 +154,39 @@ def attention_forward(
         # (create_position_bias_mask, which older transformers lack); causality, if any, stays
         # a flag (the mask was None, so S == T here and bottom-right equals top-left).
         mask = functional.combine_masks(position_bias, attention_mask)
+    if sinks is not None:
+        sinks = _sink_logits(module, sinks, query)
+    mods = ScoreMods(
+        softcap=float(softcap) if softcap is not None else None,
+        sinks=sinks,
+        sink_weights=sink_weights_of(module),
+    )
     want_weights = _weights_requested(kwargs)
     site: ObservableAttention | None = getattr(module, SITE, None)
-    observed = site is not None and bool(site.observers)
-    if sink is not None:
-        if observed:
-            _refuse(module, "observing heads with attention sinks (s_aux/sinks)")
-        if want_weights:
-            # families disagree on what their weights are with sinks (GPT-OSS drops the sink's
-            # share, Granite-SWA returns the plain softmax): no one answer equals them all
-            _refuse(module, "output_attentions with attention sinks (s_aux/sinks)")
-        key, value, mask = _with_sink(module, query, key, value, mask, causal, sink)
-        causal = False
     call: AttentionCall | None = None
-    if observed:
-        assert site is not None
+    if site is not None and site.observers:
         _check_heads(module, site, query, value)
         scale = _scale(scaling, query)
-        call = AttentionCall(site, (query, key, value), mask, causal, scale, _real_queries(mask))
+        call = AttentionCall(
+            site, (query, key, value), mask, causal, scale, _real_queries(mask), mods=mods
+        )
         if site.observers.editing:
             call = site.observers.edit(call)
             query, key, value = call.q, call.k, call.v
+    common: dict[str, Any] = dict(
+        mask=mask,
+        is_causal=causal,
+        scale=scaling,
+        dropout_p=dropout,
+        softcap=mods.softcap,
+        sinks=mods.sinks,
+        sink_weights=mods.sink_weights,
+    )
     weights: Tensor | None = None
     if want_weights:
-        out, weights = functional.attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            is_causal=causal,
-            scale=scaling,
-            dropout_p=dropout,
-            need_weights=True,
-        )
+        out, weights = functional.attention(query, key, value, need_weights=True, **common)
     else:
-        out = functional.attention(
-            query, key, value, mask=mask, is_causal=causal, scale=scaling, dropout_p=dropout
-        )
+        out = functional.attention(query, key, value, **common)
     out = out.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
     if call is not None:
         assert site is not None
@@ -214,7 +211,8 @@ def _check_heads(
 
 
 # Keywords the attention call may carry that change nothing here: the mask already encodes
-# them (sliding_window, packed sequences), they are bookkeeping, or they are handled above.
+# them (sliding_window, packed sequences), they are bookkeeping, or they are handled above
+# (softcap and sinks go to the core function).
 _HARMLESS = frozenset(
     {
         "output_attentions",
@@ -241,42 +239,40 @@ _HARMLESS = frozenset(
 )
 
 
-def _with_sink(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    mask: Tensor | None,
-    causal: bool,
-    sink: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention sinks as one more key: a zero key and value whose score is the sink's logit.
+# What each family's eager attention returns as its weights with sinks (read from transformers'
+# source, held to eager's output_attentions by tests/test_hf_score_mods.py): GPT-OSS and its kin
+# drop the sink's share of the softmax over keys and sink (rows sum to less than 1); Granite's
+# SWA models scale the output by the keys' share, sigmoid(logsumexp(scores) - sink), and return
+# the softmax over the keys alone. A family not listed gets "dropped", the common choice;
+# capture(..., sink_weights=) picks any convention for any family.
+SINK_WEIGHTS: dict[str, str] = {
+    "deepseek_v4": "dropped",
+    "flint": "dropped",
+    "gpt_oss": "dropped",
+    "inkling2_text": "dropped",
+    "mimo_v2_flash": "dropped",
+    "openai_privacy_filter": "dropped",
+    "granite_swa": "plain",
+    "granitemoe_swa": "plain",
+}
 
-    softmax over [scores, sink] then dropping the sink's column (eager's formula) equals
-    attending to an extra key with value 0 and additive mask ``sink``: the sink takes its share
-    of the softmax and adds nothing to the output. The mask becomes float (B, H, T, S + 1).
 
-    Returns ``(key, value, mask)`` with the extra key last; ``is_causal`` is folded into mask.
-    """
-    b, h, t, _ = query.shape
-    s = key.shape[2]
-    if sink.dim() == 1 and sink.shape[0] == h:
-        sink = sink.reshape(1, h, 1, 1)  # one logit per head (GPT-OSS, ...)
-    elif sink.dim() != 4:
-        _refuse(module, f"attention sinks of shape {tuple(sink.shape)}")
-    dtype = query.dtype
-    causal_keys = kernels.causal_mask(t, s, device=query.device) if causal else None
-    seen = functional.combine_masks(causal_keys, mask)
-    # as an additive mask: 0 where a bool mask lets a key be seen, -inf where not; float added
-    scores = functional.combine_masks(query.new_zeros(1, 1, t, s), seen)
-    assert scores is not None
-    scores = scores.to(dtype).expand(b, h, t, s)
-    column = sink.to(dtype).expand(b, h, t, 1)
-    zeros_k = key.new_zeros(*key.shape[:2], 1, key.shape[3])
-    zeros_v = value.new_zeros(*value.shape[:2], 1, value.shape[3])
-    key = torch.cat([key, zeros_k], dim=2)
-    value = torch.cat([value, zeros_v], dim=2)
-    return key, value, torch.cat([scores, column], dim=-1)
+def sink_weights_of(module: nn.Module) -> str:
+    """The weights convention with sinks of ``module``'s family (``"dropped"`` or
+    ``"plain"``: see :data:`SINK_WEIGHTS` and :mod:`multihead.score_mods`)."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    return SINK_WEIGHTS.get(str(model_type), "dropped")
+
+
+def _sink_logits(module: nn.Module, sinks: Tensor, query: Tensor) -> Tensor:
+    """The sinks as the core takes them: one logit per head (H,), or per query (B, H, T) from
+    a family's (B, H, T, 1) (Inkling-2 projects one from each token)."""
+    h = query.shape[1]
+    if sinks.dim() == 1 and sinks.shape[0] == h:
+        return sinks
+    if sinks.dim() == 4 and sinks.shape[-1] == 1:
+        return sinks[..., 0]
+    _refuse(module, f"attention sinks of shape {tuple(sinks.shape)}")
 
 
 def _real_queries(mask: Tensor | None) -> Tensor | None:

@@ -37,17 +37,45 @@ def _calls(cls: Any) -> int:
     return max(1, source.count("attention_interface("))
 
 
+def _projects(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` holds a weight of two or more dimensions (a projection).
+
+    Attention over tokens computes its queries, keys and values from the hidden states with
+    projections of its own; a routed module without any attends over what it is handed instead
+    (Inkling-2's attention residuals: learned queries, parameters of the module itself, over the
+    outputs of earlier blocks, passed with the positions as the heads' axis): it is not an
+    attention layer of the model.
+    """
+    return any(
+        t.dim() >= 2 for child in module.children() for t in (*child.parameters(), *child.buffers())
+    )
+
+
+@functools.cache
+def _softmax(cls: Any) -> bool:
+    """Whether ``cls`` computes a softmax anywhere in its code (linear attention does not; its
+    whole class is read: Pegasus-X's global-local attention computes it in a helper method)."""
+    try:
+        return "softmax" in inspect.getsource(cls)
+    except (OSError, TypeError, AttributeError):
+        return True
+
+
 def _unrouted_attention(
     modules: list[tuple[str, nn.Module]], routed_names: list[str]
 ) -> nn.Module | None:
     """An attention module among a root's ``modules`` that bypasses the interface (hybrid
     families), if any; ``routed_names`` are the routed ones.
 
-    Recognised by name (``*Attention*`` with weights of its own) with no routed module above or
-    below it: observing only the routed ones would renumber the layers silently.
+    Recognised by name (``*Attention*`` with weights of its own, computing a softmax) with no
+    routed module above or below it: observing only the routed ones would renumber the layers
+    silently. Linear attention (no softmax: MiniMax's lightning attention) has no attention
+    weights to observe: like the Mamba or convolution mixers of other hybrids it is not an
+    attention layer, and the layers are the model's softmax attention modules.
     """
     for name, m in modules:
-        if "Attention" not in type(m).__name__ or routed(type(m)):
+        kind = cast(Any, type(m))
+        if "Attention" not in kind.__name__ or routed(kind) or not _softmax(kind):
             continue
         if not any(isinstance(c, nn.Linear) or hasattr(c, "nf") for c in m.children()):
             continue
@@ -208,7 +236,7 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
             if not prefix
             else [(n[len(prefix) + 1 :], m) for n, m in modules if n.startswith(f"{prefix}.")]
         )
-        own = [(n, m) for n, m in inside if routed(type(m))]
+        own = [(n, m) for n, m in inside if routed(type(m)) and _projects(m)]
         family = getattr(root.config, "model_type", type(root).__name__)
         if not own:
             raise ValueError(

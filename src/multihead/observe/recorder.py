@@ -35,7 +35,10 @@ class CapturedAttention:
         name: its qualified module name, e.g. ``"encoder.layers.3.self_attn"``.
         heads: the query heads kept (H').
         rows: the query rows kept (R).
-        weights: (B, H', R, S) softmax weights, detached.
+        weights: (B, H', R, S) softmax weights, detached; with sinks and
+            ``sink_weights="column"``, S + 1 columns (the last the sink's share). Captured with
+            ``received=True``: (B, H', S), the attention each key received from the rows (the
+            weights summed over them).
     """
 
     layer: int
@@ -98,6 +101,8 @@ def capture(
     rows: Rows = None,
     device: torch.device | str | None = None,
     chunk_size: int | None = None,
+    sink_weights: str | None = None,
+    received: bool = False,
 ) -> Iterator[Recorder]:
     """Record attention weights of a model built from :class:`~multihead.MultiHeadAttention`.
 
@@ -118,9 +123,19 @@ def capture(
         device: where to keep the weights (e.g. ``"cpu"``); default the model's device.
         chunk_size: compute the weights this many rows at a time, bounding the temporaries;
             default all the chosen rows at once.
+        sink_weights: for a layer with attention sinks, which weights to record:
+            ``"dropped"`` (the keys' shares of the softmax over keys and sink; rows sum to
+            less than 1), ``"column"`` (those and the sink's share as a last column, S + 1) or
+            ``"plain"`` (the softmax over the keys alone); default each layer's own (its
+            family's, for a transformers model; see docs/formulations.md).
+        received: record, instead of each row's weights, the attention each key receives
+            from the chosen rows: the weights summed over the rows, (B, H', S), folded in a
+            chunk of rows at a time, so that memory stays O(B · H' · chunk_size · S) however
+            many rows are chosen (``rows=None``: every query's).
 
     Yields:
-        A :class:`Recorder`; ``rec.weights`` lists one (B, H', R, S) tensor per recorded call.
+        A :class:`Recorder`; ``rec.weights`` lists one (B, H', R, S) tensor per recorded call
+        ((B, H', S) with ``received``).
         Under tensor parallelism (a transformers model loaded with a ``tp_plan``; every rank
         runs the block) each rank computes the chosen heads it holds and every rank's recorder
         gets all of them, (B, H', R, S) with global head numbers (``torch.distributed``
@@ -143,14 +158,24 @@ def capture(
     # T -> the chosen rows as ints: recorded from Python, never read back from the device
     row_values_of: dict[int, tuple[int, ...]] = {}
 
+    if not isinstance(received, bool):
+        raise TypeError(f"received must be a bool, got {type(received).__name__}")
+    done: dict[int, int] = {}  # slot -> the rows of its current call folded in so far
+
     def consume(slot: int, row_ids: Tensor, w: Tensor, t: int, call: AttentionCall) -> None:
         parts = pending.setdefault(slot, [])
-        parts.append(w if device is None else w.to(device))
+        if received:  # (B, H', R, S) -> (B, H', S), summed as the chunks come
+            summed = w.sum(2, dtype=torch.promote_types(w.dtype, torch.float32))
+            summed = summed if device is None else summed.to(device)
+            parts[:] = [summed if not parts else parts[0] + summed]
+        else:
+            parts.append(w if device is None else w.to(device))
+        done[slot] = done.get(slot, 0) + w.shape[2]
         if t not in row_values_of:
             row_values_of[t] = tuple(row_values(rows, t))
         chosen = row_values_of[t]
-        if sum(p.shape[2] for p in parts) == len(chosen):
-            del pending[slot]
+        if done[slot] == len(chosen):
+            del pending[slot], done[slot]
             layer, name, head_list = slots[slot]
             all_heads = range(w.shape[1]) if head_list is None else head_list
             recorder.records.append(
@@ -159,12 +184,24 @@ def capture(
                     name=name,
                     heads=tuple(all_heads),
                     rows=chosen,
-                    weights=parts[0] if len(parts) == 1 else torch.cat(parts, dim=2),
+                    weights=(
+                        parts[0].to(w.dtype)
+                        if received
+                        else parts[0]
+                        if len(parts) == 1
+                        else torch.cat(parts, dim=2)
+                    ),
                 )
             )
 
     with observe_rows(
-        model, layers=layers, heads=heads, rows=rows, chunk_size=chunk_size, consume=consume
+        model,
+        layers=layers,
+        heads=heads,
+        rows=rows,
+        chunk_size=chunk_size,
+        consume=consume,
+        sink_weights=sink_weights,
     ) as installed:
         slots.extend(installed)
         yield recorder

@@ -13,10 +13,16 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from multihead import functional, kernels
-from multihead._checks import check_index, check_indices, check_optional_positive_int
+from multihead import kernels
+from multihead._checks import (
+    check_choice,
+    check_index,
+    check_indices,
+    check_optional_positive_int,
+)
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention, registered
+from multihead.score_mods import SINK_WEIGHTS, modified_attention
 from multihead.sites import HeadName, is_head, parse_head
 
 __all__ = [
@@ -187,7 +193,11 @@ def slice_mask(mask: Tensor | None, heads: Tensor | None, rows: Tensor) -> Tenso
 
 
 def row_weights(
-    call: AttentionCall, heads: Tensor | None, rows: Tensor, causal: Tensor | None
+    call: AttentionCall,
+    heads: Tensor | None,
+    rows: Tensor,
+    causal: Tensor | None,
+    sink_weights: str | None = None,
 ) -> Tensor:
     """Attention weights (B, H', R, S) of one call, for the chosen heads and query rows.
 
@@ -206,8 +216,30 @@ def row_weights(
             not causal or every chosen row sees every key (the caller knows the rows as ints
             and keeps the mask between calls). The core's own ``is_causal`` would align a
             (R, S) problem bottom-right, which is a different mask.
+        sink_weights: for a call with sinks, ``"dropped"``, ``"column"`` (then S + 1 columns)
+            or ``"plain"``; default the call's own (``call.mods.sink_weights``).
+
+    A call with score modifications (``call.mods``: softcap, sinks, score_mod, block_mask)
+    has its rows recomputed under them by :func:`multihead.score_mods.modified_attention`, at
+    the same O(B · H' · R · S).
     """
     q, k, mask = call.q, call.k, call.mask
+    if call.mods:
+        _, weights = modified_attention(
+            q,
+            k,
+            None,
+            call.mods,
+            mask=mask,
+            is_causal=call.is_causal,
+            scale=call.scale,
+            rows=rows,
+            heads=heads,
+            need_weights=True,
+            sink_weights=sink_weights,
+        )
+        assert weights is not None
+        return weights
     h, hk = q.shape[1], k.shape[1]
     t, s = q.shape[2], k.shape[2]
     if heads is not None:
@@ -217,7 +249,7 @@ def row_weights(
     # else grouped heads keep their Hk key heads: scaled_weights shares each among its queries
     compute = torch.promote_types(q.dtype, torch.float32)
     q = q.index_select(2, rows).to(compute) * call.scale  # (B, H', R, D), a fresh tensor
-    m = functional.combine_masks(slice_mask(mask, heads, rows), causal)
+    m = kernels.combine_masks(slice_mask(mask, heads, rows), causal)
     weights = kernels.scaled_weights(q, k.to(compute), m)  # (B, H', R, S)
     if mask is not None or (causal is not None and t > s):  # only then can a row be empty
         assert m is not None
@@ -259,15 +291,19 @@ def observe_rows(
     rows: Rows,
     chunk_size: int | None,
     consume: Consumer,
+    sink_weights: str | None = None,
 ) -> Iterator[list[tuple[int, str, list[int] | None]]]:
     """Install observers on the chosen attention modules; yields (layer, name, heads) per slot.
 
     Each call of a chosen module hands its weights to ``consume`` chunk by chunk of query rows.
     The observers are removed on exit, even when the body raised. A module whose heads are split
     over ranks (``site.head_shard``, tensor parallelism) computes the chosen heads each rank
-    holds there and gathers them: ``consume`` sees every chosen head, on every rank.
+    holds there and gathers them: ``consume`` sees every chosen head, on every rank. A call with
+    sinks reports its weights in ``sink_weights`` (default: each call's own convention).
     """
     check_optional_positive_int("chunk_size", chunk_size)
+    if sink_weights is not None:
+        check_choice("sink_weights", sink_weights, SINK_WEIGHTS)
     row_index = RowIndex(rows)
     found = attention_modules(model)
     if not found:
@@ -348,7 +384,7 @@ def observe_rows(
                                 causal_masks.clear()  # one length at a time: texts vary
                             causal_masks[key] = kernels.causal_mask(t, s, rows=chunk)
                         causal = causal_masks[key]
-                    w = row_weights(call, chosen_heads, chunk, causal)
+                    w = row_weights(call, chosen_heads, chunk, causal, sink_weights)
                     if gather is not None:
                         w = gather(w, dim=1)  # (B, H', R, S): every chosen head, on every rank
                     consume(slot, chunk, w, t, call)

@@ -165,7 +165,10 @@ def accumulate_statistics(
         heads=heads,
         rows=None,
         chunk_size=chunk_size,
-        consume=lambda slot, rows, w, t, call: acc.add_chunk(slot, w, t, chunks(call, rows, w)),
+        # a sink's column (a call whose own convention is "column") is no key's: left out
+        consume=lambda slot, rows, w, t, call: acc.add_chunk(
+            slot, w[..., : call.k.shape[2]], t, chunks(call, rows, w)
+        ),
     ):
         with torch.no_grad():
             run()
