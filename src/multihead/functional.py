@@ -400,6 +400,15 @@ def _attend_modified(
                 "backend='flex' has no dropout (FlexAttention has none): use backend='math' "
                 "or 'auto', or dropout_p=0"
             )
+        if (
+            q.device.type == "cpu"
+            and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))
+        ):
+            raise ValueError(
+                "backend='flex' has no backward on the CPU (torch's FlexAttention has none "
+                "there): use backend='math' or 'auto' for gradients"
+            )
         compiled = q.is_cuda and not torch.compiler.is_compiling()
         fused = flex_forward(
             q4, k4, v4, mods, mask=mask, is_causal=is_causal, scale=scale, compiled=compiled
