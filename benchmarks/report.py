@@ -178,6 +178,13 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "passes on gloo ranks.",
     ),
     (
+        "score_mods",
+        "`functional.attention(softcap=50)` against sdpa without the softcap, on Gemma-2-2b's "
+        "attention shape, and `capture(rows=[-1])` on a stack of softcapped attention layers; "
+        "interleaved rounds, wall clock and one thread's CPU time (which a busy machine "
+        "disturbs less). FlexAttention's compile time is said apart.",
+    ),
+    (
         "tensor_parallel",
         'A random Llama-shaped model loaded with `tp_plan="auto"` on gloo ranks against one '
         "process, `capture(rows=[-1])`; the busier rank's figures. PSS counts a page both ranks"
