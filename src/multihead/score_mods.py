@@ -295,6 +295,10 @@ def modified_attention(
     # all rows in order, causal and nothing else hiding keys, no row empty
     causal_only = is_causal and rows is None and m4 is None and mods.block_mask is None and t <= s
     outs: list[Tensor] = []
+    # outside autograd, several blocks' outputs go straight into one buffer
+    filled = None
+    if v is not None and r > step and not (torch.is_grad_enabled() and _any_grad(q, k, v, mods)):
+        filled = torch.empty(b, hq, r, v.shape[-1], dtype=dtype, device=device)
     weights: list[Tensor] = []
     for start in range(0, r, step):
         rc = row_ids[start : start + step]  # (Rc,)
@@ -302,7 +306,8 @@ def modified_attention(
         end = s if not (is_causal and rows is None) else min(s, max(1, start + len(rc) + s - t))
         keys = torch.arange(end, device=device)
         # the 1/softcap rides on q's scale: softcap · tanh(q kᵀ · scale / softcap), one pass less
-        qc = q.index_select(2, rc).to(compute) * (scale / cap)  # (B, H', Rc, D), fresh
+        picked = q[:, :, start : start + len(rc)] if rows is None else q.index_select(2, rc)
+        qc = picked.to(compute) * (scale / cap)  # (B, H', Rc, D), fresh
         kc = k[:, :, :end]
         if group > 1:  # the query heads of one key head, stacked as rows, share its keys
             grouped = qc.reshape(b, hk, group * len(rc), d)  # (B, Hk, G·Rc, D)
@@ -354,7 +359,11 @@ def modified_attention(
                 o = o.view(b, hq, len(rc), vc.shape[-1])  # (B, H', Rc, Dv)
             else:
                 o = torch.matmul(used, vc)  # (B, H', Rc, Dv)
-            outs.append((o * share if share is not None else o).to(dtype))
+            o = (o * share if share is not None else o).to(dtype)
+            if filled is not None:  # written in place: no concatenation at the end
+                filled[:, :, start : start + len(rc)] = o
+            else:
+                outs.append(o)
         if need_weights:
             wc = w * share if share is not None and convention != "plain" else w
             if end < s:
@@ -365,9 +374,18 @@ def modified_attention(
                 wc = torch.cat([wc, last if keep is None else torch.where(keep, last, 1.0)], -1)
             weights.append(wc.to(dtype))
     width = s + 1 if column else s
-    out = _joined(outs, (b, hq, r, v.shape[-1]), dtype, device) if v is not None else None
+    out = filled
+    if v is not None and filled is None:
+        out = _joined(outs, (b, hq, r, v.shape[-1]), dtype, device)
     weight = _joined(weights, (b, hq, r, width), dtype, device) if need_weights else None
     return out, weight
+
+
+def _any_grad(q: Tensor, k: Tensor, v: Tensor, mods: ScoreMods) -> bool:
+    """Whether a graph may be recorded: an input, the sinks or a score_mod's captures need one
+    (a score_mod is opaque: assume it may)."""
+    tensors = (q, k, v, mods.sinks)
+    return mods.score_mod is not None or any(x is not None and x.requires_grad for x in tensors)
 
 
 def _free(x: Tensor) -> bool:
