@@ -121,3 +121,25 @@ def test_bench_real_model_quick(tmp_path: Path) -> None:
     (sweep,) = payload["importance"]
     assert sweep["heads"] == 270 and sweep["plain_cpu_s"] > 0 and sweep["ablation_cpu_s"] > 0
     assert payload["report"]["tables"][0]["rows"]
+
+
+@pytest.mark.slow
+def test_bench_score_mods_quick(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_score_mods.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "score_mods_quick.json").read_text(encoding="utf-8"))
+    assert payload["machine"]["torch"]
+    for clock in ("wall", "cpu"):
+        result = payload["results"][clock]
+        assert set(result["softcap"]) == {"multihead, softcap"}
+        assert set(result["capture"]) == {"capture(rows=[-1])"}
+        assert all(value > 0 for value in result["softcap_seconds"].values())
+    assert payload["report"]["tables"][0]["target_column"] == "target"
+    assert "capture(rows=[-1]) ÷ forward" in done.stdout

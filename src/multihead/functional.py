@@ -14,7 +14,18 @@ query i sees keys j <= i + (S - T), which stays right when cached keys make S > 
 that may attend to no key at all gives zeros (and zero weights), never NaN, with finite
 gradients. NaN in the inputs propagates to the rows it touches, on every backend.
 
-Backends:
+Score modifications (:mod:`multihead.score_mods`; docs/formulations.md has each formula and
+the families that use it), applied in this order to s = q kᵀ · scale:
+
+    s ← softcap · tanh(s / softcap)          ``softcap`` (Gemma-2: after the scale)
+    s ← score_mod(s, b, h, q_idx, kv_idx)    ``score_mod`` (FlexAttention's signature)
+    s ← s + mask, −inf where the bool mask, ``block_mask`` (a FlexAttention ``BlockMask``) or
+        causality hides a key
+    p = softmax over the keys and one sink logit per head (``sinks``), whose value is 0
+
+With sinks, ``sink_weights`` says which weights come back: ``"dropped"`` (the keys' shares;
+rows sum to less than 1), ``"column"`` (and the sink's share as a last column) or ``"plain"``
+(the softmax without the sink); the output is the same.
 
 - ``"sdpa"``: torch's fused kernel (``F.scaled_dot_product_attention``). Memory is linear in the
   sequence length, weights are never materialised.
@@ -25,8 +36,13 @@ Backends:
 - ``"fused"``: on CUDA, the fused Triton kernel of :mod:`multihead.fused_weights` (float32
   scores and softmax, each weight written once in q's dtype; forward only); a call it cannot
   serve is refused with the reason.
+- ``"flex"``: torch's FlexAttention (compiled with ``torch.compile`` on CUDA; on the CPU its
+  uncompiled reference, without a backward); no weights, no dropout.
 - ``"auto"``: ``"sdpa"`` when no weights are asked for; with weights, ``"fused"`` where it can
   serve the call (CUDA, no graph to record, no dropout, triton installed), else ``"math"``.
+  With a score modification: ``"math"`` on the CPU or with weights or dropout (the formula a
+  block of query rows at a time, memory O(rows · S)), compiled ``"flex"`` on CUDA.
+  ``"sdpa"`` serves a ``block_mask`` alone, as its dense mask; ``"fused"`` none of them.
 """
 
 from __future__ import annotations
@@ -266,6 +282,20 @@ def attention(
             :mod:`multihead.fused_weights`, forward only). Double backward (a second
             derivative, e.g. for a gradient penalty) needs ``backend="math"``: torch's fused
             CPU kernel has no second derivative, and torch raises when one is asked of it.
+            ``"flex"``: torch's FlexAttention (see the module docstring).
+        softcap: c > 0: scores → c · tanh(scores / c), after the scale and before the mask
+            (Gemma-2's attention-logit softcapping); None for none.
+        sinks: one learned logit per query head, (H,), or per query, broadcastable to
+            (..., H, T): an extra key with value 0 that takes a share of the softmax
+            (GPT-OSS); None for none. Gradients flow to it.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's: called
+            under ``torch.vmap`` with 0-d index tensors (b the index over q's flattened leading
+            dims, h the query head), after the softcap and before the masks.
+        block_mask: a ``torch.nn.attention.flex_attention.BlockMask`` made for (T, S), with
+            batch 1 or B and heads 1 or H; ANDed with ``mask`` and ``is_causal``.
+        sink_weights: with sinks and ``need_weights``, ``"dropped"`` (the keys' shares of the
+            softmax over keys and sink, (..., H, T, S)), ``"column"`` (those and the sink's as
+            a last column, (..., H, T, S + 1)) or ``"plain"`` (the softmax over the keys alone).
 
     Returns:
         ``out`` (..., H, T, Dv), or ``(out, weights)`` with weights (..., H, T, S) when
@@ -275,7 +305,8 @@ def attention(
         TypeError: a tensor argument of the wrong type or dtype, a non-bool ``is_causal``.
         ValueError: shapes that disagree or are empty, a mask that doesn't broadcast,
             ``dropout_p`` outside [0, 1), an unknown backend, need_weights with
-            ``backend="sdpa"``.
+            ``backend="sdpa"`` or ``"flex"``, a modification a backend cannot apply, sinks or a
+            block mask of the wrong shape, a non-positive softcap.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 5, 8)  # (B, H, T, D)
@@ -399,6 +430,15 @@ def _attend_modified(
             raise ValueError(
                 "backend='flex' has no dropout (FlexAttention has none): use backend='math' "
                 "or 'auto', or dropout_p=0"
+            )
+        if (
+            q.device.type == "cpu"
+            and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))
+        ):
+            raise ValueError(
+                "backend='flex' has no backward on the CPU (torch's FlexAttention has none "
+                "there): use backend='math' or 'auto' for gradients"
             )
         compiled = q.is_cuda and not torch.compiler.is_compiling()
         fused = flex_forward(

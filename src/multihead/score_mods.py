@@ -55,8 +55,8 @@ ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 SINK_WEIGHTS: tuple[str, ...] = ("dropped", "column", "plain")
 
-# Scores held per block of query rows: B · H' · rows · S float32 values at most (16 MiB).
-_BLOCK_ELEMENTS = 1 << 22
+# Scores held per block of query rows: B · H' · rows · S float32 values at most (4 MiB).
+_BLOCK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -160,14 +160,8 @@ class ScoreMods:
                 )
 
     def modify(self, scores: Tensor, b: Tensor, h: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
-        """Softcap and score_mod applied to scores (B, H', R, S') of batches ``b`` (B,),
-        heads ``h`` (H',), query rows ``rows`` (R,) and keys ``keys`` (S',), all int64."""
-        if self.softcap is not None:
-            cap = self.softcap
-            if torch.is_grad_enabled() and scores.requires_grad:
-                scores = torch.tanh(scores / cap) * cap
-            else:
-                scores = scores.div_(cap).tanh_().mul_(cap)
+        """score_mod applied to (softcapped) scores (B, H', R, S') of batches ``b`` (B,), heads
+        ``h`` (H',), query rows ``rows`` (R,) and keys ``keys`` (S',), all int64."""
         if self.score_mod is not None:
             mapped = self.score_mod
             for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None)):
@@ -267,7 +261,7 @@ def modified_attention(
         need_weights: also return the weights.
         sink_weights: ``"dropped"``, ``"column"`` or ``"plain"``; default ``mods.sink_weights``.
         dropout_p: dropout on the weights the output is made of (the returned ones have none).
-        block_rows: query rows per block; default as many as keep B · H' · rows · S near 4M.
+        block_rows: query rows per block; default as many as keep B · H' · rows · S near 1M.
 
     Returns:
         ``(out, weights)``: out (B, H', R, Dv), None when ``v`` is None; weights (B, H', R, S)
@@ -297,27 +291,43 @@ def modified_attention(
             m4 = m4.index_select(1, heads)
     hq, r = len(head_ids), len(row_ids)
     step = block_rows or max(1, _BLOCK_ELEMENTS // max(1, b * hq * s))
+    cap = mods.softcap if mods.softcap is not None else 1.0
+    # all rows in order, causal and nothing else hiding keys, no row empty
+    causal_only = is_causal and rows is None and m4 is None and mods.block_mask is None and t <= s
     outs: list[Tensor] = []
+    # outside autograd, several blocks' outputs go straight into one buffer
+    filled = None
+    if v is not None and r > step and not (torch.is_grad_enabled() and _any_grad(q, k, v, mods)):
+        filled = torch.empty(b, hq, r, v.shape[-1], dtype=dtype, device=device)
     weights: list[Tensor] = []
     for start in range(0, r, step):
         rc = row_ids[start : start + step]  # (Rc,)
         # a causal block of all rows in order sees no key past its last row's
         end = s if not (is_causal and rows is None) else min(s, max(1, start + len(rc) + s - t))
         keys = torch.arange(end, device=device)
-        qc = q.index_select(2, rc).to(compute) * scale  # (B, H', Rc, D), a fresh tensor
+        # the 1/softcap rides on q's scale: softcap · tanh(q kᵀ · scale / softcap), one pass less
+        picked = q[:, :, start : start + len(rc)] if rows is None else q.index_select(2, rc)
+        qc = picked.to(compute) * (scale / cap)  # (B, H', Rc, D), fresh
         kc = k[:, :, :end]
         if group > 1:  # the query heads of one key head, stacked as rows, share its keys
             grouped = qc.reshape(b, hk, group * len(rc), d)  # (B, Hk, G·Rc, D)
             scores = torch.matmul(grouped, kc.transpose(-2, -1)).view(b, hq, len(rc), end)
         else:
             scores = torch.matmul(qc, kc.transpose(-2, -1))  # (B, H', Rc, S')
+        if mods.softcap is not None:
+            scores = scores.tanh_().mul_(cap) if _free(scores) else torch.tanh(scores) * cap
         scores = mods.modify(scores, batch_ids, head_ids, rc, keys)
         m = None
+        if causal_only and _free(scores):
+            # every row of the block sees the keys before its first row's limit: only the keys
+            # after it, a (Rc, Rc) triangle, are masked (no row is empty: T <= S)
+            lo = min(end, start + s - t + 1)
+            kernels.add_mask(scores[..., lo:end], kernels.causal_mask(t, s, rows=rc)[:, lo:end])
+        elif is_causal:
+            m = kernels.causal_mask(t, s, rows=rc)[:, :end]
         if m4 is not None:
-            m = m4.index_select(2, rc) if m4.shape[2] != 1 else m4
-            m = m[..., :end] if m.shape[3] != 1 else m
-        if is_causal:
-            m = kernels.combine_masks(m, kernels.causal_mask(t, s, rows=rc)[:, :end])
+            part = m4.index_select(2, rc) if m4.shape[2] != 1 else m4
+            m = kernels.combine_masks(part[..., :end] if part.shape[3] != 1 else part, m)
         m = kernels.combine_masks(m, mods.allowed(batch_ids, head_ids, rc, keys))
         keep = None
         if m is not None:
@@ -349,7 +359,11 @@ def modified_attention(
                 o = o.view(b, hq, len(rc), vc.shape[-1])  # (B, H', Rc, Dv)
             else:
                 o = torch.matmul(used, vc)  # (B, H', Rc, Dv)
-            outs.append((o * share if share is not None else o).to(dtype))
+            o = (o * share if share is not None else o).to(dtype)
+            if filled is not None:  # written in place: no concatenation at the end
+                filled[:, :, start : start + len(rc)] = o
+            else:
+                outs.append(o)
         if need_weights:
             wc = w * share if share is not None and convention != "plain" else w
             if end < s:
@@ -360,9 +374,18 @@ def modified_attention(
                 wc = torch.cat([wc, last if keep is None else torch.where(keep, last, 1.0)], -1)
             weights.append(wc.to(dtype))
     width = s + 1 if column else s
-    out = _joined(outs, (b, hq, r, v.shape[-1]), dtype, device) if v is not None else None
+    out = filled
+    if v is not None and filled is None:
+        out = _joined(outs, (b, hq, r, v.shape[-1]), dtype, device)
     weight = _joined(weights, (b, hq, r, width), dtype, device) if need_weights else None
     return out, weight
+
+
+def _any_grad(q: Tensor, k: Tensor, v: Tensor, mods: ScoreMods) -> bool:
+    """Whether a graph may be recorded: an input, the sinks or a score_mod's captures need one
+    (a score_mod is opaque: assume it may)."""
+    tensors = (q, k, v, mods.sinks)
+    return mods.score_mod is not None or any(x is not None and x.requires_grad for x in tensors)
 
 
 def _free(x: Tensor) -> bool:
