@@ -208,9 +208,9 @@ def test_an_editor_returning_none_changes_nothing_and_plain_forward_builds_no_ca
     built: list[int] = []
     init = AttentionCall.__init__
 
-    def counting(self: AttentionCall, *args: Any) -> None:
+    def counting(self: AttentionCall, *args: Any, **kwargs: Any) -> None:
         built.append(1)
-        init(self, *args)
+        init(self, *args, **kwargs)
 
     monkeypatch.setattr(AttentionCall, "__init__", counting)
     with torch.no_grad():
