@@ -172,7 +172,8 @@ class ScoreMods:
 
     def allowed(self, b: Tensor, h: Tensor, rows: Tensor, keys: Tensor) -> Tensor | None:
         """(B or 1, H' or 1, R, S') bool: where the block mask lets query ``rows`` see
-        ``keys`` (indices as for :meth:`modify`); None without a block mask."""
+        ``keys`` (indices as for :meth:`modify`; ``keys`` = 0 .. S' − 1); None without a block
+        mask."""
         bm = self.block_mask
         if bm is None:
             return None
@@ -210,8 +211,9 @@ class ScoreMods:
 
 
 def _blocks(keys: Tensor, size: int) -> int:
-    """The number of key blocks of ``size`` that cover ``keys`` (S',) from position 0."""
-    return (int(keys[-1]) // size + 1) if keys.numel() else 0
+    """The number of key blocks of ``size`` that cover ``keys`` = 0 .. S' − 1 (read from its
+    length: no value is read back from the device)."""
+    return -(-len(keys) // size)
 
 
 def _dense_blocks(num: Tensor, indices: Tensor, width: int) -> Tensor:
