@@ -1,13 +1,16 @@
-"""``multihead circuit`` end to end on an induction run (the built-in pair): the printed edges
+"""``multihead circuit`` end to end on an induction run (the built-in pair) and on a Hugging Face
+directory (texts or a pairs file): the printed edges
 are edge_attribution's, the printed curve faithfulness_curve's, the pictures are written; and
 its errors are one line with exit code 2."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import multihead
 from multihead.cli import main
@@ -79,3 +82,58 @@ def test_errors_are_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_hf_explain import BY_NAME, save_family
+
+    return save_family(BY_NAME["gpt2"], tmp_path_factory.mktemp("gpt2") / "gpt2")
+
+
+def _logit_difference(directory: Path, text: str, answer: str, wrong: str) -> float:
+    """transformers' own model and tokenizer, without multihead: the answer's logit minus the
+    wrong token's at the last position."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    (a,), (w,) = tokenizer(answer).input_ids, tokenizer(wrong).input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    return float(logits[a] - logits[w])
+
+
+def test_a_model_directory_with_texts_or_pairs(
+    gpt2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts = {"clean": "The cat was too tired", "corrupt": "The it was too tired",
+             "answer": " it", "wrong": " cat"}  # fmt: skip
+    want = {
+        key: _logit_difference(gpt2, texts[key], texts["answer"], texts["wrong"])
+        for key in ("clean", "corrupt")
+    }
+    common = ["--ig-steps", "2", "--draws", "1", "--device", "cpu", "--threads", "1"]
+    argv = ["circuit", "--model", str(gpt2), *common]
+    flags = [f"--{key}={value}" for key, value in texts.items()]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(texts) + "\n")
+    for i, given in enumerate((flags, ["--pairs", str(pairs)])):
+        out = tmp_path / f"out{i}"
+        assert main([*argv, *given, "--out", str(out)]) == 0
+        stdout = capsys.readouterr().out
+        found = re.search(r"^  clean (-?\d+\.\d+)   corrupt (-?\d+\.\d+)$", stdout, re.MULTILINE)
+        assert found, stdout
+        assert float(found[1]) == pytest.approx(want["clean"], abs=2e-3)
+        assert float(found[2]) == pytest.approx(want["corrupt"], abs=2e-3)
+        assert sorted(p.name for p in out.iterdir()) == ["circuit.png", "faithfulness.png"]
+
+
+def test_a_model_without_texts_is_one_line(
+    gpt2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["circuit", "--model", str(gpt2), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--model needs --clean, --corrupt and --answer" in err
+    assert len(err.strip().splitlines()) == 1

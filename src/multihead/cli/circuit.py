@@ -2,6 +2,7 @@
 its top heads attend where they do (QK attribution).
 
     multihead circuit --checkpoint runs/induction        # the built-in induction pair
+    multihead circuit --model smollm2                    # its built-in IOI pair
     multihead circuit --model DIR --clean "When Mary and John went to the store, John gave a \\
         drink to" --corrupt "When Mary and John went to the store, Mary gave a drink to" \\
         --answer " Mary" --wrong " John"
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from multihead.cli.common import (
     torchrun_world,
 )
 from multihead.cli.patch_experiment import PatchExperiment
+from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.viz.formats import check_output_dir
 from multihead.viz.plots import save_figure
 
@@ -51,26 +54,7 @@ def register(subparsers: Any) -> None:
             "the metric as for 'multihead patch'."
         ),
     )
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--checkpoint",
-        metavar="RUN",
-        help="a run of 'multihead train' (its directory or a checkpoints/step-N directory)",
-    )
-    where.add_argument(
-        "--model",
-        metavar="DIR_OR_NAME",
-        help="a Hugging Face causal LM directory or a name in the local Hugging Face cache, "
-        "read from local files only (extra hf)",
-    )
-    p.add_argument("--clean", metavar="TEXT", help="the input on which the model does it")
-    p.add_argument(
-        "--corrupt", metavar="TEXT", help="the input on which it does not (as many tokens)"
-    )
-    p.add_argument("--answer", metavar="TOKEN", help="the token the clean input should predict")
-    p.add_argument(
-        "--wrong", metavar="TOKEN", help="the token the corrupt input predicts (logit difference)"
-    )
+    PatchExperiment.add_arguments(p)
     p.add_argument(
         "--ig-steps",
         type=int,
@@ -98,6 +82,7 @@ def register(subparsers: Any) -> None:
         "--draws", type=int, default=3, metavar="N", help="random circuits per size (default 3)"
     )
     add_device_arguments(p)
+    add_threads_argument(p)
     p.add_argument(
         "--out", default="circuit", metavar="DIR", help="where to write (default ./circuit/)"
     )
@@ -127,14 +112,15 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"{flag} must be a positive number, got {value}")
     if not 0 < args.reach <= 1:
         raise CLIError(f"--reach must be in (0, 1], got {args.reach}")
-    texts = (args.clean, args.corrupt, args.answer)
-    if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
-        raise CLIError("--clean, --corrupt and --answer go together: give all three")
-    with torchrun_world(args.device) as world:
+    pairs = PatchExperiment.pairs(args)
+    with torch_threads(args.threads), torchrun_world(args.device) as world:
+        note = PatchExperiment.built_in_note(args, pairs)
+        if note:
+            print(note, file=sys.stderr)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with status("loading the model"):
-                experiment = PatchExperiment.from_args(args, world.device)
+                experiment = PatchExperiment.from_args(args, world.device, pairs)
             code = _circuit(args, experiment, out, formats)
         print_warnings(caught)
         return code

@@ -45,8 +45,8 @@ from multihead.cli.common import (
     status,
     torchrun_world,
 )
-from multihead.cli.patch_experiment import PatchExperiment
-from multihead.cli.text_pairs import TextPair, read_pairs
+from multihead.cli.patch_experiment import BUILT_IN_PAIRS, PatchExperiment
+from multihead.cli.text_pairs import TextPair
 from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World
@@ -54,21 +54,9 @@ from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page
 from multihead.viz.plots import save_figure
 
-__all__ = ["register", "run", "BUILT_IN_PAIRS"]
+__all__ = ["register", "run"]
 
 _DEFAULT_FORMATS = ",".join(FORMATS)
-
-# The pair `multihead patch --model NAME` runs without texts, keyed by the name as given (the
-# models the loader knows by name): Wang et al.'s indirect-object identification (IOI), the
-# second name (the subject, S) repeated in clean and swapped for the first in corrupt.
-BUILT_IN_PAIRS: dict[str, TextPair] = {
-    "smollm2": TextPair(
-        clean="When Mary and John went to the store, John gave a drink to",
-        corrupt="When Mary and John went to the store, Mary gave a drink to",
-        answer=" Mary",
-        wrong=" John",
-    ),
-}
 
 
 def register(subparsers: Any) -> None:
@@ -88,33 +76,7 @@ def register(subparsers: Any) -> None:
             "an indirect-object identification (IOI) pair."
         ),
     )
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--checkpoint",
-        metavar="RUN",
-        help="a run of 'multihead train' (its directory or a checkpoints/step-N directory)",
-    )
-    where.add_argument(
-        "--model",
-        metavar="DIR_OR_NAME",
-        help="a Hugging Face causal LM directory (config.json, weights, tokenizer.json) or a "
-        "name in the local Hugging Face cache, read from local files only (extra hf)",
-    )
-    p.add_argument("--clean", metavar="TEXT", help="the input on which the model does it")
-    p.add_argument(
-        "--corrupt", metavar="TEXT", help="the input on which it does not (as many tokens)"
-    )
-    p.add_argument("--answer", metavar="TOKEN", help="the token the clean input should predict")
-    p.add_argument(
-        "--wrong", metavar="TOKEN", help="the token the corrupt input predicts (logit difference)"
-    )
-    p.add_argument(
-        "--pairs",
-        metavar="FILE",
-        help='many clean/corrupt pairs for --model, one JSON object a line: {"clean": ..., '
-        '"corrupt": ..., "answer": " Mary", "wrong": " John"} ("wrong" on every line or none); '
-        "every text as many tokens; patched together, the metric their mean",
-    )
+    PatchExperiment.add_arguments(p)
     p.add_argument(
         "--direction",
         choices=DIRECTIONS,
@@ -171,10 +133,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir("--out", args.out, [*names, *(["patching.html"] * page)])
     if args.top < 1:
         raise CLIError(f"--top must be a positive number of heads, got {args.top}")
-    texts = (args.clean, args.corrupt, args.answer)
-    if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
-        raise CLIError("--clean, --corrupt and --answer go together: give all three")
-    pairs = _pairs(args)
+    pairs = PatchExperiment.pairs(args)
     if (args.senders is None) != (args.receivers is None):
         raise CLIError("--senders and --receivers go together: give both")
     if args.senders is not None and args.site != "z":
@@ -190,27 +149,6 @@ def run(args: argparse.Namespace) -> int:
         return _patch(args, world, out, formats, senders, receivers, pairs)
 
 
-def _pairs(args: argparse.Namespace) -> list[TextPair] | None:
-    """The pairs a ``--model`` run compares: ``--pairs FILE``, the flags' one pair, or the
-    model's built-in pair (:data:`BUILT_IN_PAIRS`); None for ``--checkpoint``
-    (which reads its texts from the flags) and a model without texts or a built-in pair."""
-    if args.pairs is not None:
-        if args.checkpoint:
-            raise CLIError(
-                "--pairs takes texts for a --model's tokenizer: give --model DIR, or --clean, "
-                "--corrupt and --answer with --checkpoint"
-            )
-        if any(t is not None for t in (args.clean, args.corrupt, args.answer, args.wrong)):
-            raise CLIError("--pairs replaces --clean, --corrupt, --answer and --wrong: give one")
-        return read_pairs(args.pairs)
-    if args.checkpoint:
-        return None
-    if args.clean is not None:
-        return [TextPair(args.clean, args.corrupt, args.answer, args.wrong)]
-    built_in = BUILT_IN_PAIRS.get(args.model)
-    return None if built_in is None else [built_in]
-
-
 def _patch(
     args: argparse.Namespace,
     world: World,
@@ -224,14 +162,9 @@ def _patch(
     patching (``patch_heads`` shares its patched forwards out over the ranks); rank 0 alone
     shows progress, prints and writes."""
     shown, tp = world.rank == 0, args.tensor_parallel
-    if shown and pairs is not None and pairs[0] is BUILT_IN_PAIRS.get(args.model):
-        pair = pairs[0]
-        print(
-            f"note: --model {printable(args.model)} without texts: its built-in pair, clean "
-            f"{pair.clean!r}, corrupt {pair.corrupt!r}, answer {pair.answer!r}, wrong "
-            f"{pair.wrong!r}",
-            file=sys.stderr,
-        )
+    note = PatchExperiment.built_in_note(args, pairs)
+    if shown and note:
+        print(note, file=sys.stderr)
 
     with status("Loading the model…", shown), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
