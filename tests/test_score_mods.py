@@ -1,5 +1,5 @@
 """Score modifications (softcap, sinks, score_mod, block_mask) against torch's FlexAttention and
-a float64 reference written here.
+a float64 reference written here; the sink cases against FlexAttention through its log-sum-exp.
 
 Each configuration is a FlexAttention call a user could write (a ``score_mod`` and a
 ``BlockMask``), paired with the same modification written out densely for the reference (index
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -251,8 +252,8 @@ def _reference_of(case: Case) -> dict[str, Tensor]:
     )
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_equals_flex_attention(case: Case) -> None:
+def _flex(case: Case) -> tuple[Tensor, Tensor]:
+    """torch's FlexAttention on the case: its output (B, H, T, D) and log-sum-exp (B, H, T)."""
     kw = case.kwargs
 
     def flex_mod(sc: Tensor, b_: Tensor, h_: Tensor, q_: Tensor, k_: Tensor) -> Tensor:
@@ -260,14 +261,29 @@ def test_equals_flex_attention(case: Case) -> None:
             sc = kw["softcap"] * torch.tanh(sc / kw["softcap"])
         return case.flex_score_mod(sc, b_, h_, q_, k_) if case.flex_score_mod else sc
 
-    expected = flex_attention(
+    extra: dict[str, Any] = {}
+    try:  # the log-sum-exp, asked for as this torch asks
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        extra["return_aux"] = AuxRequest(lse=True)
+    except ImportError:
+        extra["return_lse"] = True
+    out, aux = flex_attention(
         case.q,
         case.k,
         case.v,
         score_mod=flex_mod,
         block_mask=case.flex_block_mask,
         enable_gqa=case.q.shape[1] != case.k.shape[1],
+        **extra,
     )
+    return out, getattr(aux, "lse", aux)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_equals_flex_attention(case: Case) -> None:
+    kw = case.kwargs
+    expected, _ = _flex(case)
     for backend in ("auto", "math", "flex"):
         out = attention(case.q, case.k, case.v, backend=backend, **kw)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=backend)
@@ -282,8 +298,14 @@ def test_equals_flex_attention(case: Case) -> None:
 def test_sinks_equal_the_float64_reference_in_each_convention(case: Case) -> None:
     ref = _reference_of(case)
     s = case.k.shape[2]
+    # FlexAttention has no sinks, but its log-sum-exp gives them: a sink adds exp(sink) to each
+    # row's denominator, so the output is flex's times exp(lse) / (exp(lse) + exp(sink))
+    flex_out, lse = _flex(case)
+    sinks = case.kwargs["sinks"].view(1, -1, 1)  # (1, H, 1)
+    expected = flex_out * torch.sigmoid(lse - sinks).unsqueeze(-1)
     for backend in ("auto", "math", "flex"):
         out = attention(case.q, case.k, case.v, backend=backend, **case.kwargs)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=backend)
         torch.testing.assert_close(out.double(), ref["out"], atol=1e-5, rtol=1e-5, msg=backend)
     kwargs = {k: v for k, v in case.kwargs.items()}
     got = {}
@@ -303,6 +325,7 @@ def test_sinks_equal_the_float64_reference_in_each_convention(case: Case) -> Non
 
 
 def test_enough_configurations() -> None:
+    # every case, the sink cases included, is checked against flex_attention
     assert len(CASES) + len(SINK_CASES) >= 20
     assert any(c.q.shape[2] != c.k.shape[2] for c in CASES)
     assert any(c.q.shape[1] != c.k.shape[1] for c in CASES + SINK_CASES)  # grouped heads
