@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import string
 import subprocess
@@ -274,6 +275,7 @@ def measure(threads: int) -> dict[str, Any]:
     print(f"ioi {out['ioi']}", file=sys.stderr)
     out["threads"] = threads
     out["seconds"] = round(time.perf_counter() - start, 1)
+    out["load"] = round(os.getloadavg()[0], 2)  # the machine's 1-minute load at the end
     out["commit"] = _commit()
     return out
 
@@ -326,6 +328,7 @@ def render(results: dict[str, Any], template: str) -> str:
         "ioi_s2_token": ioi["tokens"][ioi["s2"]],
         "uniform_nats": math.log(results["model"]["vocab"]),
         "commit": results.get("commit") or "unrecorded",
+        "load": results.get("load", "unrecorded"),
         "continuation": results["generation"]["continuation"].replace("\n", "\\n"),
         "ioi_strongest_path": _strongest(ioi["paths"]),
     }
