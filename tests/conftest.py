@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,3 +43,27 @@ def device() -> torch.device:
 def _seed() -> None:
     # Seeds the CPU and every CUDA generator alike.
     torch.manual_seed(0)
+
+
+# Read-only artefacts several test files run commands on (built once per session; a test that
+# would change one copies it first).
+@pytest.fixture(scope="session")
+def induction_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-step run of ``multihead train --task induction`` (T = 16, width 32, 2 heads)."""
+    from multihead.training import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("induction") / "run"
+    config = TrainConfig.for_task(
+        "induction", seq_len=16, steps=2, batch_size=8, embed_dim=32, num_heads=2, threads=1,
+        probe_every=2, plots=False, out=str(out),
+    )  # fmt: skip
+    train(config)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random GPT-2 saved as a Hugging Face directory with its tokenizer."""
+    from test_hf_explain import BY_NAME, save_family
+
+    return save_family(BY_NAME["gpt2"], tmp_path_factory.mktemp("gpt2") / "gpt2")

@@ -15,22 +15,10 @@ import torch
 import multihead
 from multihead.cli import main
 from multihead.models import TransformerLM
-from multihead.training import TrainConfig, train
 from multihead.training.induction_pair import induction_pair
 
 pytestmark = pytest.mark.cpu_only  # a CLI
 pytest.importorskip("matplotlib")
-
-
-@pytest.fixture(scope="module")
-def induction_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("induction") / "run"
-    config = TrainConfig.for_task(
-        "induction", seq_len=16, steps=2, batch_size=8, embed_dim=32, num_heads=2, threads=1,
-        probe_every=2, plots=False, out=str(out),
-    )  # fmt: skip
-    train(config)
-    return out
 
 
 def test_induction_run(
@@ -82,13 +70,6 @@ def test_errors_are_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-
-
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_hf_explain import BY_NAME, save_family
-
-    return save_family(BY_NAME["gpt2"], tmp_path_factory.mktemp("gpt2") / "gpt2")
 
 
 def _logit_difference(directory: Path, text: str, answer: str, wrong: str) -> float:

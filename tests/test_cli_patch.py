@@ -15,24 +15,12 @@ from cli_support import fails, train_tiny
 import multihead
 from multihead.cli import main
 from multihead.models import TransformerLM
-from multihead.training import TrainConfig, train
 from multihead.training.induction_pair import induction_pair
 
 pytestmark = pytest.mark.cpu_only  # a CLI
 pytest.importorskip("matplotlib")
 
 FILES = ["heads.png", "heads.svg", "positions.png", "positions.svg", "patching.html"]
-
-
-@pytest.fixture(scope="module")
-def induction_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("induction") / "run"
-    config = TrainConfig.for_task(
-        "induction", seq_len=16, steps=2, batch_size=8, embed_dim=32, num_heads=2, threads=1,
-        probe_every=2, plots=False, out=str(out),
-    )  # fmt: skip
-    train(config)
-    return out
 
 
 def _heads(stdout: str) -> list[tuple[int, int, float, float]]:

@@ -35,13 +35,6 @@ PAIRS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_hf_explain import BY_NAME, save_family
-
-    return save_family(BY_NAME["gpt2"], tmp_path_factory.mktemp("gpt2") / "gpt2")
-
-
 def _write(path: Path, lines: list[Any]) -> Path:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path

@@ -25,13 +25,6 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 
 
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_hf_explain import BY_NAME, save_family
-
-    return save_family(BY_NAME["gpt2"], tmp_path_factory.mktemp("gpt2") / "gpt2")
-
-
 def _command(name: str, gpt2: Path, tmp_path: Path) -> tuple[list[str], Any, str]:
     """argv, and the (module, attribute) the command runs its model through."""
     out = ["--out", str(tmp_path / "out"), "--device", "cpu", "--format", "png"]
