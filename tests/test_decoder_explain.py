@@ -164,3 +164,18 @@ def test_a_decoder_saved_without_its_head_keeps_the_embedding_measure(
     captured = capsys.readouterr()
     assert "most important (zeroed: embedding moves):" in captured.out
     assert "random" not in captured.err, captured.err
+
+
+def test_last_logits_only_is_the_last_row_of_transformers_logits(
+    saved: dict[str, Path], lm: TextModel
+) -> None:
+    batch = lm.tokenize(TEXT)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(saved["gpt2"]).eval()
+    with torch.no_grad():
+        expected = ref(input_ids=batch.input_ids).logits[:, -1:]
+        got = lm(batch.input_ids, batch.attention_mask, last_logits_only=True).logits
+    assert got.shape == expected.shape == (1, 1, ref.config.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    encoder = load_text_model(saved["bert"])
+    with pytest.raises(ValueError, match="last_logits_only needs head='lm'"):
+        encoder(batch.input_ids, last_logits_only=True)

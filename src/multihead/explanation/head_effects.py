@@ -117,9 +117,16 @@ def next_token_divergence(
     nats, as a scalar tensor (0 for the clean model). ``model`` keeps its language-model head
     (``head="lm"``: its forward gives logits)."""
 
+    # A causal model's logits at ``position`` do not depend on the tokens after it: the runs
+    # stop there and unembed that position alone.
+    position = check_index("position", position, batch.input_ids.shape[1], "tokens")
+    cut = slice(0, position + 1)
+    ids, mask = batch.input_ids[:, cut], batch.attention_mask[:, cut]
+    types = None if batch.token_type_ids is None else batch.token_type_ids[:, cut]
+
     def log_probs() -> Tensor:
-        output = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-        return output.logits[:, position].float().log_softmax(-1)  # (B, V)
+        output = model(ids, mask, types, last_logits_only=True)
+        return output.logits[:, -1].float().log_softmax(-1)  # (B, V)
 
     with torch.no_grad():
         clean = log_probs()
