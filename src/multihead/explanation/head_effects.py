@@ -136,7 +136,9 @@ def next_token_divergence(
 
     def log_probs() -> Tensor:
         output = model(ids, mask, types, last_logits_only=True)
-        return output.logits[:, -1].float().log_softmax(-1)  # (B, V)
+        return output.logits[:, -1].log_softmax(
+            -1, dtype=_at_least_float32(output.logits)
+        )  # (B, V)
 
     with torch.no_grad():
         clean = log_probs()
@@ -177,7 +179,7 @@ def importance(model: TextModel, batch: TokenBatch, focus: int) -> Tensor:
 
         def outputs(copies: int) -> Tensor:  # (copies·B, V) log-probabilities at the focus
             output = model(*_stacked((ids, mask, types), copies), last_logits_only=True)
-            return output.logits[:, -1].float().log_softmax(-1)
+            return output.logits[:, -1].log_softmax(-1, dtype=_at_least_float32(output.logits))
 
         def distance(clean: Tensor, ablated: Tensor) -> Tensor:  # KL(p_clean || p_ablated)
             return (clean.exp() * (clean - ablated)).sum(-1)
@@ -285,3 +287,8 @@ def ablated_weights(
         weights, ablated = every_head(model, batch)
     cosine = float(ablated @ clean[0])
     return Ablation(heads=pairs, weights=weights, cosine=cosine)
+
+
+def _at_least_float32(x: Tensor) -> torch.dtype:
+    """float32, or ``x``'s dtype where it is wider (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
