@@ -22,9 +22,16 @@ pytest.importorskip("matplotlib")
 
 from test_hf_explain import BY_NAME, save_family  # noqa: E402
 
+from multihead.circuits.importance import head_importance  # noqa: E402
 from multihead.cli import main  # noqa: E402
 from multihead.explanation import explain  # noqa: E402
-from multihead.explanation.head_effects import EMBEDDING_COSINE, NEXT_TOKEN_KL  # noqa: E402
+from multihead.explanation.head_effects import (  # noqa: E402
+    EMBEDDING_COSINE,
+    NEXT_TOKEN_KL,
+    embedding_distance,
+    importance,
+    next_token_divergence,
+)
 from multihead.pretrained import load_text_model  # noqa: E402
 from multihead.text import TextModel  # noqa: E402
 from multihead.viz.figure import APART_COLOUR  # noqa: E402
@@ -164,3 +171,35 @@ def test_a_decoder_saved_without_its_head_keeps_the_embedding_measure(
     captured = capsys.readouterr()
     assert "most important (zeroed: embedding moves):" in captured.out
     assert "random" not in captured.err, captured.err
+
+
+def test_last_logits_only_is_the_last_row_of_transformers_logits(
+    saved: dict[str, Path], lm: TextModel
+) -> None:
+    batch = lm.tokenize(TEXT)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(saved["gpt2"]).eval()
+    with torch.no_grad():
+        expected = ref(input_ids=batch.input_ids).logits[:, -1:]
+        got = lm(batch.input_ids, batch.attention_mask, last_logits_only=True).logits
+    assert got.shape == expected.shape == (1, 1, ref.config.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    encoder = load_text_model(saved["bert"])
+    with pytest.raises(ValueError, match="last_logits_only needs head='lm'"):
+        encoder(batch.input_ids, last_logits_only=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_stacked_importance_equals_one_ablation_per_head(saved: dict[str, Path], name: str) -> None:
+    """importance() ablates a layer's heads in one stacked forward: the same (L, H) as
+    head_importance's one run per head, in float64."""
+    model = load_text_model(saved[name], head="lm" if name == "llama" else None).double()
+    batch = model.tokenize(TEXT)
+    focus = batch.input_ids.shape[1] - 3
+    if name == "llama":
+        _, metric = next_token_divergence(model, batch, focus)
+    else:
+        _, metric = embedding_distance(model, batch)
+    expected = head_importance(model, metric, method="ablation", reuse_prefix=False)
+    got = importance(model, batch, focus)
+    assert got.shape == expected.shape and bool((expected > 0).all())
+    torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=1e-9)

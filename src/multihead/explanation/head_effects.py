@@ -24,16 +24,19 @@ where a head exists as itself. :func:`importance_measure` says in words which is
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from multihead._checks import check_index, describe
-from multihead.circuits.importance import head_importance
-from multihead.circuits.steering import intervene
+from multihead.circuits.prefix_reuse import PrefixCache
+from multihead.circuits.steering import head_table, intervene, model_heads
 from multihead.observe.recorder import capture
+from multihead.observers import AttentionCall, ObservableAttention, registered
 from multihead.sites import parse_head
 from multihead.text.model import TextModel
 from multihead.text.tokenization import TokenBatch
@@ -93,8 +96,15 @@ def check_heads(
 
 def _embedding(model: TextModel, batch: TokenBatch) -> Tensor:
     """The sentence embedding (B, E), L2-normalised (the model's ``sentence_embedding``)."""
-    hidden = model.hidden_states(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-    return model.sentence_embedding(hidden, batch.attention_mask)
+    return _embedding_of(model, batch.input_ids, batch.attention_mask, batch.token_type_ids)
+
+
+def _embedding_of(
+    model: TextModel, ids: Tensor | None, mask: Tensor | None, types: Tensor | None
+) -> Tensor:
+    """The sentence embedding (B, E) of (B, T) ids, mask and token types."""
+    assert ids is not None and mask is not None
+    return model.sentence_embedding(model.hidden_states(ids, mask, types), mask)
 
 
 def embedding_distance(model: TextModel, batch: TokenBatch) -> tuple[Tensor, Callable[[], Tensor]]:
@@ -117,9 +127,18 @@ def next_token_divergence(
     nats, as a scalar tensor (0 for the clean model). ``model`` keeps its language-model head
     (``head="lm"``: its forward gives logits)."""
 
+    # A causal model's logits at ``position`` do not depend on the tokens after it: the runs
+    # stop there and unembed that position alone.
+    position = check_index("position", position, batch.input_ids.shape[1], "tokens")
+    cut = slice(0, position + 1)
+    ids, mask = batch.input_ids[:, cut], batch.attention_mask[:, cut]
+    types = None if batch.token_type_ids is None else batch.token_type_ids[:, cut]
+
     def log_probs() -> Tensor:
-        output = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-        return output.logits[:, position].float().log_softmax(-1)  # (B, V)
+        output = model(ids, mask, types, last_logits_only=True)
+        return output.logits[:, -1].log_softmax(
+            -1, dtype=_at_least_float32(output.logits)
+        )  # (B, V)
 
     with torch.no_grad():
         clean = log_probs()
@@ -153,10 +172,98 @@ def importance(model: TextModel, batch: TokenBatch, focus: int) -> Tensor:
         focus: the position whose next-token distribution is measured (0 ≤ focus < T).
     """
     if predicts_next_token(model):
-        _, metric = next_token_divergence(model, batch, focus)
+        focus = check_index("focus", focus, batch.input_ids.shape[1], "tokens")
+        cut = slice(0, focus + 1)  # the logits at the focus do not depend on later tokens
+        ids, mask = batch.input_ids[:, cut], batch.attention_mask[:, cut]
+        types = None if batch.token_type_ids is None else batch.token_type_ids[:, cut]
+
+        def outputs(copies: int) -> Tensor:  # (copies·B, V) log-probabilities at the focus
+            output = model(*_stacked((ids, mask, types), copies), last_logits_only=True)
+            return output.logits[:, -1].log_softmax(-1, dtype=_at_least_float32(output.logits))
+
+        def distance(clean: Tensor, ablated: Tensor) -> Tensor:  # KL(p_clean || p_ablated)
+            return (clean.exp() * (clean - ablated)).sum(-1)
     else:
-        _, metric = embedding_distance(model, batch)
-    return head_importance(model, metric, method="ablation").float().cpu()
+
+        def outputs(copies: int) -> Tensor:  # (copies·B, E) sentence embeddings
+            stacked = _stacked(
+                (batch.input_ids, batch.attention_mask, batch.token_type_ids), copies
+            )
+            return _embedding_of(model, *stacked)
+
+        def distance(clean: Tensor, ablated: Tensor) -> Tensor:
+            return 1.0 - (ablated * clean).sum(-1)
+
+    return _stacked_ablation(model, outputs, distance).float().cpu()
+
+
+def _stacked(inputs: tuple[Tensor | None, ...], copies: int) -> list[Tensor | None]:
+    """The inputs repeated ``copies`` times along the batch (variant-major)."""
+    return [None if x is None else x.repeat(copies, *([1] * (x.dim() - 1))) for x in inputs]
+
+
+def _stacked_ablation(
+    model: TextModel,
+    outputs: Callable[[int], Tensor],
+    distance: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:
+    """(L, H): per head, the batch mean of ``distance(clean, ablated)`` ((B, ...) → (B,)) with
+    the head's output zeroed at every position, ``outputs(n)`` giving the (n·B, ...) outputs of
+    n stacked copies of the input.
+
+    The same scores as :func:`multihead.head_importance` by ablation of that metric, with
+    every head of a layer ablated in one forward: copy h of the H stacked copies runs without
+    head h, and the blocks before the layer hand back their outputs from the clean run
+    (:class:`~multihead.circuits.prefix_reuse.PrefixCache`). One forward of H copies reads the
+    weights once where H forwards read them H times.
+    """
+    found = model_heads(model)
+    recorded: list[Tensor] = []
+
+    def run(what: str) -> Tensor:
+        recorded.append(outputs(1))
+        return recorded[-1].sum()
+
+    with torch.no_grad():
+        prefix = PrefixCache.build(model, found, run, caller="importance")
+        clean = recorded[0]
+        rows = clean.shape[0]
+        scores = head_table(found, clean, None)
+        for layer, (_, site) in enumerate(found):
+            heads = site.num_heads
+            result = _ablated_layer(prefix, layer, site, outputs, compare_first=False)
+            if prefix is not None and not prefix.agreed():
+                # a reused block's arguments differed from the recorded ones: compare first
+                result = _ablated_layer(prefix, layer, site, outputs, compare_first=True)
+            per_head = distance(clean.repeat(heads, *([1] * (clean.dim() - 1))), result)
+            scores[layer, :heads] = per_head.reshape(heads, rows).mean(-1)
+    return scores
+
+
+def _ablated_layer(
+    prefix: PrefixCache | None,
+    layer: int,
+    site: ObservableAttention,
+    outputs: Callable[[int], Tensor],
+    *,
+    compare_first: bool,
+) -> Tensor:
+    """``outputs(H)`` of H stacked copies, copy h with head h of ``layer`` (``site``) zeroed."""
+    heads = site.num_heads
+    keep = torch.ones(heads, 1, 1, heads, 1)
+    keep[torch.arange(heads), 0, 0, torch.arange(heads)] = 0.0  # copy h without head h
+
+    def zero(call: AttentionCall, out: Tensor) -> Tensor:
+        # out (H·B, T, H, Dv): copy h's B rows lose head h
+        per_copy = out.reshape(heads, -1, *out.shape[1:])
+        return (per_copy * keep.to(out)).reshape(out.shape)
+
+    skipping: Any = contextlib.nullcontext()
+    if prefix is not None:
+        prefix.compare_first = prefix.compare_first or compare_first
+        skipping = prefix.skipping(layer, heads)
+    with registered([site.register_observer(zero)]), skipping:
+        return outputs(heads)
 
 
 def every_head(model: TextModel, batch: TokenBatch) -> tuple[Tensor, Tensor]:
@@ -180,3 +287,8 @@ def ablated_weights(
         weights, ablated = every_head(model, batch)
     cosine = float(ablated @ clean[0])
     return Ablation(heads=pairs, weights=weights, cosine=cosine)
+
+
+def _at_least_float32(x: Tensor) -> torch.dtype:
+    """float32, or ``x``'s dtype where it is wider (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)

@@ -30,6 +30,7 @@ Shapes: B texts, T tokens, E hidden width, L layers, H heads.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Literal
@@ -307,6 +308,8 @@ class TextModel(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
+        *,
+        last_logits_only: bool = False,
     ) -> Any:
         """The model's output for (B, T) ids; ``.last_hidden_state`` is (B, T, E).
 
@@ -314,11 +317,26 @@ class TextModel(nn.Module):
             input_ids: (B, T) int64 or int32 token ids.
             attention_mask: (B, T) int or bool, 1/True = a real token; default all real.
             token_type_ids: (B, T) segment ids, passed on where the model embeds them.
+            last_logits_only: with ``head="lm"``, ``.logits`` is (B, 1, V), the last position's
+                only (the unembedding of the other positions is skipped where the model takes
+                transformers' ``logits_to_keep``, else sliced off).
         """
-        extra = {"token_type_ids": token_type_ids} if self._inner.token_types else {}
-        return self.model(
+        extra: dict[str, Any] = (
+            {"token_type_ids": token_type_ids} if self._inner.token_types else {}
+        )
+        if last_logits_only and self.head != "lm":
+            raise ValueError(
+                f"last_logits_only needs head='lm', this model's head is {self.head!r}"
+            )
+        keeps = last_logits_only and _takes_argument(self.model, "logits_to_keep")
+        if keeps:
+            extra["logits_to_keep"] = 1
+        output = self.model(
             input_ids=input_ids, attention_mask=attention_mask, **extra, **self._inner.call_options
         )
+        if last_logits_only and not keeps:
+            output.logits = output.logits[:, -1:]
+        return output
 
     def hidden_states(
         self,
@@ -396,3 +414,11 @@ class TextModel(nn.Module):
             f"causal={self.causal}, max_seq_length={self.max_seq_length}"
             + (f", head={self.head!r}" if self.head else "")
         )
+
+
+def _takes_argument(module: nn.Module, argument: str) -> bool:
+    """Whether ``module.forward`` takes the keyword ``argument``."""
+    try:
+        return argument in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
