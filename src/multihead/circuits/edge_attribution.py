@@ -19,7 +19,9 @@ How the gradients are taken: one backward from the metric to zeros ξ added to e
 queries, keys and values (a q/k/v editor), to each feed-forward norm's input and to the final
 norm's input; then, per layer and kind, one batched vector-Jacobian product from the queries
 (keys, values) back to the norm's input, its cotangents (one per receiving head, nonzero on
-that head alone) stacked and vmapped through the same backward (``is_grads_batched``). On a
+that head alone) stacked and vmapped through the same backward (``is_grads_batched``), the
+gradients (R, B, T, E) then scored against all the senders before them in one product (a layer
+that no chosen sender writes before gets no product at all). On a
 grouped-query model with ``kv="query_head"``, the key and value gradients of each query head
 come from its own attention recomputed (:func:`~multihead.kernels.math_attention` on the
 recorded q, k, v and the gradient at the heads' outputs), one query head of every group at a
