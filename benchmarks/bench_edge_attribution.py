@@ -228,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             "title": "Edge attribution (issue 32): `benchmarks/bench_edge_attribution.py`",
             "tables": [
                 {
-                    "caption": f"EAP and EAP-IG ({k} steps) against one forward and backward of "
-                    f"the same batch; {rounds} rounds (median):",
+                    "caption": f"EAP, EAP-IG ({k} steps) and node attribution patching ({k} "
+                    f"steps) against one forward and backward of the same batch; {rounds} "
+                    "rounds (median):",
                     "header": headers,
                     "rows": rows,
                     "target_column": "target",
