@@ -10,18 +10,25 @@ On two models, the metric the mean log-probability of the last position's token 
 Measures (each the median of ``--rounds`` rounds, wall clock; on a GPU synchronised):
 ``edge_attribution(ig_steps=1)`` (EAP) ÷ one forward and backward (the metric's gradient for
 every parameter, ``torch.autograd.grad``), target ≤ 3×; ``edge_attribution(ig_steps=k)``
-(EAP-IG, ``--ig-steps``, default 8) ÷ the same, target ≤ k + 2. ``--quick`` runs tiny models
-in seconds for the smoke test.
+(EAP-IG, ``--ig-steps``, default 8) ÷ the same, target ≤ k + 2; the node version,
+``attribution_patching(ig_steps=k)`` ÷ the same, target ≤ k + 2 (not an issue target: shown
+beside). On the grouped-query model, peak memory: EAP's ÷ one forward and backward's of the same
+batch, target ≤ 1 + Hk/H + 10 %. On the CPU each peak is taken in a child process of its own
+(the process's peak resident memory, reset through ``/proc/self/clear_refs`` after the model and
+inputs are built, less the resident memory then); on a GPU ``torch.cuda.max_memory_allocated``
+less the memory allocated before. ``--quick`` runs tiny models in seconds for the smoke test.
 
 Run:  python benchmarks/bench_edge_attribution.py [--rounds 3] [--ig-steps 8] [--device cuda]
-      [--quick] [--results-dir DIR]
+      [--quick] [--results-dir DIR]   (--memory-probe eap|fwdbwd: a child's one peak, printed)
 Writes benchmarks/results/edge_attribution.json (_gpu on a GPU; _quick with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -57,6 +64,30 @@ def _median(fn: Callable[[], Any], rounds: int, device: torch.device) -> float:
     return statistics.median(times[1:])
 
 
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """The memory ``fn()`` needs at its peak beyond what is held before it (one call)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    before = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")  # the peak resident set restarts from the current one
+    fn()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
 def _models(quick: bool, device: torch.device) -> list[tuple[str, Any, dict[str, int]]]:
     shape = QUICK_INDUCTION if quick else INDUCTION
     torch.manual_seed(0)
@@ -83,6 +114,38 @@ def _models(quick: bool, device: torch.device) -> list[tuple[str, Any, dict[str,
     return models
 
 
+def _workloads(model: Any, shape: dict[str, int], device: torch.device) -> dict[str, Any]:
+    """The measured calls on one model: "fwdbwd", "eap" (``steps``), "nodes" (``steps``)."""
+    generator = torch.Generator().manual_seed(1)
+    clean = torch.randint(shape["vocab"], (shape["B"], shape["T"]), generator=generator)
+    corrupt = torch.randint(shape["vocab"], (shape["B"], shape["T"]), generator=generator)
+    clean, corrupt = clean.to(device), corrupt.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward_backward() -> None:
+        out = model(clean)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        torch.autograd.grad(_metric(logits).mean(), params)
+
+    def eap(steps: int = 1) -> Any:
+        return multihead.edge_attribution(model, clean, corrupt, _metric, ig_steps=steps)
+
+    def nodes(steps: int = 1) -> Any:
+        return multihead.attribution_patching(model, clean, corrupt, _metric, ig_steps=steps)
+
+    return {"fwdbwd": forward_backward, "eap": eap, "nodes": nodes}
+
+
+def _child_peak(what: str, quick: bool, device: torch.device) -> int:
+    """The peak of one call of ``what`` in a fresh process (module docstring)."""
+    command = [sys.executable, __file__, "--memory-probe", what, "--device", str(device)]
+    done = subprocess.run(
+        command + (["--quick"] if quick else []),
+        capture_output=True, text=True, check=True, env=dict(os.environ),
+    )  # fmt: skip
+    return int(done.stdout.split()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -90,35 +153,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--results-dir", type=Path, default=None)
     parser.add_argument("--device", type=device_argument, default=torch.device("cpu"))
+    parser.add_argument("--memory-probe", choices=("eap", "fwdbwd"), default=None)
     args = parser.parse_args(argv)
     device = args.device
+    if args.memory_probe:
+        _, model, shape = _models(args.quick, device)[-1]
+        fn = _workloads(model, shape, device)[args.memory_probe]
+        print(_peak_bytes(fn, device))
+        return 0
     rounds = 1 if args.quick else args.rounds
     k = 2 if args.quick else args.ig_steps
     rows, payload_rows = [], []
+    memory_rows: list[list[str]] = []
+    payload_memory: list[dict[str, Any]] = []
     for name, model, shape in _models(args.quick, device):
-        generator = torch.Generator().manual_seed(1)
-        clean = torch.randint(shape["vocab"], (shape["B"], shape["T"]), generator=generator)
-        corrupt = torch.randint(shape["vocab"], (shape["B"], shape["T"]), generator=generator)
-        clean, corrupt = clean.to(device), corrupt.to(device)
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def forward_backward(model: Any = model, clean: Any = clean, params: Any = params) -> None:
-            out = model(clean)
-            logits = out if isinstance(out, torch.Tensor) else out.logits
-            torch.autograd.grad(_metric(logits).mean(), params)
-
-        def eap(
-            model: Any = model, clean: Any = clean, corrupt: Any = corrupt, steps: int = 1
-        ) -> Any:
-            return multihead.edge_attribution(model, clean, corrupt, _metric, ig_steps=steps)
-
-        base = _median(forward_backward, rounds, device)
-        one = _median(eap, rounds, device)
-        many = _median(lambda eap=eap: eap(steps=k), rounds, device)
-        edges = len(eap())
+        work = _workloads(model, shape, device)
+        base = _median(work["fwdbwd"], rounds, device)
+        one = _median(work["eap"], rounds, device)
+        many = _median(lambda work=work: work["eap"](k), rounds, device)
+        nodes = _median(lambda work=work: work["nodes"](k), rounds, device)
+        edges = len(work["eap"]())
         for measure, seconds, target in (
             ("EAP (ig_steps=1)", one, 3.0),
             (f"EAP-IG (ig_steps={k})", many, k + 2.0),
+            (f"attribution_patching (ig_steps={k}, nodes)", nodes, k + 2.0),
         ):
             ratio = seconds / base
             rows.append(
@@ -130,8 +188,25 @@ def main(argv: list[str] | None = None) -> int:
                  "forward_backward_seconds": base, "ratio": ratio, "target": target,
                  "edges": edges, "shape": shape}
             )  # fmt: skip
+        if "kv_heads" in shape:
+            peaks = {what: _child_peak(what, args.quick, device) for what in ("eap", "fwdbwd")}
+            ratio = peaks["eap"] / peaks["fwdbwd"]
+            target = (1 + shape["kv_heads"] / shape["heads"]) * 1.1
+            memory_rows.append(
+                [f"EAP (ig_steps=1), {name}", f"{peaks['eap'] / 2**20:.1f}",
+                 f"{peaks['fwdbwd'] / 2**20:.1f}", f"{ratio:.2f}x", f"<= {target:.2f}x",
+                 "met" if ratio <= target else "NOT met"]
+            )  # fmt: skip
+            payload_memory.append(
+                {"model": name, "peak_bytes": peaks["eap"],
+                 "forward_backward_peak_bytes": peaks["fwdbwd"], "ratio": ratio,
+                 "target": target, "shape": shape}
+            )  # fmt: skip
     headers = ["measure", "ms", "fwd+bwd ms", "ratio", "target", ""]
     print(format_table(headers, rows))
+    memory_headers = ["peak memory", "MiB", "fwd+bwd MiB", "ratio", "target", ""]
+    if memory_rows:
+        print(format_table(memory_headers, memory_rows))
     info = machine_info()
     gpu = device.type == "cuda"
     where = info["gpu"]["name"] if gpu else f"{info['cpu']}, {torch.get_num_threads()} threads"
@@ -141,18 +216,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     path = write_json(
         name,
-        {"machine": info, "rounds": rounds, "ig_steps": k, "rows": payload_rows},
+        {
+            "machine": info,
+            "rounds": rounds,
+            "ig_steps": k,
+            "rows": payload_rows,
+            "memory": payload_memory,
+        },
         directory=args.results_dir,
         report={
             "title": "Edge attribution (issue 32): `benchmarks/bench_edge_attribution.py`",
             "tables": [
                 {
-                    "caption": f"EAP and EAP-IG ({k} steps) against one forward and backward of "
-                    f"the same batch; {rounds} rounds (median):",
+                    "caption": f"EAP, EAP-IG ({k} steps) and node attribution patching ({k} "
+                    f"steps) against one forward and backward of the same batch; {rounds} "
+                    "rounds (median):",
                     "header": headers,
                     "rows": rows,
                     "target_column": "target",
-                }
+                },
+                {
+                    "caption": "Peak memory of EAP on the grouped-query model against one "
+                    "forward and backward of the same batch (target 1 + Hk/H, + 10 %):",
+                    "header": memory_headers,
+                    "rows": memory_rows,
+                    "target_column": "target",
+                },
             ],
             "packages": ["transformers"],
             "gpu": gpu,

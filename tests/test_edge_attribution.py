@@ -297,6 +297,22 @@ def test_eap_equals_hooks(family: str, dtype: torch.dtype, tolerance: float) -> 
             )
 
 
+def test_later_senders_only_score_as_in_the_whole_graph() -> None:
+    """Senders of layer 1 alone: layer 0's receivers have no edge (NaN, no gradient taken for
+    them), layer 1's and the logits' scores are those rows of the hook reference."""
+    model = _lm(torch.float64)
+    torch.manual_seed(2)
+    clean, corrupt = torch.randint(20, (3, 7)), torch.randint(20, (3, 7))
+    kinds = ("q", "k", "v", "mlp", "logits")
+    got = edge_attribution(model, clean, corrupt, _metric, receivers=kinds, senders=["L1H2"])
+    assert got.senders == ("L1H2",)
+    want = _reference(_Parts(model, "lm"), clean, corrupt, ["L1H2"], list(got.receivers))
+    layer0 = [j for j, r in enumerate(got.receivers) if r.startswith("L0")]
+    assert layer0 and bool(got.values[:, layer0].isnan().all())
+    assert want.nan_to_num().abs().max() > 1e-3
+    torch.testing.assert_close(got.values.double(), want, atol=1e-10, rtol=0, equal_nan=True)
+
+
 def test_integrated_gradients_average_the_path_points() -> None:
     """ig_steps=m is the mean of m EAP runs whose clean input's embeddings are the path points
     corrupt + k/m (clean - corrupt), k = 1 … m (each by a hook on block 0), the differences

@@ -19,7 +19,9 @@ How the gradients are taken: one backward from the metric to zeros ξ added to e
 queries, keys and values (a q/k/v editor), to each feed-forward norm's input and to the final
 norm's input; then, per layer and kind, one batched vector-Jacobian product from the queries
 (keys, values) back to the norm's input, its cotangents (one per receiving head, nonzero on
-that head alone) stacked and vmapped through the same backward (``is_grads_batched``). On a
+that head alone) stacked and vmapped through the same backward (``is_grads_batched``), the
+gradients (R, B, T, E) then scored against all the senders before them in one product (a layer
+that no chosen sender writes before gets no product at all). On a
 grouped-query model with ``kv="query_head"``, the key and value gradients of each query head
 come from its own attention recomputed (:func:`~multihead.kernels.math_attention` on the
 recorded q, k, v and the gradient at the heads' outputs), one query head of every group at a
@@ -134,17 +136,14 @@ def edge_attribution(
     scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
     column = {r: j for j, r in enumerate(readers)}
 
-    def take(receiver: Receiver, gradient: Tensor) -> None:
-        n = sum(1 for stage in stages if stage < receiver.stage)
-        if n:
-            # (n, B·T·E) @ (B·T·E,) -> (n,)
-            scores[:n, column[receiver]] += delta[:n].flatten(1) @ gradient.to(dtype).flatten()
+    def add(receiver: Receiver, values: Tensor) -> None:
+        scores[: values.shape[0], column[receiver]] += values
 
     for alpha in path_points(ig_steps):
         with interpolated_embeddings(
             graph.mapped, corrupt_embed, clean_embed, alpha, "edge_attribution"
         ):
-            _ReceiverGradients(graph, readers).run(take)
+            _ReceiverGradients(graph, readers, delta, stages).run(add)
     scores /= ig_steps
     before = torch.tensor(stages, device=scores.device)[:, None]
     after = torch.tensor([r.stage for r in readers], device=scores.device)[None, :]
@@ -170,16 +169,28 @@ class _LayerRun:
 
 class _ReceiverGradients:
     """One forward and backward on the clean input (whatever block 0 is given), handing each
-    receiver's gradient (B, T, E) at its input to a callback."""
+    receiver's scores against the senders before it (n,) to a callback."""
 
-    def __init__(self, graph: EdgeModel, receivers: list[Receiver]) -> None:
+    def __init__(
+        self, graph: EdgeModel, receivers: list[Receiver], delta: Tensor, stages: list[int]
+    ) -> None:
         self.graph = graph
         self.receivers = receivers
+        self.delta = delta  # (N, B, T, E): the senders' corrupt - clean writes, forward order
+        self.stages = stages
         self.kinds = {r.kind for r in receivers}
         self.runs = [_LayerRun() for _ in graph.layers]
         self.logits_xi: list[Tensor] = []
 
-    def run(self, take: Callable[[Receiver, Tensor], None]) -> None:
+    def _before(self, stage: int) -> int:
+        """How many senders write before ``stage`` (a prefix of ``delta``)."""
+        return sum(1 for s in self.stages if s < stage)
+
+    def _dot(self, n: int, gradients: Tensor) -> Tensor:
+        """(n, R): each sender's difference against each gradient (R, B, T, E)."""
+        return self.delta[:n].flatten(1) @ gradients.to(self.delta.dtype).flatten(1).T
+
+    def run(self, add: Callable[[Receiver, Tensor], None]) -> None:
         graph = self.graph
         experiment = graph.experiment
         with registered(self._hooks()):
@@ -203,30 +214,46 @@ class _ReceiverGradients:
             return None if x is None else found[id(x)]
 
         for receiver in self.receivers:
+            g = None
             if receiver.kind == LOGITS:
                 g = grad_of(self.logits_xi[0] if self.logits_xi else None)
-                if g is not None:
-                    take(receiver, g)
             elif receiver.kind == "mlp":
                 g = grad_of(self.runs[receiver.layer].mlp_xi)
-                if g is not None:
-                    take(receiver, g)
+            n = self._before(receiver.stage)
+            if g is not None and n:
+                add(receiver, self._dot(n, g[None])[:, 0])
         for layer, run in enumerate(self.runs):
             if run.qkv is None or run.stream is None or run.xis is None:
                 continue
-            grads_qkv = [grad_of(x) for x in run.xis]
-            by_kind: dict[str, list[tuple[Receiver, Tensor]]] = {}
-            for receiver, cotangent in self._cotangents(layer, run, grads_qkv, grad_of(run.out_xi)):
-                by_kind.setdefault(receiver.kind, []).append((receiver, cotangent))
-            for kind, pairs in by_kind.items():
-                # every receiving head of one tensor in one vector-Jacobian product: the
-                # cotangents (R, B, H, T, D) batched (vmapped) through the same backward
-                (g,) = torch.autograd.grad(
-                    run.qkv["qkv".index(kind)], run.stream, torch.stack([c for _, c in pairs]),
-                    retain_graph=True, is_grads_batched=True,
-                )  # fmt: skip
-                for (receiver, _), g_r in zip(pairs, g, strict=True):
-                    take(receiver, g_r)
+            wanted = [r for r in self.receivers if r.layer == layer and r.kind in ("q", "k", "v")]
+            n = self._before(2 * layer + 1)
+            if not wanted or not n:
+                continue
+            self._backward(layer, run, n, [grad_of(x) for x in run.xis], grad_of(run.out_xi), add)
+
+    def _backward(
+        self,
+        layer: int,
+        run: _LayerRun,
+        n: int,
+        grads: list[Tensor | None],
+        out_grad: Tensor | None,
+        add: Callable[[Receiver, Tensor], None],
+    ) -> None:
+        """Per kind, every receiving head's gradient at the stream in one vector-Jacobian
+        product: the cotangents (R, B, H, T, D) batched (vmapped) through the same backward."""
+        assert run.qkv is not None and run.stream is not None
+        by_kind: dict[str, list[tuple[Receiver, Tensor]]] = {}
+        for receiver, cotangent in self._cotangents(layer, run, grads, out_grad):
+            by_kind.setdefault(receiver.kind, []).append((receiver, cotangent))
+        for kind, pairs in by_kind.items():
+            (g,) = torch.autograd.grad(
+                run.qkv["qkv".index(kind)], run.stream, torch.stack([c for _, c in pairs]),
+                retain_graph=True, is_grads_batched=True,
+            )  # fmt: skip
+            values = self._dot(n, g)  # (n, R)
+            for j, (receiver, _) in enumerate(pairs):
+                add(receiver, values[:, j])
 
     def _cotangents(
         self,
