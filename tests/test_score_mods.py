@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import (
 
 from multihead import MultiHeadAttention, capture
 from multihead.functional import attention
+from multihead.score_mods import ScoreMods, modified_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -374,6 +375,44 @@ def test_empty_rows_give_zeros_and_the_sink_takes_the_whole_share() -> None:
         x = q.clone().requires_grad_()
         attention(x, k, v, **kw).sum().backward()
         assert x.grad is not None and x.grad.isfinite().all() and x.grad[:, :, :2].eq(0).all()
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_masks_hiding_the_last_keys_of_row_blocks(window: int | None, float_mask: bool) -> None:
+    """An eager-style mask (causal, bottom-right with T < S, optionally a sliding window, one
+    row hiding every key) over blocks of rows that do not divide T: the keys the mask hides
+    from a whole block are skipped, and out and the weights (zero there) equal the reference."""
+    g = torch.Generator().manual_seed(11)
+    t, s = 7, 9
+    q = torch.randn(2, 4, t, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    i, j = torch.arange(t)[:, None] + (s - t), torch.arange(s)[None, :]
+    ok = j <= i
+    if window is not None:
+        ok = ok & (j > i - window)
+    ok[5] = False
+    ok4 = ok.expand(2, 1, t, s)
+    mask = ok4
+    if float_mask:
+        mask = torch.zeros(2, 1, t, s, dtype=torch.float64)
+        mask = mask.masked_fill(~ok4, torch.finfo(torch.float64).min)
+    want = reference(q, k, v, scale=0.3, softcap=2.0, allowed=ok4)
+    for block_rows in (1, 3, 4, 7):
+        out, w = modified_attention(
+            q,
+            k,
+            v,
+            ScoreMods(softcap=2.0),
+            mask=mask,
+            is_causal=False,
+            scale=0.3,
+            need_weights=True,
+            block_rows=block_rows,
+        )
+        assert out is not None and w is not None
+        assert (out - want["out"]).abs().max() < 1e-12
+        assert (w - want["dropped"]).abs().max() < 1e-12
 
 
 def test_leading_dims_and_unbatched() -> None:

@@ -306,6 +306,12 @@ def modified_attention(
         rc = row_ids[start : start + step]  # (Rc,)
         # a causal block of all rows in order sees no key past its last row's
         end = s if not (is_causal and rows is None) else min(s, max(1, start + len(rc) + s - t))
+        if m4 is not None and m4.shape[3] != 1 and device.type == "cpu":
+            # nor the keys past the last one the mask lets any row of the block see (an eager
+            # model's causal or sliding-window float mask): read back on the CPU only
+            seen = kernels.allowed(m4.index_select(2, rc) if m4.shape[2] != 1 else m4)
+            last = seen.flatten(0, -2)[:, :end].any(0).nonzero()
+            end = max(1, int(last[-1]) + 1) if len(last) else 1
         keys = torch.arange(end, device=device)
         # the 1/softcap rides on q's scale: softcap · tanh(q kᵀ · scale / softcap), one pass less
         picked = q[:, :, start : start + len(rc)] if rows is None else q.index_select(2, rc)
