@@ -35,6 +35,7 @@ from torch import Tensor
 from multihead._checks import check_index, describe
 from multihead.circuits.prefix_reuse import PrefixCache
 from multihead.circuits.steering import head_table, intervene, model_heads
+from multihead.head_shard import held_heads
 from multihead.observe.recorder import capture
 from multihead.observers import AttentionCall, ObservableAttention, registered
 from multihead.sites import parse_head
@@ -252,9 +253,12 @@ def _ablated_layer(
     heads = site.num_heads
     keep = torch.ones(heads, 1, 1, heads, 1)
     keep[torch.arange(heads), 0, 0, torch.arange(heads)] = 0.0  # copy h without head h
+    # under tensor parallelism a call holds this rank's heads only: their columns of the mask
+    held = held_heads(heads, site.head_shard)
+    keep = keep[:, :, :, held.start : held.stop]
 
     def zero(call: AttentionCall, out: Tensor) -> Tensor:
-        # out (H·B, T, H, Dv): copy h's B rows lose head h
+        # out (H·B, T, H_held, Dv): copy h's B rows lose head h (where this call holds it)
         per_copy = out.reshape(heads, -1, *out.shape[1:])
         return (per_copy * keep.to(out)).reshape(out.shape)
 
