@@ -14,7 +14,7 @@ import pytest
 import torch
 from cli_support import fails
 
-from multihead.cli import main, patch_experiment
+from multihead.cli import main, text_pairs
 from multihead.cli.patch_experiment import SPACED_GAP
 from multihead.cli.text_pairs import TextPair
 
@@ -205,7 +205,7 @@ def test_a_named_model_without_texts_runs_its_built_in_pair(
     gpt2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the IOI pair of the issue for the name "smollm2" (the loader resolves the name)
-    ioi = patch_experiment.BUILT_IN_PAIRS["smollm2"]
+    ioi = text_pairs.BUILT_IN_PAIRS["smollm2"]
     assert (ioi.answer, ioi.wrong) == (" Mary", " John")
     clean, corrupt = ioi.clean.split(), ioi.corrupt.split()
     differ = [i for i, (a, b) in enumerate(zip(clean, corrupt, strict=True)) if a != b]
@@ -213,7 +213,7 @@ def test_a_named_model_without_texts_runs_its_built_in_pair(
     assert clean[8] == "John" and corrupt[8] == "Mary"
     # any name keyed there: its pair runs when no text is given (here a tiny model's)
     pair = TextPair(**{k: v for k, v in PAIRS[1].items()})
-    monkeypatch.setitem(patch_experiment.BUILT_IN_PAIRS, str(gpt2), pair)
+    monkeypatch.setitem(text_pairs.BUILT_IN_PAIRS, str(gpt2), pair)
     out = ["--out", str(tmp_path / "o"), "--format", "png", "--device", "cpu"]
     assert main(["patch", "--model", str(gpt2), *out]) == 0
     captured = capsys.readouterr()

@@ -32,6 +32,7 @@ from multihead.cli.common import (
     torchrun_world,
 )
 from multihead.cli.patch_experiment import PatchExperiment
+from multihead.cli.text_pairs import built_in_note, chosen_pairs
 from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.viz.formats import check_output_dir
 from multihead.viz.plots import save_figure
@@ -112,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"{flag} must be a positive number, got {value}")
     if not 0 < args.reach <= 1:
         raise CLIError(f"--reach must be in (0, 1], got {args.reach}")
-    pairs = PatchExperiment.pairs(args)
+    pairs = chosen_pairs(args)
     with torch_threads(args.threads), torchrun_world(args.device) as world:
-        note = PatchExperiment.built_in_note(args, pairs)
+        note = built_in_note(args, pairs)
         if note:
             print(note, file=sys.stderr)
         with warnings.catch_warnings(record=True) as caught:

@@ -45,8 +45,8 @@ from multihead.cli.common import (
     status,
     torchrun_world,
 )
-from multihead.cli.patch_experiment import BUILT_IN_PAIRS, PatchExperiment
-from multihead.cli.text_pairs import TextPair
+from multihead.cli.patch_experiment import PatchExperiment
+from multihead.cli.text_pairs import BUILT_IN_PAIRS, TextPair, built_in_note, chosen_pairs
 from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir("--out", args.out, [*names, *(["patching.html"] * page)])
     if args.top < 1:
         raise CLIError(f"--top must be a positive number of heads, got {args.top}")
-    pairs = PatchExperiment.pairs(args)
+    pairs = chosen_pairs(args)
     if (args.senders is None) != (args.receivers is None):
         raise CLIError("--senders and --receivers go together: give both")
     if args.senders is not None and args.site != "z":
@@ -162,7 +162,7 @@ def _patch(
     patching (``patch_heads`` shares its patched forwards out over the ranks); rank 0 alone
     shows progress, prints and writes."""
     shown, tp = world.rank == 0, args.tensor_parallel
-    note = PatchExperiment.built_in_note(args, pairs)
+    note = built_in_note(args, pairs)
     if shown and note:
         print(note, file=sys.stderr)
 

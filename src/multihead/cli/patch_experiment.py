@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from multihead.cli.common import CLIError, load_model, printable
-from multihead.cli.text_pairs import TextPair, read_pairs
+from multihead.cli.text_pairs import TextPair
 from multihead.devices import DTYPES
 from multihead.models import TransformerLM
 from multihead.pretrained.text_loader import check_text_model_files
@@ -27,25 +27,13 @@ from multihead.training import load_run
 from multihead.training.induction import MIN_SEQ_LEN
 from multihead.training.induction_pair import induction_pair
 
-__all__ = ["PatchExperiment", "SPACED_GAP", "BUILT_IN_PAIRS"]
+__all__ = ["PatchExperiment", "SPACED_GAP"]
 
 # An answer (or wrong token) written without a leading space is warned about when its
 # log-probability after the clean text is more than this many nats (55x) below that of the
 # same word with the space: a word after a space is its own token with the space (" Mary"), and
 # "Mary" alone measures a token the model hardly predicts there.
 SPACED_GAP = 4.0
-
-# The pair a command runs on ``--model NAME`` without texts, keyed by the name as given (the
-# models the loader knows by name): Wang et al.'s indirect-object identification (IOI), the
-# second name (the subject, S) repeated in clean and swapped for the first in corrupt.
-BUILT_IN_PAIRS: dict[str, TextPair] = {
-    "smollm2": TextPair(
-        clean="When Mary and John went to the store, John gave a drink to",
-        corrupt="When Mary and John went to the store, Mary gave a drink to",
-        answer=" Mary",
-        wrong=" John",
-    ),
-}
 
 
 @dataclass
@@ -72,9 +60,9 @@ class PatchExperiment:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """Add the flags :meth:`pairs` and :meth:`from_args` read: ``--checkpoint`` or
-        ``--model`` (one required), ``--clean``, ``--corrupt``, ``--answer``, ``--wrong`` and
-        ``--pairs``."""
+        """Add the flags :func:`~multihead.cli.text_pairs.chosen_pairs` and :meth:`from_args`
+        read: ``--checkpoint`` or ``--model`` (one required), ``--clean``, ``--corrupt``,
+        ``--answer``, ``--wrong`` and ``--pairs``."""
         where = parser.add_mutually_exclusive_group(required=True)
         where.add_argument(
             "--checkpoint",
@@ -106,51 +94,6 @@ class PatchExperiment:
             help='many clean/corrupt pairs for --model, one JSON object a line: {"clean": ..., '
             '"corrupt": ..., "answer": " Mary", "wrong": " John"} ("wrong" on every line or '
             "none); every text as many tokens; run together, the metric their mean",
-        )
-
-    @staticmethod
-    def pairs(args: argparse.Namespace) -> list[TextPair] | None:
-        """The pairs a ``--model`` run compares: ``--pairs FILE``, the flags' one pair, or the
-        model's built-in pair (:data:`BUILT_IN_PAIRS`); None for ``--checkpoint`` (which reads
-        its texts from the flags) and a model without texts or a built-in pair.
-
-        Raises:
-            CLIError: some of ``--clean``, ``--corrupt`` and ``--answer`` without the others;
-                ``--pairs`` with ``--checkpoint`` or beside the single pair's flags; a pairs
-                file :func:`~multihead.cli.text_pairs.read_pairs` refuses.
-        """
-        texts = (args.clean, args.corrupt, args.answer)
-        if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
-            raise CLIError("--clean, --corrupt and --answer go together: give all three")
-        if args.pairs is not None:
-            if args.checkpoint:
-                raise CLIError(
-                    "--pairs takes texts for a --model's tokenizer: give --model DIR, or "
-                    "--clean, --corrupt and --answer with --checkpoint"
-                )
-            if any(t is not None for t in (*texts, args.wrong)):
-                raise CLIError(
-                    "--pairs replaces --clean, --corrupt, --answer and --wrong: give one"
-                )
-            return read_pairs(args.pairs)
-        if args.checkpoint:
-            return None
-        if args.clean is not None:
-            return [TextPair(args.clean, args.corrupt, args.answer, args.wrong)]
-        built_in = BUILT_IN_PAIRS.get(args.model)
-        return None if built_in is None else [built_in]
-
-    @staticmethod
-    def built_in_note(args: argparse.Namespace, pairs: list[TextPair] | None) -> str | None:
-        """The line a command prints when ``pairs`` is ``--model NAME``'s built-in pair (the
-        user gave no texts), else None."""
-        if not pairs or pairs[0] is not BUILT_IN_PAIRS.get(args.model):
-            return None
-        pair = pairs[0]
-        return (
-            f"note: --model {printable(args.model)} without texts: its built-in pair, clean "
-            f"{pair.clean!r}, corrupt {pair.corrupt!r}, answer {pair.answer!r}, wrong "
-            f"{pair.wrong!r}"
         )
 
     @classmethod

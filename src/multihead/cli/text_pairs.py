@@ -15,13 +15,17 @@ tab-separated file would make easy to lose. Errors are one line naming the file 
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 
 from multihead.cli.common import CLIError, printable
 from multihead.memory_budget import format_bytes
 
-__all__ = ["TextPair", "read_pairs", "MAX_PAIRS", "MAX_PAIRS_BYTES"]
+__all__ = [
+    "TextPair", "read_pairs", "chosen_pairs", "built_in_note", "BUILT_IN_PAIRS", "MAX_PAIRS",
+    "MAX_PAIRS_BYTES",
+]  # fmt: skip
 
 # Far above the pairs an experiment averages over (Wang et al. use a few hundred), far below
 # what a batch of stacked patched runs could hold.
@@ -121,3 +125,59 @@ def _pair(line: bytes, where: str) -> TextPair:
             got = "nothing" if key not in item else type(value).__name__
             raise CLIError(f"{where}: {key!r} must be a string, got {got}")
     return TextPair(item["clean"], item["corrupt"], item["answer"], item.get("wrong"), where)
+
+
+# The pair a command runs on ``--model NAME`` without texts, keyed by the name as given (the
+# models the loader knows by name): Wang et al.'s indirect-object identification (IOI), the
+# second name (the subject, S) repeated in clean and swapped for the first in corrupt.
+BUILT_IN_PAIRS: dict[str, TextPair] = {
+    "smollm2": TextPair(
+        clean="When Mary and John went to the store, John gave a drink to",
+        corrupt="When Mary and John went to the store, Mary gave a drink to",
+        answer=" Mary",
+        wrong=" John",
+    ),
+}
+
+
+def chosen_pairs(args: argparse.Namespace) -> list[TextPair] | None:
+    """The pairs a ``--model`` run compares: ``--pairs FILE``, the flags' one pair, or the
+    model's built-in pair (:data:`BUILT_IN_PAIRS`); None for ``--checkpoint`` (which reads
+    its texts from the flags) and a model without texts or a built-in pair.
+
+    Raises:
+        CLIError: some of ``--clean``, ``--corrupt`` and ``--answer`` without the others;
+            ``--pairs`` with ``--checkpoint`` or beside the single pair's flags; a pairs
+            file :func:`read_pairs` refuses.
+    """
+    texts = (args.clean, args.corrupt, args.answer)
+    if any(t is not None for t in (*texts, args.wrong)) and any(t is None for t in texts):
+        raise CLIError("--clean, --corrupt and --answer go together: give all three")
+    if args.pairs is not None:
+        if args.checkpoint:
+            raise CLIError(
+                "--pairs takes texts for a --model's tokenizer: give --model DIR, or "
+                "--clean, --corrupt and --answer with --checkpoint"
+            )
+        if any(t is not None for t in (*texts, args.wrong)):
+            raise CLIError("--pairs replaces --clean, --corrupt, --answer and --wrong: give one")
+        return read_pairs(args.pairs)
+    if args.checkpoint:
+        return None
+    if args.clean is not None:
+        return [TextPair(args.clean, args.corrupt, args.answer, args.wrong)]
+    built_in = BUILT_IN_PAIRS.get(args.model)
+    return None if built_in is None else [built_in]
+
+
+def built_in_note(args: argparse.Namespace, pairs: list[TextPair] | None) -> str | None:
+    """The line a command prints when ``pairs`` is ``--model NAME``'s built-in pair (the
+    user gave no texts), else None."""
+    if not pairs or pairs[0] is not BUILT_IN_PAIRS.get(args.model):
+        return None
+    pair = pairs[0]
+    return (
+        f"note: --model {printable(args.model)} without texts: its built-in pair, clean "
+        f"{pair.clean!r}, corrupt {pair.corrupt!r}, answer {pair.answer!r}, wrong "
+        f"{pair.wrong!r}"
+    )
