@@ -415,6 +415,23 @@ def test_masks_hiding_the_last_keys_of_row_blocks(window: int | None, float_mask
         assert (w - want["dropped"]).abs().max() < 1e-12
 
 
+def test_a_score_mod_sees_the_softcapped_score_itself() -> None:
+    # a score_mod that is not a shift (|s|): it must get c · tanh(s / c), not the same up to a
+    # constant (which a softmax alone could not tell apart)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+    cap, scale = 2.0, 0.5
+    scores = cap * torch.tanh(torch.einsum("bhtd,bhsd->bhts", q, k) * scale / cap)
+    want = torch.softmax(scores.abs(), -1)
+
+    def folded(sc: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return sc.abs()
+
+    out, w = attention(q, k, v, softcap=cap, score_mod=folded, scale=scale, need_weights=True)
+    torch.testing.assert_close(w, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out, want @ v, atol=1e-12, rtol=0)
+
+
 def test_leading_dims_and_unbatched() -> None:
     g = torch.Generator().manual_seed(6)
     q, k, v = torch.randn(2, 3, 4, 5, 8, generator=g), torch.randn(2, 3, 2, 7, 8, generator=g), None
