@@ -297,6 +297,28 @@ def test_eap_equals_hooks(family: str, dtype: torch.dtype, tolerance: float) -> 
             )
 
 
+@pytest.mark.parametrize("family", ["lm", "llama"])
+def test_eap_through_the_whole_projection_equals_hooks(family: str) -> None:
+    # projections given a copy of the norm's output, not the output itself: the graph does not
+    # take them for the q/k/v projections, and each receiver's gradient goes back through the
+    # whole q/k/v backward instead of its head's columns, with the same result
+    model = _lm(torch.float64) if family == "lm" else _hf(family, torch.float64)
+    names = ("qkv_proj",) if family == "lm" else ("q_proj", "k_proj", "v_proj")
+    for m in model.modules():
+        for name in names:
+            if isinstance(getattr(m, name, None), nn.Linear):
+                getattr(m, name).register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))
+    torch.manual_seed(2)
+    clean, corrupt = torch.randint(20, (3, 7)), torch.randint(20, (3, 7))
+    got = edge_attribution(model, clean, corrupt, _metric)
+    reference_model = _ungrouped(model) if family == "llama" else model
+    want = _reference(
+        _Parts(reference_model, family), clean, corrupt, list(got.senders), list(got.receivers)
+    )
+    assert want.nan_to_num().abs().max() > 1e-2, "the reference is all ~0: nothing is tested"
+    torch.testing.assert_close(got.values.double(), want, atol=1e-10, rtol=0, equal_nan=True)
+
+
 def test_later_senders_only_score_as_in_the_whole_graph() -> None:
     """Senders of layer 1 alone: layer 0's receivers have no edge (NaN, no gradient taken for
     them), layer 1's and the logits' scores are those rows of the hook reference."""

@@ -160,6 +160,8 @@ class _LayerRun:
     was given (and their ξ), the call, and the per-head output's ξ."""
 
     stream: Tensor | None = None
+    normed: Tensor | None = None  # the norm's output, the projections' input
+    projected: dict[int, Tensor] | None = None  # input projection i -> its output (B, T, out)
     qkv: tuple[Tensor, Tensor, Tensor] | None = None
     xis: tuple[Tensor, Tensor, Tensor] | None = None
     call: AttentionCall | None = None
@@ -247,13 +249,44 @@ class _ReceiverGradients:
         for receiver, cotangent in self._cotangents(layer, run, grads, out_grad):
             by_kind.setdefault(receiver.kind, []).append((receiver, cotangent))
         for kind, pairs in by_kind.items():
-            (g,) = torch.autograd.grad(
-                run.qkv["qkv".index(kind)], run.stream, torch.stack([c for _, c in pairs]),
-                retain_graph=True, is_grads_batched=True,
-            )  # fmt: skip
+            g = self._stream_gradients(layer, run, "qkv".index(kind), [c for _, c in pairs])
             values = self._dot(n, g)  # (n, R)
             for j, (receiver, _) in enumerate(pairs):
                 add(receiver, values[:, j])
+
+    def _stream_gradients(
+        self, layer: int, run: _LayerRun, index: int, cotangents: list[Tensor]
+    ) -> Tensor:
+        """(R, B, T, E): each cotangent's gradient at the stream, from q, k or v (``index``).
+
+        Where every path from that tensor back to the norm's output runs through the input
+        projections: the cotangents go back to the projections' outputs (the rotary and
+        reshapes only), then each through the columns it reaches alone (its head's) of the
+        projection's matrix, then through the norm, all receivers at once. Otherwise, the whole
+        backward batched over the receivers (each pays the full projection's)."""
+        assert run.qkv is not None and run.stream is not None
+        tensor, stacked = run.qkv[index], torch.stack(cotangents)  # (R, B, H|Hk, T|S, D)
+        inputs = self.graph.layers[layer].inputs
+        outs = [run.projected.get(i) for i in range(len(inputs))] if run.projected else []
+        cuts = [o for o in outs if o is not None]
+        if run.normed is None or not cuts or _reaches(tensor, run.normed, cuts):
+            (g,) = torch.autograd.grad(
+                tensor, run.stream, stacked, retain_graph=True, is_grads_batched=True
+            )
+            return g
+        at_outs = torch.autograd.grad(
+            tensor, cuts, stacked, retain_graph=True, is_grads_batched=True, allow_unused=True
+        )  # each (R, B, T, out) or None
+        matrices = [matrix for (_, matrix), o in zip(inputs, outs, strict=True) if o is not None]
+        normed = torch.zeros((len(cotangents), *run.normed.shape), dtype=run.normed.dtype,
+                             device=run.normed.device)  # fmt: skip
+        for grad, matrix in zip(at_outs, matrices, strict=True):
+            if grad is not None:
+                normed += _through_columns(grad, matrix.to(grad.dtype)).to(normed.dtype)
+        (g,) = torch.autograd.grad(
+            run.normed, run.stream, normed, retain_graph=True, is_grads_batched=True
+        )
+        return g
 
     def _cotangents(
         self,
@@ -294,7 +327,9 @@ class _ReceiverGradients:
         for layer, parts in enumerate(graph.layers):
             run = self.runs[layer]
             if qkv_wanted:
-                yield parts.norm.register_forward_pre_hook(_keep_stream(run))
+                yield parts.norm.register_forward_hook(_keep_stream(run))
+                for i, (module, _) in enumerate(parts.inputs):
+                    yield module.register_forward_hook(_keep_projected(run, i))
                 yield graph.sites[layer].register_qkv_editor(_xi_editor(run))
                 if grouped_kv:
                     yield graph.sites[layer].register_observer(_out_xi(run))
@@ -306,10 +341,61 @@ class _ReceiverGradients:
 
 
 def _keep_stream(run: _LayerRun) -> Any:
-    def hook(m: nn.Module, args: Any) -> None:
+    def hook(m: nn.Module, args: Any, out: Any) -> None:
         run.stream = args[0]
+        run.normed = out if isinstance(out, Tensor) else None
 
     return hook
+
+
+def _keep_projected(run: _LayerRun, index: int) -> Any:
+    def hook(m: nn.Module, args: Any, out: Any) -> None:
+        if run.projected is None:
+            run.projected = {}
+        if isinstance(out, Tensor) and args and args[0] is run.normed:
+            run.projected[index] = out
+
+    return hook
+
+
+def _reaches(start: Tensor, source: Tensor, cuts: list[Tensor]) -> bool:
+    """Whether autograd's graph leads from ``start`` back to ``source`` other than through
+    ``cuts`` (their nodes are not walked past)."""
+    stop = {id(c.grad_fn) for c in cuts if c.grad_fn is not None}
+    target = source.grad_fn
+    if target is None:
+        return True  # a leaf: no node to meet, so no cut can be shown to separate it
+    seen: set[int] = set()
+    todo = [start.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        if node is target:
+            return True
+        seen.add(id(node))
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return False
+
+
+def _through_columns(grad: Tensor, matrix: Tensor) -> Tensor:
+    """(R, B, T, E): each receiver's gradient (R, B, T, out) at a projection's output back at
+    its input, ``grad[r] @ matrix`` (matrix (out, E)), over the columns ``grad[r]`` reaches
+    alone (a head's: the rest are zero), so a receiver pays its head's share of the product."""
+    r, e = grad.shape[0], matrix.shape[1]
+    flat = grad.flatten(1, -2)  # (R, B·T, out)
+    used = flat.ne(0).any(1)  # (R, out)
+    counts = used.sum(1)
+    width = int(counts.max()) if r else 0
+    if r and bool((counts == width).all()):  # one gathered product for all receivers
+        cols = used.nonzero()[:, 1].view(r, width)  # (R, w), ascending per receiver
+        picked = flat.gather(2, cols[:, None, :].expand(-1, flat.shape[1], -1))  # (R, B·T, w)
+        out = torch.bmm(picked, matrix[cols])  # (R, B·T, E)
+    else:
+        out = torch.stack([
+            flat[j][:, used[j]] @ matrix[used[j]] for j in range(r)
+        ]) if r else flat.new_zeros(0, flat.shape[1], e)  # fmt: skip
+    return out.view(*grad.shape[:-1], e)
 
 
 def _xi_editor(run: _LayerRun) -> Any:

@@ -127,6 +127,9 @@ class _Layer:
     projection: nn.Module  # the module inside the attention fed its heads' outputs
     mlp: nn.Module | None  # the block's feed-forward network
     mlp_norm: nn.Module | None  # the module whose output it is given
+    # the attention's q/k/v projections: modules given the norm's output itself, each with its
+    # matrix M (out, E), the projection read per token as x ↦ x Mᵀ + bias
+    inputs: tuple[tuple[nn.Module, Tensor], ...] = ()
 
 
 class EdgeModel:
@@ -187,7 +190,13 @@ class EdgeModel:
                     f"{caller}: block {layer} of {mapped.family} gives its feed-forward network "
                     f"no module's output as its input (a pre-LN block is needed)"
                 )
-            layers.append(_Layer(norm, projection, block.mlp, mlp_norm))
+            given = found.get(("given", layer))
+            inputs = tuple(
+                (m, matrix)
+                for m in found.get(("inputs", layer), [])
+                if given is not None and (matrix := _linear_matrix(m, given)) is not None
+            )
+            layers.append(_Layer(norm, projection, block.mlp, mlp_norm, inputs))
         return cls(experiment, mapped, layers, kv)
 
     # -- the graph ------------------------------------------------------------------------------
@@ -299,10 +308,28 @@ def _stream_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
     return kwargs["hidden_states"]
 
 
+def _linear_matrix(module: nn.Module, given: Tensor) -> Tensor | None:
+    """M (out, E) of a module read as the per-token linear map x ↦ x Mᵀ + bias, as the model
+    calls it (nn.Linear's weight, GPT-2's Conv1D's transposed): its outputs on the unit vectors
+    less its output on zero; None unless it has a 2-D weight and gives a (1, E, out) tensor.
+    ``given`` (..., E) is what the model gave it (dtype and device)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        return None
+    width = given.shape[-1]
+    with torch.no_grad():
+        eye = torch.eye(width, dtype=given.dtype, device=given.device)[None]  # (1, E, E)
+        ones, zero = module(eye), module(torch.zeros_like(eye[:, :1]))
+        if not (isinstance(ones, Tensor) and ones.dim() == 3 and ones.shape[1] == width):
+            return None
+        return (ones - zero)[0].T.contiguous()  # (out, E)
+
+
 def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) -> Iterator[Any]:
     """Hooks that find, in one run, each block's attention norm and feed-forward norm (the
-    module of the block whose output tensor is the part's input) and output projection (the
-    module inside the attention given its heads' outputs, flattened)."""
+    module of the block whose output tensor is the part's input), output projection (the
+    module inside the attention given its heads' outputs, flattened) and input projections
+    (the modules inside it given the norm's output itself, and that output)."""
     made: dict[int, tuple[nn.Module, Tensor]] = {}  # id(output) -> (module, output: kept alive)
     flat: dict[int, Tensor] = {}  # layer -> its heads' outputs (B, T, H·Dv)
 
@@ -326,9 +353,21 @@ def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) ->
 
         return observer
 
-    def projection(layer: int) -> Any:
+    def attention_input(layer: int) -> Any:
+        def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
+            given = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(given, Tensor) and ("given", layer) not in found:
+                found["given", layer] = given
+
+        return hook
+
+    def inner(layer: int) -> Any:  # on each module inside the attention
         def hook(m: nn.Module, args: Any) -> None:
             given, want = (args[0] if args else None), flat.get(layer)
+            if given is not None and given is found.get(("given", layer)):
+                inputs = found.setdefault(("inputs", layer), [])
+                if all(m is not other for other in inputs):
+                    inputs.append(m)
             if (
                 ("projection", layer) not in found
                 and isinstance(given, Tensor)
@@ -349,9 +388,10 @@ def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) ->
         yield experiment.found[layer][1].register_observer(heads(layer))
         if attention is not None:
             yield attention.register_forward_pre_hook(reading(("norm", layer)), with_kwargs=True)
+            yield attention.register_forward_pre_hook(attention_input(layer), with_kwargs=True)
             for m in attention.modules():
                 if m is not attention:
-                    yield m.register_forward_pre_hook(projection(layer))
+                    yield m.register_forward_pre_hook(inner(layer))
         if block.mlp is not None:
             yield block.mlp.register_forward_pre_hook(
                 reading(("mlp_norm", layer)), with_kwargs=True
