@@ -17,15 +17,18 @@ the clean run. With ``ig_steps = m > 1`` the gradient is the mean over the point
 
 How the gradients are taken: one backward from the metric to zeros ξ added to each head's
 queries, keys and values (a q/k/v editor), to each feed-forward norm's input and to the final
-norm's input; then, per layer and kind, one batched vector-Jacobian product from the queries
-(keys, values) back to the norm's input, its cotangents (one per receiving head, nonzero on
-that head alone) stacked and vmapped through the same backward (``is_grads_batched``), the
-gradients (R, B, T, E) then scored against all the senders before them in one product (a layer
-that no chosen sender writes before gets no product at all). On a
-grouped-query model with ``kv="query_head"``, the key and value gradients of each query head
-come from its own attention recomputed (:func:`~multihead.kernels.math_attention` on the
-recorded q, k, v and the gradient at the heads' outputs), one query head of every group at a
-time: keys and values are never repeated per query head.
+norm's input; then, per layer and kind, the gradient at the queries (keys, values) goes back to
+the q/k/v projections' outputs, each receiving head takes its own columns of them times the
+same rows of the projection's matrix (:mod:`~multihead.circuits.projection_columns`: over all
+heads, one projection's backward), and the norm's backward runs for all of them at once, vmapped
+(``is_grads_batched``); the gradients (R, B, T, E) are then scored against all the senders
+before them in one product (a layer that no chosen sender writes before gets no product at all).
+Where the projections cannot be read as matrices, or a path passes by them, each head's
+cotangent goes through the whole backward instead (batched the same way). On a grouped-query
+model with ``kv="query_head"``, the key and value gradients of each query head come from its
+own attention recomputed (:func:`~multihead.kernels.math_attention` on the recorded q, k, v and
+the gradient at the heads' outputs), one query head of every group at a time: keys and values
+are never repeated per query head.
 
 Shapes: B batch, T tokens, S keys, E residual width, H query heads, Hk key/value heads, D head
 dim, N senders, R receivers.
@@ -55,6 +58,7 @@ from multihead.circuits.embedding_path import (
 )
 from multihead.circuits.experiment import Experiment, warn_if_random
 from multihead.circuits.input_pair import Metric
+from multihead.circuits.projection_columns import ProjectionColumns
 from multihead.kernels import allowed, causal_mask, math_attention
 from multihead.observers import AttentionCall, Removable, registered
 
@@ -135,6 +139,7 @@ def edge_attribution(
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
     scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
     column = {r: j for j, r in enumerate(readers)}
+    columns: dict[tuple[int, int], ProjectionColumns | None] = {}  # found in the first run
 
     def add(receiver: Receiver, values: Tensor) -> None:
         scores[: values.shape[0], column[receiver]] += values
@@ -143,7 +148,7 @@ def edge_attribution(
         with interpolated_embeddings(
             graph.mapped, corrupt_embed, clean_embed, alpha, "edge_attribution"
         ):
-            _ReceiverGradients(graph, readers, delta, stages).run(add)
+            _ReceiverGradients(graph, readers, delta, stages, columns).run(add)
     scores /= ig_steps
     before = torch.tensor(stages, device=scores.device)[:, None]
     after = torch.tensor([r.stage for r in readers], device=scores.device)[None, :]
@@ -174,9 +179,15 @@ class _ReceiverGradients:
     receiver's scores against the senders before it (n,) to a callback."""
 
     def __init__(
-        self, graph: EdgeModel, receivers: list[Receiver], delta: Tensor, stages: list[int]
+        self,
+        graph: EdgeModel,
+        receivers: list[Receiver],
+        delta: Tensor,
+        stages: list[int],
+        columns: dict[tuple[int, int], ProjectionColumns | None],
     ) -> None:
         self.graph = graph
+        self.columns = columns  # (layer, q/k/v index) -> its heads' columns: shared by runs
         self.receivers = receivers
         self.delta = delta  # (N, B, T, E): the senders' corrupt - clean writes, forward order
         self.stages = stages
@@ -242,83 +253,72 @@ class _ReceiverGradients:
         out_grad: Tensor | None,
         add: Callable[[Receiver, Tensor], None],
     ) -> None:
-        """Per kind, every receiving head's gradient at the stream in one vector-Jacobian
-        product: the cotangents (R, B, H, T, D) batched (vmapped) through the same backward."""
-        assert run.qkv is not None and run.stream is not None
-        by_kind: dict[str, list[tuple[Receiver, Tensor]]] = {}
-        for receiver, cotangent in self._cotangents(layer, run, grads, out_grad):
-            by_kind.setdefault(receiver.kind, []).append((receiver, cotangent))
-        for kind, pairs in by_kind.items():
-            g = self._stream_gradients(layer, run, "qkv".index(kind), [c for _, c in pairs])
-            values = self._dot(n, g)  # (n, R)
-            for j, (receiver, _) in enumerate(pairs):
-                add(receiver, values[:, j])
+        """Per kind, every receiving head's gradient at the stream, scored against the ``n``
+        senders before it: the gradient at q, k or v (on a grouped model with
+        ``kv="query_head"``, at the keys or values as one query head per group reads them, a
+        round per group member) split into the receivers' heads on the way back."""
+        assert run.qkv is not None
+        per_query: dict[str, list[Tensor]] | None = None
+        for index, kind in enumerate("qkv"):
+            mine = [r for r in self.receivers if r.layer == layer and r.kind == kind]
+            grad = grads[index]
+            if not mine or grad is None:
+                continue
+            kv_heads = run.qkv[index].shape[1]
+            rounds = [(grad, mine, [r.head for r in mine])]
+            if kind != "q" and not mine[0].shared and kv_heads != run.qkv[0].shape[1]:
+                if out_grad is None or run.call is None:
+                    continue
+                if per_query is None:
+                    per_query = _per_query_head_kv_grads(run.call, run.qkv, out_grad)
+                group = run.qkv[0].shape[1] // kv_heads
+                rounds = []
+                for member, cotangent in enumerate(per_query[kind]):
+                    members = [r for r in mine if r.head % group == member]
+                    rounds.append((cotangent, members, [r.head // group for r in members]))
+            for cotangent, members, slots in rounds:
+                if members:
+                    g = self._stream_gradients(layer, run, index, cotangent, slots)
+                    values = self._dot(n, g)  # (n, R)
+                    for j, receiver in enumerate(members):
+                        add(receiver, values[:, j])
 
     def _stream_gradients(
-        self, layer: int, run: _LayerRun, index: int, cotangents: list[Tensor]
+        self, layer: int, run: _LayerRun, index: int, cotangent: Tensor, slots: list[int]
     ) -> Tensor:
-        """(R, B, T, E): each cotangent's gradient at the stream, from q, k or v (``index``).
-
-        Where every path from that tensor back to the norm's output runs through the input
-        projections: the cotangents go back to the projections' outputs (the rotary and
-        reshapes only), then each through the columns it reaches alone (its head's) of the
-        projection's matrix, then through the norm, all receivers at once. Otherwise, the whole
-        backward batched over the receivers (each pays the full projection's)."""
+        """(R, B, T, E): the part of ``cotangent`` (on q, k or v: ``index``) on each of
+        ``slots`` (heads) at the stream: through each head's own columns of the projections
+        (:class:`~multihead.circuits.projection_columns.ProjectionColumns`, found once per
+        layer and kind), then the norm's backward for all of them at once; where the columns
+        cannot be read, each head's cotangent through the whole backward."""
         assert run.qkv is not None and run.stream is not None
-        tensor, stacked = run.qkv[index], torch.stack(cotangents)  # (R, B, H|Hk, T|S, D)
+        tensor = run.qkv[index]
         inputs = self.graph.layers[layer].inputs
-        outs = [run.projected.get(i) for i in range(len(inputs))] if run.projected else []
-        cuts = [o for o in outs if o is not None]
-        if run.normed is None or not cuts or _reaches(tensor, run.normed, cuts):
+        outputs = [(run.projected or {}).get(i) for i in range(len(inputs))]
+        present = [o for o in outputs if o is not None]
+        ready = run.normed is not None and bool(present) and len(present) == len(outputs)
+        if (layer, index) not in self.columns and ready:
+            assert run.normed is not None
+            matrices = [matrix for _, matrix in inputs]
+            self.columns[layer, index] = ProjectionColumns.find(
+                tensor, run.normed, present, matrices
+            )
+        columns = self.columns.get((layer, index))
+        if columns is None or not ready:
+            stacked = cotangent.new_zeros(len(slots), *cotangent.shape)  # (R, B, H, T, D)
+            for j, slot in enumerate(slots):
+                stacked[j, :, slot] = cotangent[:, slot]
             (g,) = torch.autograd.grad(
                 tensor, run.stream, stacked, retain_graph=True, is_grads_batched=True
             )
             return g
-        at_outs = torch.autograd.grad(
-            tensor, cuts, stacked, retain_graph=True, is_grads_batched=True, allow_unused=True
-        )  # each (R, B, T, out) or None
-        matrices = [matrix for (_, matrix), o in zip(inputs, outs, strict=True) if o is not None]
-        normed = torch.zeros((len(cotangents), *run.normed.shape), dtype=run.normed.dtype,
-                             device=run.normed.device)  # fmt: skip
-        for grad, matrix in zip(at_outs, matrices, strict=True):
-            if grad is not None:
-                normed += _through_columns(grad, matrix.to(grad.dtype)).to(normed.dtype)
+        assert run.normed is not None
+        at_normed = columns.backward(tensor, present, cotangent, slots)  # (R, B, T, E)
         (g,) = torch.autograd.grad(
-            run.normed, run.stream, normed, retain_graph=True, is_grads_batched=True
-        )
+            run.normed, run.stream, at_normed.to(run.normed.dtype), retain_graph=True,
+            is_grads_batched=True,
+        )  # fmt: skip
         return g
-
-    def _cotangents(
-        self,
-        layer: int,
-        run: _LayerRun,
-        grads: list[Tensor | None],
-        out_grad: Tensor | None,
-    ) -> Iterator[tuple[Receiver, Tensor]]:
-        """Each q/k/v receiver of ``layer`` and the cotangent on its kind's tensor (B, H or Hk,
-        T or S, D) that is nonzero on its head alone."""
-        assert run.qkv is not None
-        wanted = [r for r in self.receivers if r.layer == layer and r.kind in ("q", "k", "v")]
-        per_query: dict[str, list[Tensor]] | None = None
-        for receiver in wanted:
-            index = "qkv".index(receiver.kind)
-            tensor = run.qkv[index]
-            heads_of_tensor = tensor.shape[1]
-            grad = grads[index]
-            if grad is None:
-                continue
-            cotangent = torch.zeros_like(tensor)
-            if receiver.kind == "q" or receiver.shared or heads_of_tensor == run.qkv[0].shape[1]:
-                cotangent[:, receiver.head] = grad[:, receiver.head]
-            else:  # a query head's own keys or values on a grouped model
-                if per_query is None:
-                    if out_grad is None or run.call is None:
-                        continue
-                    per_query = _per_query_head_kv_grads(run.call, run.qkv, out_grad)
-                group = run.qkv[0].shape[1] // heads_of_tensor
-                kv_head, member = divmod(receiver.head, group)
-                cotangent[:, kv_head] = per_query[receiver.kind][member][:, kv_head]
-            yield receiver, cotangent
 
     def _hooks(self) -> Iterator[Removable]:
         graph = self.graph
@@ -356,46 +356,6 @@ def _keep_projected(run: _LayerRun, index: int) -> Any:
             run.projected[index] = out
 
     return hook
-
-
-def _reaches(start: Tensor, source: Tensor, cuts: list[Tensor]) -> bool:
-    """Whether autograd's graph leads from ``start`` back to ``source`` other than through
-    ``cuts`` (their nodes are not walked past)."""
-    stop = {id(c.grad_fn) for c in cuts if c.grad_fn is not None}
-    target = source.grad_fn
-    if target is None:
-        return True  # a leaf: no node to meet, so no cut can be shown to separate it
-    seen: set[int] = set()
-    todo = [start.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        if node is target:
-            return True
-        seen.add(id(node))
-        todo.extend(nxt for nxt, _ in node.next_functions)
-    return False
-
-
-def _through_columns(grad: Tensor, matrix: Tensor) -> Tensor:
-    """(R, B, T, E): each receiver's gradient (R, B, T, out) at a projection's output back at
-    its input, ``grad[r] @ matrix`` (matrix (out, E)), over the columns ``grad[r]`` reaches
-    alone (a head's: the rest are zero), so a receiver pays its head's share of the product."""
-    r, e = grad.shape[0], matrix.shape[1]
-    flat = grad.flatten(1, -2)  # (R, B·T, out)
-    used = flat.ne(0).any(1)  # (R, out)
-    counts = used.sum(1)
-    width = int(counts.max()) if r else 0
-    if r and bool((counts == width).all()):  # one gathered product for all receivers
-        cols = used.nonzero()[:, 1].view(r, width)  # (R, w), ascending per receiver
-        picked = flat.gather(2, cols[:, None, :].expand(-1, flat.shape[1], -1))  # (R, B·T, w)
-        out = torch.bmm(picked, matrix[cols])  # (R, B·T, E)
-    else:
-        out = torch.stack([
-            flat[j][:, used[j]] @ matrix[used[j]] for j in range(r)
-        ]) if r else flat.new_zeros(0, flat.shape[1], e)  # fmt: skip
-    return out.view(*grad.shape[:-1], e)
 
 
 def _xi_editor(run: _LayerRun) -> Any:
