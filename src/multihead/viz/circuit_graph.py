@@ -84,7 +84,7 @@ def circuit_figure(
 
 
 def faithfulness_figure(
-    curves: Sequence[tuple[str, Sequence[int], Sequence[float]]],
+    curves: Sequence[tuple[str, Sequence[float], Sequence[float]]],
     total: int,
     *,
     title: str | None = None,
