@@ -159,3 +159,21 @@ def test_pruning_keeps_faithfulness(kinds: tuple[str, ...]) -> None:
     assert curve.edges[-1] == len(scores)  # every edge: nothing is inert
     with pytest.raises(TypeError, match="prune must be True or False, got 1"):
         multihead.faithfulness_curve(model, clean, corrupt, _metric, scores, prune=1)  # type: ignore[arg-type]
+
+
+def test_plot_draws_the_pruned_circuit() -> None:
+    """The pruned circuit's picture: 3 arrows, 4 components (embed, L0H0, L1H0, logits) and 2
+    input labels (v, k); unpruned, CIRCUIT's 8 arrows, 8 components and 4 labels (v, k, q, v)."""
+    pytest.importorskip("matplotlib")
+    scores = _scores(SENDERS, EVERY, ("q", "k", "v", "mlp", "logits"), CIRCUIT)
+
+    def drawn(fig: object) -> tuple[int, list[str]]:
+        texts = [t.get_text() for t in fig.axes[0].texts]  # type: ignore[attr-defined]
+        return texts.count(""), sorted(t for t in texts if t)  # arrows are empty annotations
+
+    assert drawn(scores.plot(len(CIRCUIT))) == (
+        3, sorted(["embed", "L0H0", "L1H0", "logits", "v", "k"])
+    )  # fmt: skip
+    arrows, labels = drawn(scores.plot(len(CIRCUIT), prune=False))
+    assert arrows == 8 and len(labels) == 12
+    assert drawn(scores.plot(2)) == (0, [])  # both edges inert: an empty picture

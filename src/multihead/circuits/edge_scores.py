@@ -199,8 +199,9 @@ class EdgeScores:
         """The circuit of the top ``n`` edges (:meth:`circuit`, pruned of its inert edges with
         ``prune``) as a graph picture (a matplotlib ``Figure``; the ``viz`` extra):
         :func:`multihead.viz.circuit_graph.circuit_figure`."""
-        kept = set(self.circuit(min(n, len(self)), prune=prune).edges)
-        return circuit_figure([e for e in self.top(n) if e[0] in kept], **kwargs)
+        top = self.top(n)
+        kept = set(self.circuit(len(top), prune=prune).edges)
+        return circuit_figure([e for e in top if e[0] in kept], **kwargs)
 
     def __repr__(self) -> str:
         method = "EAP" if self.ig_steps == 1 else f"EAP-IG ({self.ig_steps} steps)"
