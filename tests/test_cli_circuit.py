@@ -38,16 +38,18 @@ def test_induction_run(
     assert [label for label, _ in printed] == [label for label, _ in scores.top(4)]
     for (_, value), (_, want) in zip(printed, scores.top(4), strict=True):
         assert float(value) == pytest.approx(want, abs=1e-3)
-    curve = re.findall(r"^\s+(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
-    sizes = [int(n) for n, _, _ in curve]
+    curve = re.findall(r"^\s+(\d+)\s+(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
+    sizes = [int(n) for n, _, _, _ in curve]
     assert sizes[0] == 0 and sizes[-1] == len(scores)
-    assert float(curve[0][1]) == pytest.approx(0, abs=1e-3)  # no edge: the corrupt run
-    assert float(curve[-1][1]) == pytest.approx(1, abs=1e-3)  # every edge: the clean run
-    middle = sizes.index(sizes[len(sizes) // 2])
+    assert [int(e) for _, e, _, _ in curve] == [len(scores.circuit(n)) for n in sizes]
+    assert float(curve[0][2]) == pytest.approx(0, abs=1e-3)  # no edge: the corrupt run
+    assert float(curve[-1][2]) == pytest.approx(1, abs=1e-3)  # every edge: the clean run
+    middle = len(sizes) // 2
     want = multihead.faithfulness(
         model, pair.clean, pair.corrupt, pair.metric, scores.circuit(sizes[middle])
     )
-    assert float(curve[middle][1]) == pytest.approx(want, abs=1e-3)
+    assert float(curve[middle][2]) == pytest.approx(want, abs=1e-3)
+    assert "each circuit pruned of its inert edges" in stdout
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ Shapes: N senders, R receivers.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from multihead._checks import check_positive_int, describe
+from multihead.circuits.edge_graph import EMBED, LOGITS
 from multihead.viz.circuit_graph import circuit_figure
 
 __all__ = ["Circuit", "EdgeScores", "circuit_edges"]
@@ -25,18 +27,25 @@ class Circuit:
     circuit carries the corrupt run's value, and receivers of other kinds are left alone.
 
     Attributes:
-        edges: the edges' labels.
+        edges: the edges' labels; ``len(circuit)`` is their number.
         receivers: the receiver kinds of the graph (of "q", "k", "v", "mlp", "logits").
         kv: ``"query_head"`` or ``"shared"``: what a key/value receiver is (see
             :func:`~multihead.edge_attribution`).
+        inert: the edges chosen with them and pruned as inert
+            (:meth:`EdgeScores.inert`; ``EdgeScores.circuit(n)`` keeps ``n - len(inert)``).
     """
 
     edges: tuple[str, ...]
     receivers: tuple[str, ...] = ("q", "k", "v", "logits")
     kv: str = "query_head"
+    inert: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.edges)
+
+    def __repr__(self) -> str:
+        pruned = f", {len(self.inert)} inert pruned" if self.inert else ""
+        return f"Circuit({len(self.edges)} edges{pruned}; receivers {', '.join(self.receivers)})"
 
 
 @dataclass(frozen=True)
@@ -86,13 +95,83 @@ class EdgeScores:
         check_positive_int("n", n)
         return sorted(self._edges(), key=lambda e: -abs(e[1]))[:n]
 
-    def circuit(self, n: int) -> Circuit:
+    def circuit(self, n: int, *, prune: bool = True) -> Circuit:
         """The top ``n`` edges (by ``|score|``) as a :class:`Circuit`, what
-        :func:`~multihead.faithfulness` takes."""
+        :func:`~multihead.faithfulness` takes; with ``prune`` (the default) without those of
+        them that are inert (:meth:`inert`), which ``circuit.inert`` lists.
+
+        Pruning is the default because it changes nothing a circuit run computes (the
+        faithfulness of the pruned circuit is the top ``n``'s, up to rounding: see
+        :meth:`inert`) while ``len(circuit)`` becomes the number of edges the circuit really
+        uses, the size a circuit should be judged by (EAP-IG and the MIB benchmark prune too).
+        ``prune=False`` gives the top ``n`` edges exactly, as :meth:`top` lists them.
+        """
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(self):
             raise ValueError(f"n must be an int in [0, {len(self)}] (the edges), got {n!r}")
+        if not isinstance(prune, bool):
+            raise TypeError(f"prune must be True or False, got {describe(prune)}")
         edges = tuple(label for label, _ in self.top(len(self))[:n]) if n else ()
-        return Circuit(edges, self.kinds, self.kv)
+        if not prune:
+            return Circuit(edges, self.kinds, self.kv)
+        inert = set(self.inert(edges))
+        kept = tuple(e for e in edges if e not in inert)
+        return Circuit(kept, self.kinds, self.kv, tuple(e for e in edges if e in inert))
+
+    def inert(self, edges: Sequence[str]) -> tuple[str, ...]:
+        """The edges of ``edges`` (labels of this graph's edges) that are inert in the circuit
+        they make, in their order: those whose sender no path of the circuit's edges reaches
+        from the embeddings, or whose receiver's component has no path of them to the logits.
+
+        A component is a node: a head is reached when any of its q, k, v receives a reached
+        edge (with ``kv="shared"`` a key/value receiver feeds every query head of its group), a
+        feed-forward network likewise; the embeddings are the source. Receiver kinds the graph
+        did not score read the run's stream unchanged, so a component reading through one is
+        always reached and every earlier sender always has an edge into it (and every sender
+        one to the logits when they are not scored).
+
+        Dropping them leaves the circuit run as it was: a component no kept edge reaches reads
+        the corrupt run's stream through every input, so it writes what it writes in the corrupt
+        run, which is what a cut edge carries; and what a component with no path to the logits
+        writes is read by no kept edge on the way there.
+
+        Raises:
+            TypeError, ValueError: ``edges`` not a sequence of this graph's edge labels.
+        """
+        if isinstance(edges, (str, bytes, Tensor)) or not isinstance(edges, Sequence):
+            raise TypeError(
+                f"edges must be a sequence of edge labels ('L0H1 -> L1H3.k'), got {describe(edges)}"
+            )
+        known = set(self.labels)
+        unknown = [e for e in edges if e not in known]
+        if unknown:
+            raise ValueError(
+                f"edges must be edges of this graph ('sender -> receiver', e.g. "
+                f"{next(iter(self.labels), '')!r}), got {unknown[0]!r}"
+                + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else "")
+            )
+        pairs = [e.split(" -> ") for e in edges]
+        graph = _Nodes(self.senders, self.receivers, self.kinds)
+        into: dict[str, list[str]] = {}  # component -> the senders of its circuit edges
+        out: dict[str, list[str]] = {}  # sender -> the components its circuit edges feed
+        for s, r in pairs:
+            for node in graph.of(r):
+                into.setdefault(node, []).append(s)
+                out.setdefault(s, []).append(node)
+        order = sorted(graph.stages, key=graph.stages.__getitem__)
+        reached = {EMBED}
+        for node in order:
+            if node in graph.open or any(s in reached for s in into.get(node, ())):
+                reached.add(node)
+        live = {LOGITS}
+        for node in reversed(order):
+            implicit = (m for m in graph.open if graph.stages[node] < graph.reads[m])
+            if any(m in live for m in out.get(node, ())) or any(m in live for m in implicit):
+                live.add(node)
+        return tuple(
+            e
+            for e, (s, r) in zip(edges, pairs, strict=True)
+            if s not in reached or not any(m in live for m in graph.of(r))
+        )
 
     def score(self, sender: str, receiver: str) -> float:
         """One edge's score, by its sender's and receiver's labels."""
@@ -116,10 +195,13 @@ class EdgeScores:
                     rows.append({"sender": s, "receiver": r, "edge": f"{s} -> {r}", "score": v})
         return rows
 
-    def plot(self, n: int = 20, **kwargs: Any) -> Any:
-        """The top ``n`` edges as a graph picture (a matplotlib ``Figure``; the ``viz``
-        extra): :func:`multihead.viz.circuit_graph.circuit_figure`."""
-        return circuit_figure(self.top(n), **kwargs)
+    def plot(self, n: int = 20, *, prune: bool = True, **kwargs: Any) -> Any:
+        """The circuit of the top ``n`` edges (:meth:`circuit`, pruned of its inert edges with
+        ``prune``) as a graph picture (a matplotlib ``Figure``; the ``viz`` extra):
+        :func:`multihead.viz.circuit_graph.circuit_figure`."""
+        top = self.top(n)
+        kept = set(self.circuit(len(top), prune=prune).edges)
+        return circuit_figure([e for e in top if e[0] in kept], **kwargs)
 
     def __repr__(self) -> str:
         method = "EAP" if self.ig_steps == 1 else f"EAP-IG ({self.ig_steps} steps)"
@@ -128,6 +210,62 @@ class EdgeScores:
             f"{len(self.receivers)} receivers, {method}; clean {self.clean:.4g}, corrupt "
             f"{self.corrupt:.4g})"
         )
+
+
+_HEAD_RECEIVER = re.compile(r"L(\d+)(H|KV)(\d+)\.([qkv])")
+_HEAD = re.compile(r"L(\d+)H(\d+)")
+
+
+class _Nodes:
+    """The components of an :class:`EdgeScores` graph, named by their sender labels ("embed",
+    "L0H1", "MLP0") and "logits": when each writes (``stages``: 0 the embeddings, 2l + 1 layer
+    l's heads, 2l + 2 its MLP) and reads (``reads``), which read through a receiver kind the
+    graph did not score (``open``), and which components a receiver feeds (:meth:`of`)."""
+
+    def __init__(self, senders: Sequence[str], receivers: Sequence[str], kinds: Sequence[str]):
+        heads: dict[int, set[int]] = {}
+        self.queries: dict[int, int] = {}  # layer -> its q receivers (query heads)
+        self.kv_heads: dict[int, set[int]] = {}  # layer -> its shared key/value heads
+        self.stages: dict[str, int] = {EMBED: 0}
+        for label in (*senders, *receivers):
+            head, receiver = _HEAD.fullmatch(label), _HEAD_RECEIVER.fullmatch(label)
+            if head:
+                heads.setdefault(int(head[1]), set()).add(int(head[2]))
+            elif receiver and receiver[2] == "H":
+                heads.setdefault(int(receiver[1]), set()).add(int(receiver[3]))
+                if receiver[4] == "q":
+                    self.queries[int(receiver[1])] = self.queries.get(int(receiver[1]), 0) + 1
+            elif receiver:
+                self.kv_heads.setdefault(int(receiver[1]), set()).add(int(receiver[3]))
+            elif label.startswith("MLP"):
+                self.stages[label] = 2 * int(label[3:]) + 2
+        self.heads = {layer: sorted(hs) for layer, hs in heads.items()}
+        self.stages.update(
+            {f"L{layer}H{h}": 2 * layer + 1 for layer, hs in heads.items() for h in hs}
+        )
+        self.reads = {n: stage for n, stage in self.stages.items() if n != EMBED}
+        self.reads[LOGITS] = max(self.stages.values()) + 1
+        self.open = {
+            n
+            for n in self.reads
+            if (n == LOGITS and LOGITS not in kinds)
+            or (n.startswith("MLP") and "mlp" not in kinds)
+            or (_HEAD.fullmatch(n) is not None and not {"q", "k", "v"} <= set(kinds))
+        }
+
+    def of(self, receiver: str) -> list[str]:
+        """The components a receiver feeds: its head (a shared key/value head's query heads,
+        or with no q receivers to count them by, every head of its layer), MLP or the logits."""
+        m = _HEAD_RECEIVER.fullmatch(receiver)
+        if m is None:
+            return [receiver]
+        layer, head = int(m[1]), int(m[3])
+        if m[2] == "H":
+            return [f"L{layer}H{head}"]
+        if layer not in self.queries:
+            return [f"L{layer}H{h}" for h in self.heads.get(layer, ())]
+        size = self.queries[layer] // len(self.kv_heads[layer])
+        return [f"L{layer}H{h}" for h in range(head * size, (head + 1) * size)]
 
 
 def circuit_edges(circuit: object) -> Circuit:

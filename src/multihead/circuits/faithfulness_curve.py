@@ -3,7 +3,9 @@ circuits of the same sizes (:func:`~multihead.circuits.faithfulness.faithfulness
 
 The areas are taken over the fraction of the graph's edges (0 … 1), so a method whose top
 edges carry the behaviour early has a larger area than random circuits, which carry it only
-when they hold most edges.
+when they hold most edges. With ``prune`` (the default) every circuit, top-n or random, is
+pruned of its inert edges (:meth:`~multihead.circuits.edge_scores.EdgeScores.inert`: its
+faithfulness is unchanged) and counted by the edges it keeps: the x axis is the pruned size.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from multihead._checks import check_positive_int
+from multihead._checks import check_positive_int, describe
 from multihead.circuits.edge_scores import Circuit, EdgeScores
 from multihead.circuits.faithfulness import CircuitRuns
 from multihead.circuits.input_pair import Metric
@@ -26,50 +28,60 @@ __all__ = ["FaithfulnessCurve", "default_sizes", "faithfulness_curve"]
 
 @dataclass(frozen=True)
 class FaithfulnessCurve:
-    """Faithfulness of the top-n edges over circuit sizes n, beside random circuits of the same
-    sizes.
+    """Faithfulness of the top-n edges over n, beside random circuits of n edges.
 
     Attributes:
-        sizes: the circuit sizes (edges), increasing, from 0 to every edge.
-        values: the top-n circuit's faithfulness at each size.
-        random: the mean faithfulness of ``draws`` random circuits of each size (uniform over
+        sizes: the n chosen (top-n and random edges), increasing, from 0 to every edge.
+        values: the top-n circuit's faithfulness at each n.
+        edges: the top-n circuit's edges at each n, after pruning its inert ones when
+            ``pruned`` (else ``sizes``): the x axis.
+        random: the mean faithfulness of ``draws`` random circuits of n edges (uniform over
             the graph's edges).
+        random_edges: their mean number of edges after pruning when ``pruned`` (else
+            ``sizes``): the random curve's x axis.
         total: every edge of the graph.
-        area, random_area: the areas under the two curves over the fraction of edges (0 … 1,
-            trapezoids).
+        pruned: whether the circuits were pruned of their inert edges.
+        area, random_area: the areas under the two curves over the fraction of edges (their x
+            axes over ``total``, 0 … 1, trapezoids).
     """
 
     sizes: tuple[int, ...]
     values: tuple[float, ...]
+    edges: tuple[int, ...]
     random: tuple[float, ...]
+    random_edges: tuple[float, ...]
     total: int
     clean: float
     corrupt: float
+    pruned: bool = True
 
     @property
     def area(self) -> float:
-        return _area(self.sizes, self.values, self.total)
+        return _area(self.edges, self.values, self.total)
 
     @property
     def random_area(self) -> float:
-        return _area(self.sizes, self.random, self.total)
+        return _area(self.random_edges, self.random, self.total)
 
     def smallest(self, reach: float = 0.9) -> int | None:
-        """The smallest size whose circuit reaches ``reach``, or None."""
-        return next((n for n, v in zip(self.sizes, self.values, strict=True) if v >= reach), None)
+        """The fewest edges (``edges``: after pruning when ``pruned``) of a top-n circuit that
+        reaches ``reach``, or None."""
+        return next((e for e, v in zip(self.edges, self.values, strict=True) if v >= reach), None)
 
     def plot(self, *, title: str | None = None, other: FaithfulnessCurve | None = None,
              labels: tuple[str, str] = ("top edges", "other")) -> Any:  # fmt: skip
         """The curves (a matplotlib ``Figure``; the ``viz`` extra): faithfulness against the
         fraction of edges, this curve, ``other`` (another method's) and the random circuits'."""
-        curves = [(labels[0], self.sizes, self.values)]
+        curves: list[tuple[str, Sequence[float], Sequence[float]]] = [
+            (labels[0], self.edges, self.values)
+        ]
         if other is not None:
-            curves.append((labels[1], other.sizes, other.values))
-        curves.append(("random circuits", self.sizes, self.random))
+            curves.append((labels[1], other.edges, other.values))
+        curves.append(("random circuits", self.random_edges, self.random))
         return faithfulness_figure(curves, self.total, title=title)
 
 
-def _area(sizes: Sequence[int], values: Sequence[float], total: int) -> float:
+def _area(sizes: Sequence[float], values: Sequence[float], total: int) -> float:
     x = [n / total for n in sizes]
     return sum((x[i + 1] - x[i]) * (values[i] + values[i + 1]) / 2 for i in range(len(x) - 1))
 
@@ -90,19 +102,27 @@ def faithfulness_curve(
     sizes: Sequence[int] | None = None,
     draws: int = 5,
     seed: int = 0,
+    prune: bool = True,
 ) -> FaithfulnessCurve:
-    """:func:`faithfulness` of ``scores``' top-n edges for each size n, and of ``draws`` random
-    circuits of each size (one random order of the edges per draw, its first n edges).
+    """:func:`faithfulness` of ``scores``' top-n edges for each n, and of ``draws`` random
+    circuits of n edges (one random order of the edges per draw, its first n edges).
 
     Args:
         scores: :func:`~multihead.edge_attribution`'s result on the same inputs.
-        sizes: circuit sizes (default :func:`default_sizes`: 0 to every edge).
-        draws: random circuits per size; seed: their generator's seed.
+        sizes: the n (default :func:`default_sizes`: 0 to every edge).
+        draws: random circuits per n; seed: their generator's seed.
+        prune: prune every circuit of its inert edges and count it by the edges it keeps
+            (``EdgeScores.circuit(n)``'s default, and for the same reason: the values do not
+            change, the sizes become the edges a circuit uses); False: the top n edges as they
+            are, counted as n.
 
     Raises:
         ValueError: sizes out of [0, edges], draws < 1, and as :func:`faithfulness`.
+        TypeError: prune not a bool.
     """
     check_positive_int("draws", draws)
+    if not isinstance(prune, bool):
+        raise TypeError(f"prune must be True or False, got {describe(prune)}")
     runs = CircuitRuns.of(model, clean, corrupt, metric, scores.circuit(0))
     total = len(runs.all_edges)
     if total != len(scores):
@@ -115,16 +135,20 @@ def faithfulness_curve(
         raise ValueError(f"sizes must be in [0, {total}] (the edges), got {sizes!r}")
     generator = torch.Generator().manual_seed(seed)
     orders = [torch.randperm(total, generator=generator).tolist() for _ in range(draws)]
-    values, random = [], []
+    values, edges, random, random_edges = [], [], [], []
     for n in chosen:
-        values.append(runs.faithfulness(scores.circuit(n)))
-        drawn = [
-            runs.faithfulness(
-                Circuit(tuple(runs.all_edges[i] for i in order[:n]), scores.kinds, scores.kv)
-            )
-            for order in orders
-        ]
-        random.append(sum(drawn) / draws)
+        top = scores.circuit(n, prune=prune)
+        values.append(runs.faithfulness(top))
+        edges.append(len(top))
+        drawn = []
+        for order in orders:
+            labels = [runs.all_edges[i] for i in order[:n]]
+            inert = set(scores.inert(labels)) if prune else set()
+            drawn.append(tuple(e for e in labels if e not in inert))
+        faithful = [runs.faithfulness(Circuit(c, scores.kinds, scores.kv)) for c in drawn]
+        random.append(sum(faithful) / draws)
+        random_edges.append(sum(len(c) for c in drawn) / draws)
     return FaithfulnessCurve(
-        tuple(chosen), tuple(values), tuple(random), total, runs.clean, runs.corrupt
-    )
+        tuple(chosen), tuple(values), tuple(edges), tuple(random), tuple(random_edges), total,
+        runs.clean, runs.corrupt, prune,
+    )  # fmt: skip

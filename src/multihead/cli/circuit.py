@@ -9,9 +9,10 @@ its top heads attend where they do (QK attribution).
 
 It scores every edge (:func:`multihead.edge_attribution`, ``--ig-steps``), prints the top
 edges, the faithfulness curve of the top edges against random circuits
-(:func:`multihead.faithfulness_curve`) and the smallest circuit that reaches ``--reach``, and
-writes ``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph). Errors are
-one line and exit code 2 (``multihead.cli.main``).
+(:func:`multihead.faithfulness_curve`; every circuit pruned of its inert edges and counted by
+the edges it keeps) and the smallest circuit that reaches ``--reach``, and writes
+``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph). Errors are one line
+and exit code 2 (``multihead.cli.main``).
 """
 
 from __future__ import annotations
@@ -142,23 +143,37 @@ def _circuit(
     width = max(len(label) for label, _ in scores.top(args.top))
     for label, value in scores.top(args.top):
         print(f"  {label:<{width}}  {value:9.3f}")
-    print("\nFaithfulness of the top-n edges (1: the clean run, 0: the corrupt run):")
-    print("  edges   top edges   random circuits")
-    for n, v, r in zip(curve.sizes, curve.values, curve.random, strict=True):
-        print(f"  {n:5d}   {v:9.3f}   {r:15.3f}")
+    print(
+        "\nFaithfulness of the top-n edges, each circuit pruned of its inert edges (those off "
+        "every path from the embeddings to the logits inside it; 1: the clean run, 0: the "
+        "corrupt run):"
+    )
+    print("  top n   edges kept   top edges   random circuits")
+    for n, e, v, r in zip(curve.sizes, curve.edges, curve.values, curve.random, strict=True):
+        print(f"  {n:5d}   {e:10d}   {v:9.3f}   {r:15.3f}")
     ratio = curve.area / curve.random_area if curve.random_area > 0 else float("inf")
-    print(f"  area {curve.area:.3f}, random circuits' {curve.random_area:.3f} ({ratio:.1f}x)")
-    size = curve.smallest(args.reach)
-    if size is None:
+    print(
+        f"  area over the pruned sizes {curve.area:.3f}, random circuits' (n random edges, "
+        f"pruned likewise) {curve.random_area:.3f} ({ratio:.1f}x)"
+    )
+    kept = curve.smallest(args.reach)
+    if kept is None:
         print(f"  no circuit of these sizes reaches {args.reach}")
+        shown = min(args.top, len(scores))
     else:
-        share = 100 * size / curve.total
-        print(f"  the top {size} edges ({share:.0f}% of {curve.total}) reach {args.reach}")
-    shown = size if size is not None else min(args.top, len(scores))
-    _print_qk(experiment, scores.top(max(shown, 1)), args.query)
+        shown = curve.sizes[curve.edges.index(kept)]
+        share = 100 * kept / curve.total
+        print(
+            f"  the top {shown} edges, {kept} once pruned ({share:.0f}% of {curve.total}), "
+            f"reach {args.reach}"
+        )
+    circuit = scores.circuit(max(shown, 1))
+    _print_qk(experiment, list(circuit.edges), args.query)
     figures = {
-        "faithfulness": curve.plot(title=f"Faithfulness of the top edges ({method})"),
-        "circuit": scores.plot(max(shown, 1), title=f"{experiment.name}: the top {shown} edges"),
+        "faithfulness": curve.plot(title=f"Faithfulness of the top edges ({method}), pruned"),
+        "circuit": scores.plot(
+            max(shown, 1), title=f"{experiment.name}: the top {shown} edges, {len(circuit)} pruned"
+        ),
     }
     out.mkdir(parents=True, exist_ok=True)
     written = [
@@ -168,13 +183,13 @@ def _circuit(
     return 0
 
 
-def _print_qk(experiment: PatchExperiment, edges: list[tuple[str, float]], query: int) -> None:
+def _print_qk(experiment: PatchExperiment, edges: list[str], query: int) -> None:
     """The QK attribution of the circuit's top heads (those its edges reach through their
     queries or keys, at most three): at ``query`` of the clean input's first sequence, the key
     the head scores highest and the (query side, key side) pairs that make its score, and the
     key-side components that lift that key above the others."""
     heads: list[tuple[int, int]] = []
-    for label, _ in edges:
+    for label in edges:
         receiver = label.partition(" -> ")[2]
         match = re.fullmatch(r"L(\d+)H(\d+)\.[qk]", receiver)
         if match and (int(match[1]), int(match[2])) not in heads:

@@ -77,14 +77,14 @@ def circuit_figure(
             bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#555555"},
         )  # fmt: skip
     ax.set_xlim(0, 1)
-    ax.set_ylim(-0.5, len(rows) - 0.5)
+    ax.set_ylim(-0.5, max(len(rows), 1) - 0.5)
     ax.set_axis_off()
     ax.set_title(plain_text(title))
     return fig
 
 
 def faithfulness_figure(
-    curves: Sequence[tuple[str, Sequence[int], Sequence[float]]],
+    curves: Sequence[tuple[str, Sequence[float], Sequence[float]]],
     total: int,
     *,
     title: str | None = None,
