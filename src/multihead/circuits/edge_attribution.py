@@ -49,6 +49,7 @@ from multihead.circuits.edge_graph import (
     RECEIVER_KINDS,
     EdgeModel,
     Receiver,
+    Sender,
 )
 from multihead.circuits.edge_scores import EdgeScores
 from multihead.circuits.embedding_path import (
@@ -129,13 +130,30 @@ def edge_attribution(
     chosen = graph.parse_senders(senders)
     readers = graph.receivers(kinds)
     pair = experiment.pair
+    # the senders' differences (N, B, T, E) built in place as the runs write: the clean run's
+    # writes, then the corrupt run's less them
+    index = {s: i for i, s in enumerate(chosen)}
+    held: list[Tensor] = []
+
+    def clean_write(sender: Sender, write: Tensor) -> None:
+        if sender in index:
+            if not held:
+                dtype = torch.promote_types(write.dtype, torch.float32)
+                held.append(write.new_empty((len(chosen), *write.shape), dtype=dtype))
+            held[0][index[sender]] = write
+
+    def corrupt_write(sender: Sender, write: Tensor) -> None:
+        if sender in index:
+            row = held[0][index[sender]]
+            torch.sub(write.to(row.dtype), row, out=row)
+
     with recorded_embeddings(graph.mapped, "edge_attribution") as embedded:
-        clean_writes, clean_value = graph.writes_of(pair.clean, "clean run")
-        corrupt_writes, corrupt_value = graph.writes_of(pair.corrupt, "corrupt run")
+        _, clean_value = graph.writes_of(pair.clean, "clean run", clean_write)
+        _, corrupt_value = graph.writes_of(pair.corrupt, "corrupt run", corrupt_write)
+    assert held, "the clean run wrote none of the senders"
+    dtype = torch.promote_types(clean_value.dtype, held[0].dtype)
+    delta = held.pop().to(dtype)
     clean_embed, corrupt_embed = embedded[0], embedded[1]
-    dtype = torch.promote_types(clean_value.dtype, torch.float32)
-    delta = torch.stack([(corrupt_writes[s] - clean_writes[s]).to(dtype) for s in chosen])
-    del clean_writes, corrupt_writes
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
     scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
     column = {r: j for j, r in enumerate(readers)}

@@ -30,7 +30,7 @@ n senders.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,27 +260,31 @@ class EdgeModel:
     # -- runs -----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def recorded_writes(self) -> Iterator[dict[Sender, Tensor]]:
+    def recorded_writes(
+        self, keep: Callable[[Sender, Tensor], None] | None = None
+    ) -> Iterator[dict[Sender, Tensor]]:
         """Within the block, every run records each sender's write (B, T, E), detached: the
         embeddings as block 0 is given them, each head's output through its slice of the
-        output projection, each feed-forward network's output."""
+        output projection, each feed-forward network's output. With ``keep``, each write is
+        handed to ``keep(sender, write)`` as it is made instead (the dict stays empty)."""
         writes: dict[Sender, Tensor] = {}
+        store = keep or writes.__setitem__
         blocks = [stack_block(self.mapped, layer, "") for layer in range(len(self.layers))]
 
         def embed(m: nn.Module, args: Any, kwargs: Any) -> None:
-            writes[Sender("embed")] = _stream_argument(args, kwargs).detach()
+            store(Sender("embed"), _stream_argument(args, kwargs).detach())
 
         def heads(layer: int) -> Any:
             def observer(call: AttentionCall, out: Tensor) -> None:
                 result = head_writes(self.layers[layer].projection, out.detach())  # (B,T,H,E)
                 for h in range(result.shape[2]):
-                    writes[Sender("head", layer, h)] = result[:, :, h]
+                    store(Sender("head", layer, h), result[:, :, h])
 
             return observer
 
         def mlp(layer: int) -> Any:
             def hook(m: nn.Module, args: Any, out: Any) -> None:
-                writes[Sender("mlp", layer)] = output_tensor(out).detach()
+                store(Sender("mlp", layer), output_tensor(out).detach())
 
             return hook
 
@@ -294,9 +298,12 @@ class EdgeModel:
         with registered(hooks()):
             yield writes
 
-    def writes_of(self, inputs: Any, what: str) -> tuple[dict[Sender, Tensor], Tensor]:
-        """Every sender's write on ``inputs`` (no gradient), and the metric there."""
-        with torch.no_grad(), self.recorded_writes() as writes:
+    def writes_of(
+        self, inputs: Any, what: str, keep: Callable[[Sender, Tensor], None] | None = None
+    ) -> tuple[dict[Sender, Tensor], Tensor]:
+        """Every sender's write on ``inputs`` (no gradient; to ``keep`` as made, if given:
+        :meth:`recorded_writes`), and the metric there."""
+        with torch.no_grad(), self.recorded_writes(keep) as writes:
             value = self.experiment.value(inputs, what)
         return dict(writes), value.detach()
 
