@@ -84,6 +84,38 @@ def test_long_inputs_drop_grid_labels(tmp_path: Path) -> None:
     assert "tok_" not in text and "head 1" in text
 
 
+def test_grid_labels_name_every_row_of_every_layer_and_every_key() -> None:
+    n_layers = 4
+    fig = grid_figure(_weights(n_layers), TOKENS)
+    ax = fig.axes[0]
+    cells = torch.as_tensor(ax.images[0].get_array().filled(float("nan")))
+    # the rows of each layer's maps, as drawn: runs of rows that are not all blank (gutters)
+    drawn = (~cells.isnan().all(dim=1)).nonzero().flatten().tolist()
+    assert len(drawn) == n_layers * T
+    shown = [token.replace("$", r"\$") for token in TOKENS]  # drawn as written, not mathtext
+    rows = [(float(y), shown[i % T]) for i, y in enumerate(drawn)]
+    left = sorted((t.get_position()[1], t.get_text()) for t in ax.texts if t.get_position()[0] < 0)
+    assert left == rows  # one label per row of every layer, at that row's height
+    columns = (~cells.isnan().all(dim=0)).nonzero().flatten().tolist()
+    below = sorted(
+        (t.get_position()[0], t.get_text()) for t in ax.texts if t.get_rotation() == 90
+        and t.get_position()[1] > cells.shape[0] - 1
+    )  # fmt: skip
+    assert below == [(float(x), shown[i % T]) for i, x in enumerate(columns)]
+
+
+def test_the_grid_svg_holds_the_cells_not_a_resampled_picture(tmp_path: Path) -> None:
+    fig = grid_figure(_weights(), TOKENS)
+    rows, cols = fig.axes[0].images[0].get_array().shape
+    svg = save_figure(fig, tmp_path / "grid.svg").read_text()
+    images = re.findall(r'<image [^>]*xlink:href="data:image/png;base64,([^"]*)"[^>]*>', svg)
+    assert len(images) == 2  # the maps and the colour bar
+    png = base64.b64decode(images[0])
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (cols, rows)  # one pixel per cell, scaled by the viewer
+    assert "image-rendering:pixelated" in svg.split(images[0])[1].split(">")[0]
+
+
 def test_figure_errors(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match=r"weights must be \(L, H, T, S\), got shape \(3, 10, 10\)"

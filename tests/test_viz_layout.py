@@ -96,6 +96,15 @@ def test_the_importance_title_is_whole_and_off_the_map(explained: Any) -> None:
     assert _area(box, ax.get_window_extent(renderer)) == 0
     bar = fig.axes[1].get_window_extent(renderer)
     assert _area(bar, ax.get_window_extent(renderer)) == 0
+    # the margins hold the numbers and names of both axes and the colour bar's label
+    labels = [ax.xaxis.label, ax.yaxis.label, fig.axes[1].yaxis.label]
+    labels += ax.get_xticklabels() + ax.get_yticklabels()
+    assert {ax.get_xlabel(), ax.get_ylabel()} == {"head", "layer"}
+    for label in labels:
+        assert label.get_text()
+        box = label.get_window_extent(renderer)
+        assert _inside(box, fig)
+        assert _area(box, ax.get_window_extent(renderer)) == 0 and _area(box, bar) == 0
 
 
 def test_the_head_figure_title_is_whole(explained: Any) -> None:

@@ -11,7 +11,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -48,11 +48,16 @@ _GRID_CELLS = 256
 # and drawn unlabelled, at a fixed size (a labelled one would grow past what can be drawn).
 _HEAD_LABEL_LIMIT = 512
 _CMAP = "Blues"
+# zlib's level for PNGs: Pillow's default (6) takes twice as long on a tall grid for a file a
+# fifth smaller.
+_PNG_COMPRESSION = 1
 # The grid's top margin, inches: above the title, each line of the title (10 pt), the heads'
 # labels (8 pt, just above the maps).
 _TITLE_PAD = 0.12
 _TITLE_LINE = 0.2
 _HEAD_LABELS = 0.3
+# A line of the importance map's title (9 pt), inches.
+_IMPORTANCE_TITLE_LINE = 0.16
 
 
 def _numbers(
@@ -168,7 +173,9 @@ def grid_figure(
         layers, heads, n_layers, n_heads, f"the weights' {n_layers} layers and {n_heads} heads"
     )
     # One image of all the cells, separated by blank (NaN) gutters: a single Axes draws and
-    # saves many times faster than L × H of them.
+    # saves many times faster than L × H of them. Interpolation "none" draws the PNG as
+    # "nearest" does, and puts the cells themselves in the SVG (scaled up by its viewer, not
+    # smoothed), not a resampled picture of millions of pixels.
     gap = max(1, round(0.12 * max(t, s)))
     tile = torch.full((n_layers * (t + gap) - gap, n_heads * (s + gap) - gap), float("nan"))
     for i in range(n_layers):
@@ -190,7 +197,7 @@ def grid_figure(
     ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
     cmap = matplotlib_module().colormaps[_CMAP].with_extremes(bad="white")
     image = ax.imshow(
-        tile.numpy(), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest"
+        tile.numpy(), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="none"
     )
     ax.set_axis_off()
     font = max(3.0, min(7.0, 110.0 / max(t, 1)))
@@ -309,7 +316,7 @@ def head_figure(
         vmin=0.0,
         vmax=vmax,
         aspect="auto",
-        interpolation="nearest",
+        interpolation="none",  # the cells themselves in an SVG, as in grid_figure
     )
     ax.set_xticks([])
     ax.set_yticks([])
@@ -377,13 +384,23 @@ def importance_figure(
     w = _check_weights(importance, 2, "(L, H)")
     n_layers, n_heads = w.shape
     layers, heads = _numbers(layers, heads, n_layers, n_heads, f"the {n_layers} × {n_heads} scores")
-    fw = 1.0 + 0.55 * n_heads + 1.2
-    fig = new_figure(fw, 1.2 + 0.45 * n_layers)
-    ax = fig.add_subplot()
+    # Fixed margins (inches) instead of tight_layout, which draws every text once more to
+    # measure it: the numbers' ticks and the axis label on the left and bottom, the colour bar
+    # and its label on the right, the wrapped title above.
+    left, bottom, right = 0.8, 0.65, 1.4
+    width, height = 0.55 * n_heads, 0.45 * n_layers
+    fw = left + width + right
+    title = wrap_text(title, fw - 0.3, 9)
+    above = _TITLE_PAD + (title.count("\n") + 1) * _IMPORTANCE_TITLE_LINE + 0.1
+    fh = bottom + height + above
+    fig = new_figure(fw, fh)
+    ax = fig.add_axes((left / fw, bottom / fh, width / fw, height / fh))
     finite = w[torch.isfinite(w)]
     low = min(0.0, float(finite.min())) if finite.numel() else 0.0
     top = float(finite.abs().max()) if finite.numel() else 1.0
-    image = ax.imshow(w.numpy(), cmap="Reds", vmin=low, vmax=max(top, 1e-12), aspect="auto")
+    image = ax.imshow(
+        w.numpy(), cmap="Reds", vmin=low, vmax=max(top, 1e-12), aspect="auto", interpolation="none"
+    )
     for i in range(n_layers):
         for j in range(n_heads):
             value = float(w[i, j])
@@ -396,9 +413,9 @@ def importance_figure(
     ax.set_yticks(range(n_layers), [str(layer) for layer in layers])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(wrap_text(title, fw - 0.3, 9), fontsize=9)  # tight_layout keeps it inside
-    fig.colorbar(image, ax=ax, label=label)
-    fig.tight_layout()
+    ax.set_title(title, fontsize=9, x=(fw / 2 - left) / width)  # centred on the figure
+    bar = fig.add_axes(((left + width + 0.25) / fw, bottom / fh, 0.2 / fw, height / fh))
+    fig.colorbar(image, cax=bar, label=label)
     return fig
 
 
@@ -482,7 +499,11 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int = 100) ->
         raise ValueError(f"path must end in {suffixes}, got {str(path)!r}")
     # The SVG's text stays text (smaller, searchable) and its ids stay stable across runs.
     matplotlib = matplotlib_module()
-    metadata = {"Date": None} if fmt == "svg" else None
+    options: dict[str, Any] = (
+        {"metadata": {"Date": None}}
+        if fmt == "svg"
+        else {"pil_kwargs": {"compress_level": _PNG_COMPRESSION}}
+    )
     missing = missing_glyphs(fig)
     if missing:  # once, in place of matplotlib's warning per glyph and draw
         warnings.warn(MissingGlyphsWarning(missing), stacklevel=2)
@@ -491,6 +512,6 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int = 100) ->
         matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "multihead"}),
         quiet_glyph_warnings(),
     ):
-        fig.savefig(drawn := io.BytesIO(), format=fmt, dpi=dpi, metadata=metadata)
+        fig.savefig(drawn := io.BytesIO(), format=fmt, dpi=dpi, **options)
     atomic_write(path, drawn.getvalue())
     return path
