@@ -332,6 +332,23 @@ class _ReceiverGradients:
             return g
         assert run.normed is not None
         at_normed = columns.backward(tensor, present, cotangent, slots)  # (R, B, T, E)
+        return self._through_norm(layer, run, at_normed)
+
+    def _through_norm(self, layer: int, run: _LayerRun, at_normed: Tensor) -> Tensor:
+        """(R, B, T, E): gradients at the norm's output (R, B, T, E) taken to its input. The
+        norm is called again (its forward alone, no hooks) on R copies of the stream, one call
+        whose backward takes them all: a norm reads each position alone. Where its output is
+        not this run's, the recorded backward vmapped over the R instead."""
+        assert run.stream is not None and run.normed is not None
+        norm = self.graph.layers[layer].norm
+        stream = run.stream.detach()
+        with torch.enable_grad():
+            copies = stream.expand(at_normed.shape[0], *stream.shape).clone().requires_grad_()
+            again = norm.forward(copies)
+        if isinstance(again, Tensor) and again.shape == copies.shape:
+            if torch.equal(again[0], run.normed):
+                (g,) = torch.autograd.grad(again, copies, at_normed.to(again.dtype))
+                return g
         (g,) = torch.autograd.grad(
             run.normed, run.stream, at_normed.to(run.normed.dtype), retain_graph=True,
             is_grads_batched=True,
