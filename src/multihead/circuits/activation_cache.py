@@ -477,8 +477,7 @@ def _result(
 ) -> Tensor | None:
     """(B, T, H, E): each head's output z (B, T, H, Dv) through its part of the output
     projection, less the bias: the module inside the attention that was fed z's flattened heads,
-    run once per head on that head alone (so any linear layout, GPT-2's Conv1D included, is
-    read as the model reads it); None when no module was fed them."""
+    read as the model reads it (:func:`head_writes`); None when no module was fed them."""
     flat = z.flatten(2)
     fed_as = flat if real is None else flat[real.to(flat.device)]  # a packed batch's (N, H·Dv)
     projection = next(
@@ -491,13 +490,13 @@ def _result(
 
 def head_writes(projection: nn.Module, z: Tensor) -> Tensor:
     """(B, T, H, E): each head's output z (B, T, H, Dv) through ``projection`` (the module an
-    attention gives its heads' outputs flattened, (B, T, H·Dv) -> (B, T, E)), run once per head
-    on that head alone, less the bias (so any linear layout, GPT-2's Conv1D included, is read as
-    the model reads it)."""
-    bias = projection(torch.zeros_like(z.flatten(2)[:, :1]))  # (B, 1, E)
-    heads = []
-    for h in range(z.shape[2]):
-        alone = torch.zeros_like(z)
-        alone[:, :, h] = z[:, :, h]
-        heads.append(projection(alone.flatten(2)) - bias)
-    return torch.stack(heads, dim=2)
+    attention gives its heads' outputs flattened, (B, T, H·Dv) -> (B, T, E)), less the bias.
+
+    The projection is read as the model calls it (any linear layout, GPT-2's Conv1D included):
+    its outputs on the H·Dv unit vectors less its output on zero are the rows A (H·Dv, E) of
+    x ↦ x A + bias, and head h writes z_h times its Dv rows; two calls of the projection
+    instead of one per head."""
+    b, t, h, dv = z.shape
+    eye = torch.eye(h * dv, dtype=z.dtype, device=z.device)[None]  # (1, H·Dv, H·Dv)
+    rows = (projection(eye) - projection(torch.zeros_like(eye[:, :1])))[0]  # (H·Dv, E)
+    return torch.einsum("bthd,hde->bthe", z, rows.view(h, dv, -1))
