@@ -294,18 +294,22 @@ class _ReceiverGradients:
                 for member, cotangent in enumerate(per_query[kind]):
                     members = [r for r in mine if r.head % group == member]
                     rounds.append((cotangent, members, [r.head // group for r in members]))
-            for cotangent, members, slots in rounds:
-                if members:
-                    g = self._stream_gradients(layer, run, index, cotangent, slots)
-                    values = self._dot(n, g)  # (n, R)
-                    for j, receiver in enumerate(members):
-                        add(receiver, values[:, j])
+            rounds = [(c, members, slots) for c, members, slots in rounds if members]
+            values = self._dot(n, self._stream_gradients(layer, run, index, rounds))  # (n, R)
+            receivers = [r for _, members, _ in rounds for r in members]
+            for j, receiver in enumerate(receivers):
+                add(receiver, values[:, j])
 
     def _stream_gradients(
-        self, layer: int, run: _LayerRun, index: int, cotangent: Tensor, slots: list[int]
+        self,
+        layer: int,
+        run: _LayerRun,
+        index: int,
+        rounds: list[tuple[Tensor, list[Receiver], list[int]]],
     ) -> Tensor:
-        """(R, B, T, E): the part of ``cotangent`` (on q, k or v: ``index``) on each of
-        ``slots`` (heads) at the stream: through each head's own columns of the projections
+        """(R, B, T, E): per round ``(cotangent, receivers, slots)``, the part of the
+        cotangent (on q, k or v: ``index``) on each of its slots (heads) at the stream, R the
+        receivers of all rounds in order: through each head's own columns of the projections
         (:class:`~multihead.circuits.projection_columns.ProjectionColumns`, found once per
         layer and kind), then the norm's backward for all of them at once; where the columns
         cannot be read, each head's cotangent through the whole backward."""
@@ -323,15 +327,16 @@ class _ReceiverGradients:
             )
         columns = self.columns.get((layer, index))
         if columns is None or not ready:
-            stacked = cotangent.new_zeros(len(slots), *cotangent.shape)  # (R, B, H, T, D)
-            for j, slot in enumerate(slots):
+            slotted = [(c, s) for c, _, slots in rounds for s in slots]
+            stacked = tensor.new_zeros(len(slotted), *tensor.shape)  # (R, B, H, T, D)
+            for j, (cotangent, slot) in enumerate(slotted):
                 stacked[j, :, slot] = cotangent[:, slot]
             (g,) = torch.autograd.grad(
                 tensor, run.stream, stacked, retain_graph=True, is_grads_batched=True
             )
             return g
         assert run.normed is not None
-        at_normed = columns.backward(tensor, present, cotangent, slots)  # (R, B, T, E)
+        at_normed = columns.backward(tensor, present, [(c, s) for c, _, s in rounds])
         return self._through_norm(layer, run, at_normed)
 
     def _through_norm(self, layer: int, run: _LayerRun, at_normed: Tensor) -> Tensor:

@@ -83,38 +83,47 @@ class ProjectionColumns:
         return cls(tuple(owners), tuple(matrices))
 
     def backward(
-        self, tensor: Tensor, outputs: list[Tensor], cotangent: Tensor, slots: list[int]
+        self, tensor: Tensor, outputs: list[Tensor], rounds: list[tuple[Tensor, list[int]]]
     ) -> Tensor:
-        """(R, B, T, E): the part of ``cotangent`` (on ``tensor``, (B, slots, T, D)) on each
-        of ``slots`` (R), taken back to the norm's output of the run that made ``tensor`` and
-        ``outputs`` (its projections' outputs, as for :meth:`find`): one backward to the
-        projections' outputs, then each slot's columns times their rows of the matrices."""
+        """(R, B, T, E): per round ``(cotangent, slots)``, the part of ``cotangent`` (on
+        ``tensor``, (B, slots, T, D)) on each of its ``slots``, taken back to the norm's output
+        of the run that made ``tensor`` and ``outputs`` (its projections' outputs, as for
+        :meth:`find`); R counts the slots of all rounds, in order. One backward of all rounds
+        (batched) to the projections' outputs, then each slot's columns times their rows of
+        the matrices."""
         used = [i for i, owner in enumerate(self.owners) if owner is not None]
         grads = torch.autograd.grad(
-            tensor, [outputs[i] for i in used], cotangent, retain_graph=True,
-            allow_unused=True,
+            tensor, [outputs[i] for i in used], torch.stack([c for c, _ in rounds]),
+            retain_graph=True, is_grads_batched=True, allow_unused=True,
         )  # fmt: skip
-        chosen = torch.tensor(slots, device=tensor.device)
+        parts = []
+        for k, (_, slots) in enumerate(rounds):
+            total: Tensor | None = None
+            for i, grad in zip(used, grads, strict=True):
+                owner = self.owners[i]
+                if grad is not None and owner is not None:
+                    matrix = self.matrices[i].to(grad.dtype)
+                    part = _slot_products(grad[k].flatten(0, -2), owner, slots, matrix)
+                    total = part if total is None else total + part
+            assert total is not None, "a cotangent reached no projection"
+            parts.append(total)
         lead = outputs[used[0]].shape[:-1]  # (B, T)
-        total = cotangent.new_zeros(len(slots), math.prod(lead), self.matrices[used[0]].shape[1])
-        for i, grad in zip(used, grads, strict=True):
-            owner = self.owners[i]
-            if grad is not None and owner is not None:
-                matrix = self.matrices[i].to(grad.dtype)
-                total += _slot_products(grad.flatten(0, -2), owner, chosen, matrix)
-        return total.view(len(slots), *lead, -1)
+        return torch.cat(parts).view(-1, *lead, parts[0].shape[-1])
 
 
-def _slot_products(grad: Tensor, owner: Tensor, slots: Tensor, matrix: Tensor) -> Tensor:
+def _slot_products(grad: Tensor, owner: Tensor, slots: list[int], matrix: Tensor) -> Tensor:
     """(R, N, E): for each of ``slots`` (R,), ``grad`` (N, out) on the columns ``owner``
-    (out,) gives that slot, times those rows of ``matrix`` (out, E)."""
-    match = owner[None, :] == slots[:, None]  # (R, out)
-    counts = match.sum(1)
-    width = int(counts.max())
-    if bool((counts == width).all()):  # one gathered product for all slots
-        cols = match.nonzero()[:, 1].view(len(slots), width)  # (R, w)
-        return torch.bmm(grad[:, cols].transpose(0, 1), matrix[cols])  # (R, N, w) @ (R, w, E)
-    return torch.stack([grad[:, m] @ matrix[m] for m in match])
+    (out,) gives that slot, times those rows of ``matrix`` (out, E): a slice of each where a
+    slot's columns are one run of them (a head's, as projections lay them out), else picked."""
+    parts = []
+    for slot in slots:
+        cols = (owner == slot).nonzero()[:, 0]
+        first, last = (int(cols[0]), int(cols[-1])) if len(cols) else (0, -1)
+        if last - first + 1 == len(cols):
+            parts.append(grad[:, first : last + 1] @ matrix[first : last + 1])
+        else:
+            parts.append(grad[:, cols] @ matrix[cols])
+    return torch.stack(parts)
 
 
 def _reaches(start: Tensor, source: Tensor, cuts: list[Tensor]) -> bool:
