@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.activation_cache import SITES, cache, hook_name
+from multihead.circuits.activation_cache import SITES, cache, head_writes, hook_name
 from multihead.models import TransformerLM
 
 
@@ -226,3 +226,28 @@ def test_errors() -> None:
         kept["blocks.0.hook_nothing"]
     with pytest.raises(KeyError, match=r"layer must be in \[-2, 2\), got 7"):
         kept["z", 7]
+
+
+@pytest.mark.parametrize("tokens", [2, 40])  # B·T ≤ Dv: a call per head; else the matrix
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_head_writes_are_each_heads_slice_of_the_projection(tokens: int, layout: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    heads, dv, width = 3, 8, 5
+    weight = torch.randn(heads * dv, width, generator=g, dtype=torch.float64)  # x @ weight
+    bias = torch.randn(width, generator=g, dtype=torch.float64)
+    if layout == "linear":
+        projection: nn.Module = nn.Linear(heads * dv, width, dtype=torch.float64)
+        projection.weight.data, projection.bias.data = weight.T.contiguous(), bias
+    else:  # GPT-2's Conv1D layout: y = x @ W + b, written out
+
+        class Conv1D(nn.Module):
+            def forward(self, x: Tensor) -> Tensor:
+                return x @ weight + bias
+
+        projection = Conv1D()
+    z = torch.randn(1, tokens, heads, dv, generator=g, dtype=torch.float64)
+    want = torch.stack([z[:, :, h] @ weight[h * dv : (h + 1) * dv] for h in range(heads)], 2)
+    got = head_writes(projection, z)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    # the heads' writes and the bias make the projection's output
+    torch.testing.assert_close(got.sum(2) + bias, projection(z.flatten(2)), atol=1e-12, rtol=0)

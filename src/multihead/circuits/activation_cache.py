@@ -492,11 +492,19 @@ def head_writes(projection: nn.Module, z: Tensor) -> Tensor:
     """(B, T, H, E): each head's output z (B, T, H, Dv) through ``projection`` (the module an
     attention gives its heads' outputs flattened, (B, T, H·Dv) -> (B, T, E)), less the bias.
 
-    The projection is read as the model calls it (any linear layout, GPT-2's Conv1D included):
-    its outputs on the H·Dv unit vectors less its output on zero are the rows A (H·Dv, E) of
-    x ↦ x A + bias, and head h writes z_h times its Dv rows; two calls of the projection
-    instead of one per head."""
+    The projection is read as the model calls it (any linear layout, GPT-2's Conv1D included),
+    whichever way costs fewer rows through it: once per head on that head alone (H · B · T
+    rows), or once on the H·Dv unit vectors, whose outputs less its output on zero are the rows
+    A (H·Dv, E) of x ↦ x A + bias, head h writing z_h times its Dv rows (when Dv < B · T)."""
     b, t, h, dv = z.shape
+    if dv >= b * t:
+        bias = projection(torch.zeros_like(z.flatten(2)[:, :1]))  # (B, 1, E)
+        heads = []
+        for head in range(h):
+            alone = torch.zeros_like(z)
+            alone[:, :, head] = z[:, :, head]
+            heads.append(projection(alone.flatten(2)) - bias)
+        return torch.stack(heads, dim=2)
     eye = torch.eye(h * dv, dtype=z.dtype, device=z.device)[None]  # (1, H·Dv, H·Dv)
     rows = (projection(eye) - projection(torch.zeros_like(eye[:, :1])))[0]  # (H·Dv, E)
     return torch.einsum("bthd,hde->bthe", z, rows.view(h, dv, -1))
