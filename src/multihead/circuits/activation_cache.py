@@ -51,6 +51,7 @@ __all__ = [
     "cache",
     "head_writes",
     "hook_name",
+    "projection_rows",
     "stack_block",
 ]
 
@@ -505,6 +506,15 @@ def head_writes(projection: nn.Module, z: Tensor) -> Tensor:
             alone[:, :, head] = z[:, :, head]
             heads.append(projection(alone.flatten(2)) - bias)
         return torch.stack(heads, dim=2)
-    eye = torch.eye(h * dv, dtype=z.dtype, device=z.device)[None]  # (1, H·Dv, H·Dv)
-    rows = (projection(eye) - projection(torch.zeros_like(eye[:, :1])))[0]  # (H·Dv, E)
+    rows = projection_rows(projection, z.flatten(2))  # (H·Dv, E)
     return torch.einsum("bthd,hde->bthe", z, rows.view(h, dv, -1))
+
+
+def projection_rows(projection: nn.Module, like: Tensor) -> Tensor:
+    """A (W, out): a per-token linear module read as x ↦ x A + bias, as the model calls it
+    (nn.Linear's weight transposed, GPT-2's Conv1D's as it is): its outputs on the W unit
+    vectors less its output on zero. ``like`` (..., W) is an input it was given (width, dtype,
+    device)."""
+    width = like.shape[-1]
+    eye = torch.eye(width, dtype=like.dtype, device=like.device)[None]  # (1, W, W)
+    return (projection(eye) - projection(torch.zeros_like(eye[:, :1])))[0]

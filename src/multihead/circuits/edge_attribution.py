@@ -37,7 +37,7 @@ dim, N senders, R receivers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -184,7 +184,7 @@ class _LayerRun:
 
     stream: Tensor | None = None
     normed: Tensor | None = None  # the norm's output, the projections' input
-    projected: dict[int, Tensor] | None = None  # input projection i -> its output (B, T, out)
+    projected: dict[int, Tensor] = field(default_factory=dict)  # projection i -> (B, T, out)
     qkv: tuple[Tensor, Tensor, Tensor] | None = None
     xis: tuple[Tensor, Tensor, Tensor] | None = None
     call: AttentionCall | None = None
@@ -316,7 +316,7 @@ class _ReceiverGradients:
         assert run.qkv is not None and run.stream is not None
         tensor = run.qkv[index]
         inputs = self.graph.layers[layer].inputs
-        outputs = [(run.projected or {}).get(i) for i in range(len(inputs))]
+        outputs = [run.projected.get(i) for i in range(len(inputs))]
         present = [o for o in outputs if o is not None]
         ready = run.normed is not None and bool(present) and len(present) == len(outputs)
         if (layer, index) not in self.columns and ready:
@@ -390,8 +390,6 @@ def _keep_stream(run: _LayerRun) -> Any:
 
 def _keep_projected(run: _LayerRun, index: int) -> Any:
     def hook(m: nn.Module, args: Any, out: Any) -> None:
-        if run.projected is None:
-            run.projected = {}
         if isinstance(out, Tensor) and args and args[0] is run.normed:
             run.projected[index] = out
 

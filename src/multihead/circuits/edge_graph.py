@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
-from multihead.circuits.activation_cache import head_writes, stack_block
+from multihead.circuits.activation_cache import head_writes, projection_rows, stack_block
 from multihead.circuits.experiment import Experiment
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, Removable, registered
@@ -316,20 +316,15 @@ def _stream_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
 
 
 def _linear_matrix(module: nn.Module, given: Tensor) -> Tensor | None:
-    """M (out, E) of a module read as the per-token linear map x ↦ x Mᵀ + bias, as the model
-    calls it (nn.Linear's weight, GPT-2's Conv1D's transposed): its outputs on the unit vectors
-    less its output on zero; None unless it has a 2-D weight and gives a (1, E, out) tensor.
-    ``given`` (..., E) is what the model gave it (dtype and device)."""
+    """M (out, E) of a module read as the per-token linear map x ↦ x Mᵀ + bias
+    (:func:`~multihead.circuits.activation_cache.projection_rows`, transposed); None unless it
+    has a 2-D weight and maps ``given`` (..., E), what the model gave it, per token."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         return None
-    width = given.shape[-1]
     with torch.no_grad():
-        eye = torch.eye(width, dtype=given.dtype, device=given.device)[None]  # (1, E, E)
-        ones, zero = module(eye), module(torch.zeros_like(eye[:, :1]))
-        if not (isinstance(ones, Tensor) and ones.dim() == 3 and ones.shape[1] == width):
-            return None
-        return (ones - zero)[0].T.contiguous()  # (out, E)
+        rows = projection_rows(module, given)
+    return rows.T.contiguous() if rows.dim() == 2 and rows.shape[0] == given.shape[-1] else None
 
 
 def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) -> Iterator[Any]:
