@@ -126,7 +126,8 @@ def edge_attribution(
     kinds = parse_kinds(receivers)
     experiment = Experiment.of(model, clean, corrupt, metric)
     warn_if_random(model, "edge_attribution")
-    graph = EdgeModel.of(experiment, kv, "edge_attribution")
+    # the probe run that reads the graph is the clean run: its writes are kept
+    graph = EdgeModel.of(experiment, kv, "edge_attribution", keep_writes=True)
     chosen = graph.parse_senders(senders)
     readers = graph.receivers(kinds)
     pair = experiment.pair
@@ -134,8 +135,11 @@ def edge_attribution(
     # writes, then the corrupt run's less them
     index = {s: i for i, s in enumerate(chosen)}
     held: list[Tensor] = []
+    embedded: list[Tensor] = []  # what block 0 is given: the clean run's, the corrupt run's
 
     def clean_write(sender: Sender, write: Tensor) -> None:
+        if sender.kind == "embed":
+            embedded.append(write)
         if sender in index:
             if not held:
                 dtype = torch.promote_types(write.dtype, torch.float32)
@@ -147,13 +151,13 @@ def edge_attribution(
             row = held[0][index[sender]]
             torch.sub(write.to(row.dtype), row, out=row)
 
-    with recorded_embeddings(graph.mapped, "edge_attribution") as embedded:
-        _, clean_value = graph.writes_of(pair.clean, "clean run", clean_write)
+    clean_value = graph.clean_writes(clean_write)
+    with recorded_embeddings(graph.mapped, "edge_attribution") as corrupt_embedded:
         _, corrupt_value = graph.writes_of(pair.corrupt, "corrupt run", corrupt_write)
     assert held, "the clean run wrote none of the senders"
     dtype = torch.promote_types(clean_value.dtype, held[0].dtype)
     delta = held.pop().to(dtype)
-    clean_embed, corrupt_embed = embedded[0], embedded[1]
+    clean_embed, corrupt_embed = embedded[0], corrupt_embedded[0]
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
     scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
     column = {r: j for j, r in enumerate(readers)}
@@ -337,23 +341,12 @@ class _ReceiverGradients:
             return g
         assert run.normed is not None
         at_normed = columns.backward(tensor, present, [(c, s) for c, _, s in rounds])
-        return self._through_norm(layer, run, at_normed)
+        return self._through_norm(run, at_normed)
 
-    def _through_norm(self, layer: int, run: _LayerRun, at_normed: Tensor) -> Tensor:
-        """(R, B, T, E): gradients at the norm's output (R, B, T, E) taken to its input. The
-        norm is called again (its forward alone, no hooks) on R copies of the stream, one call
-        whose backward takes them all: a norm reads each position alone. Where its output is
-        not this run's, the recorded backward vmapped over the R instead."""
+    def _through_norm(self, run: _LayerRun, at_normed: Tensor) -> Tensor:
+        """(R, B, T, E): gradients at the norm's output (R, B, T, E) taken to its input, the
+        run's recorded norm backward batched over the R."""
         assert run.stream is not None and run.normed is not None
-        norm = self.graph.layers[layer].norm
-        stream = run.stream.detach()
-        with torch.enable_grad():
-            copies = stream.expand(at_normed.shape[0], *stream.shape).clone().requires_grad_()
-            again = norm.forward(copies)
-        if isinstance(again, Tensor) and again.shape == copies.shape:
-            if torch.equal(again[0], run.normed):
-                (g,) = torch.autograd.grad(again, copies, at_normed.to(again.dtype))
-                return g
         (g,) = torch.autograd.grad(
             run.normed, run.stream, at_normed.to(run.normed.dtype), retain_graph=True,
             is_grads_batched=True,

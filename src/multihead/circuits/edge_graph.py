@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -144,12 +144,20 @@ class EdgeModel:
     """
 
     def __init__(
-        self, experiment: Experiment, mapped: ModelMap, layers: list[_Layer], kv: str
+        self,
+        experiment: Experiment,
+        mapped: ModelMap,
+        layers: list[_Layer],
+        kv: str,
+        probe: _ProbeRun,
     ) -> None:
         self.experiment = experiment
         self.mapped = mapped
         self.layers = layers
         self.kv = kv
+        assert probe.value is not None
+        self.clean_value: Tensor = probe.value  # the metric on the clean input (the probe's)
+        self._probe: _ProbeRun | None = probe if probe.writes else None
         self.sites = [site for _, site in experiment.found]
         self.senders = [Sender("embed")]
         for layer, site in enumerate(mapped.sites):
@@ -158,7 +166,11 @@ class EdgeModel:
                 self.senders.append(Sender("mlp", layer))
 
     @classmethod
-    def of(cls, experiment: Experiment, kv: str, caller: str) -> EdgeModel:
+    def of(
+        cls, experiment: Experiment, kv: str, caller: str, *, keep_writes: bool = False
+    ) -> EdgeModel:
+        """The graph of ``experiment``'s model, read in one probe run of the clean input (its
+        metric: :attr:`clean_value`; with ``keep_writes``, its writes: :meth:`clean_writes`)."""
         check_choice("kv", kv, KV_MODES)
         model = experiment.model
         mapped = model_map(model)
@@ -171,8 +183,12 @@ class EdgeModel:
             raise ValueError(f"{caller} does not support a tensor-parallel model")
         blocks = [stack_block(mapped, layer, caller) for layer in range(mapped.num_layers)]
         found: dict[Any, Any] = {}
-        with torch.no_grad(), registered(_probes(blocks, experiment, found)):
-            experiment.value(experiment.pair.clean, "clean run")
+        probe = _ProbeRun()
+        hooks = [*_probes(blocks, experiment, found)]
+        if keep_writes:
+            hooks += _write_hooks(blocks, experiment, probe.write, probe.head_outputs)
+        with torch.no_grad(), registered(iter(hooks)):
+            probe.value = experiment.value(experiment.pair.clean, "clean run").detach()
         layers = []
         for layer, block in enumerate(blocks):
             norm = found.get(("norm", layer))
@@ -197,7 +213,7 @@ class EdgeModel:
                 if given is not None and (matrix := _linear_matrix(m, given)) is not None
             )
             layers.append(_Layer(norm, projection, block.mlp, mlp_norm, inputs))
-        return cls(experiment, mapped, layers, kv)
+        return cls(experiment, mapped, layers, kv, probe)
 
     # -- the graph ------------------------------------------------------------------------------
 
@@ -271,32 +287,28 @@ class EdgeModel:
         store = keep or writes.__setitem__
         blocks = [stack_block(self.mapped, layer, "") for layer in range(len(self.layers))]
 
-        def embed(m: nn.Module, args: Any, kwargs: Any) -> None:
-            store(Sender("embed"), _stream_argument(args, kwargs).detach())
+        def heads(layer: int, z: Tensor) -> None:
+            _store_heads(store, layer, self.layers[layer].projection, z)
 
-        def heads(layer: int) -> Any:
-            def observer(call: AttentionCall, out: Tensor) -> None:
-                result = head_writes(self.layers[layer].projection, out.detach())  # (B,T,H,E)
-                for h in range(result.shape[2]):
-                    store(Sender("head", layer, h), result[:, :, h])
-
-            return observer
-
-        def mlp(layer: int) -> Any:
-            def hook(m: nn.Module, args: Any, out: Any) -> None:
-                store(Sender("mlp", layer), output_tensor(out).detach())
-
-            return hook
-
-        def hooks() -> Iterator[Removable]:
-            yield blocks[0].module.register_forward_pre_hook(embed, with_kwargs=True)
-            for layer, parts in enumerate(self.layers):
-                yield self.sites[layer].register_observer(heads(layer))
-                if parts.mlp is not None:
-                    yield parts.mlp.register_forward_hook(mlp(layer))
-
-        with registered(hooks()):
+        with registered(_write_hooks(blocks, self.experiment, store, heads)):
             yield writes
+
+    def clean_writes(self, keep: Callable[[Sender, Tensor], None]) -> Tensor:
+        """The probe run's writes (the clean input, as :meth:`recorded_writes` records them),
+        each handed to ``keep(sender, write)``, and its metric: what a run of the clean input
+        would give, without one. Once per graph (the probe lets its writes go)."""
+        probe = self._probe
+        if probe is None:
+            raise RuntimeError(
+                "EdgeModel.clean_writes: the probe run kept no writes (keep_writes=False), or "
+                "has handed them over already"
+            )
+        self._probe = None
+        for sender, write in probe.writes:
+            keep(sender, write)
+        for layer, z in probe.outputs:
+            _store_heads(keep, layer, self.layers[layer].projection, z)
+        return self.clean_value
 
     def writes_of(
         self, inputs: Any, what: str, keep: Callable[[Sender, Tensor], None] | None = None
@@ -313,6 +325,64 @@ def _stream_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
     if args:
         return args[0]
     return kwargs["hidden_states"]
+
+
+@dataclass
+class _ProbeRun:
+    """A graph's probe run (the clean input): its writes, kept until its output projections
+    are known (the embeddings' and feed-forward networks' ``(sender, write)``, each layer's
+    heads' outputs ``(layer, z)`` (B, T, H, Dv)), and its metric."""
+
+    writes: list[tuple[Sender, Tensor]] = field(default_factory=list)
+    outputs: list[tuple[int, Tensor]] = field(default_factory=list)
+    value: Tensor | None = None
+
+    def write(self, sender: Sender, x: Tensor) -> None:
+        self.writes.append((sender, x))
+
+    def head_outputs(self, layer: int, z: Tensor) -> None:
+        self.outputs.append((layer, z))
+
+
+def _write_hooks(
+    blocks: list[Any],
+    experiment: Experiment,
+    write: Callable[[Sender, Tensor], None],
+    heads: Callable[[int, Tensor], None],
+) -> Iterator[Removable]:
+    """Hooks handing a run's writes on, detached: what block 0 is given and each feed-forward
+    network's output to ``write(sender, x)`` (B, T, E), each layer's heads' outputs to
+    ``heads(layer, z)`` (B, T, H, Dv)."""
+
+    def embed(m: nn.Module, args: Any, kwargs: Any) -> None:
+        write(Sender("embed"), _stream_argument(args, kwargs).detach())
+
+    def observer_of(layer: int) -> Any:
+        def observer(call: AttentionCall, out: Tensor) -> None:
+            heads(layer, out.detach())
+
+        return observer
+
+    def mlp(layer: int) -> Any:
+        def hook(m: nn.Module, args: Any, out: Any) -> None:
+            write(Sender("mlp", layer), output_tensor(out).detach())
+
+        return hook
+
+    yield blocks[0].module.register_forward_pre_hook(embed, with_kwargs=True)
+    for layer, block in enumerate(blocks):
+        yield experiment.found[layer][1].register_observer(observer_of(layer))
+        if block.mlp is not None:
+            yield block.mlp.register_forward_hook(mlp(layer))
+
+
+def _store_heads(
+    store: Callable[[Sender, Tensor], None], layer: int, projection: nn.Module, z: Tensor
+) -> None:
+    """Each head's write (B, T, E) from the heads' outputs z (B, T, H, Dv) to ``store``."""
+    result = head_writes(projection, z)  # (B, T, H, E)
+    for h in range(result.shape[2]):
+        store(Sender("head", layer, h), result[:, :, h])
 
 
 def _linear_matrix(module: nn.Module, given: Tensor) -> Tensor | None:

@@ -31,16 +31,18 @@ __all__ = ["ProjectionColumns"]
 
 @dataclass(frozen=True)
 class ProjectionColumns:
-    """For one layer's q, k or v tensor: per input projection, the slot each output column
-    feeds (-1: none; None for a projection it does not read), and the projection's matrix.
+    """For one layer's q, k or v tensor: per input projection, the columns each slot reads
+    (every slot as many) and the same rows of the projection's matrix; None for a projection
+    the tensor does not read.
 
     Attributes:
-        owners: per projection, (out,) int64, or None.
-        matrices: per projection, (out, E): the projection read as x ↦ x Mᵀ + bias.
+        columns: per projection, (slots, width) int64, or None.
+        rows: per projection, (slots, width, E): those rows of its matrix M (out, E), the
+            projection read as x ↦ x Mᵀ + bias; or None.
     """
 
-    owners: tuple[Tensor | None, ...]
-    matrices: tuple[Tensor, ...]
+    columns: tuple[Tensor | None, ...]
+    rows: tuple[Tensor | None, ...]
 
     @classmethod
     def find(
@@ -52,35 +54,52 @@ class ProjectionColumns:
 
         Sends back one random cotangent on every slot and, per bit of a slot's number, one on
         the slots with that bit set and one on those without: which of them reach a column
-        spell its slot. None where a path from ``tensor`` to ``normed`` passes by the
-        projections, or a column is reached by two slots (a bit both set and unset)."""
+        spell its slot. The sends ride on the batch rows (send i on row i mod B; ⌈sends / B⌉
+        batched cotangents): nothing between a projection and the kernel mixes sequences.
+        None where a path from ``tensor`` to ``normed`` passes by the projections, a column is
+        reached by two slots (a bit both set and unset) or slots read unequally many columns
+        of a projection (then each slot's cotangent goes through the whole backward)."""
         if not outputs or _reaches(tensor, normed, outputs):
             return None
-        slots = tensor.shape[1]
+        batch, slots = tensor.shape[0], tensor.shape[1]
         bits = max(1, math.ceil(math.log2(slots)))
-        base = torch.rand(tensor.shape, dtype=tensor.dtype, device=tensor.device) + 0.5
         number = torch.arange(slots, device=tensor.device)
-        sends = [base]
-        for bit in range(bits):
-            has = ((number >> bit) & 1).bool().view(1, slots, 1, 1)
-            sends += [base * has, base * ~has]
+        has = ((number >> torch.arange(bits, device=tensor.device)[:, None]) & 1).bool()
+        chosen = torch.ones(1 + 2 * bits, slots, dtype=torch.bool, device=tensor.device)
+        chosen[1::2], chosen[2::2] = has, ~has  # (sends, slots): the slots each send is on
+        rounds = -(-len(chosen) // batch)
+        padded = torch.zeros(rounds * batch, slots, dtype=torch.bool, device=tensor.device)
+        padded[: len(chosen)] = chosen
+        on = padded.view(rounds, batch, slots, 1, 1).to(tensor.dtype)
+        # one random cotangent of a sequence's shape, on every batch row (each its own send)
+        base = torch.rand(tensor.shape[1:], dtype=tensor.dtype, device=tensor.device) + 0.5
         grads = torch.autograd.grad(
-            tensor, outputs, torch.stack(sends), retain_graph=True, is_grads_batched=True,
+            tensor, outputs, base * on, retain_graph=True, is_grads_batched=True,
             allow_unused=True,
         )  # fmt: skip
-        owners: list[Tensor | None] = []
+        columns: list[Tensor | None] = []
+        rows: list[Tensor | None] = []
         weights = (1 << torch.arange(bits, device=tensor.device))[:, None]  # (bits, 1)
-        for grad in grads:
+        for grad, matrix in zip(grads, matrices, strict=True):
             if grad is None:
-                owners.append(None)
+                columns.append(None)
+                rows.append(None)
                 continue
-            reached = grad.flatten(1, -2).ne(0).any(1)  # (1 + 2·bits, out)
+            # (rounds, B, ..., out) -> (sends, out): whether each send reached each column
+            reached = grad.flatten(2, -2).ne(0).any(2).flatten(0, 1)[: len(chosen)]
             with_bit, without = reached[1::2], reached[2::2]  # (bits, out)
             if bool((with_bit & without).any()):
                 return None
-            owner = (with_bit.long() * weights).sum(0)
-            owners.append(torch.where(reached[0], owner, -1))
-        return cls(tuple(owners), tuple(matrices))
+            owner = torch.where(reached[0], (with_bit.long() * weights).sum(0), -1)
+            counts = torch.bincount(owner[owner >= 0], minlength=slots)
+            if bool((counts != counts[0]).any()) or len(counts) != slots:
+                return None  # slots of unequal widths: not heads as projections lay them out
+            # each slot's columns in order: a stable sort by owner, the unread ones first
+            picked = owner.argsort(stable=True)[len(owner) - int(counts.sum()) :]
+            picked = picked.view(slots, -1)  # (slots, width)
+            columns.append(picked)
+            rows.append(matrix.index_select(0, picked.flatten()).view(*picked.shape, -1))
+        return cls(tuple(columns), tuple(rows))
 
     def backward(
         self, tensor: Tensor, outputs: list[Tensor], rounds: list[tuple[Tensor, list[int]]]
@@ -91,7 +110,7 @@ class ProjectionColumns:
         :meth:`find`); R counts the slots of all rounds, in order. One backward of all rounds
         (batched) to the projections' outputs, then each slot's columns times their rows of
         the matrices."""
-        used = [i for i, owner in enumerate(self.owners) if owner is not None]
+        used = [i for i, cols in enumerate(self.columns) if cols is not None]
         grads = torch.autograd.grad(
             tensor, [outputs[i] for i in used], torch.stack([c for c, _ in rounds]),
             retain_graph=True, is_grads_batched=True, allow_unused=True,
@@ -100,30 +119,20 @@ class ProjectionColumns:
         for k, (_, slots) in enumerate(rounds):
             total: Tensor | None = None
             for i, grad in zip(used, grads, strict=True):
-                owner = self.owners[i]
-                if grad is not None and owner is not None:
-                    matrix = self.matrices[i].to(grad.dtype)
-                    part = _slot_products(grad[k].flatten(0, -2), owner, slots, matrix)
+                cols, rows = self.columns[i], self.rows[i]
+                if grad is not None and cols is not None and rows is not None:
+                    # (R, N, width) @ (R, width, E): each slot's columns times its rows
+                    index = torch.tensor(slots, device=cols.device)
+                    picked = cols.index_select(0, index)  # (R, width)
+                    g = grad[k].flatten(0, -2).index_select(1, picked.flatten())
+                    g = g.view(g.shape[0], *picked.shape).transpose(0, 1)
+                    part = torch.bmm(g, rows.index_select(0, index).to(g.dtype))
                     total = part if total is None else total + part
             assert total is not None, "a cotangent reached no projection"
             parts.append(total)
         lead = outputs[used[0]].shape[:-1]  # (B, T)
-        return torch.cat(parts).view(-1, *lead, parts[0].shape[-1])
-
-
-def _slot_products(grad: Tensor, owner: Tensor, slots: list[int], matrix: Tensor) -> Tensor:
-    """(R, N, E): for each of ``slots`` (R,), ``grad`` (N, out) on the columns ``owner``
-    (out,) gives that slot, times those rows of ``matrix`` (out, E): a slice of each where a
-    slot's columns are one run of them (a head's, as projections lay them out), else picked."""
-    parts = []
-    for slot in slots:
-        cols = (owner == slot).nonzero()[:, 0]
-        first, last = (int(cols[0]), int(cols[-1])) if len(cols) else (0, -1)
-        if last - first + 1 == len(cols):
-            parts.append(grad[:, first : last + 1] @ matrix[first : last + 1])
-        else:
-            parts.append(grad[:, cols] @ matrix[cols])
-    return torch.stack(parts)
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined.view(-1, *lead, joined.shape[-1])
 
 
 def _reaches(start: Tensor, source: Tensor, cuts: list[Tensor]) -> bool:
