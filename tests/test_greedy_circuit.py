@@ -51,6 +51,18 @@ def test_an_edge_off_the_circuit_waits() -> None:
     assert sorted(every) == sorted(scores.labels) and every[:6] == tuple(GREEDY)
 
 
+def test_a_circuit_no_top_n_prunes_to() -> None:
+    """The logits edge scored below the edges it connects: every top n prunes to nothing until
+    all four are in (then 4 edges), while the greedy search takes it first and has a circuit of
+    2 (L1H0 -> logits, embed -> L1H0.q) after two steps."""
+    ranked = ["embed -> L1H0.q", "L0H0 -> L1H0.k", "embed -> L0H0.v", "L1H0 -> logits"]
+    scores = _scores(SENDERS, EVERY, ALL, ranked)
+    assert [len(scores.circuit(n)) for n in range(5)] == [0, 0, 0, 0, 4]
+    greedy = [scores.circuit(n, method="greedy").edges for n in range(5)]
+    assert greedy[2] == ("L1H0 -> logits", "embed -> L1H0.q")
+    assert [len(c) for c in greedy] == [0, 0, 2, 2, 4]  # the third edge waits for L0H0's input
+
+
 def test_a_head_is_one_node_for_its_q_k_v() -> None:
     """L1H1 in the circuit (through its write to the logits) opens its q, k and v alike; the
     scores of L1H0's inputs, larger, wait, since L1H0 reaches no logits."""
