@@ -21,11 +21,14 @@ pytestmark = pytest.mark.cpu_only  # a CLI
 pytest.importorskip("matplotlib")
 
 
+@pytest.mark.parametrize("method", ["top", "greedy"])
 def test_induction_run(
-    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str
 ) -> None:
+    """The default (no --method) is top; --method greedy prints the greedy circuits' curve."""
     out = tmp_path / "out"
     argv = ["circuit", "--checkpoint", str(induction_run), "--out", str(out), "--ig-steps", "2"]
+    argv += ["--method", "greedy"] if method == "greedy" else []
     assert main([*argv, "--top", "4", "--draws", "1", "--format", "png,svg"]) == 0
     stdout = capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == [
@@ -41,15 +44,17 @@ def test_induction_run(
     curve = re.findall(r"^\s+(\d+)\s+(\d+)\s+(-?\d+\.\d+)\s+(-?\d+\.\d+)$", stdout, re.MULTILINE)
     sizes = [int(n) for n, _, _, _ in curve]
     assert sizes[0] == 0 and sizes[-1] == len(scores)
-    assert [int(e) for _, e, _, _ in curve] == [len(scores.circuit(n)) for n in sizes]
+    want_edges = [len(scores.circuit(n, method=method)) for n in sizes]
+    assert [int(e) for _, e, _, _ in curve] == want_edges
     assert float(curve[0][2]) == pytest.approx(0, abs=1e-3)  # no edge: the corrupt run
     assert float(curve[-1][2]) == pytest.approx(1, abs=1e-3)  # every edge: the clean run
     middle = len(sizes) // 2
     want = multihead.faithfulness(
-        model, pair.clean, pair.corrupt, pair.metric, scores.circuit(sizes[middle])
+        model, pair.clean, pair.corrupt, pair.metric, scores.circuit(sizes[middle], method=method)
     )
     assert float(curve[middle][2]) == pytest.approx(want, abs=1e-3)
     assert "each circuit pruned of its inert edges" in stdout
+    assert f"  {method} n   edges kept   {method} edges   random circuits" in stdout
 
 
 @pytest.mark.parametrize(
@@ -59,6 +64,7 @@ def test_induction_run(
         (["--format", "gif"], "--format must list png or svg, got 'gif'"),
         (["--clean", "1 2 3"], "--clean, --corrupt and --answer go together"),
         (["--reach", "1.5"], "--reach must be in (0, 1], got 1.5"),
+        (["--method", "best"], "argument --method: invalid choice: 'best'"),
     ],
 )
 def test_errors_are_one_line(

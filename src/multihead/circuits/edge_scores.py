@@ -6,6 +6,7 @@ Shapes: N senders, R receivers.
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,11 +14,14 @@ from typing import Any
 
 from torch import Tensor
 
-from multihead._checks import check_positive_int, describe
+from multihead._checks import check_choice, check_positive_int, describe
 from multihead.circuits.edge_graph import EMBED, LOGITS
 from multihead.viz.circuit_graph import circuit_figure
 
-__all__ = ["Circuit", "EdgeScores", "circuit_edges"]
+__all__ = ["METHODS", "Circuit", "EdgeScores", "circuit_edges"]
+
+#: how :meth:`EdgeScores.circuit` chooses its edges
+METHODS = ("top", "greedy")
 
 
 @dataclass(frozen=True)
@@ -95,27 +99,79 @@ class EdgeScores:
         check_positive_int("n", n)
         return sorted(self._edges(), key=lambda e: -abs(e[1]))[:n]
 
-    def circuit(self, n: int, *, prune: bool = True) -> Circuit:
-        """The top ``n`` edges (by ``|score|``) as a :class:`Circuit`, what
-        :func:`~multihead.faithfulness` takes; with ``prune`` (the default) without those of
-        them that are inert (:meth:`inert`), which ``circuit.inert`` lists.
+    def circuit(self, n: int, *, prune: bool = True, method: str = "top") -> Circuit:
+        """``n`` edges as a :class:`Circuit`, what :func:`~multihead.faithfulness` takes; with
+        ``prune`` (the default) without those of them that are inert (:meth:`inert`), which
+        ``circuit.inert`` lists.
+
+        ``method="top"`` takes the ``n`` edges of largest ``|score|``, wherever they lie.
+        ``method="greedy"`` grows the circuit from the logits (EAP-IG's ``apply_greedy``,
+        ``absolute=True``): it takes, ``n`` times, the edge of largest ``|score|`` among those
+        whose receiver's component is already in the circuit: the logits, or a head (through
+        any of its q, k, v; with ``kv="shared"`` any query head of the key/value group) or MLP
+        that an edge taken before sends from, or one that reads through a receiver kind the
+        graph did not score from a component in the circuit (it reads every earlier write).
+        Every edge it takes has a path to the logits, so pruning removes only those whose
+        sender no path reaches from the embeddings.
 
         Pruning is the default because it changes nothing a circuit run computes (the
-        faithfulness of the pruned circuit is the top ``n``'s, up to rounding: see
+        faithfulness of the pruned circuit is the ``n`` edges', up to rounding: see
         :meth:`inert`) while ``len(circuit)`` becomes the number of edges the circuit really
         uses, the size a circuit should be judged by (EAP-IG and the MIB benchmark prune too).
-        ``prune=False`` gives the top ``n`` edges exactly, as :meth:`top` lists them.
+        ``prune=False`` gives the ``n`` edges exactly (for ``"top"`` as :meth:`top` lists them).
+
+        Raises:
+            ValueError: ``n`` out of [0, edges], ``method`` not ``"top"`` or ``"greedy"``, or
+                with ``"greedy"`` more than the edges that have a path to the logits (all of
+                them unless ``edge_attribution`` was given fewer ``senders``).
+            TypeError: ``prune`` not a bool.
         """
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(self):
             raise ValueError(f"n must be an int in [0, {len(self)}] (the edges), got {n!r}")
         if not isinstance(prune, bool):
             raise TypeError(f"prune must be True or False, got {describe(prune)}")
-        edges = tuple(label for label, _ in self.top(len(self))[:n]) if n else ()
+        check_choice("method", method, METHODS)
+        ranked = [label for label, _ in self.top(len(self))] if len(self) else []
+        edges = tuple(ranked[:n]) if method == "top" else self._greedy(ranked, n)
         if not prune:
             return Circuit(edges, self.kinds, self.kv)
         inert = set(self.inert(edges))
         kept = tuple(e for e in edges if e not in inert)
         return Circuit(kept, self.kinds, self.kv, tuple(e for e in edges if e in inert))
+
+    def _greedy(self, ranked: list[str], n: int) -> tuple[str, ...]:
+        """The first ``n`` edges :meth:`circuit`'s greedy search takes from ``ranked`` (every
+        edge, largest ``|score|`` first; ties kept in that order)."""
+        graph = _Nodes(self.senders, self.receivers, self.kinds)
+        pairs = [label.split(" -> ") for label in ranked]
+        waiting: dict[str, list[int]] = {}  # component -> the ranks of the edges into it
+        for i, (_, r) in enumerate(pairs):
+            for node in graph.of(r):
+                waiting.setdefault(node, []).append(i)
+        live: set[str] = set()
+        frontier: list[int] = []  # a heap of ranks: the edges into live components
+
+        def enter(node: str) -> None:
+            for m in graph.spread(node, live, {}):
+                for i in waiting.pop(m, ()):
+                    heapq.heappush(frontier, i)
+
+        enter(LOGITS)
+        taken: list[int] = []
+        chosen: set[int] = set()
+        while len(taken) < n and frontier:
+            i = heapq.heappop(frontier)
+            if i not in chosen:  # a shared key/value receiver is waited on by each query head
+                chosen.add(i)
+                taken.append(i)
+                enter(pairs[i][0])
+        if len(taken) < n:
+            raise ValueError(
+                f"n must be at most {len(taken)} with method='greedy': only {len(taken)} of the "
+                f"{len(self)} edges have a path to the logits (edge_attribution was given fewer "
+                f"senders), got {n}"
+            )
+        return tuple(ranked[i] for i in taken)
 
     def inert(self, edges: Sequence[str]) -> tuple[str, ...]:
         """The edges of ``edges`` (labels of this graph's edges) that are inert in the circuit
@@ -152,21 +208,16 @@ class EdgeScores:
         pairs = [e.split(" -> ") for e in edges]
         graph = _Nodes(self.senders, self.receivers, self.kinds)
         into: dict[str, list[str]] = {}  # component -> the senders of its circuit edges
-        out: dict[str, list[str]] = {}  # sender -> the components its circuit edges feed
         for s, r in pairs:
             for node in graph.of(r):
                 into.setdefault(node, []).append(s)
-                out.setdefault(s, []).append(node)
         order = sorted(graph.stages, key=graph.stages.__getitem__)
         reached = {EMBED}
         for node in order:
             if node in graph.open or any(s in reached for s in into.get(node, ())):
                 reached.add(node)
-        live = {LOGITS}
-        for node in reversed(order):
-            implicit = (m for m in graph.open if graph.stages[node] < graph.reads[m])
-            if any(m in live for m in out.get(node, ())) or any(m in live for m in implicit):
-                live.add(node)
+        live: set[str] = set()
+        graph.spread(LOGITS, live, into)
         return tuple(
             e
             for e, (s, r) in zip(edges, pairs, strict=True)
@@ -195,13 +246,14 @@ class EdgeScores:
                     rows.append({"sender": s, "receiver": r, "edge": f"{s} -> {r}", "score": v})
         return rows
 
-    def plot(self, n: int = 20, *, prune: bool = True, **kwargs: Any) -> Any:
-        """The circuit of the top ``n`` edges (:meth:`circuit`, pruned of its inert edges with
-        ``prune``) as a graph picture (a matplotlib ``Figure``; the ``viz`` extra):
-        :func:`multihead.viz.circuit_graph.circuit_figure`."""
-        top = self.top(n)
-        kept = set(self.circuit(len(top), prune=prune).edges)
-        return circuit_figure([e for e in top if e[0] in kept], **kwargs)
+    def plot(self, n: int = 20, *, prune: bool = True, method: str = "top", **kwargs: Any) -> Any:
+        """The circuit of ``n`` edges (:meth:`circuit` by ``method``, pruned of its inert edges
+        with ``prune``; at most every edge) as a graph picture (a matplotlib ``Figure``; the
+        ``viz`` extra): :func:`multihead.viz.circuit_graph.circuit_figure`."""
+        check_positive_int("n", n)
+        circuit = self.circuit(min(n, len(self)), prune=prune, method=method)
+        edges = [(e, self.score(*e.split(" -> "))) for e in circuit.edges]
+        return circuit_figure(edges, **kwargs)
 
     def __repr__(self) -> str:
         method = "EAP" if self.ig_steps == 1 else f"EAP-IG ({self.ig_steps} steps)"
@@ -252,6 +304,23 @@ class _Nodes:
             or (n.startswith("MLP") and "mlp" not in kinds)
             or (_HEAD.fullmatch(n) is not None and not {"q", "k", "v"} <= set(kinds))
         }
+
+    def spread(self, node: str, live: set[str], into: dict[str, list[str]]) -> list[str]:
+        """Add to ``live`` ``node`` and every component with a path to it, through circuit
+        edges (``into``: component -> the senders of its edges) or through receivers the
+        graph did not score (a component reading through one reads every earlier write);
+        returns the components added. Components already in ``live`` are not walked again."""
+        added, todo = [], [node]
+        while todo:
+            m = todo.pop()
+            if m in live:
+                continue
+            live.add(m)
+            added.append(m)
+            todo.extend(into.get(m, ()))
+            if m in self.open:
+                todo.extend(k for k, stage in self.stages.items() if stage < self.reads[m])
+        return added
 
     def of(self, receiver: str) -> list[str]:
         """The components a receiver feeds: its head (a shared key/value head's query heads,

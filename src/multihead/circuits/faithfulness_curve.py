@@ -1,5 +1,7 @@
-"""The faithfulness curve: the top-n edges' faithfulness over circuit sizes n, against random
-circuits of the same sizes (:func:`~multihead.circuits.faithfulness.faithfulness` each).
+"""The faithfulness curve: the faithfulness of a method's circuits of n edges (the top n, or
+the greedy search's n: :meth:`~multihead.circuits.edge_scores.EdgeScores.circuit`) over circuit
+sizes n, against random circuits of the same sizes
+(:func:`~multihead.circuits.faithfulness.faithfulness` each).
 
 The areas are taken over the fraction of the graph's edges (0 … 1), so a method whose top
 edges carry the behaviour early has a larger area than random circuits, which carry it only
@@ -17,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from multihead._checks import check_positive_int, describe
-from multihead.circuits.edge_scores import Circuit, EdgeScores
+from multihead._checks import check_choice, check_positive_int, describe
+from multihead.circuits.edge_scores import METHODS, Circuit, EdgeScores
 from multihead.circuits.faithfulness import CircuitRuns
 from multihead.circuits.input_pair import Metric
 from multihead.viz.circuit_graph import faithfulness_figure
@@ -28,12 +30,12 @@ __all__ = ["FaithfulnessCurve", "default_sizes", "faithfulness_curve"]
 
 @dataclass(frozen=True)
 class FaithfulnessCurve:
-    """Faithfulness of the top-n edges over n, beside random circuits of n edges.
+    """Faithfulness of the circuits of n edges over n, beside random circuits of n edges.
 
     Attributes:
-        sizes: the n chosen (top-n and random edges), increasing, from 0 to every edge.
-        values: the top-n circuit's faithfulness at each n.
-        edges: the top-n circuit's edges at each n, after pruning its inert ones when
+        sizes: the n chosen (the method's and random edges), increasing, from 0 to every edge.
+        values: the method's circuit's faithfulness at each n.
+        edges: the method's circuit's edges at each n, after pruning its inert ones when
             ``pruned`` (else ``sizes``): the x axis.
         random: the mean faithfulness of ``draws`` random circuits of n edges (uniform over
             the graph's edges).
@@ -41,6 +43,8 @@ class FaithfulnessCurve:
             ``sizes``): the random curve's x axis.
         total: every edge of the graph.
         pruned: whether the circuits were pruned of their inert edges.
+        method: how the circuits were chosen (``EdgeScores.circuit``'s ``method``: ``"top"``
+            or ``"greedy"``).
         area, random_area: the areas under the two curves over the fraction of edges (their x
             axes over ``total``, 0 … 1, trapezoids).
     """
@@ -54,6 +58,7 @@ class FaithfulnessCurve:
     clean: float
     corrupt: float
     pruned: bool = True
+    method: str = "top"
 
     @property
     def area(self) -> float:
@@ -64,14 +69,18 @@ class FaithfulnessCurve:
         return _area(self.random_edges, self.random, self.total)
 
     def smallest(self, reach: float = 0.9) -> int | None:
-        """The fewest edges (``edges``: after pruning when ``pruned``) of a top-n circuit that
-        reaches ``reach``, or None."""
+        """The fewest edges (``edges``: after pruning when ``pruned``) of the method's circuits
+        that reach ``reach``, or None."""
         return next((e for e, v in zip(self.edges, self.values, strict=True) if v >= reach), None)
 
     def plot(self, *, title: str | None = None, other: FaithfulnessCurve | None = None,
-             labels: tuple[str, str] = ("top edges", "other")) -> Any:  # fmt: skip
+             labels: tuple[str, str] | None = None) -> Any:  # fmt: skip
         """The curves (a matplotlib ``Figure``; the ``viz`` extra): faithfulness against the
-        fraction of edges, this curve, ``other`` (another method's) and the random circuits'."""
+        fraction of edges, this curve, ``other`` (another method's) and the random circuits'.
+        ``labels`` name the first two (default: this curve's method, "top edges" or "greedy
+        circuits", and "other")."""
+        if labels is None:
+            labels = ("greedy circuits" if self.method == "greedy" else "top edges", "other")
         curves: list[tuple[str, Sequence[float], Sequence[float]]] = [
             (labels[0], self.edges, self.values)
         ]
@@ -103,9 +112,11 @@ def faithfulness_curve(
     draws: int = 5,
     seed: int = 0,
     prune: bool = True,
+    method: str = "top",
 ) -> FaithfulnessCurve:
-    """:func:`faithfulness` of ``scores``' top-n edges for each n, and of ``draws`` random
-    circuits of n edges (one random order of the edges per draw, its first n edges).
+    """:func:`faithfulness` of ``scores``' circuit of n edges for each n (the top n, or the
+    greedy search's: ``method``), and of ``draws`` random circuits of n edges (one random order
+    of the edges per draw, its first n edges).
 
     Args:
         scores: :func:`~multihead.edge_attribution`'s result on the same inputs.
@@ -115,14 +126,18 @@ def faithfulness_curve(
             (``EdgeScores.circuit(n)``'s default, and for the same reason: the values do not
             change, the sizes become the edges a circuit uses); False: the top n edges as they
             are, counted as n.
+        method: ``"top"`` (the n edges of largest ``|score|``) or ``"greedy"`` (grown from the
+            logits: ``EdgeScores.circuit``); the random circuits are the same for both.
 
     Raises:
-        ValueError: sizes out of [0, edges], draws < 1, and as :func:`faithfulness`.
+        ValueError: sizes out of [0, edges], draws < 1, method not "top" or "greedy", and as
+            :func:`faithfulness`.
         TypeError: prune not a bool.
     """
     check_positive_int("draws", draws)
     if not isinstance(prune, bool):
         raise TypeError(f"prune must be True or False, got {describe(prune)}")
+    check_choice("method", method, METHODS)
     runs = CircuitRuns.of(model, clean, corrupt, metric, scores.circuit(0))
     total = len(runs.all_edges)
     if total != len(scores):
@@ -137,9 +152,9 @@ def faithfulness_curve(
     orders = [torch.randperm(total, generator=generator).tolist() for _ in range(draws)]
     values, edges, random, random_edges = [], [], [], []
     for n in chosen:
-        top = scores.circuit(n, prune=prune)
-        values.append(runs.faithfulness(top))
-        edges.append(len(top))
+        circuit = scores.circuit(n, prune=prune, method=method)
+        values.append(runs.faithfulness(circuit))
+        edges.append(len(circuit))
         drawn = []
         for order in orders:
             labels = [runs.all_edges[i] for i in order[:n]]
@@ -150,5 +165,5 @@ def faithfulness_curve(
         random_edges.append(sum(len(c) for c in drawn) / draws)
     return FaithfulnessCurve(
         tuple(chosen), tuple(values), tuple(edges), tuple(random), tuple(random_edges), total,
-        runs.clean, runs.corrupt, prune,
+        runs.clean, runs.corrupt, prune, method,
     )  # fmt: skip

@@ -8,7 +8,8 @@ its top heads attend where they do (QK attribution).
         --answer " Mary" --wrong " John"
 
 It scores every edge (:func:`multihead.edge_attribution`, ``--ig-steps``), prints the top
-edges, the faithfulness curve of the top edges against random circuits
+edges, the faithfulness curve of the top edges (or, with ``--method greedy``, of circuits grown
+from the logits: ``EdgeScores.circuit``) against random circuits
 (:func:`multihead.faithfulness_curve`; every circuit pruned of its inert edges and counted by
 the edges it keeps) and the smallest circuit that reaches ``--reach``, and writes
 ``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph). Errors are one line
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import multihead
+from multihead.circuits.edge_scores import METHODS
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
@@ -65,6 +67,13 @@ def register(subparsers: Any) -> None:
         help="integrated-gradient points (default 16; 1 is plain EAP)",
     )
     p.add_argument("--top", type=int, default=10, metavar="N", help="edges to list (default 10)")
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="top",
+        help="how a circuit of n edges is chosen: top, the n edges of largest |score| (the "
+        "default), or greedy, grown from the logits one connected edge at a time",
+    )
     p.add_argument(
         "--reach",
         type=float,
@@ -135,20 +144,22 @@ def _circuit(
     method = "EAP" if args.ig_steps == 1 else f"EAP-IG, {args.ig_steps} steps"
     with status(f"scoring every edge ({method})"):
         scores = multihead.edge_attribution(*run, ig_steps=args.ig_steps)
-    with status("faithfulness of the top edges and of random circuits"):
-        curve = multihead.faithfulness_curve(*run, scores, draws=args.draws)
+    chosen = "the top edges" if args.method == "top" else "the greedy circuits"
+    with status(f"faithfulness of {chosen} and of random circuits"):
+        curve = multihead.faithfulness_curve(*run, scores, draws=args.draws, method=args.method)
     print(f"{experiment.name}: {len(scores)} edges; metric: {experiment.describe}")
     print(f"  clean {scores.clean:.3f}   corrupt {scores.corrupt:.3f}")
     print(f"\nTop edges ({method}: corrupt - clean write times the gradient at the receiver):")
     width = max(len(label) for label, _ in scores.top(args.top))
     for label, value in scores.top(args.top):
         print(f"  {label:<{width}}  {value:9.3f}")
+    what = "the top-n edges" if args.method == "top" else "the greedy circuits of n edges"
     print(
-        "\nFaithfulness of the top-n edges, each circuit pruned of its inert edges (those off "
+        f"\nFaithfulness of {what}, each circuit pruned of its inert edges (those off "
         "every path from the embeddings to the logits inside it; 1: the clean run, 0: the "
         "corrupt run):"
     )
-    print("  top n   edges kept   top edges   random circuits")
+    print(f"  {args.method} n   edges kept   {args.method} edges   random circuits")
     for n, e, v, r in zip(curve.sizes, curve.edges, curve.values, curve.random, strict=True):
         print(f"  {n:5d}   {e:10d}   {v:9.3f}   {r:15.3f}")
     ratio = curve.area / curve.random_area if curve.random_area > 0 else float("inf")
@@ -164,15 +175,18 @@ def _circuit(
         shown = curve.sizes[curve.edges.index(kept)]
         share = 100 * kept / curve.total
         print(
-            f"  the top {shown} edges, {kept} once pruned ({share:.0f}% of {curve.total}), "
-            f"reach {args.reach}"
+            f"  the {_named(args.method, shown)}, {kept} once pruned ({share:.0f}% of "
+            f"{curve.total}), reach {args.reach}"
         )
-    circuit = scores.circuit(max(shown, 1))
+    circuit = scores.circuit(max(shown, 1), method=args.method)
     _print_qk(experiment, list(circuit.edges), args.query)
+    named = _named(args.method, max(shown, 1))
     figures = {
-        "faithfulness": curve.plot(title=f"Faithfulness of the top edges ({method}), pruned"),
+        "faithfulness": curve.plot(title=f"Faithfulness of {chosen} ({method}), pruned"),
         "circuit": scores.plot(
-            max(shown, 1), title=f"{experiment.name}: the top {shown} edges, {len(circuit)} pruned"
+            max(shown, 1),
+            method=args.method,
+            title=f"{experiment.name}: the {named}, {len(circuit)} pruned",
         ),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -181,6 +195,11 @@ def _circuit(
     ]
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _named(method: str, n: int) -> str:
+    """A circuit of ``n`` edges chosen by ``method``, in words."""
+    return f"top {n} edges" if method == "top" else f"greedy circuit of {n} edges"
 
 
 def _print_qk(experiment: PatchExperiment, edges: list[str], query: int) -> None:
