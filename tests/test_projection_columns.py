@@ -1,0 +1,80 @@
+"""ProjectionColumns: which columns of a projection each slot (head) reads, read off autograd's
+graph, and gradients taken back through them, against layouts built here by hand and plain
+autograd (each slot's cotangent alone through the whole backward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from multihead.circuits.projection_columns import ProjectionColumns
+
+E, H, D = 12, 4, 3
+
+
+def _run(batch: int, order: Tensor, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, nn.Linear]:
+    """x (B, T, E), a norm's output -> P = x Mᵀ + b (B, T, out) -> the slots' tensor (B, H, T, D) whose slot h
+    reads the columns ``order[h·D:(h + 1)·D]`` of P."""
+    torch.manual_seed(seed)
+    proj = nn.Linear(E, H * D + 2, dtype=torch.float64)  # two columns no slot reads
+    stream = torch.randn(batch, 5, E, dtype=torch.float64, requires_grad=True)
+    x = nn.functional.layer_norm(stream, (E,))  # a norm's output, as the projections read it
+    out = proj(x)
+    tensor = out[..., order].view(batch, 5, H, D).transpose(1, 2)
+    return x, out, tensor, proj
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])  # 5 sends: five rounds, two, one
+@pytest.mark.parametrize("layout", ["heads", "interleaved"])
+def test_columns_and_gradients_follow_the_layout(batch: int, layout: str) -> None:
+    order = torch.arange(H * D)
+    if layout == "interleaved":  # head h reads columns h, h + H, h + 2H (then shifted by 2)
+        order = torch.arange(H * D).view(D, H).T.flatten() + 2
+    x, out, tensor, proj = _run(batch, order)
+    found = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    assert found is not None
+    cols = found.columns[0]
+    assert cols is not None
+    for h in range(H):
+        assert cols[h].tolist() == sorted(order[h * D : (h + 1) * D].tolist())
+    cotangent = torch.randn_like(tensor)
+    got = found.backward(tensor, [out], [(cotangent, [2, 0, 3])])  # (3, B, T, E)
+    for j, h in enumerate([2, 0, 3]):
+        alone = torch.zeros_like(cotangent)
+        alone[:, h] = cotangent[:, h]
+        (want,) = torch.autograd.grad(tensor, x, alone, retain_graph=True)
+        torch.testing.assert_close(got[j], want, rtol=0, atol=1e-12)
+
+
+def test_two_rounds_are_two_cotangents() -> None:
+    x, out, tensor, proj = _run(2, torch.arange(H * D))
+    found = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    assert found is not None
+    first, second = torch.randn_like(tensor), torch.randn_like(tensor)
+    got = found.backward(tensor, [out], [(first, [1]), (second, [1, 3])])
+    for j, (cotangent, h) in enumerate([(first, 1), (second, 1), (second, 3)]):
+        alone = torch.zeros_like(cotangent)
+        alone[:, h] = cotangent[:, h]
+        (want,) = torch.autograd.grad(tensor, x, alone, retain_graph=True)
+        torch.testing.assert_close(got[j], want, rtol=0, atol=1e-12)
+
+
+def test_a_column_two_slots_read_gives_no_map() -> None:
+    order = torch.arange(H * D)
+    order[D] = 0  # slot 1's first column is slot 0's too
+    x, out, tensor, proj = _run(3, order)
+    assert ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()]) is None
+
+
+def test_slots_of_unequal_widths_give_no_map() -> None:
+    order = torch.arange(H * D)
+    order[D + 1] = D  # slot 1 reads one column twice: two columns, the others three
+    x, out, tensor, proj = _run(3, order)
+    assert ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()]) is None
+
+
+def test_a_path_past_the_projection_gives_no_map() -> None:
+    x, out, tensor, proj = _run(3, torch.arange(H * D))
+    bypass = tensor + x[..., :D].unsqueeze(1)  # the stream reaches the slots directly too
+    assert ProjectionColumns.find(bypass, x, [out], [proj.weight.detach()]) is None
