@@ -14,8 +14,8 @@ E, H, D = 12, 4, 3
 
 
 def _run(batch: int, order: Tensor, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, nn.Linear]:
-    """x (B, T, E), a norm's output -> P = x Mᵀ + b (B, T, out) -> the slots' tensor (B, H, T, D) whose slot h
-    reads the columns ``order[h·D:(h + 1)·D]`` of P."""
+    """x (B, T, E), a norm's output -> P = x Mᵀ + b (B, T, out) -> the slots' tensor
+    (B, H, T, D) whose slot h reads the columns ``order[h·D:(h + 1)·D]`` of P."""
     torch.manual_seed(seed)
     proj = nn.Linear(E, H * D + 2, dtype=torch.float64)  # two columns no slot reads
     stream = torch.randn(batch, 5, E, dtype=torch.float64, requires_grad=True)
