@@ -54,7 +54,12 @@ def test_induction_run(
     )
     assert float(curve[middle][2]) == pytest.approx(want, abs=1e-3)
     assert "each circuit pruned of its inert edges" in stdout
-    assert f"  {method} n   edges kept   {method} edges   random circuits" in stdout
+    header = next(line for line in stdout.splitlines() if line.endswith("random circuits"))
+    assert header.split() == [method, "n", "edges", "kept", method, "edges", "random", "circuits"]
+    row = next(line for line in stdout.splitlines() if re.fullmatch(r"\s+0\s+0\s.*", line))
+    for title, field in ((f"{method} n", 0), ("edges kept", 1), (f"{method} edges", 2)):
+        end = header.index(title) + len(title)  # each column's numbers end under its title
+        assert [m.end() for m in re.finditer(r"\S+", row)][field] == end
 
 
 @pytest.mark.parametrize(

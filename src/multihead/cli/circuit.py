@@ -159,9 +159,10 @@ def _circuit(
         "every path from the embeddings to the logits inside it; 1: the clean run, 0: the "
         "corrupt run):"
     )
-    print(f"  {args.method} n   edges kept   {args.method} edges   random circuits")
+    size, value = f"{args.method} n", f"{args.method} edges"  # the rows align under them
+    print(f"  {size:>8}   edges kept   {value:>12}   random circuits")
     for n, e, v, r in zip(curve.sizes, curve.edges, curve.values, curve.random, strict=True):
-        print(f"  {n:5d}   {e:10d}   {v:9.3f}   {r:15.3f}")
+        print(f"  {n:8d}   {e:10d}   {v:12.3f}   {r:15.3f}")
     ratio = curve.area / curve.random_area if curve.random_area > 0 else float("inf")
     print(
         f"  area over the pruned sizes {curve.area:.3f}, random circuits' (n random edges, "
