@@ -55,7 +55,6 @@ from multihead.circuits.edge_scores import EdgeScores
 from multihead.circuits.embedding_path import (
     interpolated_embeddings,
     path_points,
-    recorded_embeddings,
 )
 from multihead.circuits.experiment import Experiment, warn_if_random
 from multihead.circuits.input_pair import Metric
@@ -147,17 +146,18 @@ def edge_attribution(
             held[0][index[sender]] = write
 
     def corrupt_write(sender: Sender, write: Tensor) -> None:
+        if sender.kind == "embed":
+            embedded.append(write)
         if sender in index:
             row = held[0][index[sender]]
             torch.sub(write.to(row.dtype), row, out=row)
 
     clean_value = graph.clean_writes(clean_write)
-    with recorded_embeddings(graph.mapped, "edge_attribution") as corrupt_embedded:
-        _, corrupt_value = graph.writes_of(pair.corrupt, "corrupt run", corrupt_write)
+    _, corrupt_value = graph.writes_of(pair.corrupt, "corrupt run", corrupt_write)
     assert held, "the clean run wrote none of the senders"
     dtype = torch.promote_types(clean_value.dtype, held[0].dtype)
     delta = held.pop().to(dtype)
-    clean_embed, corrupt_embed = embedded[0], corrupt_embedded[0]
+    clean_embed, corrupt_embed = embedded
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
     scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
     column = {r: j for j, r in enumerate(readers)}
