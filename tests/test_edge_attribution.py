@@ -276,6 +276,7 @@ def test_eap_equals_hooks(family: str, dtype: torch.dtype, tolerance: float) -> 
     kinds = ("q", "k", "v", "mlp", "logits")
     got = edge_attribution(model, clean, corrupt, _metric, receivers=kinds)
     assert got.ig_steps == 1 and got.senders[0] == "embed"
+    assert not got.values.requires_grad  # the scores hold no graph (of the weights)
     reference_model = _ungrouped(model) if family == "llama" else model
     want = _reference(
         _Parts(reference_model, family), clean, corrupt, list(got.senders), list(got.receivers)

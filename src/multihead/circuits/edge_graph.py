@@ -306,8 +306,9 @@ class EdgeModel:
         self._probe = None
         for sender, write in probe.writes:
             keep(sender, write)
-        for layer, z in probe.outputs:
-            _store_heads(keep, layer, self.layers[layer].projection, z)
+        with torch.no_grad():  # as in the run: the heads' writes record no graph
+            for layer, z in probe.outputs:
+                _store_heads(keep, layer, self.layers[layer].projection, z)
         return self.clean_value
 
     def writes_of(
