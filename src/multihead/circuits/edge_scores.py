@@ -252,6 +252,8 @@ class EdgeScores:
         ``viz`` extra): :func:`multihead.viz.circuit_graph.circuit_figure`."""
         check_positive_int("n", n)
         circuit = self.circuit(min(n, len(self)), prune=prune, method=method)
+        if method == "greedy":
+            kwargs.setdefault("title", "Circuit: grown greedily from the logits")
         edges = [(e, self.score(*e.split(" -> "))) for e in circuit.edges]
         return circuit_figure(edges, **kwargs)
 
