@@ -1,5 +1,6 @@
 """Pictures of a circuit of edges: the graph (senders and receivers as nodes in layer rows,
-edges as arrows coloured by their score) and the faithfulness curves.
+edges as arrows coloured by their score, routed beside the nodes of the rows they cross) and
+the faithfulness curves.
 
 Labels in, figures out: a node ``"L0H1"``, ``"MLP0"``, ``"embed"`` or ``"logits"``; an edge
 ``"L0H1 -> L1H3.k"`` (its receiver's input after the dot: the arrow's label).
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["circuit_figure", "faithfulness_figure"]
 
 _NODE = re.compile(r"L(\d+)(?:H|KV)(\d+)|MLP(\d+)")
+_POSITIVE, _NEGATIVE = "#c0392b", "#2e6fb5"
 
 
 def _row_and_order(node: str) -> tuple[float, float]:
@@ -39,47 +41,121 @@ def _row_and_order(node: str) -> tuple[float, float]:
 def circuit_figure(
     edges: Sequence[tuple[str, float]], *, title: str = "Circuit: the top edges"
 ) -> Figure:
-    """The edges ``[(label, score)]`` as a graph: nodes in rows by layer (embeddings at the
-    bottom, logits at the top), arrows from sender to receiver, red for a positive score and
-    blue for a negative one, wider for a larger ``|score|``, labelled with the receiver's
-    input (q, k, v)."""
+    """The edges ``[(label, score)]`` as a layered graph: nodes in rows by layer (embeddings at
+    the bottom, each layer's heads, then its MLP, the logits at the top), arrows from sender to
+    receiver, red for a positive score (corrupting the edge raises the metric) and blue for a
+    negative one, wider for a larger ``|score|``, labelled with the receiver's input (q, k, v).
+
+    An edge that skips rows passes each row it crosses in a place of its own beside that row's
+    nodes (one place per sender and row: a sender's long edges run together until they part),
+    so no edge runs behind a node it does not reach. The places in a row are ordered by where
+    their edges come from (the layered-graph layout's barycentre ordering, one sweep upwards).
+    """
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch
+    from matplotlib.path import Path
+
     parsed = []
     for label, score in edges:
         sender, _, receiver = label.partition(" -> ")
         node, _, via = receiver.partition(".")
         parsed.append((sender, node, via, score))
     nodes = sorted({n for s, r, _, _ in parsed for n in (s, r)}, key=_row_and_order)
-    rows: dict[float, list[str]] = {}
+    rank = {row: i for i, row in enumerate(sorted({_row_and_order(n)[0] for n in nodes}))}
+    # a place (name, row): a node in its own row, or where a sender's edges pass a later row
+    home = {node: (node, rank[_row_and_order(node)[0]]) for node in nodes}
+    rows: list[list[tuple[str, int]]] = [[] for _ in rank]
     for node in nodes:
-        rows.setdefault(_row_and_order(node)[0], []).append(node)
-    ranks = {row: i for i, row in enumerate(sorted(rows))}
-    place: dict[str, tuple[float, float]] = {}
-    for row, members in rows.items():
-        for i, node in enumerate(members):
-            place[node] = ((i + 1) / (len(members) + 1), ranks[row])
-    fig = new_figure(7.0, 1.2 + 1.1 * max(len(rows), 1), layout="constrained")
+        rows[home[node][1]].append(home[node])
+    routes = []
+    for sender, node, _, _ in parsed:
+        passing = [(sender, r) for r in range(home[sender][1] + 1, home[node][1])]
+        for place in passing:
+            if place not in rows[place[1]]:
+                rows[place[1]].append(place)
+        routes.append([home[sender], *passing, home[node]])
+    below: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for route in routes:
+        for a, b in zip(route, route[1:], strict=False):
+            below.setdefault(b, []).append(a)
+    x: dict[tuple[str, int], float] = {}
+    for row in rows:  # upwards: each place beneath where its edges come from
+
+        def key(place: tuple[str, int]) -> tuple[float, float]:
+            came = [x[a] for a in below.get(place, [])]
+            order = _row_and_order(place[0])[1] if home[place[0]] == place else 0.0
+            return (sum(came) / len(came) if came else 0.5, order)
+
+        row.sort(key=key)
+        for i, place in enumerate(row):
+            x[place] = (i + 1) / (len(row) + 1)
+    widest = max((len(row) for row in rows), default=1)
+    width = max(7.0, 0.9 * widest)
+    fig = new_figure(width, 1.6 + 1.0 * max(len(rows), 1), layout="constrained")
     ax = fig.add_subplot()
     largest = max((abs(v) for *_, v in parsed), default=1.0) or 1.0
-    for sender, node, via, score in parsed:
-        (x0, y0), (x1, y1) = place[sender], place[node]
-        colour = "#c0392b" if score > 0 else "#2e6fb5"
-        ax.annotate(
-            "", xy=(x1, y1 - 0.12), xytext=(x0, y0 + 0.12),
-            arrowprops={"arrowstyle": "-|>", "color": colour, "alpha": 0.8,
-                        "lw": 0.6 + 3.4 * abs(score) / largest,
-                        "connectionstyle": "arc3,rad=0.08"},
+    gap = 0.16  # where an arrow leaves or meets a node's box, in rows
+    paths = [[(x[p], float(p[1])) for p in route] for route in routes]
+    # the arrows that leave (meet) one node spread along its box, in the order they go (come)
+    for end, step, side in ((0, 1, gap), (-1, -2, -gap)):
+        at: dict[tuple[str, int], list[list[tuple[float, float]]]] = {}
+        for route, points in zip(routes, paths, strict=True):
+            at.setdefault(route[end], []).append(points)
+        for group in at.values():
+            group.sort(key=lambda points: points[step][0])
+            spread = min(0.08, 0.24 / max(len(group) - 1, 1)) / width  # inches, inside the box
+            for i, points in enumerate(group):
+                px, py = points[end]
+                points[end] = (px + (i - (len(group) - 1) / 2) * spread, py + side)
+    for points, (_, _, via, score) in zip(paths, parsed, strict=True):
+        verts, codes = [points[0]], [Path.MOVETO]
+        for i in range(1, len(points) - 1):  # through the midpoints, bent at each place
+            (ax0, ay0), (bx, by), (cx, cy) = points[i - 1], points[i], points[i + 1]
+            verts += [((ax0 + bx) / 2, (ay0 + by) / 2), (bx, by), ((bx + cx) / 2, (by + cy) / 2)]
+            codes += [Path.LINETO, Path.CURVE3, Path.CURVE3]
+        verts.append(points[-1])
+        codes.append(Path.LINETO)
+        colour = _POSITIVE if score > 0 else _NEGATIVE
+        ax.add_patch(
+            FancyArrowPatch(
+                path=Path(verts, codes), arrowstyle="-|>", mutation_scale=10, color=colour,
+                alpha=0.8, lw=0.6 + 3.4 * abs(score) / largest, zorder=1,
+            )
         )  # fmt: skip
-        if via:
-            ax.text((x0 + x1) / 2, (y0 + y1) / 2, via, fontsize=7, color=colour, ha="center")
-    for node, (x, y) in place.items():
+        if via:  # on the last stretch, near the receiver
+            (px, py), (qx, qy) = points[-2], points[-1]
+            ax.text(
+                px + 0.7 * (qx - px) + 0.012, py + 0.7 * (qy - py), via, fontsize=7,
+                color=colour, ha="left", va="center", zorder=2,
+            )  # fmt: skip
+    for node in nodes:
         ax.text(
-            x, y, plain_text(node), ha="center", va="center", fontsize=9,
-            bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#555555"},
+            x[home[node]], home[node][1], plain_text(node), ha="center", va="center", fontsize=9,
+            zorder=3, bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#555555"},
         )  # fmt: skip
     ax.set_xlim(0, 1)
     ax.set_ylim(-0.5, max(len(rows), 1) - 0.5)
     ax.set_axis_off()
     ax.set_title(plain_text(title))
+    if parsed:
+        handles = [
+            Line2D(
+                [],
+                [],
+                color=_POSITIVE,
+                lw=2,
+                label="score > 0: corrupting the edge raises the metric",
+            ),
+            Line2D([], [], color=_NEGATIVE, lw=2, label="score < 0: it lowers the metric"),
+            Line2D(
+                [],
+                [],
+                color="#888888",
+                lw=3,
+                label="width: |score|; q, k, v: the receiving head's input",
+            ),
+        ]
+        fig.legend(handles=handles, loc="outside lower center", ncols=2, frameon=False, fontsize=8)
     return fig
 
 
