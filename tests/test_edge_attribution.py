@@ -424,11 +424,12 @@ def test_faithfulness_ends_and_reference() -> None:
     assert faithfulness(
         model, clean, corrupt, _metric, scores.circuit(len(scores))
     ) == pytest.approx(1, abs=1e-10)
-    some = scores.circuit(10)
-    got = faithfulness(model, clean, corrupt, _metric, some)
-    want = _faithfulness_by_hooks(model, clean, corrupt, set(some.edges), scores)
-    assert got == pytest.approx(want, abs=1e-9)
-    assert 0.05 < abs(got) and abs(got - 1) > 0.05  # neither end: the circuit matters
+    # a small circuit (most of each receiver's edges cut) and a large one (few cut)
+    for some in (scores.circuit(10), scores.circuit(len(scores) - 10, prune=False)):
+        got = faithfulness(model, clean, corrupt, _metric, some)
+        want = _faithfulness_by_hooks(model, clean, corrupt, set(some.edges), scores)
+        assert got == pytest.approx(want, abs=1e-9)
+        assert 0.05 < abs(got) and abs(got - 1) > 0.05  # neither end: the circuit matters
 
 
 def _faithfulness_by_hooks(

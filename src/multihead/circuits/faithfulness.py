@@ -78,6 +78,7 @@ class CircuitRuns:
             for s in graph.senders
             if s.stage < r.stage
         }
+        self.all_edges = tuple(self.edges)  # every edge of the graph, receiver-major
 
     @classmethod
     def of(
@@ -86,11 +87,6 @@ class CircuitRuns:
         experiment = Experiment.of(model, clean, corrupt, metric)
         warn_if_random(model, "faithfulness")
         return cls(EdgeModel.of(experiment, circuit.kv, "faithfulness"), circuit.receivers)
-
-    @property
-    def all_edges(self) -> list[str]:
-        """Every edge of the graph, receiver-major."""
-        return list(self.edges)
 
     def faithfulness(self, circuit: Circuit) -> float:
         """The circuit run's metric, normalised (module docstring)."""
@@ -113,38 +109,76 @@ class CircuitRuns:
                 cut.setdefault(receiver, []).append(sender)
         graph = self.graph
         with torch.no_grad(), graph.recorded_writes() as writes:
-            with registered(self._hooks(cut, writes)):
+            delta = _Differences(self.corrupt_writes, writes, graph.senders)
+            with registered(self._hooks(cut, delta)):
                 value = graph.experiment.value(graph.experiment.pair.clean, "circuit run")
         return float(value)
 
-    def _delta(self, senders: list[Sender], writes: dict[Sender, Tensor]) -> Tensor:
-        """Σ (corrupt write - this run's write) over ``senders`` (B, T, E)."""
-        total = self.corrupt_writes[senders[0]] - writes[senders[0]]
-        for s in senders[1:]:
-            total = total + (self.corrupt_writes[s] - writes[s])
-        return total
-
-    def _hooks(
-        self, cut: dict[Receiver, list[Sender]], writes: dict[Sender, Tensor]
-    ) -> Iterator[Removable]:
+    def _hooks(self, cut: dict[Receiver, list[Sender]], delta: _Differences) -> Iterator[Removable]:
         graph = self.graph
         for layer, parts in enumerate(graph.layers):
             heads = {r: s for r, s in cut.items() if r.layer == layer and r.kind in "qkv"}
             if heads:
-                yield from _HeadInputs(graph, layer, heads, writes, self._delta).hooks()
-            mlp = cut.get(Receiver("mlp", layer))
-            if mlp and parts.mlp_norm is not None:
-                yield parts.mlp_norm.register_forward_pre_hook(self._adding(mlp, writes))
-        logits = cut.get(Receiver(LOGITS, graph.mapped.num_layers))
-        if logits:
+                yield from _HeadInputs(graph, layer, heads, delta).hooks()
+            mlp = Receiver("mlp", layer)
+            if mlp in cut and parts.mlp_norm is not None:
+                yield parts.mlp_norm.register_forward_pre_hook(_adding(delta, mlp, cut[mlp]))
+        logits = Receiver(LOGITS, graph.mapped.num_layers)
+        if logits in cut:
             assert graph.mapped.final_norm is not None
-            yield graph.mapped.final_norm.register_forward_pre_hook(self._adding(logits, writes))
+            hook = _adding(delta, logits, cut[logits])
+            yield graph.mapped.final_norm.register_forward_pre_hook(hook)
 
-    def _adding(self, senders: list[Sender], writes: dict[Sender, Tensor]) -> Any:
-        def hook(m: nn.Module, args: Any) -> Any:
-            return (args[0] + self._delta(senders, writes).to(args[0].dtype), *args[1:])
 
-        return hook
+def _adding(delta: _Differences, receiver: Receiver, senders: list[Sender]) -> Any:
+    """A forward pre-hook adding the cut senders' differences to a module's input."""
+
+    def hook(m: nn.Module, args: Any) -> Any:
+        return (args[0] + delta(receiver, senders).to(args[0].dtype), *args[1:])
+
+    return hook
+
+
+class _Differences:
+    """One circuit run's Σ (corrupt write - this run's write) over a receiver's cut senders
+    (B, T, E), as the writes are made. Where the cut senders outnumber the kept ones (a small
+    circuit cuts most edges of a large graph) the sum is taken as the sum over every earlier
+    sender, built once per stage and shared by the stage's receivers, less the kept ones."""
+
+    def __init__(
+        self, corrupt: dict[Sender, Tensor], writes: dict[Sender, Tensor], senders: list[Sender]
+    ) -> None:
+        self.corrupt, self.writes, self.senders = corrupt, writes, senders
+        self.totals: dict[int, Tensor] = {}  # stage -> the sum over the senders before it
+
+    def __call__(self, receiver: Receiver, cut: list[Sender]) -> Tensor:
+        before = [s for s in self.senders if s.stage < receiver.stage]
+        if 2 * len(cut) <= len(before):
+            return self._sum(cut)
+        cutting = set(cut)
+        kept = [s for s in before if s not in cutting]
+        total = self._total(receiver.stage)
+        return total - self._sum(kept) if kept else total
+
+    def _sum(self, senders: list[Sender]) -> Tensor:
+        total = self.corrupt[senders[0]] - self.writes[senders[0]]
+        for s in senders[1:]:
+            total = total + (self.corrupt[s] - self.writes[s])
+        return total
+
+    def _total(self, stage: int) -> Tensor:
+        if stage not in self.totals:
+            start = max((t for t in self.totals if t < stage), default=None)
+            senders = [
+                s for s in self.senders if s.stage < stage and (start is None or s.stage >= start)
+            ]
+            if start is None:
+                self.totals[stage] = self._sum(senders)
+            else:
+                self.totals[stage] = self.totals[start]
+                if senders:
+                    self.totals[stage] = self.totals[stage] + self._sum(senders)
+        return self.totals[stage]
 
 
 class _Captured(Exception):
@@ -161,14 +195,12 @@ class _HeadInputs:
         graph: EdgeModel,
         layer: int,
         cut: dict[Receiver, list[Sender]],
-        writes: dict[Sender, Tensor],
-        delta: Any,
+        delta: _Differences,
     ) -> None:
         self.parts = graph.layers[layer]
         self.site = graph.sites[layer]
         self.attention = graph.mapped.blocks[layer].attention if graph.mapped.blocks else None
         self.cut = cut
-        self.writes = writes
         self.delta = delta
         self.stream: Tensor | None = None
         self.normed: Tensor | None = None
@@ -205,7 +237,7 @@ class _HeadInputs:
         for receiver, senders in self.cut.items():
             key = tuple(senders)
             if key not in variants:
-                variants[key] = self._qkv_of(self.delta(senders, self.writes))
+                variants[key] = self._qkv_of(self.delta(receiver, senders))
             index = "qkv".index(receiver.kind)
             source = variants[key][index]
             h = receiver.head
