@@ -422,22 +422,27 @@ def test_logit_attribution_by_hand(family: str) -> None:
     assert float(want.abs().max()) > 1e-3
 
 
+def _pair() -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A clean and a corrupt batch (2, 6) of random tokens, for :func:`_metric`."""
+    g = torch.Generator().manual_seed(7)
+    clean = {"input_ids": torch.randint(4, VOCAB, (2, 6), generator=g)}
+    return clean, {"input_ids": torch.randint(4, VOCAB, (2, 6), generator=g)}
+
+
+def _metric(logits: Tensor) -> Tensor:
+    return logits[:, -1, 7] - logits[:, -1, 9]
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_site_patching_attribution_paths_and_statistics_run(family: str) -> None:
     """patch (the residual stream before layer 0: the whole clean run), attribution_patching
     (the metric's gradient at the corrupt run times each head's clean - corrupt output, by a
     plain backward on eager), path_patching and head_statistics on a softcap and a sink family."""
     model = build(family)
-    g = torch.Generator().manual_seed(7)
-    clean = {"input_ids": torch.randint(4, VOCAB, (2, 6), generator=g)}
-    corrupt = {"input_ids": torch.randint(4, VOCAB, (2, 6), generator=g)}
-
-    def metric(logits: Tensor) -> Tensor:
-        return logits[:, -1, 7] - logits[:, -1, 9]
-
+    clean, corrupt = _pair()
     with torch.no_grad():
-        whole = metric(model(**clean).logits).mean() - metric(model(**corrupt).logits).mean()
-    resid = multihead.patch(model, clean, corrupt, metric, site="resid_pre")
+        whole = _metric(model(**clean).logits).mean() - _metric(model(**corrupt).logits).mean()
+    resid = multihead.patch(model, clean, corrupt, _metric, site="resid_pre")
     torch.testing.assert_close(resid.values[0], whole, rtol=1e-4, atol=1e-5)
 
     source = _head_inputs(model, clean)
@@ -449,7 +454,7 @@ def test_site_patching_attribution_paths_and_statistics_run(family: str) -> None
         target.append(args[0])
 
     hooks = [_o_proj(model, i).register_forward_pre_hook(keep) for i in range(len(layers))]
-    metric(model(**corrupt).logits).mean().backward()
+    _metric(model(**corrupt).logits).mean().backward()
     for hook in hooks:
         hook.remove()
     model.zero_grad()
@@ -461,13 +466,37 @@ def test_site_patching_attribution_paths_and_statistics_run(family: str) -> None
             if t.grad is not None
         ]
     )  # (L, H): each head's first-order effect on the batch mean
-    got = multihead.attribution_patching(model, clean, corrupt, metric)
+    got = multihead.attribution_patching(model, clean, corrupt, _metric)
     torch.testing.assert_close(got.values, want, rtol=1e-4, atol=1e-5)
 
-    paths = multihead.path_patching(model, clean, corrupt, metric, [(0, 1)], ["logits"])
+    paths = multihead.path_patching(model, clean, corrupt, _metric, [(0, 1)], ["logits"])
     assert torch.isfinite(paths.values).all()
     stats = multihead.head_statistics(model, clean["input_ids"])
     assert torch.isfinite(stats.entropy).all() and stats.entropy.shape[:2] == (2, heads)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_edge_attribution_keys_and_values_per_query_head(family: str) -> None:
+    """EAP on a softcap and a sink family (4 query heads over 2 key/value heads): each query
+    head's own key and value edges (kv="query_head", its attention recomputed under the call's
+    softcap or sinks) sum, over the query heads of a group, to the key/value head's edges
+    (kv="shared": the gradient by autograd through the model's own attention)."""
+    model = build(family)
+    clean, corrupt = _pair()
+    per_head = multihead.edge_attribution(model, clean, corrupt, _metric, kv="query_head")
+    shared = multihead.edge_attribution(model, clean, corrupt, _metric, kv="shared")
+    checked = 0
+    for j, receiver in enumerate(shared.receivers):
+        layer, _, rest = receiver.partition("KV")
+        if not rest:
+            continue
+        kv_head, kind = rest.split(".")
+        group = [f"{layer}H{h}.{kind}" for h in (2 * int(kv_head), 2 * int(kv_head) + 1)]
+        summed = sum(per_head.values[:, per_head.receivers.index(r)] for r in group)
+        want = shared.values[:, j]
+        torch.testing.assert_close(summed, want, rtol=1e-4, atol=1e-6, equal_nan=True)
+        checked += int(want.isfinite().sum())
+    assert checked > 0 and float(shared.values.nan_to_num().abs().max()) > 1e-3
 
 
 def test_bench_gemma2_script_quick(tmp_path: Path) -> None:

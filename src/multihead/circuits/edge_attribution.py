@@ -26,9 +26,9 @@ before them in one product (a layer that no chosen sender writes before gets no 
 Where the projections cannot be read as matrices, or a path passes by them, each head's
 cotangent goes through the whole backward instead (batched the same way). On a grouped-query
 model with ``kv="query_head"``, the key and value gradients of each query head come from its
-own attention recomputed (:func:`~multihead.kernels.math_attention` on the recorded q, k, v and
-the gradient at the heads' outputs), one query head of every group at a time: keys and values
-are never repeated per query head.
+own attention recomputed (:func:`~multihead.score_mods.modified_attention` on the recorded q, k,
+v under the call's mask and score modifications, and the gradient at the heads' outputs), one
+query head of every group at a time: keys and values are never repeated per query head.
 
 Shapes: B batch, T tokens, S keys, E residual width, H query heads, Hk key/value heads, D head
 dim, N senders, R receivers.
@@ -59,8 +59,8 @@ from multihead.circuits.embedding_path import (
 from multihead.circuits.experiment import Experiment, warn_if_random
 from multihead.circuits.input_pair import Metric
 from multihead.circuits.projection_columns import ProjectionColumns
-from multihead.kernels import allowed, causal_mask, math_attention
 from multihead.observers import AttentionCall, Removable, registered
+from multihead.score_mods import ScoreMods, modified_attention
 
 __all__ = ["edge_attribution", "parse_kinds"]
 
@@ -430,34 +430,25 @@ def _per_query_head_kv_grads(
 ) -> dict[str, list[Tensor]]:
     """Per group member j, the gradients (B, Hk, S, D) of the keys and values as query heads
     j, G + j, 2G + j, … (one of each group) read them: their attention recomputed from the
-    recorded q, k, v with the gradient at their outputs (B, T, H, Dv); keys and values stay
-    grouped."""
+    recorded q, k, v under the call's mask, causality and score modifications (softcap, sinks,
+    a score_mod or block mask: :func:`~multihead.score_mods.modified_attention`) with the
+    gradient at their outputs (B, T, H, Dv); keys and values stay grouped."""
     q, k, v = (t.detach() for t in qkv)
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
-    t, s = q.shape[2], k.shape[2]
-    mask = call.mask
-    if call.is_causal:
-        causal = causal_mask(t, s, device=q.device)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
+    mods = call.mods if call.mods is not None else ScoreMods()
     out = {"k": [], "v": []}  # type: dict[str, list[Tensor]]
     d_out = out_grad.transpose(1, 2)  # (B, H, T, Dv)
     for member in range(group):
-        rows = slice(member, heads, group)
-        m = mask
-        if m is not None and m.dim() == 4 and m.shape[1] == heads:
-            m = m[:, rows]
-        if m is not None and m.dtype != torch.bool and not bool(allowed(m).any(-1).all()):
-            raise ValueError("edge_attribution: a query sees no key (a fully masked row)")
+        chosen = torch.arange(member, heads, group, device=q.device)
         with torch.enable_grad():
             keys, values = k.clone().requires_grad_(), v.clone().requires_grad_()
-            o, _ = math_attention(q[:, rows], keys, values, m, call.scale)  # (B, Hk, T, Dv)
-            dk, dv = torch.autograd.grad(o, (keys, values), d_out[:, rows].to(o.dtype))
+            o, _ = modified_attention(
+                q, keys, values, mods, mask=call.mask, is_causal=call.is_causal,
+                scale=call.scale, heads=chosen,
+            )  # fmt: skip
+            assert o is not None  # (B, Hk, T, Dv)
+            dk, dv = torch.autograd.grad(o, (keys, values), d_out[:, chosen].to(o.dtype))
         out["k"].append(dk)
         out["v"].append(dv)
     return out
