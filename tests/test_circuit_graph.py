@@ -110,3 +110,28 @@ def test_the_legend_says_what_colours_and_widths_mean_and_stays_off_the_nodes() 
 def test_an_empty_circuit_draws_an_empty_picture() -> None:
     fig, boxes, arrows = _drawn([])
     assert boxes == {} and arrows == [] and fig.legends == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("total", "scale"), [(81, "linear"), (118_561, "symlog")])
+def test_a_large_graphs_curve_is_on_a_log_scale(total: int, scale: str) -> None:
+    """SmolLM2's graph has 118,561 edges and its circuits a few hundred: on a linear axis they
+    all stand at 0; the log scale of edge counts keeps 0 (linear below one edge) and the whole
+    graph apart. The legend stands below the axes, off the curves."""
+    from multihead.viz.circuit_graph import faithfulness_figure
+
+    sizes = [0, 10, 100, total]
+    fig = faithfulness_figure([("top edges", sizes, [0.0, 0.5, 0.9, 1.0])], total)
+    ax = fig.axes[0]
+    assert ax.get_xscale() == scale
+    FigureCanvasAgg(fig).draw()
+    ends = [n if scale == "symlog" else n / total for n in (0, total)]
+    x = ax.transData.transform([(n, 0.0) for n in ends])[:, 0]
+    box = ax.get_window_extent()
+    assert box.x0 - 1 <= x[0] and x[1] <= box.x1 + 1  # 0 and every edge inside the axes
+    if scale == "symlog":  # 10 and 100 edges apart on screen, not both at 0
+        ten, hundred = ax.transData.transform([(10, 0.0), (100, 0.0)])[:, 0]
+        assert hundred - ten > 0.1 * (x[1] - x[0])
+    (legend,) = fig.legends
+    assert legend.get_window_extent().y1 <= box.y0  # below the axes
+    labels = [t.get_window_extent() for t in ax.get_xticklabels() if t.get_text()]
+    assert not any(a.overlaps(b) for i, a in enumerate(labels) for b in labels[i + 1 :])

@@ -177,3 +177,14 @@ def test_plot_draws_the_pruned_circuit() -> None:
     arrows, labels = drawn(scores.plot(len(CIRCUIT), prune=False))
     assert arrows == 8 and len(labels) == 12
     assert drawn(scores.plot(2)) == (0, [])  # both edges inert: an empty picture
+
+
+def test_default_sizes_reach_down_to_ten_edges_on_a_large_graph() -> None:
+    from multihead.circuits.faithfulness_curve import default_sizes
+
+    assert default_sizes(81) == [0, 1, 2, 4, 8, 12, 16, 24, 40, 61, 81]  # the fractions alone
+    big = default_sizes(118_561)
+    assert big[:8] == [0, 10, 20, 50, 100, 200, 500, 1000]  # below 1 % (1186)
+    assert big[8:] == [
+        round(f * 118_561) for f in (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75)
+    ] + [118_561]

@@ -96,9 +96,19 @@ def _area(sizes: Sequence[float], values: Sequence[float], total: int) -> float:
 
 
 def default_sizes(total: int) -> list[int]:
-    """0, every edge, and the fractions 1, 2, 5, 10, 15, 20, 30, 50, 75 % of them."""
+    """0, every edge, the fractions 1, 2, 5, 10, 15, 20, 30, 50, 75 % of them, and on a large
+    graph (a model's circuits are a few hundred of its tens of thousands of edges) the sizes
+    10, 20, 50, 100, 200, 500, … below 1 %."""
     fractions = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75)
-    return sorted({0, total, *(max(1, round(f * total)) for f in fractions)})
+    small = [m * 10**p for p in range(1, len(str(total))) for m in (1, 2, 5)]
+    return sorted(
+        {
+            0,
+            total,
+            *(max(1, round(f * total)) for f in fractions),
+            *(n for n in small if n < 0.01 * total),
+        }
+    )
 
 
 def faithfulness_curve(

@@ -12,7 +12,8 @@ edges, the faithfulness curve of the top edges (or, with ``--method greedy``, of
 from the logits: ``EdgeScores.circuit``) against random circuits
 (:func:`multihead.faithfulness_curve`; every circuit pruned of its inert edges and counted by
 the edges it keeps) and the smallest circuit that reaches ``--reach``, and writes
-``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph). Errors are one line
+``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph: its first
+``--draw`` edges). Errors are one line
 and exit code 2 (``multihead.cli.main``).
 """
 
@@ -92,6 +93,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--draws", type=int, default=3, metavar="N", help="random circuits per size (default 3)"
     )
+    p.add_argument(
+        "--draw",
+        type=int,
+        default=30,
+        metavar="N",
+        help="the most edges circuit.png shows: the reported circuit's first N by --method "
+        "(default 30; a large model's circuit holds hundreds)",
+    )
     add_device_arguments(p)
     add_threads_argument(p)
     p.add_argument(
@@ -118,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         ("--ig-steps", args.ig_steps),
         ("--top", args.top),
         ("--draws", args.draws),
+        ("--draw", args.draw),
     ):
         if value < 1:
             raise CLIError(f"{flag} must be a positive number, got {value}")
@@ -181,14 +191,15 @@ def _circuit(
         )
     circuit = scores.circuit(max(shown, 1), method=args.method)
     _print_qk(experiment, list(circuit.edges), args.query)
-    named = _named(args.method, max(shown, 1))
+    drawn = min(max(shown, 1), args.draw)
+    title = f"{experiment.name}: the {_named(args.method, drawn)}"
+    title += f", {len(scores.circuit(drawn, method=args.method))} pruned"
+    if drawn < max(shown, 1):
+        title += f" (of the {len(circuit)} that reach {args.reach})"
+        print(f"\ncircuit.png shows the circuit's first {drawn} edges (--draw)")
     figures = {
         "faithfulness": curve.plot(title=f"Faithfulness of {chosen} ({method}), pruned"),
-        "circuit": scores.plot(
-            max(shown, 1),
-            method=args.method,
-            title=f"{experiment.name}: the {named}, {len(circuit)} pruned",
-        ),
+        "circuit": scores.plot(drawn, method=args.method, title=title),
     }
     out.mkdir(parents=True, exist_ok=True)
     written = [

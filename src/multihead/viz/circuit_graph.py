@@ -165,17 +165,27 @@ def faithfulness_figure(
     *,
     title: str | None = None,
 ) -> Figure:
-    """Faithfulness against the fraction of edges kept, one line per ``(name, sizes,
-    values)``; a dotted line at 1 (the clean run) and 0 (the corrupt run)."""
-    fig = new_figure(6.0, 4.0, layout="constrained")
+    """Faithfulness against the circuit's size, one line per ``(name, sizes, values)``; a dotted
+    line at 1 (the clean run) and 0 (the corrupt run); the legend below the axes. The size is the
+    fraction of the ``total`` edges, or on a graph of 1000 edges or more (a model's circuits are
+    a few hundred of its tens of thousands of edges) the number of edges on a log scale (linear
+    below one edge, so that 0 is drawn)."""
+    large = total >= 1000
+    fig = new_figure(6.0, 4.4, layout="constrained")
     ax = fig.add_subplot()
     for name, sizes, values in curves:
         style = ":" if name.startswith("random") else "-"
-        ax.plot([n / total for n in sizes], list(values), style, marker="o", ms=3, label=name)
+        x = list(sizes) if large else [n / total for n in sizes]
+        ax.plot(x, list(values), style, marker="o", ms=3, label=name)
     for level in (0.0, 1.0):
         ax.axhline(level, color="#999999", lw=0.8, ls="--")
-    ax.set_xlabel(f"fraction of the {total} edges in the circuit")
+    if large:
+        ax.set_xscale("symlog", linthresh=1, linscale=0.4)
+        ax.set_xlim(0, total * 1.05)
+        ax.set_xlabel(f"edges in the circuit, of {total} (log scale)")
+    else:
+        ax.set_xlabel(f"fraction of the {total} edges in the circuit")
     ax.set_ylabel("faithfulness")
     ax.set_title(plain_text(title or "Faithfulness of the top edges"))
-    ax.legend()
+    fig.legend(loc="outside lower center", ncols=len(curves), frameon=False)
     return fig
