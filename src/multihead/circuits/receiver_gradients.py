@@ -13,9 +13,10 @@ before them in one product (a layer that no chosen sender writes before gets no 
 Where the projections cannot be read as matrices, or a path passes by them, each head's
 cotangent goes through the whole backward instead (batched the same way). On a grouped-query
 model with ``kv="query_head"``, the key and value gradients of each query head come from its own
-attention recomputed (:func:`~multihead.score_mods.modified_attention` on the recorded q, k, v
-under the call's mask and score modifications, and the gradient at the heads' outputs), one
-query head of every group at a time: keys and values are never repeated per query head.
+attention recomputed from the recorded q, k and v with the gradient at the heads' outputs (under
+the call's score modifications, softcap or sinks, where it has any:
+:func:`~multihead.score_mods.modified_attention`), one query head of every group at a time: keys
+and values are never repeated per query head.
 
 Shapes: B batch, T tokens, S keys, E residual width, H query heads, Hk key/value heads, D head
 dim, N senders, R receivers.
@@ -32,8 +33,9 @@ from torch import Tensor, nn
 
 from multihead.circuits.edge_graph import LOGITS, EdgeModel, Receiver
 from multihead.circuits.projection_columns import ProjectionColumns
+from multihead.kernels import allowed, causal_mask, math_attention
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.score_mods import ScoreMods, modified_attention
+from multihead.score_mods import modified_attention
 
 __all__ = ["ReceiverGradients"]
 
@@ -287,25 +289,44 @@ def _per_query_head_kv_grads(
 ) -> dict[str, list[Tensor]]:
     """Per group member j, the gradients (B, Hk, S, D) of the keys and values as query heads
     j, G + j, 2G + j, … (one of each group) read them: their attention recomputed from the
-    recorded q, k, v under the call's mask, causality and score modifications (softcap, sinks,
-    a score_mod or block mask: :func:`~multihead.score_mods.modified_attention`) with the
-    gradient at their outputs (B, T, H, Dv); keys and values stay grouped."""
+    recorded q, k, v with the gradient at their outputs (B, T, H, Dv); keys and values stay
+    grouped. A call with score modifications (softcap, sinks, a score_mod or block mask) is
+    recomputed under them (:func:`~multihead.score_mods.modified_attention`), a plain one by
+    the plain formula (:func:`~multihead.kernels.math_attention`, which costs less)."""
     q, k, v = (t.detach() for t in qkv)
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
-    mods = call.mods if call.mods is not None else ScoreMods()
+    t, s = q.shape[2], k.shape[2]
+    mask = call.mask
+    if call.is_causal and not call.mods:
+        causal = causal_mask(t, s, device=q.device)
+        if mask is None:
+            mask = causal
+        elif mask.dtype == torch.bool:
+            mask = mask & causal
+        else:
+            mask = mask.masked_fill(~causal, float("-inf"))
     out = {"k": [], "v": []}  # type: dict[str, list[Tensor]]
     d_out = out_grad.transpose(1, 2)  # (B, H, T, Dv)
     for member in range(group):
-        chosen = torch.arange(member, heads, group, device=q.device)
+        rows = slice(member, heads, group)
+        m = mask
+        if m is not None and m.dim() == 4 and m.shape[1] == heads:
+            m = m[:, rows]
+        if m is not None and m.dtype != torch.bool and not bool(allowed(m).any(-1).all()):
+            raise ValueError("edge_attribution: a query sees no key (a fully masked row)")
         with torch.enable_grad():
             keys, values = k.clone().requires_grad_(), v.clone().requires_grad_()
-            o, _ = modified_attention(
-                q, keys, values, mods, mask=call.mask, is_causal=call.is_causal,
-                scale=call.scale, heads=chosen,
-            )  # fmt: skip
-            assert o is not None  # (B, Hk, T, Dv)
-            dk, dv = torch.autograd.grad(o, (keys, values), d_out[:, chosen].to(o.dtype))
+            if call.mods:
+                chosen = torch.arange(member, heads, group, device=q.device)
+                o, _ = modified_attention(
+                    q, keys, values, call.mods, mask=call.mask, is_causal=call.is_causal,
+                    scale=call.scale, heads=chosen,
+                )  # fmt: skip
+                assert o is not None
+            else:
+                o, _ = math_attention(q[:, rows], keys, values, m, call.scale)  # (B, Hk, T, Dv)
+            dk, dv = torch.autograd.grad(o, (keys, values), d_out[:, rows].to(o.dtype))
         out["k"].append(dk)
         out["v"].append(dv)
     return out
