@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = _workloads(model, shape, device)[args.memory_probe]
         print(_peak_bytes(fn, device))
         return 0
+    load_before = list(os.getloadavg())
     rounds = 1 if args.quick else args.rounds
     k = 2 if args.quick else args.ig_steps
     rows, payload_rows = [], []
@@ -245,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "packages": ["transformers"],
             "gpu": gpu,
+            "load_before": load_before,
+            "load_after": list(os.getloadavg()),
         },
     )
     print(f"wrote {path}")
