@@ -135,3 +135,13 @@ def test_a_large_graphs_curve_is_on_a_log_scale(total: int, scale: str) -> None:
     assert legend.get_window_extent().y1 <= box.y0  # below the axes
     labels = [t.get_window_extent() for t in ax.get_xticklabels() if t.get_text()]
     assert not any(a.overlaps(b) for i, a in enumerate(labels) for b in labels[i + 1 :])
+
+
+def test_a_layers_heads_stand_in_order() -> None:
+    """L0H0 feeds L1H3 and L0H3 feeds L1H0 (crossing): the layer-1 heads still stand H0 left of
+    H3, as the layer-0 heads do."""
+    labels = ["L0H0 -> L1H3.q", "L0H3 -> L1H0.k", "L1H0 -> logits", "L1H3 -> logits"]
+    edges = [(label, 1.0) for label in [*labels, "embed -> L0H0.v", "embed -> L0H3.v"]]
+    _, boxes, _ = _drawn(edges)
+    for left, right in (("L0H0", "L0H3"), ("L1H0", "L1H3")):
+        assert boxes[left].x1 < boxes[right].x0  # type: ignore[attr-defined]

@@ -193,7 +193,7 @@ def _circuit(
     _print_qk(experiment, list(circuit.edges), args.query)
     drawn = min(max(shown, 1), args.draw)
     title = f"{experiment.name}: the {_named(args.method, drawn)}"
-    title += f", {len(scores.circuit(drawn, method=args.method))} pruned"
+    title += f" ({len(scores.circuit(drawn, method=args.method))} once pruned)"
     if drawn < max(shown, 1):
         title += f" (of the {len(circuit)} that reach {args.reach})"
         print(f"\ncircuit.png shows the circuit's first {drawn} edges (--draw)")

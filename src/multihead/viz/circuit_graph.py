@@ -49,7 +49,8 @@ def circuit_figure(
     An edge that skips rows passes each row it crosses in a place of its own beside that row's
     nodes (one place per sender and row: a sender's long edges run together until they part),
     so no edge runs behind a node it does not reach. The places in a row are ordered by where
-    their edges come from (the layered-graph layout's barycentre ordering, one sweep upwards).
+    their edges come from (the layered-graph layout's barycentre ordering, one sweep upwards),
+    the nodes among them in their own order (a layer's heads by number).
     """
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch
@@ -87,6 +88,11 @@ def circuit_figure(
             return (sum(came) / len(came) if came else 0.5, order)
 
         row.sort(key=key)
+        # the nodes keep the slots the ordering gave them, in their own order (heads by number)
+        slots = [i for i, place in enumerate(row) if home[place[0]] == place]
+        nodes_in_order = sorted((row[i] for i in slots), key=lambda p: _row_and_order(p[0])[1])
+        for i, place in zip(slots, nodes_in_order, strict=True):
+            row[i] = place
         for i, place in enumerate(row):
             x[place] = (i + 1) / (len(row) + 1)
     widest = max((len(row) for row in rows), default=1)
