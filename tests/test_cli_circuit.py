@@ -29,11 +29,14 @@ def test_induction_run(
     out = tmp_path / "out"
     argv = ["circuit", "--checkpoint", str(induction_run), "--out", str(out), "--ig-steps", "2"]
     argv += ["--method", "greedy"] if method == "greedy" else []
-    assert main([*argv, "--top", "4", "--draws", "1", "--format", "png,svg", "--draw", "2"]) == 0
+    assert (
+        main([*argv, "--top", "4", "--draws", "1", "--format", "png,svg", "--graph-edges", "2"])
+        == 0
+    )
     stdout = capsys.readouterr().out
     reported = re.search(r"the (?:top|greedy circuit of) (\d+) edges, \d+ once pruned", stdout)
     assert reported and int(reported[1]) > 2, stdout
-    assert "circuit.png shows the circuit's first 2 edges (--draw)" in stdout
+    assert "circuit.png shows the circuit's first 2 edges (--graph-edges)" in stdout
     assert sorted(p.name for p in out.iterdir()) == [
         "circuit.png", "circuit.svg", "faithfulness.png", "faithfulness.svg",
     ]  # fmt: skip
@@ -72,7 +75,7 @@ def test_induction_run(
         (["--format", "gif"], "--format must list png or svg, got 'gif'"),
         (["--clean", "1 2 3"], "--clean, --corrupt and --answer go together"),
         (["--reach", "1.5"], "--reach must be in (0, 1], got 1.5"),
-        (["--draw", "0"], "--draw must be a positive number, got 0"),
+        (["--graph-edges", "0"], "--graph-edges must be a positive number, got 0"),
         (["--method", "best"], "argument --method: invalid choice: 'best'"),
     ],
 )

@@ -13,7 +13,7 @@ from the logits: ``EdgeScores.circuit``) against random circuits
 (:func:`multihead.faithfulness_curve`; every circuit pruned of its inert edges and counted by
 the edges it keeps) and the smallest circuit that reaches ``--reach``, and writes
 ``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph: its first
-``--draw`` edges). Errors are one line
+``--graph-edges`` edges). Errors are one line
 and exit code 2 (``multihead.cli.main``).
 """
 
@@ -94,7 +94,7 @@ def register(subparsers: Any) -> None:
         "--draws", type=int, default=3, metavar="N", help="random circuits per size (default 3)"
     )
     p.add_argument(
-        "--draw",
+        "--graph-edges",
         type=int,
         default=30,
         metavar="N",
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         ("--ig-steps", args.ig_steps),
         ("--top", args.top),
         ("--draws", args.draws),
-        ("--draw", args.draw),
+        ("--graph-edges", args.graph_edges),
     ):
         if value < 1:
             raise CLIError(f"{flag} must be a positive number, got {value}")
@@ -191,12 +191,13 @@ def _circuit(
         )
     circuit = scores.circuit(max(shown, 1), method=args.method)
     _print_qk(experiment, list(circuit.edges), args.query)
-    drawn = min(max(shown, 1), args.draw)
+    drawn = min(max(shown, 1), args.graph_edges)
     title = f"{experiment.name}: the {_named(args.method, drawn)}"
-    title += f" ({len(scores.circuit(drawn, method=args.method))} once pruned)"
+    title += f", {len(scores.circuit(drawn, method=args.method))} once pruned"
     if drawn < max(shown, 1):
-        title += f" (of the {len(circuit)} that reach {args.reach})"
-        print(f"\ncircuit.png shows the circuit's first {drawn} edges (--draw)")
+        whole = f"{len(circuit)} that reach {args.reach}" if kept is not None else f"{shown}"
+        title += f" (of the {whole})"
+        print(f"\ncircuit.png shows the circuit's first {drawn} edges (--graph-edges)")
     figures = {
         "faithfulness": curve.plot(title=f"Faithfulness of {chosen} ({method}), pruned"),
         "circuit": scores.plot(drawn, method=args.method, title=title),
