@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from multihead.circuits.edge_graph import LOGITS, EdgeModel, Receiver
 from multihead.circuits.projection_columns import ProjectionColumns
-from multihead.kernels import allowed, causal_mask, math_attention
+from multihead.kernels import allowed, causal_mask, combine_masks, math_attention
 from multihead.observers import AttentionCall, Removable, registered
 from multihead.score_mods import modified_attention
 
@@ -296,16 +296,9 @@ def _per_query_head_kv_grads(
     q, k, v = (t.detach() for t in qkv)
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
-    t, s = q.shape[2], k.shape[2]
     mask = call.mask
     if call.is_causal and not call.mods:
-        causal = causal_mask(t, s, device=q.device)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
+        mask = combine_masks(mask, causal_mask(q.shape[2], k.shape[2], device=q.device))
     out = {"k": [], "v": []}  # type: dict[str, list[Tensor]]
     d_out = out_grad.transpose(1, 2)  # (B, H, T, Dv)
     for member in range(group):
