@@ -44,7 +44,6 @@ from multihead.circuits.embedding_path import (
 )
 from multihead.circuits.experiment import Experiment, warn_if_random
 from multihead.circuits.input_pair import Metric
-from multihead.circuits.projection_columns import ProjectionColumns
 from multihead.circuits.receiver_gradients import ReceiverGradients
 
 __all__ = ["edge_attribution", "parse_kinds"]
@@ -146,16 +145,17 @@ def edge_attribution(
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
     scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
     column = {r: j for j, r in enumerate(readers)}
-    columns: dict[tuple[int, int], ProjectionColumns | None] = {}  # found in the first run
 
     def add(receiver: Receiver, values: Tensor) -> None:
         scores[: values.shape[0], column[receiver]] += values
 
+    gradients = ReceiverGradients(graph, readers, delta, stages, add)
     for alpha in path_points(ig_steps):
         with interpolated_embeddings(
             graph.mapped, corrupt_embed, clean_embed, alpha, "edge_attribution"
         ):
-            ReceiverGradients(graph, readers, delta, stages, columns).run(add)
+            gradients.step()
+    gradients.finish()
     scores /= ig_steps
     before = torch.tensor(stages, device=scores.device)[:, None]
     after = torch.tensor([r.stage for r in readers], device=scores.device)[None, :]

@@ -130,6 +130,7 @@ class _Layer:
     # the attention's q/k/v projections: modules given the norm's output itself, each with its
     # matrix M (out, E), the projection read per token as x ↦ x Mᵀ + bias
     inputs: tuple[tuple[nn.Module, Tensor], ...] = ()
+    norm_eps: float | None = None  # the attention norm's epsilon, where the map knows it
 
 
 class EdgeModel:
@@ -212,7 +213,9 @@ class EdgeModel:
                 for m in found.get(("inputs", layer), [])
                 if given is not None and (matrix := _linear_matrix(m, given)) is not None
             )
-            layers.append(_Layer(norm, projection, block.mlp, mlp_norm, inputs))
+            layers.append(
+                _Layer(norm, projection, block.mlp, mlp_norm, inputs, block.norm_eps(norm))
+            )
         return cls(experiment, mapped, layers, kv, probe)
 
     # -- the graph ------------------------------------------------------------------------------

@@ -79,8 +79,7 @@ class FrozenNorm:
         else:
             gammas = [torch.ones_like(x[0, 0])]
         if eps is not None:
-            c = x - x.mean(-1, keepdim=True) if centred else x
-            sigma = (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (B, T, 1)
+            sigma = cls.scale(x, eps, centred)
             # 1e-3 in float32; in half precision a few of its rounding steps (bfloat16: 3e-2)
             rtol = max(1e-3, 4 * rounding)
             tolerance = rtol * float(y.abs().max().clamp(min=1.0))
@@ -93,6 +92,13 @@ class FrozenNorm:
             f"{caller} reads a LayerNorm or RMSNorm (γ ⊙ x / rms(x), or (1 + γ) ⊙ x / rms(x)); "
             f"the norm {type(norm).__name__} computes something else"
         )
+
+    @staticmethod
+    def scale(x: Tensor, eps: float, centred: bool) -> Tensor:
+        """(B, T, 1): σ of the stream ``x`` (B, T, E): the rms of ``x`` (less its mean where
+        ``centred``), ``eps`` added under the root."""
+        c = x - x.mean(-1, keepdim=True) if centred else x
+        return (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()
 
     def linear(self, c: Tensor) -> Tensor:
         """The norm's linear part on a piece ``c`` (B, T, ..., E) of the stream: ``γ ⊙ (c -

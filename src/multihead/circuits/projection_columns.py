@@ -21,7 +21,8 @@ Shapes: B batch, T tokens, E the norm's width, D head dim, R chosen slots.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -43,6 +44,10 @@ class ProjectionColumns:
 
     columns: tuple[Tensor | None, ...]
     rows: tuple[Tensor | None, ...]
+    # (projection, slots) -> where their columns are: the first of a run of them, or each
+    _picked: dict[tuple[int, tuple[int, ...]], tuple[int | Tensor, torch.Size]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def find(
@@ -107,32 +112,79 @@ class ProjectionColumns:
         """(R, B, T, E): per round ``(cotangent, slots)``, the part of ``cotangent`` (on
         ``tensor``, (B, slots, T, D)) on each of its ``slots``, taken back to the norm's output
         of the run that made ``tensor`` and ``outputs`` (its projections' outputs, as for
-        :meth:`find`); R counts the slots of all rounds, in order. One backward of all rounds
-        (batched) to the projections' outputs, then each slot's columns times their rows of
-        the matrices."""
-        used = [i for i, cols in enumerate(self.columns) if cols is not None]
+        :meth:`find`); R counts the slots of all rounds, in order: :meth:`to_input` of
+        :meth:`at_columns`."""
+        slots = [s for _, round_slots in rounds for s in round_slots]
+        joined = self.to_input(self.at_columns(tensor, outputs, rounds), slots)
+        lead = outputs[self.used[0]].shape[:-1]  # (B, T)
+        return joined.view(-1, *lead, joined.shape[-1])
+
+    @property
+    def used(self) -> list[int]:
+        """The projections the tensor reads."""
+        return [i for i, cols in enumerate(self.columns) if cols is not None]
+
+    def at_columns(
+        self, tensor: Tensor, outputs: list[Tensor], rounds: list[tuple[Tensor, list[int]]]
+    ) -> list[Tensor | None]:
+        """Per projection, (N, R, width) (N = B·T): per round ``(cotangent, slots)``, the
+        gradient at the projection's output of the part of ``cotangent`` on each of its
+        ``slots``, on that slot's own columns (None for a projection the tensor does not
+        read). One backward of all rounds, batched."""
+        used = self.used
         grads = torch.autograd.grad(
             tensor, [outputs[i] for i in used], torch.stack([c for c, _ in rounds]),
             retain_graph=True, is_grads_batched=True, allow_unused=True,
         )  # fmt: skip
-        parts = []
-        for k, (_, slots) in enumerate(rounds):
-            total: Tensor | None = None
-            for i, grad in zip(used, grads, strict=True):
-                cols, rows = self.columns[i], self.rows[i]
-                if grad is not None and cols is not None and rows is not None:
-                    # (R, N, width) @ (R, width, E): each slot's columns times its rows
-                    index = torch.tensor(slots, device=cols.device)
-                    picked = cols.index_select(0, index)  # (R, width)
-                    g = grad[k].flatten(0, -2).index_select(1, picked.flatten())
-                    g = g.view(g.shape[0], *picked.shape).transpose(0, 1)
-                    part = torch.bmm(g, rows.index_select(0, index).to(g.dtype))
-                    total = part if total is None else total + part
-            assert total is not None, "a cotangent reached no projection"
-            parts.append(total)
-        lead = outputs[used[0]].shape[:-1]  # (B, T)
-        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return joined.view(-1, *lead, joined.shape[-1])
+        found: list[Tensor | None] = [None] * len(self.columns)
+        for i, grad in zip(used, grads, strict=True):
+            if grad is not None:
+                parts = [self.gather(i, grad[k], slots) for k, (_, slots) in enumerate(rounds)]
+                found[i] = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+        return found
+
+    def gather(self, projection: int, values: Tensor, slots: list[int]) -> Tensor:
+        """(N, R, width): the columns of each of ``slots`` in ``values`` (B, T, out), one of
+        ``projection``'s outputs (or a tensor laid out like one)."""
+        key = (projection, tuple(slots))
+        if key not in self._picked:
+            cols = self.columns[projection]
+            assert cols is not None
+            picked = cols.index_select(0, torch.tensor(slots, device=cols.device))  # (R, width)
+            flat = picked.flatten()
+            start = int(flat[0])
+            run = torch.arange(start, start + len(flat), device=flat.device)
+            # heads laid out one after another: a slice of the columns, no copy
+            self._picked[key] = (start if torch.equal(flat, run) else flat, picked.shape)
+        where, shape = self._picked[key]
+        flat_values = values.flatten(0, -2)  # (N, out)
+        if isinstance(where, int):
+            return flat_values[:, where : where + shape.numel()].view(-1, *shape)
+        return flat_values.index_select(1, where).view(-1, *shape)
+
+    def to_input(
+        self,
+        at_columns: list[Tensor | None],
+        slots: list[int],
+        through: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """(R, N, E): gradients on the slots' columns (per projection (N, R, width), as
+        :meth:`at_columns` gives them, for ``slots`` in order) at the projections' input: each
+        slot's columns times the same rows of the matrices, summed over the projections.
+        ``through`` maps the rows (R, width, E) first: a linear map of the input's last axis
+        (a frozen norm's backward) taken to every row at once, not to every token."""
+        total: Tensor | None = None
+        for cols, rows, part in zip(self.columns, self.rows, at_columns, strict=True):
+            if cols is None or rows is None or part is None:
+                continue
+            picked = rows.index_select(0, torch.tensor(slots, device=rows.device))
+            picked = picked.to(part.dtype)
+            if through is not None:
+                picked = through(picked)
+            product = torch.bmm(part.transpose(0, 1), picked)  # (R, N, width) @ (R, width, E)
+            total = product if total is None else total + product
+        assert total is not None, "a cotangent reached no projection"
+        return total
 
 
 def _reaches(start: Tensor, source: Tensor, cuts: list[Tensor]) -> bool:

@@ -1,41 +1,53 @@
-"""One gradient run of edge attribution
+"""The gradient runs of edge attribution
 (:func:`~multihead.circuits.edge_attribution.edge_attribution`): the gradient of the metric at
-every receiver's own input, scored against the senders before it.
+every receiver's own input, summed over the runs and scored against the senders before it.
 
-One forward and one backward from the metric to zeros ξ added to each head's queries, keys and
-values (a q/k/v editor), to each feed-forward norm's input and to the final norm's input; then,
-per layer and kind, the gradient at the queries (keys, values) goes back to the q/k/v
-projections' outputs, each receiving head takes its own columns of them times the same rows of
-the projection's matrix (:mod:`~multihead.circuits.projection_columns`: over all heads, one
-projection's backward), and the norm's backward runs for all of them at once, vmapped
-(``is_grads_batched``); the gradients (R, B, T, E) are then scored against all the senders
-before them in one product (a layer that no chosen sender writes before gets no product at all).
-Where the projections cannot be read as matrices, or a path passes by them, each head's
-cotangent goes through the whole backward instead (batched the same way). On a grouped-query
-model with ``kv="query_head"``, the key and value gradients of each query head come from its own
-attention recomputed from the recorded q, k and v with the gradient at the heads' outputs (under
-the call's score modifications, softcap or sinks, where it has any:
-:func:`~multihead.score_mods.modified_attention`), one query head of every group at a time: keys
-and values are never repeated per query head.
+Each run is one forward and one backward from the metric to zeros ξ added to each head's
+queries, keys and values (a q/k/v editor), to each feed-forward norm's input and to the final
+norm's input, and to the q/k/v projections' outputs. A feed-forward network's and the logits'
+gradients are summed over the runs and scored once. A head's gradient at the stream is its own
+columns g of the projections' outputs (:mod:`~multihead.circuits.projection_columns`) times the
+same rows of the projections' matrices M, then the norm's backward. Where the norm is a
+LayerNorm or RMSNorm, y = γ ⊙ c / σ (+ β) with c the stream x (less its mean for a LayerNorm),
+that backward is written out,
 
-Shapes: B batch, T tokens, S keys, E residual width, H query heads, Hk key/value heads, D head
-dim, N senders, R receivers.
+    Jᵀu = v - mean(v) - c ⟨v, c⟩ / (E σ²),    v = γ ⊙ u / σ,    u = g M
+
+(no mean for an RMSNorm), and it splits the runs apart: the first two terms are linear in g / σ,
+so ``g / σ`` is summed over the runs on the heads' columns (the size of q, k and v) and taken
+through M, γ and the centring once, after the last run; the third is scored in each run as
+⟨δ, c⟩ ⟨g, σ (y - β) Mᵀ⟩ / (E σ³) per token, (y - β) Mᵀ being the projection's output less its
+constant (bias + β Mᵀ). Integrated gradients' runs then cost little beyond their forward and
+backward. Elsewhere (a norm of another kind, or one that computes in a lower precision than the
+stream, as transformers' RMSNorms do in float32 on a float64 model) each run takes every head's
+u through the norm's recorded backward, vmapped (``is_grads_batched``), and scores it; where the
+projections cannot be read as matrices, or a path passes by them, each head's cotangent goes
+through the whole backward instead (batched the same way).
+
+A head's columns of the projections' outputs are read off the run's own backward where they
+feed that head alone (shown in the first run, against the gradient taken back from the head's
+q, k or v). On a grouped-query model with ``kv="query_head"``, the key and value gradients of
+each query head come from its own attention recomputed from the recorded q, k and v
+(:mod:`~multihead.circuits.query_head_kv`): keys and values are never repeated per query head.
+
+Shapes: B batch, T tokens, E residual width, N senders (n: those before a receiver), R
+receivers, BT = B·T.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from multihead.circuits.edge_graph import LOGITS, EdgeModel, Receiver
+from multihead.circuits.frozen_norm import FrozenNorm
 from multihead.circuits.projection_columns import ProjectionColumns
-from multihead.kernels import allowed, causal_mask, combine_masks, math_attention
+from multihead.circuits.query_head_kv import query_head_kv_grads
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.score_mods import modified_attention
 
 __all__ = ["ReceiverGradients"]
 
@@ -48,6 +60,7 @@ class _LayerRun:
     stream: Tensor | None = None
     normed: Tensor | None = None  # the norm's output, the projections' input
     projected: dict[int, Tensor] = field(default_factory=dict)  # projection i -> (B, T, out)
+    projected_grads: dict[int, Tensor | None] = field(default_factory=dict)  # the metric's
     qkv: tuple[Tensor, Tensor, Tensor] | None = None
     xis: tuple[Tensor, Tensor, Tensor] | None = None
     call: AttentionCall | None = None
@@ -55,9 +68,40 @@ class _LayerRun:
     mlp_xi: Tensor | None = None
 
 
+@dataclass
+class _ColumnSums:
+    """One layer's q, k or v receivers whose gradients are summed over the runs on their
+    heads' columns, each run's divided by its σ, and taken to the stream once (module
+    docstring)."""
+
+    receivers: list[Receiver]
+    slots: list[int]  # each receiver's slot (head) of the tensor
+    columns: ProjectionColumns
+    norm: FrozenNorm  # the first run's: its γ and whether it centres (σ is each run's own)
+    sums: list[Tensor | None]  # per projection (BT, R, width)
+
+
+@dataclass
+class _NormedRun:
+    """One run's reading of a layer's attention norm in closed form (module docstring)."""
+
+    norm: FrozenNorm  # frozen at this run (its σ (B, T, 1))
+    along: Tensor  # (n, BT): each sender's difference against the stream c the norm read
+    shifted: list[Tensor]  # per projection (BT, out): its output less its constant (y - β) Mᵀ
+
+
+# A run's norm is taken in closed form where its rebuild is this many rounding steps of its
+# output from the output (a norm that computes in a lower precision than the stream, as
+# transformers' RMSNorms do in float32 on a float64 model, goes through autograd instead).
+_EXACT_STEPS = 64
+# The most elements a temporary product over the senders' differences holds at once.
+_CHUNK = 1 << 20
+
+
 class ReceiverGradients:
-    """One forward and backward on the clean input (whatever block 0 is given), handing each
-    receiver's scores against the senders before it (n,) to a callback."""
+    """The gradient runs of one edge attribution: :meth:`step` once per run (on whatever
+    block 0 is given), then :meth:`finish`; each hands receivers' scores against the senders
+    before them (n,) to ``add``, their sum over the runs the edges' scores."""
 
     def __init__(
         self,
@@ -65,16 +109,20 @@ class ReceiverGradients:
         receivers: list[Receiver],
         delta: Tensor,
         stages: list[int],
-        columns: dict[tuple[int, int], ProjectionColumns | None],
+        add: Callable[[Receiver, Tensor], None],
     ) -> None:
         self.graph = graph
-        self.columns = columns  # (layer, q/k/v index) -> its heads' columns: shared by runs
         self.receivers = receivers
         self.delta = delta  # (N, B, T, E): the senders' corrupt - clean writes, forward order
         self.stages = stages
+        self.add = add
         self.kinds = {r.kind for r in receivers}
-        self.runs = [_LayerRun() for _ in graph.layers]
-        self.logits_xi: list[Tensor] = []
+        self.columns: dict[tuple[int, int], ProjectionColumns | None] = {}  # found in run 1
+        self.sums: dict[tuple[int, int], _ColumnSums] = {}  # (layer, q/k/v index) -> sums
+        self.summed: dict[Receiver, Tensor] = {}  # a feed-forward's or the logits' gradient
+        self.norms: dict[int, FrozenNorm | None] = {}  # layer -> its attention norm (run 1's)
+        self.constants: dict[tuple[int, int], Tensor] = {}  # (layer, projection) -> (out,)
+        self.direct: dict[tuple[int, int], bool] = {}  # (layer, q/k/v index) -> _at_columns
 
     def _before(self, stage: int) -> int:
         """How many senders write before ``stage`` (a prefix of ``delta``)."""
@@ -84,10 +132,18 @@ class ReceiverGradients:
         """(n, R): each sender's difference against each gradient (R, B, T, E)."""
         return self.delta[:n].flatten(1) @ gradients.to(self.delta.dtype).flatten(1).T
 
-    def run(self, add: Callable[[Receiver, Tensor], None]) -> None:
+    def _add_columns(self, receivers: list[Receiver], values: Tensor) -> None:
+        """Hand each receiver its column of ``values`` (n, R)."""
+        for j, receiver in enumerate(receivers):
+            self.add(receiver, values[:, j])
+
+    def step(self) -> None:
+        """One forward and backward on the clean input (whatever block 0 is given)."""
         graph = self.graph
         experiment = graph.experiment
-        with registered(self._hooks()):
+        runs = [_LayerRun() for _ in graph.layers]
+        logits_xi: list[Tensor] = []
+        with registered(self._hooks(runs, logits_xi)):
             value = experiment.value(experiment.pair.clean, "clean run")
             if not value.requires_grad:
                 raise ValueError(
@@ -95,12 +151,15 @@ class ReceiverGradients:
                     "autograd: its result does not require grad (does it detach the logits?)"
                 )
             leaves: list[Tensor] = []
-            for run in self.runs:
+            for run in runs:
                 leaves += [
                     *(run.xis or ()),
                     *(x for x in (run.out_xi, run.mlp_xi) if x is not None),
                 ]
-            leaves += self.logits_xi
+            leaves += logits_xi
+            # the projections' outputs too: where a head's columns of them feed nothing but
+            # that head (checked in the first run), the gradient there is its own
+            leaves += [p for run in runs if run.qkv is not None for p in run.projected.values()]
             grads = torch.autograd.grad(value, leaves, retain_graph=True, allow_unused=True)
         found = dict(zip(map(id, leaves), grads, strict=True))
 
@@ -110,20 +169,35 @@ class ReceiverGradients:
         for receiver in self.receivers:
             g = None
             if receiver.kind == LOGITS:
-                g = grad_of(self.logits_xi[0] if self.logits_xi else None)
+                g = grad_of(logits_xi[0] if logits_xi else None)
             elif receiver.kind == "mlp":
-                g = grad_of(self.runs[receiver.layer].mlp_xi)
-            n = self._before(receiver.stage)
-            if g is not None and n:
-                add(receiver, self._dot(n, g[None])[:, 0])
-        for layer, run in enumerate(self.runs):
+                g = grad_of(runs[receiver.layer].mlp_xi)
+            if g is not None and self._before(receiver.stage):
+                g = g.to(self.delta.dtype)
+                held = self.summed.get(receiver)
+                self.summed[receiver] = g if held is None else held.add_(g)
+        for layer, run in enumerate(runs):
             if run.qkv is None or run.stream is None or run.xis is None:
                 continue
             wanted = [r for r in self.receivers if r.layer == layer and r.kind in ("q", "k", "v")]
             n = self._before(2 * layer + 1)
             if not wanted or not n:
                 continue
-            self._backward(layer, run, n, [grad_of(x) for x in run.xis], grad_of(run.out_xi), add)
+            run.projected_grads = {i: grad_of(p) for i, p in run.projected.items()}
+            self._backward(layer, run, n, [grad_of(x) for x in run.xis], grad_of(run.out_xi))
+
+    def finish(self) -> None:
+        """Score what the runs summed: a feed-forward's and the logits' gradients, and the q,
+        k and v receivers' sums taken to the stream (module docstring)."""
+        for receiver, g in self.summed.items():
+            self.add(receiver, self._dot(self._before(receiver.stage), g[None])[:, 0])
+        for (layer, _), entry in self.sums.items():
+            # the norm's backward with each run's σ already in the sums: γ, then the centring,
+            # both maps of the last axis alone, taken to the rows of the projections
+            read = replace(entry.norm, sigma=entry.norm.sigma.new_ones(1, 1, 1))
+            at_stream = entry.columns.to_input(entry.sums, entry.slots, read.read)  # (R, BT, E)
+            values = self._dot(self._before(2 * layer + 1), at_stream)
+            self._add_columns(entry.receivers, values)
 
     def _backward(
         self,
@@ -132,14 +206,15 @@ class ReceiverGradients:
         n: int,
         grads: list[Tensor | None],
         out_grad: Tensor | None,
-        add: Callable[[Receiver, Tensor], None],
     ) -> None:
-        """Per kind, every receiving head's gradient at the stream, scored against the ``n``
-        senders before it: the gradient at q, k or v (on a grouped model with
-        ``kv="query_head"``, at the keys or values as one query head per group reads them, a
-        round per group member) split into the receivers' heads on the way back."""
+        """Per kind, every receiving head's gradient, scored against the ``n`` senders before
+        it: the gradient at q, k or v (on a grouped model with ``kv="query_head"``, at the keys
+        or values as one query head per group reads them, a round per group member) split
+        into the receivers' heads on the way back; summed on their columns where the norm is
+        read in closed form, else taken to the stream and scored in this run."""
         assert run.qkv is not None
         per_query: dict[str, list[Tensor]] | None = None
+        reading = self._normed_run(layer, run, n)
         for index, kind in enumerate("qkv"):
             mine = [r for r in self.receivers if r.layer == layer and r.kind == kind]
             grad = grads[index]
@@ -151,17 +226,160 @@ class ReceiverGradients:
                 if out_grad is None or run.call is None:
                     continue
                 if per_query is None:
-                    per_query = _per_query_head_kv_grads(run.call, run.qkv, out_grad)
+                    per_query = query_head_kv_grads(run.call, run.qkv, out_grad)
                 group = run.qkv[0].shape[1] // kv_heads
                 rounds = []
                 for member, cotangent in enumerate(per_query[kind]):
                     members = [r for r in mine if r.head % group == member]
                     rounds.append((cotangent, members, [r.head // group for r in members]))
             rounds = [(c, members, slots) for c, members, slots in rounds if members]
-            values = self._dot(n, self._stream_gradients(layer, run, index, rounds))  # (n, R)
+            columns = self._columns(layer, run, index)
+            if columns is not None and reading is not None:
+                whole = len(rounds) == 1 and rounds[0][0] is grad  # q, k or v's whole gradient
+                self._sum(layer, run, index, rounds, columns, reading, whole)
+                continue
+            values = self._dot(n, self._stream_gradients(layer, run, index, rounds, columns))
+            self._add_columns([r for _, members, _ in rounds for r in members], values)
+
+    def _normed_run(self, layer: int, run: _LayerRun, n: int) -> _NormedRun | None:
+        """This run's reading of layer ``layer``'s attention norm in closed form, where it is
+        a LayerNorm or RMSNorm that the first run's output rebuilds to a few rounding steps
+        (checked once); else None."""
+        parts = self.graph.layers[layer]
+        if parts.norm_eps is None or run.stream is None or run.normed is None:
+            return None
+        if not parts.inputs or len(run.projected) != len(parts.inputs):
+            return None  # the projections' columns cannot be read either
+        dtype = self.delta.dtype
+        x, y = run.stream.detach().to(dtype), run.normed.detach()
+        if layer not in self.norms:
+            self.norms[layer] = self._checked_norm(layer, x, y)
+        first = self.norms[layer]
+        if first is None:
+            return None
+        norm = replace(first, sigma=FrozenNorm.scale(x, parts.norm_eps, first.centred))
+        c = (x - x.mean(-1, keepdim=True) if norm.centred else x).flatten(0, 1)  # (BT, E)
+        along = c.new_empty(n, c.shape[0])  # (n, BT): ⟨δ, c⟩, by chunks of senders (the
+        # product's temporary bounded: the whole one is as large as the differences)
+        chunk = max(1, _CHUNK // c.numel())
+        for start in range(0, n, chunk):
+            part = self.delta[start : min(n, start + chunk)].flatten(1, 2)
+            torch.sum(part * c, -1, out=along[start : start + part.shape[0]])
+        shifted = []  # per projection (BT, out): its output less its constant, (y - β) Mᵀ
+        for i, (_, matrix) in enumerate(parts.inputs):
+            out = run.projected[i].detach().to(dtype).flatten(0, 1)
+            if (layer, i) not in self.constants:
+                given = y[0, 0].to(dtype) - (norm.beta if norm.beta is not None else 0.0)
+                self.constants[layer, i] = out[0] - given @ matrix.to(dtype).T
+            shifted.append(out - self.constants[layer, i])
+        return _NormedRun(norm, along, shifted)
+
+    def _checked_norm(self, layer: int, x: Tensor, y: Tensor) -> FrozenNorm | None:
+        """The attention norm of ``layer`` frozen at the run that mapped ``x`` to ``y`` (B, T,
+        E), where it is a LayerNorm or RMSNorm whose rebuild is within a few rounding steps of
+        ``y``; else None."""
+        parts = self.graph.layers[layer]
+        rounding = torch.finfo(y.dtype).eps
+        dtype = self.delta.dtype
+        try:
+            with torch.no_grad():
+                norm = FrozenNorm.of(parts.norm, parts.norm_eps, x, y.to(dtype), "", rounding)
+        except ValueError:
+            return None
+        beta = None if norm.beta is None else norm.beta.detach()
+        norm = replace(norm, gamma=norm.gamma.detach(), beta=beta)  # the weights' values
+        rebuilt = norm.linear(x) + (beta if beta is not None else 0.0)
+        tolerance = _EXACT_STEPS * rounding * max(1.0, float(y.abs().max()))
+        return norm if float((rebuilt - y.to(dtype)).abs().max()) <= tolerance else None
+
+    def _columns(self, layer: int, run: _LayerRun, index: int) -> ProjectionColumns | None:
+        """The heads' columns of the projections that made q, k or v (``index``), found in the
+        first run that recorded them all (None where they cannot be read)."""
+        assert run.qkv is not None
+        count = len(self.graph.layers[layer].inputs)
+        if run.normed is None or not count or len(run.projected) != count:
+            return None
+        if (layer, index) not in self.columns:
+            outputs = [run.projected[i] for i in range(count)]
+            matrices = [matrix for _, matrix in self.graph.layers[layer].inputs]
+            self.columns[layer, index] = ProjectionColumns.find(
+                run.qkv[index], run.normed, outputs, matrices
+            )
+        return self.columns[layer, index]
+
+    def _sum(
+        self,
+        layer: int,
+        run: _LayerRun,
+        index: int,
+        rounds: list[tuple[Tensor, list[Receiver], list[int]]],
+        columns: ProjectionColumns,
+        reading: _NormedRun,
+        whole: bool,
+    ) -> None:
+        """This run's gradients of q, k or v (``index``) on each receiving head's columns,
+        divided by the run's σ, added to the layer's sums; the norm's third term (σ's own
+        dependence on the stream) scored now (module docstring)."""
+        dtype = self.delta.dtype
+        slots = [s for _, _, round_slots in rounds for s in round_slots]
+        parts = self._at_columns(layer, run, index, rounds, columns, whole)
+        sigma = reading.norm.sigma.flatten(0, 1)  # (BT, 1)
+        entry = self.sums.get((layer, index))
+        if entry is None:
             receivers = [r for _, members, _ in rounds for r in members]
-            for j, receiver in enumerate(receivers):
-                add(receiver, values[:, j])
+            entry = _ColumnSums(receivers, slots, columns, reading.norm, [None] * len(parts))
+            self.sums[layer, index] = entry
+        reach: Tensor | None = None  # (BT, R): ⟨g, (y - β) Mᵀ⟩ on each receiver's columns
+        for i, part in enumerate(parts):
+            if part is None:
+                continue
+            part = part.to(dtype)
+            held = entry.sums[i]
+            scaled = part / sigma[:, :, None]
+            entry.sums[i] = scaled if held is None else held.add_(scaled)
+            seen = columns.gather(i, reading.shifted[i], slots)  # (BT, R, width)
+            term = (part * seen).sum(-1)
+            reach = term if reach is None else reach.add_(term)
+        assert reach is not None, "a cotangent reached no projection"
+        width = reading.norm.gamma.shape[-1]
+        values = -reading.along @ (reach / (width * sigma**2))  # (n, R)
+        self._add_columns(entry.receivers, values)
+
+    def _at_columns(
+        self,
+        layer: int,
+        run: _LayerRun,
+        index: int,
+        rounds: list[tuple[Tensor, list[Receiver], list[int]]],
+        columns: ProjectionColumns,
+        whole: bool,
+    ) -> list[Tensor | None]:
+        """Per projection (BT, R, width): the rounds' cotangents on q, k or v (``index``) at
+        each receiving head's columns; where they are the ``whole`` gradient there, its
+        columns of the gradient the run's backward left at the projections' outputs, once the
+        first run has shown those columns feed nothing else (the same to rounding), else
+        taken back from the tensor."""
+        assert run.qkv is not None
+        slots = [s for _, _, round_slots in rounds for s in round_slots]
+        key = (layer, index)
+        held = [run.projected_grads.get(i) for i in range(len(columns.columns))]
+        if (
+            whole
+            and self.direct.get(key)
+            and all(g is not None for i, g in enumerate(held) if columns.columns[i] is not None)
+        ):
+            return [
+                None if cols is None else columns.gather(i, held[i], slots)  # type: ignore[arg-type]
+                for i, cols in enumerate(columns.columns)
+            ]
+        outputs = [run.projected[i] for i in range(len(self.graph.layers[layer].inputs))]
+        parts = columns.at_columns(run.qkv[index], outputs, [(c, s) for c, _, s in rounds])
+        if whole and key not in self.direct:
+            self.direct[key] = all(
+                part is None or (g is not None and _close(columns.gather(i, g, slots), part))
+                for i, (part, g) in enumerate(zip(parts, held, strict=True))
+            )
+        return parts
 
     def _stream_gradients(
         self,
@@ -169,27 +387,16 @@ class ReceiverGradients:
         run: _LayerRun,
         index: int,
         rounds: list[tuple[Tensor, list[Receiver], list[int]]],
+        columns: ProjectionColumns | None,
     ) -> Tensor:
         """(R, B, T, E): per round ``(cotangent, receivers, slots)``, the part of the
         cotangent (on q, k or v: ``index``) on each of its slots (heads) at the stream, R the
-        receivers of all rounds in order: through each head's own columns of the projections
-        (:class:`~multihead.circuits.projection_columns.ProjectionColumns`, found once per
-        layer and kind), then the norm's backward for all of them at once; where the columns
-        cannot be read, each head's cotangent through the whole backward."""
+        receivers of all rounds in order: through each head's own ``columns`` of the
+        projections, then the norm's recorded backward for all of them at once; where the
+        columns cannot be read, each head's cotangent through the whole backward."""
         assert run.qkv is not None and run.stream is not None
         tensor = run.qkv[index]
-        inputs = self.graph.layers[layer].inputs
-        outputs = [run.projected.get(i) for i in range(len(inputs))]
-        present = [o for o in outputs if o is not None]
-        ready = run.normed is not None and bool(present) and len(present) == len(outputs)
-        if (layer, index) not in self.columns and ready:
-            assert run.normed is not None
-            matrices = [matrix for _, matrix in inputs]
-            self.columns[layer, index] = ProjectionColumns.find(
-                tensor, run.normed, present, matrices
-            )
-        columns = self.columns.get((layer, index))
-        if columns is None or not ready:
+        if columns is None:
             slotted = [(c, s) for c, _, slots in rounds for s in slots]
             stacked = tensor.new_zeros(len(slotted), *tensor.shape)  # (R, B, H, T, D)
             for j, (cotangent, slot) in enumerate(slotted):
@@ -199,25 +406,20 @@ class ReceiverGradients:
             )
             return g
         assert run.normed is not None
-        at_normed = columns.backward(tensor, present, [(c, s) for c, _, s in rounds])
-        return self._through_norm(run, at_normed)
-
-    def _through_norm(self, run: _LayerRun, at_normed: Tensor) -> Tensor:
-        """(R, B, T, E): gradients at the norm's output (R, B, T, E) taken to its input, the
-        run's recorded norm backward batched over the R."""
-        assert run.stream is not None and run.normed is not None
+        outputs = [run.projected[i] for i in range(len(self.graph.layers[layer].inputs))]
+        at_normed = columns.backward(tensor, outputs, [(c, s) for c, _, s in rounds])
         (g,) = torch.autograd.grad(
             run.normed, run.stream, at_normed.to(run.normed.dtype), retain_graph=True,
             is_grads_batched=True,
         )  # fmt: skip
         return g
 
-    def _hooks(self) -> Iterator[Removable]:
+    def _hooks(self, runs: list[_LayerRun], logits_xi: list[Tensor]) -> Iterator[Removable]:
         graph = self.graph
         qkv_wanted = bool(self.kinds & {"q", "k", "v"})
         grouped_kv = graph.kv == "query_head" and bool(self.kinds & {"k", "v"})
         for layer, parts in enumerate(graph.layers):
-            run = self.runs[layer]
+            run = runs[layer]
             if qkv_wanted:
                 yield parts.norm.register_forward_hook(_keep_stream(run))
                 for i, (module, _) in enumerate(parts.inputs):
@@ -229,7 +431,13 @@ class ReceiverGradients:
                 yield parts.mlp_norm.register_forward_pre_hook(_add_xi(run, "mlp_xi"))
         if LOGITS in self.kinds:
             assert graph.mapped.final_norm is not None
-            yield graph.mapped.final_norm.register_forward_pre_hook(_logits_xi(self.logits_xi))
+            yield graph.mapped.final_norm.register_forward_pre_hook(_logits_xi(logits_xi))
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    """Whether two gradients agree to a few rounding steps of their dtype."""
+    tolerance = _EXACT_STEPS * torch.finfo(b.dtype).eps * float(b.abs().max().clamp(min=1e-30))
+    return bool((a - b).abs().max() <= tolerance)
 
 
 def _keep_stream(run: _LayerRun) -> Any:
@@ -282,44 +490,3 @@ def _logits_xi(store: list[Tensor]) -> Any:
         return (args[0] + xi, *args[1:])
 
     return hook
-
-
-def _per_query_head_kv_grads(
-    call: AttentionCall, qkv: tuple[Tensor, Tensor, Tensor], out_grad: Tensor
-) -> dict[str, list[Tensor]]:
-    """Per group member j, the gradients (B, Hk, S, D) of the keys and values as query heads
-    j, G + j, 2G + j, … (one of each group) read them: their attention recomputed from the
-    recorded q, k, v with the gradient at their outputs (B, T, H, Dv); keys and values stay
-    grouped. A call with score modifications (softcap, sinks, a score_mod or block mask) is
-    recomputed under them (:func:`~multihead.score_mods.modified_attention`), a plain one by
-    the plain formula (:func:`~multihead.kernels.math_attention`, which costs less)."""
-    q, k, v = (t.detach() for t in qkv)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    group = heads // kv_heads
-    mask = call.mask
-    if call.is_causal and not call.mods:
-        mask = combine_masks(mask, causal_mask(q.shape[2], k.shape[2], device=q.device))
-    out = {"k": [], "v": []}  # type: dict[str, list[Tensor]]
-    d_out = out_grad.transpose(1, 2)  # (B, H, T, Dv)
-    for member in range(group):
-        rows = slice(member, heads, group)
-        m = mask
-        if m is not None and m.dim() == 4 and m.shape[1] == heads:
-            m = m[:, rows]
-        if m is not None and m.dtype != torch.bool and not bool(allowed(m).any(-1).all()):
-            raise ValueError("edge_attribution: a query sees no key (a fully masked row)")
-        with torch.enable_grad():
-            keys, values = k.clone().requires_grad_(), v.clone().requires_grad_()
-            if call.mods:
-                chosen = torch.arange(member, heads, group, device=q.device)
-                o, _ = modified_attention(
-                    q, keys, values, call.mods, mask=call.mask, is_causal=call.is_causal,
-                    scale=call.scale, heads=chosen,
-                )  # fmt: skip
-                assert o is not None
-            else:
-                o, _ = math_attention(q[:, rows], keys, values, m, call.scale)  # (B, Hk, T, Dv)
-            dk, dv = torch.autograd.grad(o, (keys, values), d_out[:, rows].to(o.dtype))
-        out["k"].append(dk)
-        out["v"].append(dv)
-    return out
