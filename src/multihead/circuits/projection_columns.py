@@ -91,7 +91,7 @@ class ProjectionColumns:
                 rows.append(None)
                 continue
             # (rounds, B, ..., out) -> (sends, out): whether each send reached each column
-            reached = grad.flatten(2, -2).ne(0).any(2).flatten(0, 1)[: len(chosen)]
+            reached = grad.flatten(0, 1)[: len(chosen)].flatten(1, -2).ne(0).any(1)
             with_bit, without = reached[1::2], reached[2::2]  # (bits, out)
             if bool((with_bit & without).any()):
                 return None

@@ -417,7 +417,11 @@ class ReceiverGradients:
     def _hooks(self, runs: list[_LayerRun], logits_xi: list[Tensor]) -> Iterator[Removable]:
         graph = self.graph
         qkv_wanted = bool(self.kinds & {"q", "k", "v"})
-        grouped_kv = graph.kv == "query_head" and bool(self.kinds & {"k", "v"})
+        grouped_kv = (
+            graph.kv == "query_head"
+            and bool(self.kinds & {"k", "v"})
+            and any(s.num_kv_heads != s.num_heads for s in graph.mapped.sites)
+        )
         for layer, parts in enumerate(graph.layers):
             run = runs[layer]
             if qkv_wanted:
