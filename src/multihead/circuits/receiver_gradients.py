@@ -95,7 +95,7 @@ class _NormedRun:
 # transformers' RMSNorms do in float32 on a float64 model, goes through autograd instead).
 _EXACT_STEPS = 64
 # The most elements a temporary product over the senders' differences holds at once.
-_CHUNK = 1 << 20
+_CHUNK = 1 << 18
 
 
 class ReceiverGradients:
