@@ -7,16 +7,18 @@ On two models, the metric the mean log-probability of the last position's token 
 - a random grouped-query ``LlamaForCausalLM`` through the bridge (4 layers, width 256, 8
   query heads on 2 key/value heads, vocabulary 1,000; B = 4, T = 64).
 
-Measures (each the median of ``--rounds`` rounds, wall clock; on a GPU synchronised):
+Measures (wall clock; on a GPU synchronised), interleaved: each of ``--rounds`` rounds times
+every call once in turn, and a ratio is the median over rounds of the call's time ÷ the same
+round's forward and backward (the times shown are each call's median):
 ``edge_attribution(ig_steps=1)`` (EAP) ÷ one forward and backward (the metric's gradient for
 every parameter, ``torch.autograd.grad``), target ≤ 3×; ``edge_attribution(ig_steps=k)``
 (EAP-IG, ``--ig-steps``, default 8) ÷ the same, target ≤ k + 2; the node version,
 ``attribution_patching(ig_steps=k)`` ÷ the same, target ≤ k + 2 (not an issue target: shown
 beside). On the grouped-query model, peak memory: EAP's ÷ one forward and backward's of the same
-batch, target ≤ 1 + Hk/H + 10 %. On the CPU each peak is taken in a child process of its own
-(the process's peak resident memory, reset through ``/proc/self/clear_refs`` after the model and
-inputs are built, less the resident memory then); on a GPU ``torch.cuda.max_memory_allocated``
-less the memory allocated before. ``--quick`` runs tiny models in seconds for the smoke test.
+batch, target ≤ 1 + Hk/H + 10 % (each the median of three processes, alternating). On the CPU
+each peak is taken in a child process of its own (the process's peak resident memory, reset
+through ``/proc/self/clear_refs`` after the model and inputs are built, less the resident memory
+then); on a GPU ``torch.cuda.max_memory_allocated`` less the memory allocated before. ``--quick`` runs tiny models in seconds for the smoke test.
 
 Run:  python benchmarks/bench_edge_attribution.py [--rounds 3] [--ig-steps 8] [--device cuda]
       [--quick] [--results-dir DIR]   (--memory-probe eap|fwdbwd: a child's one peak, printed)
@@ -51,17 +53,35 @@ def _metric(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].float().log_softmax(-1)[:, 3]
 
 
-def _median(fn: Callable[[], Any], rounds: int, device: torch.device) -> float:
-    times = []
-    for _ in range(rounds + 1):  # the first is a warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _interleaved(
+    fns: dict[str, Callable[[], Any]], rounds: int, device: torch.device
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each round times every call once, in turn (the first round is a warm-up): the median
+    seconds of each, and the median over rounds of each one's time ÷ the same round's
+    "fwdbwd" (a machine whose speed drifts moves both sides of a round's ratio together)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(rounds + 1):
+        for name, fn in fns.items():
+            seconds = _seconds(fn, device)
+            if round_:
+                times[name].append(seconds)
+    base = times["fwdbwd"]
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    ratios = {
+        name: statistics.median(a / b for a, b in zip(t, base, strict=True))
+        for name, t in times.items()
+    }
+    return medians, ratios
 
 
 def _rss_kib(field: str) -> int:
@@ -169,17 +189,24 @@ def main(argv: list[str] | None = None) -> int:
     payload_memory: list[dict[str, Any]] = []
     for name, model, shape in _models(args.quick, device):
         work = _workloads(model, shape, device)
-        base = _median(work["fwdbwd"], rounds, device)
-        one = _median(work["eap"], rounds, device)
-        many = _median(lambda work=work: work["eap"](k), rounds, device)
-        nodes = _median(lambda work=work: work["nodes"](k), rounds, device)
+        seconds_of, ratio_of = _interleaved(
+            {
+                "fwdbwd": work["fwdbwd"],
+                "eap": work["eap"],
+                "eap_ig": lambda work=work: work["eap"](k),
+                "nodes": lambda work=work: work["nodes"](k),
+            },
+            rounds,
+            device,
+        )
+        base = seconds_of["fwdbwd"]
         edges = len(work["eap"]())
-        for measure, seconds, target in (
-            ("EAP (ig_steps=1)", one, 3.0),
-            (f"EAP-IG (ig_steps={k})", many, k + 2.0),
-            (f"attribution_patching (ig_steps={k}, nodes)", nodes, k + 2.0),
+        for measure, key, target in (
+            ("EAP (ig_steps=1)", "eap", 3.0),
+            (f"EAP-IG (ig_steps={k})", "eap_ig", k + 2.0),
+            (f"attribution_patching (ig_steps={k}, nodes)", "nodes", k + 2.0),
         ):
-            ratio = seconds / base
+            seconds, ratio = seconds_of[key], ratio_of[key]
             rows.append(
                 [f"{measure}, {name}", f"{seconds * 1e3:.0f}", f"{base * 1e3:.1f}", f"{ratio:.1f}x",
                  f"<= {target:.0f}x", "met" if ratio <= target else "NOT met"]
@@ -190,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
                  "edges": edges, "shape": shape}
             )  # fmt: skip
         if "kv_heads" in shape:
-            peaks = {what: _child_peak(what, args.quick, device) for what in ("eap", "fwdbwd")}
+            # the median of a few fresh processes each, alternating: one process's resident
+            # peak moves by megabytes with the allocator's choices
+            runs: dict[str, list[int]] = {"eap": [], "fwdbwd": []}
+            for _ in range(1 if args.quick else 3):
+                for what, found in runs.items():
+                    found.append(_child_peak(what, args.quick, device))
+            peaks = {what: int(statistics.median(found)) for what, found in runs.items()}
             ratio = peaks["eap"] / peaks["fwdbwd"]
             target = (1 + shape["kv_heads"] / shape["heads"]) * 1.1
             memory_rows.append(
@@ -211,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     gpu = device.type == "cuda"
     where = info["gpu"]["name"] if gpu else f"{info['cpu']}, {torch.get_num_threads()} threads"
-    print(f"{where}, torch {info['torch']}; {rounds} rounds (median)")
+    print(f"{where}, torch {info['torch']}; {rounds} interleaved rounds (medians)")
     name = ("edge_attribution_gpu" if gpu else "edge_attribution") + (
         "_quick" if args.quick else ""
     )
@@ -231,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "caption": f"EAP, EAP-IG ({k} steps) and node attribution patching ({k} "
                     f"steps) against one forward and backward of the same batch; {rounds} "
-                    "rounds (median):",
+                    "interleaved rounds (each ratio the median of the rounds' ratios; times "
+                    "the medians):",
                     "header": headers,
                     "rows": rows,
                     "target_column": "target",
