@@ -18,7 +18,8 @@ beside). On the grouped-query model, peak memory: EAP's ÷ one forward and backw
 batch, target ≤ 1 + Hk/H + 10 % (each the median of three processes, alternating). On the CPU
 each peak is taken in a child process of its own (the process's peak resident memory, reset
 through ``/proc/self/clear_refs`` after the model and inputs are built, less the resident memory
-then); on a GPU ``torch.cuda.max_memory_allocated`` less the memory allocated before. ``--quick`` runs tiny models in seconds for the smoke test.
+then); on a GPU ``torch.cuda.max_memory_allocated`` less the memory allocated before.
+``--quick`` runs tiny models in seconds for the smoke test.
 
 Run:  python benchmarks/bench_edge_attribution.py [--rounds 3] [--ig-steps 8] [--device cuda]
       [--quick] [--results-dir DIR]   (--memory-probe eap|fwdbwd: a child's one peak, printed)
