@@ -60,6 +60,23 @@ def test_induction_run(
     )
     assert float(curve[middle][2]) == pytest.approx(want, abs=1e-3)
     assert "each circuit pruned of its inert edges" in stdout
+    # the QK attribution of the circuit's heads whose edges, in or out, weigh most
+    reported_circuit = scores.circuit(int(reported[1]), method=method)
+    weight: dict[str, float] = {}
+    for edge in reported_circuit.edges:
+        sender, receiver = edge.split(" -> ")
+        for end in (sender, receiver.split(".")[0]):
+            if end.startswith("L"):
+                weight[end] = weight.get(end, 0.0) + abs(scores.score(sender, receiver))
+    shown = re.findall(r"^  (L\d+H\d+): key (\d+) scores (-?\d+\.\d+);", stdout, re.MULTILINE)
+    assert [h for h, _, _ in shown] == sorted(weight, key=lambda h: -weight[h])[:3]
+    first, key, total = shown[0]
+    layer, head = (int(x) for x in first[1:].split("H"))
+    qk = multihead.qk_attribution(
+        model, pair.clean[:1], layer=layer, head=head, query=-1, key=int(key)
+    )
+    assert int(key) == int(qk.scores().nan_to_num(float("-inf")).argmax())
+    assert float(total) == pytest.approx(qk.total(), abs=1e-2)
     header = next(line for line in stdout.splitlines() if line.endswith("random circuits"))
     assert header.split() == [method, "n", "edges", "kept", method, "edges", "random", "circuits"]
     row = next(line for line in stdout.splitlines() if re.fullmatch(r"\s+0\s+0\s.*", line))

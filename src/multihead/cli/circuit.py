@@ -23,11 +23,12 @@ import argparse
 import re
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import multihead
-from multihead.circuits.edge_scores import METHODS
+from multihead.circuits.edge_scores import METHODS, EdgeScores
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
@@ -186,11 +187,11 @@ def _circuit(
         shown = curve.sizes[curve.edges.index(kept)]
         share = 100 * kept / curve.total
         print(
-            f"  the {_named(args.method, shown)}, {kept} once pruned ({share:.0f}% of "
+            f"  the {_named(args.method, shown)}, {kept} once pruned ({share:.2g}% of "
             f"{curve.total}), reach {args.reach}"
         )
     circuit = scores.circuit(max(shown, 1), method=args.method)
-    _print_qk(experiment, list(circuit.edges), args.query)
+    _print_qk(experiment, _top_heads(scores, circuit.edges), args.query)
     drawn = min(max(shown, 1), args.graph_edges)
     title = f"{experiment.name}: the {_named(args.method, drawn)}"
     title += f", {len(scores.circuit(drawn, method=args.method))} once pruned"
@@ -215,23 +216,33 @@ def _named(method: str, n: int) -> str:
     return f"top {n} edges" if method == "top" else f"greedy circuit of {n} edges"
 
 
-def _print_qk(experiment: PatchExperiment, edges: list[str], query: int) -> None:
-    """The QK attribution of the circuit's top heads (those its edges reach through their
-    queries or keys, at most three): at ``query`` of the clean input's first sequence, the key
-    the head scores highest and the (query side, key side) pairs that make its score, and the
-    key-side components that lift that key above the others."""
-    heads: list[tuple[int, int]] = []
+def _top_heads(scores: EdgeScores, edges: Sequence[str], most: int = 3) -> list[tuple[int, int]]:
+    """The heads of a circuit's ``edges`` whose edges, in or out, weigh most (the sum of their
+    scores' sizes in ``scores``), at most ``most``, heaviest
+    first: (layer, head)."""
+    weight: dict[tuple[int, int], float] = {}
     for label in edges:
-        receiver = label.partition(" -> ")[2]
-        match = re.fullmatch(r"L(\d+)H(\d+)\.[qk]", receiver)
-        if match and (int(match[1]), int(match[2])) not in heads:
-            heads.append((int(match[1]), int(match[2])))
+        sender, _, receiver = label.partition(" -> ")
+        size = abs(scores.score(sender, receiver))
+        for end in (sender, receiver):
+            match = re.fullmatch(r"L(\d+)H(\d+)(?:\.[qkv])?", end)
+            if match:
+                key = (int(match[1]), int(match[2]))
+                weight[key] = weight.get(key, 0.0) + size
+    return sorted(weight, key=lambda k: -weight[k])[:most]
+
+
+def _print_qk(experiment: PatchExperiment, heads: list[tuple[int, int]], query: int) -> None:
+    """The QK attribution of ``heads`` (the circuit's top heads: :func:`top_heads`): at
+    ``query`` of the clean input's first sequence, the key the head scores highest and the
+    (query side, key side) pairs that make its score, and the key-side components that lift
+    that key above the others."""
     if not heads:
         return
     clean = experiment.clean
     first = {k: v[:1] for k, v in clean.items()} if isinstance(clean, dict) else clean[:1]
     print(f"\nQK attribution of the circuit's top heads (query position {query}):")
-    for layer, head in heads[:3]:
+    for layer, head in heads:
         probe = multihead.qk_attribution(
             experiment.model, first, layer=layer, head=head, query=query, key=query
         )
