@@ -77,7 +77,6 @@ class _ColumnSums:
     receivers: list[Receiver]
     slots: list[int]  # each receiver's slot (head) of the tensor
     columns: ProjectionColumns
-    norm: FrozenNorm  # the first run's: its γ and whether it centres (σ is each run's own)
     sums: list[Tensor | None]  # per projection (BT, R, width)
 
 
@@ -194,7 +193,9 @@ class ReceiverGradients:
         for (layer, _), entry in self.sums.items():
             # the norm's backward with each run's σ already in the sums: γ, then the centring,
             # both maps of the last axis alone, taken to the rows of the projections
-            read = replace(entry.norm, sigma=entry.norm.sigma.new_ones(1, 1, 1))
+            first = self.norms[layer]
+            assert first is not None, "a layer summed without its norm"
+            read = replace(first, sigma=first.sigma.new_ones(1, 1, 1))
             at_stream = entry.columns.to_input(entry.sums, entry.slots, read.read)  # (R, BT, E)
             values = self._dot(self._before(2 * layer + 1), at_stream)
             self._add_columns(entry.receivers, values)
@@ -257,8 +258,9 @@ class ReceiverGradients:
         first = self.norms[layer]
         if first is None:
             return None
-        norm = replace(first, sigma=FrozenNorm.scale(x, parts.norm_eps, first.centred))
-        c = (x - x.mean(-1, keepdim=True) if norm.centred else x).flatten(0, 1)  # (BT, E)
+        c = x - x.mean(-1, keepdim=True) if first.centred else x  # the stream the norm reads
+        norm = replace(first, sigma=FrozenNorm.scale(c, parts.norm_eps, centred=False))
+        c = c.flatten(0, 1)  # (BT, E)
         along = c.new_empty(n, c.shape[0])  # (n, BT): ⟨δ, c⟩, by chunks of senders (the
         # product's temporary bounded: the whole one is as large as the differences)
         chunk = max(1, _CHUNK // c.numel())
@@ -327,7 +329,7 @@ class ReceiverGradients:
         entry = self.sums.get((layer, index))
         if entry is None:
             receivers = [r for _, members, _ in rounds for r in members]
-            entry = _ColumnSums(receivers, slots, columns, reading.norm, [None] * len(parts))
+            entry = _ColumnSums(receivers, slots, columns, [None] * len(parts))
             self.sums[layer, index] = entry
         reach: Tensor | None = None  # (BT, R): ⟨g, (y - β) Mᵀ⟩ on each receiver's columns
         for i, part in enumerate(parts):
