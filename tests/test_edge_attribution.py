@@ -336,6 +336,36 @@ def test_later_senders_only_score_as_in_the_whole_graph() -> None:
     torch.testing.assert_close(got.values.double(), want, atol=1e-10, rtol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_parameters_ask_for_no_gradient_during_the_runs(fails: bool) -> None:
+    """The gradient runs take gradients at activations alone: no parameter requires grad while
+    the metric reads a run that needs a gradient, and every parameter's flag is as the user
+    left it afterwards (one frozen before the call stays frozen), also when a run raises."""
+    model = _lm(torch.float32)
+    frozen = model.blocks[0].norm1.weight
+    frozen.requires_grad_(False)
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    seen: list[tuple[bool, bool]] = []  # (the logits require grad, some parameter does)
+
+    def metric(logits: Tensor) -> Tensor:
+        seen.append((logits.requires_grad, any(p.requires_grad for p in model.parameters())))
+        if fails and len(seen) == 3:  # the probe, the corrupt run, then the gradient run
+            raise RuntimeError("metric failed in a gradient run")
+        return _metric(logits)
+
+    torch.manual_seed(2)
+    clean, corrupt = torch.randint(20, (2, 6)), torch.randint(20, (2, 6))
+    if fails:
+        with pytest.raises(RuntimeError, match="metric failed in a gradient run"):
+            edge_attribution(model, clean, corrupt, metric, ig_steps=2)
+    else:
+        edge_attribution(model, clean, corrupt, metric, ig_steps=2)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == before
+    graded = [some for needs, some in seen if needs]
+    assert graded and not any(graded)
+    assert len(graded) == (1 if fails else 2)
+
+
 def test_per_query_head_keys_and_values_under_padding() -> None:
     """Left padding empties the padded queries' rows (they see no key): they give zeros, not
     NaN, and each key/value head's receiver is still the sum of its query heads' (the shared

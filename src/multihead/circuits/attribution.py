@@ -151,7 +151,7 @@ def _estimate_heads(
             experiment.value(source, "source run")
             experiment.value(target, "target run")
     summed: list[Tensor | None] = []
-    with registered(leaves):
+    with registered(leaves), experiment.activation_gradients():
         for alpha in points:
             path = (
                 interpolated_embeddings(

@@ -17,7 +17,8 @@ the clean run. With ``ig_steps = m > 1`` the gradient is the mean over the point
 
 The gradients at the receivers' inputs come from ``ig_steps`` gradient runs
 (:class:`~multihead.circuits.receiver_gradients.ReceiverGradients`, which says how they are
-taken), the senders' differences from the two runs the graph's probe records.
+taken; the model's parameters ask for no gradient meanwhile, so the runs keep nothing for
+theirs), the senders' differences from the two runs the graph's probe records.
 
 Shapes: B batch, T tokens, E residual width, N senders, R receivers.
 """
@@ -150,11 +151,12 @@ def edge_attribution(
         scores[: values.shape[0], column[receiver]] += values
 
     gradients = ReceiverGradients(graph, readers, delta, stages, add)
-    for alpha in path_points(ig_steps):
-        with interpolated_embeddings(
-            graph.mapped, corrupt_embed, clean_embed, alpha, "edge_attribution"
-        ):
-            gradients.step()
+    with experiment.activation_gradients():
+        for alpha in path_points(ig_steps):
+            with interpolated_embeddings(
+                graph.mapped, corrupt_embed, clean_embed, alpha, "edge_attribution"
+            ):
+                gradients.step()
     gradients.finish()
     scores /= ig_steps
     before = torch.tensor(stages, device=scores.device)[:, None]

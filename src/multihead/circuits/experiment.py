@@ -13,9 +13,11 @@ Shapes: B batch, T tokens, H heads, Dv one head's width.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +117,20 @@ class Experiment:
         in errors); the output is kept as :attr:`last_output`."""
         self.outputs[:] = [self.pair.run(inputs, copies)]
         return metric_value(self.metric, self.outputs[0], self.pair.batch, what)
+
+    @contextlib.contextmanager
+    def activation_gradients(self) -> Iterator[None]:
+        """Within the block the model's parameters ask for no gradient (each one's
+        ``requires_grad`` set back after): runs whose gradients are taken at activations alone
+        then keep nothing the weights' gradients alone would need (a matrix product's input)."""
+        asking = [p for p in self.model.parameters() if p.requires_grad]
+        for parameter in asking:
+            parameter.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for parameter in asking:
+                parameter.requires_grad_(True)
 
     @property
     def last_output(self) -> Any:

@@ -26,8 +26,14 @@ through the whole backward instead (batched the same way).
 
 A head's columns of the projections' outputs are read off the run's own backward where they
 feed that head alone (shown in the first run, against the gradient taken back from the head's
-q, k or v). On a grouped-query model with ``kv="query_head"``, the key and value gradients of
-each query head come from its own attention recomputed from the recorded q, k and v
+q, k or v). What needs a layer's graph from its q, k and v back to the stream (the heads'
+columns, found in the first run; that check; a cotangent that is not q, k or v's whole
+gradient; a norm not read in closed form) is taken inside the run's backward, as the gradients
+of q, k and v arrive (hooks on their ξ) and before the backward reaches their projections: the
+backward keeps no graph, so a run's memory is its forward's, freed as the backward goes.
+
+On a grouped-query model with ``kv="query_head"``, the key and value gradients of each query
+head come from its own attention recomputed from the recorded q, k and v
 (:mod:`~multihead.circuits.query_head_kv`): keys and values are never repeated per query head.
 
 Shapes: B batch, T tokens, E residual width, N senders (n: those before a receiver), R
@@ -54,18 +60,24 @@ __all__ = ["ReceiverGradients"]
 
 @dataclass
 class _LayerRun:
-    """What one attention layer's gradient run keeps: the norm's input, the q/k/v the kernel
-    was given (and their ξ), the call, and the per-head output's ξ."""
+    """What one attention layer's gradient run keeps: the norm's input and output, the
+    projections' outputs, the q/k/v the kernel was given (and their ξ), the call, the per-head
+    output's ξ (and its gradient), the norm's reading and what waits for the backward's end."""
 
     stream: Tensor | None = None
     normed: Tensor | None = None  # the norm's output, the projections' input
     projected: dict[int, Tensor] = field(default_factory=dict)  # projection i -> (B, T, out)
-    projected_grads: dict[int, Tensor | None] = field(default_factory=dict)  # the metric's
     qkv: tuple[Tensor, Tensor, Tensor] | None = None
     xis: tuple[Tensor, Tensor, Tensor] | None = None
     call: AttentionCall | None = None
     out_xi: Tensor | None = None
+    out_grad: Tensor | None = None  # the metric's gradient at the heads' outputs
+    per_query: dict[str, list[Tensor]] | None = None  # keys' and values' (query_head_kv)
     mlp_xi: Tensor | None = None
+    reading: _NormedRun | None = None  # the norm read in closed form (this run's), if it is
+    read: bool = False  # whether ``reading`` was looked for
+    # per q/k/v: what waits for the backward's end (the gradients at the projections' outputs)
+    pending: list[_Pending] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +99,19 @@ class _NormedRun:
     norm: FrozenNorm  # frozen at this run (its σ (B, T, 1))
     along: Tensor  # (n, BT): each sender's difference against the stream c the norm read
     shifted: list[Tensor]  # per projection (BT, out): its output less its constant (y - β) Mᵀ
+
+
+@dataclass
+class _Pending:
+    """One layer's q, k or v (``index``) as its gradient arrived in the run's backward: the
+    rounds, the heads' columns and, where they were taken back through the layer's graph then,
+    their gradients on those columns (None: to be read off the projections' outputs)."""
+
+    index: int
+    rounds: list[tuple[Tensor, list[Receiver], list[int]]]
+    columns: ProjectionColumns
+    whole: bool
+    parts: list[Tensor | None] | None
 
 
 # A run's norm is taken in closed form where its rebuild is this many rounding steps of its
@@ -121,7 +146,7 @@ class ReceiverGradients:
         self.summed: dict[Receiver, Tensor] = {}  # a feed-forward's or the logits' gradient
         self.norms: dict[int, FrozenNorm | None] = {}  # layer -> its attention norm (run 1's)
         self.constants: dict[tuple[int, int], Tensor] = {}  # (layer, projection) -> (out,)
-        self.direct: dict[tuple[int, int], bool] = {}  # (layer, q/k/v index) -> _at_columns
+        self.direct: dict[tuple[int, int], bool] = {}  # (layer, q/k/v index) -> see _parts
 
     def _before(self, stage: int) -> int:
         """How many senders write before ``stage`` (a prefix of ``delta``)."""
@@ -137,12 +162,15 @@ class ReceiverGradients:
             self.add(receiver, values[:, j])
 
     def step(self) -> None:
-        """One forward and backward on the clean input (whatever block 0 is given)."""
+        """One forward and backward on the clean input (whatever block 0 is given). What needs
+        a layer's graph from its q, k and v back to the stream is done as their gradients
+        arrive in the backward, before it passes them (and frees that graph): the backward
+        keeps no graph."""
         graph = self.graph
         experiment = graph.experiment
         runs = [_LayerRun() for _ in graph.layers]
         logits_xi: list[Tensor] = []
-        with registered(self._hooks(runs, logits_xi)):
+        with registered(self._hooks(runs, logits_xi)) as made:
             value = experiment.value(experiment.pair.clean, "clean run")
             if not value.requires_grad:
                 raise ValueError(
@@ -150,16 +178,17 @@ class ReceiverGradients:
                     "autograd: its result does not require grad (does it detach the logits?)"
                 )
             leaves: list[Tensor] = []
-            for run in runs:
+            for layer, run in enumerate(runs):
                 leaves += [
                     *(run.xis or ()),
                     *(x for x in (run.out_xi, run.mlp_xi) if x is not None),
                 ]
+                made += self._watch(layer, run)  # removed on exit: they hold the run
             leaves += logits_xi
             # the projections' outputs too: where a head's columns of them feed nothing but
             # that head (checked in the first run), the gradient there is its own
             leaves += [p for run in runs if run.qkv is not None for p in run.projected.values()]
-            grads = torch.autograd.grad(value, leaves, retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(value, leaves, allow_unused=True)
         found = dict(zip(map(id, leaves), grads, strict=True))
 
         def grad_of(x: Tensor | None) -> Tensor | None:
@@ -176,14 +205,9 @@ class ReceiverGradients:
                 held = self.summed.get(receiver)
                 self.summed[receiver] = g if held is None else held.add_(g)
         for layer, run in enumerate(runs):
-            if run.qkv is None or run.stream is None or run.xis is None:
-                continue
-            wanted = [r for r in self.receivers if r.layer == layer and r.kind in ("q", "k", "v")]
-            n = self._before(2 * layer + 1)
-            if not wanted or not n:
-                continue
-            run.projected_grads = {i: grad_of(p) for i, p in run.projected.items()}
-            self._backward(layer, run, n, [grad_of(x) for x in run.xis], grad_of(run.out_xi))
+            projected_grads = {i: grad_of(p) for i, p in run.projected.items()}
+            for pending in run.pending:
+                self._sum(layer, run, pending, self._parts(layer, pending, projected_grads))
 
     def finish(self) -> None:
         """Score what the runs summed: a feed-forward's and the logits' gradients, and the q,
@@ -200,47 +224,66 @@ class ReceiverGradients:
             values = self._dot(self._before(2 * layer + 1), at_stream)
             self._add_columns(entry.receivers, values)
 
-    def _backward(
-        self,
-        layer: int,
-        run: _LayerRun,
-        n: int,
-        grads: list[Tensor | None],
-        out_grad: Tensor | None,
-    ) -> None:
-        """Per kind, every receiving head's gradient, scored against the ``n`` senders before
-        it: the gradient at q, k or v (on a grouped model with ``kv="query_head"``, at the keys
-        or values as one query head per group reads them, a round per group member) split
-        into the receivers' heads on the way back; summed on their columns where the norm is
-        read in closed form, else taken to the stream and scored in this run."""
+    def _watch(self, layer: int, run: _LayerRun) -> list[Removable]:
+        """Hooks on the run's ξ of layer ``layer``'s q, k, v (and heads' outputs) that take
+        each gradient as the backward reaches it (:meth:`_arrived`)."""
+        if run.qkv is None or run.stream is None or run.xis is None:
+            return []
+        wanted = [r for r in self.receivers if r.layer == layer and r.kind in ("q", "k", "v")]
+        n = self._before(2 * layer + 1)
+        if not wanted or not n:
+            return []
+        handles = []
+        if run.out_xi is not None:
+            # reached before the kernel's backward, so before any of q, k, v
+            handles.append(run.out_xi.register_hook(lambda g: setattr(run, "out_grad", g)))
+        for index, xi in enumerate(run.xis):
+            handles.append(
+                xi.register_hook(lambda g, index=index: self._arrived(layer, run, n, index, g))
+            )
+        return handles
+
+    def _arrived(self, layer: int, run: _LayerRun, n: int, index: int, grad: Tensor) -> None:
+        """Within the run's backward, the gradient ``grad`` at q, k or v (``index``) of layer
+        ``layer``, before the backward goes on to their projections and norm: its receiving
+        heads split apart (on a grouped model with ``kv="query_head"``, at the keys or values
+        as one query head per group reads them, a round per group member) and, where the norm
+        is read in closed form, what needs the layer's graph taken now (the heads' columns,
+        found in the first run; a cotangent that is not the whole gradient), the rest when
+        the backward ends (:meth:`step`); else taken to the stream and scored now, against the
+        ``n`` senders before the layer."""
         assert run.qkv is not None
-        per_query: dict[str, list[Tensor]] | None = None
-        reading = self._normed_run(layer, run, n)
-        for index, kind in enumerate("qkv"):
-            mine = [r for r in self.receivers if r.layer == layer and r.kind == kind]
-            grad = grads[index]
-            if not mine or grad is None:
-                continue
-            kv_heads = run.qkv[index].shape[1]
-            rounds = [(grad, mine, [r.head for r in mine])]
-            if kind != "q" and not mine[0].shared and kv_heads != run.qkv[0].shape[1]:
-                if out_grad is None or run.call is None:
-                    continue
-                if per_query is None:
-                    per_query = query_head_kv_grads(run.call, run.qkv, out_grad)
-                group = run.qkv[0].shape[1] // kv_heads
-                rounds = []
-                for member, cotangent in enumerate(per_query[kind]):
-                    members = [r for r in mine if r.head % group == member]
-                    rounds.append((cotangent, members, [r.head // group for r in members]))
-            rounds = [(c, members, slots) for c, members, slots in rounds if members]
-            columns = self._columns(layer, run, index)
-            if columns is not None and reading is not None:
-                whole = len(rounds) == 1 and rounds[0][0] is grad  # q, k or v's whole gradient
-                self._sum(layer, run, index, rounds, columns, reading, whole)
-                continue
-            values = self._dot(n, self._stream_gradients(layer, run, index, rounds, columns))
-            self._add_columns([r for _, members, _ in rounds for r in members], values)
+        kind = "qkv"[index]
+        mine = [r for r in self.receivers if r.layer == layer and r.kind == kind]
+        if not mine:
+            return
+        kv_heads = run.qkv[index].shape[1]
+        rounds = [(grad, mine, [r.head for r in mine])]
+        if kind != "q" and not mine[0].shared and kv_heads != run.qkv[0].shape[1]:
+            # the heads' outputs' gradient arrived first (before the kernel's backward)
+            assert run.out_grad is not None and run.call is not None
+            if run.per_query is None:  # the keys' and the values' at once
+                run.per_query = query_head_kv_grads(run.call, run.qkv, run.out_grad)
+            group = run.qkv[0].shape[1] // kv_heads
+            rounds = []
+            for member, cotangent in enumerate(run.per_query[kind]):
+                members = [r for r in mine if r.head % group == member]
+                rounds.append((cotangent, members, [r.head // group for r in members]))
+        rounds = [(c, members, slots) for c, members, slots in rounds if members]
+        if not run.read:
+            run.reading, run.read = self._normed_run(layer, run, n), True
+        columns = self._columns(layer, run, index)
+        if columns is not None and run.reading is not None:
+            whole = len(rounds) == 1 and rounds[0][0] is grad  # q, k or v's whole gradient
+            parts = None
+            if not (whole and self.direct.get((layer, index))):
+                outputs = [run.projected[i] for i in range(len(run.projected))]
+                cotangents = [(c, s) for c, _, s in rounds]
+                parts = columns.at_columns(run.qkv[index], outputs, cotangents)
+            run.pending.append(_Pending(index, rounds, columns, whole, parts))
+            return
+        values = self._dot(n, self._stream_gradients(layer, run, index, rounds, columns))
+        self._add_columns([r for _, members, _ in rounds for r in members], values)
 
     def _normed_run(self, layer: int, run: _LayerRun, n: int) -> _NormedRun | None:
         """This run's reading of layer ``layer``'s attention norm in closed form, where it is
@@ -310,27 +353,21 @@ class ReceiverGradients:
         return self.columns[layer, index]
 
     def _sum(
-        self,
-        layer: int,
-        run: _LayerRun,
-        index: int,
-        rounds: list[tuple[Tensor, list[Receiver], list[int]]],
-        columns: ProjectionColumns,
-        reading: _NormedRun,
-        whole: bool,
+        self, layer: int, run: _LayerRun, pending: _Pending, parts: list[Tensor | None]
     ) -> None:
-        """This run's gradients of q, k or v (``index``) on each receiving head's columns,
-        divided by the run's σ, added to the layer's sums; the norm's third term (σ's own
-        dependence on the stream) scored now (module docstring)."""
+        """This run's gradients of q, k or v on each receiving head's columns (``parts``, per
+        projection (BT, R, width)), divided by the run's σ, added to the layer's sums; the
+        norm's third term (σ's own dependence on the stream) scored now (module docstring)."""
+        reading, columns, rounds = run.reading, pending.columns, pending.rounds
+        assert reading is not None
         dtype = self.delta.dtype
         slots = [s for _, _, round_slots in rounds for s in round_slots]
-        parts = self._at_columns(layer, run, index, rounds, columns, whole)
         sigma = reading.norm.sigma.flatten(0, 1)  # (BT, 1)
-        entry = self.sums.get((layer, index))
+        entry = self.sums.get((layer, pending.index))
         if entry is None:
             receivers = [r for _, members, _ in rounds for r in members]
             entry = _ColumnSums(receivers, slots, columns, [None] * len(parts))
-            self.sums[layer, index] = entry
+            self.sums[layer, pending.index] = entry
         reach: Tensor | None = None  # (BT, R): ⟨g, (y - β) Mᵀ⟩ on each receiver's columns
         for i, part in enumerate(parts):
             if part is None:
@@ -347,36 +384,24 @@ class ReceiverGradients:
         values = -reading.along @ (reach / (width * sigma**2))  # (n, R)
         self._add_columns(entry.receivers, values)
 
-    def _at_columns(
-        self,
-        layer: int,
-        run: _LayerRun,
-        index: int,
-        rounds: list[tuple[Tensor, list[Receiver], list[int]]],
-        columns: ProjectionColumns,
-        whole: bool,
+    def _parts(
+        self, layer: int, pending: _Pending, projected_grads: dict[int, Tensor | None]
     ) -> list[Tensor | None]:
-        """Per projection (BT, R, width): the rounds' cotangents on q, k or v (``index``) at
-        each receiving head's columns; where they are the ``whole`` gradient there, its
-        columns of the gradient the run's backward left at the projections' outputs, once the
-        first run has shown those columns feed nothing else (the same to rounding), else
-        taken back from the tensor."""
-        assert run.qkv is not None
-        slots = [s for _, _, round_slots in rounds for s in round_slots]
-        key = (layer, index)
-        held = [run.projected_grads.get(i) for i in range(len(columns.columns))]
-        if (
-            whole
-            and self.direct.get(key)
-            and all(g is not None for i, g in enumerate(held) if columns.columns[i] is not None)
-        ):
+        """Per projection (BT, R, width): the pending rounds' gradients on each receiving
+        head's columns. Those taken through the layer's graph as they arrived; where they are
+        the whole gradient, its columns of the gradient the backward left at the projections'
+        outputs once the first run has shown those columns feed nothing else (the same to a
+        few rounding steps)."""
+        columns, key = pending.columns, (layer, pending.index)
+        slots = [s for _, _, round_slots in pending.rounds for s in round_slots]
+        held = [projected_grads.get(i) for i in range(len(columns.columns))]
+        parts = pending.parts
+        if parts is None:
             return [
-                None if cols is None else columns.gather(i, held[i], slots)  # type: ignore[arg-type]
+                None if cols is None or held[i] is None else columns.gather(i, held[i], slots)  # type: ignore[arg-type]
                 for i, cols in enumerate(columns.columns)
             ]
-        outputs = [run.projected[i] for i in range(len(self.graph.layers[layer].inputs))]
-        parts = columns.at_columns(run.qkv[index], outputs, [(c, s) for c, _, s in rounds])
-        if whole and key not in self.direct:
+        if pending.whole and key not in self.direct:
             self.direct[key] = all(
                 part is None or (g is not None and _close(columns.gather(i, g, slots), part))
                 for i, (part, g) in enumerate(zip(parts, held, strict=True))
