@@ -23,6 +23,7 @@ from torch import Tensor, nn
 import multihead
 from multihead.circuits.edge_attribution import edge_attribution
 from multihead.circuits.faithfulness import faithfulness
+from multihead.circuits.projection_columns import ProjectionColumns
 from multihead.models import TransformerLM
 
 
@@ -334,6 +335,42 @@ def test_later_senders_only_score_as_in_the_whole_graph() -> None:
     assert layer0 and bool(got.values[:, layer0].isnan().all())
     assert want.nan_to_num().abs().max() > 1e-3
     torch.testing.assert_close(got.values.double(), want, atol=1e-10, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("read_elsewhere", [False, True])
+def test_projection_outputs_read_elsewhere_go_back_through_the_graph(
+    read_elsewhere: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head's columns are read off the backward's gradient at the projections' outputs only
+    where nothing but q, k and v reads those outputs: when layer 1's fused projection output
+    also feeds the stream, its heads' cotangents go back through the graph (q, k and v one
+    backward each); layer 0's, and every layer's of the unchanged model, take none."""
+    model = _lm(torch.float64)
+    projection = model.blocks[1].self_attn.qkv_proj
+    assert projection is not None
+    kept: list[Tensor] = []
+    handles = [projection.register_forward_hook(lambda m, a, out: kept.append(out))]
+    if read_elsewhere:
+        handles.append(
+            model.blocks[1].register_forward_hook(lambda m, a, out: out + 0.1 * kept[-1][..., :24])
+        )
+    calls: list[int] = []
+    taken = ProjectionColumns.at_columns
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return taken(self, *args, **kwargs)
+
+    monkeypatch.setattr(ProjectionColumns, "at_columns", counted)
+    torch.manual_seed(2)
+    clean, corrupt = torch.randint(20, (2, 6)), torch.randint(20, (2, 6))
+    try:
+        scores = edge_attribution(model, clean, corrupt, _metric, ig_steps=2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(calls) == (6 if read_elsewhere else 0)  # 2 runs x layer 1's q, k and v
+    assert bool(scores.values.isfinite().any())
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.projection_columns import ProjectionColumns
+from multihead.circuits.projection_columns import ProjectionColumns, walked
 
 E, H, D = 12, 4, 3
 
@@ -78,3 +78,30 @@ def test_a_path_past_the_projection_gives_no_map() -> None:
     x, out, tensor, proj = _run(3, torch.arange(H * D))
     bypass = tensor + x[..., :D].unsqueeze(1)  # the stream reaches the slots directly too
     assert ProjectionColumns.find(bypass, x, [out], [proj.weight.detach()]) is None
+
+
+def test_walked_stops_at_the_cuts() -> None:
+    """The nodes leading back from a tensor: a cut node is not walked past, and a node it
+    would have led to is still reached by another path (or not at all)."""
+    x = torch.randn(3, requires_grad=True)
+    a = x * 2
+    b = a + 1
+    c = b * a
+    nodes = walked([c], [b])
+    assert id(c.grad_fn) in nodes and id(a.grad_fn) in nodes  # a: also read by c itself
+    assert id(b.grad_fn) not in nodes
+    assert set(walked([c], [a, b])) == {id(c.grad_fn)}
+    assert len(walked([c], [])) == 4  # c, b, a and x's accumulator
+
+
+def test_overlaps_compares_the_columns_of_each_projection() -> None:
+    order = torch.arange(H * D)
+    x, out, tensor, proj = _run(2, order)
+    first = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    moved = order + 2  # the same layout two columns on: shares all but two columns
+    x, out, tensor, proj = _run(2, moved)
+    second = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    assert first is not None and second is not None
+    assert first.overlaps(second) and second.overlaps(first)
+    apart = ProjectionColumns((None,), (None,))  # reads no column of the projection
+    assert not first.overlaps(apart) and not apart.overlaps(first)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["ProjectionColumns"]
+__all__ = ["ProjectionColumns", "walked"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,14 @@ class ProjectionColumns:
         lead = outputs[self.used[0]].shape[:-1]  # (B, T)
         return joined.view(-1, *lead, joined.shape[-1])
 
+    def overlaps(self, other: ProjectionColumns) -> bool:
+        """Whether a column of a projection is read by a slot of this tensor and of ``other``
+        (another tensor made from the same projections)."""
+        for mine, theirs in zip(self.columns, other.columns, strict=True):
+            if mine is not None and theirs is not None and bool(torch.isin(mine, theirs).any()):
+                return True
+        return False
+
     @property
     def used(self) -> list[int]:
         """The projections the tensor reads."""
@@ -187,21 +195,22 @@ class ProjectionColumns:
         return total
 
 
-def _reaches(start: Tensor, source: Tensor, cuts: list[Tensor]) -> bool:
-    """Whether autograd's graph leads from ``start`` back to ``source`` other than through
-    ``cuts`` (their nodes are not walked past)."""
-    stop = {id(c.grad_fn) for c in cuts if c.grad_fn is not None}
-    target = source.grad_fn
-    if target is None:
-        return True  # a leaf: no node to meet, so no cut can be shown to separate it
-    seen: set[int] = set()
-    todo = [start.grad_fn]
+def walked(starts: list[Tensor], cuts: list[Tensor]) -> dict[int, object]:
+    """The nodes of autograd's graph that lead back from ``starts``, walking past none of
+    ``cuts``' nodes (not included), by ``id`` (the nodes held: an id stays theirs)."""
+    stop = {id(c.grad_fn): c.grad_fn for c in cuts if c.grad_fn is not None}
+    seen: dict[int, object] = {}
+    todo = [s.grad_fn for s in starts]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or id(node) in stop:
             continue
-        if node is target:
-            return True
-        seen.add(id(node))
+        seen[id(node)] = node
         todo.extend(nxt for nxt, _ in node.next_functions)
-    return False
+    return seen
+
+
+def _reaches(start: Tensor, source: Tensor, cuts: list[Tensor]) -> bool:
+    """Whether autograd's graph leads from ``start`` back to ``source`` other than through
+    ``cuts`` (a leaf ``source``: no node to meet, so no cut can be shown to separate it)."""
+    return source.grad_fn is None or id(source.grad_fn) in walked([start], cuts)

@@ -25,12 +25,13 @@ projections cannot be read as matrices, or a path passes by them, each head's co
 through the whole backward instead (batched the same way).
 
 A head's columns of the projections' outputs are read off the run's own backward where they
-feed that head alone (shown in the first run, against the gradient taken back from the head's
-q, k or v). What needs a layer's graph from its q, k and v back to the stream (the heads'
-columns, found in the first run; that check; a cotangent that is not q, k or v's whole
-gradient; a norm not read in closed form) is taken inside the run's backward, as the gradients
-of q, k and v arrive (hooks on their ξ) and before the backward reaches their projections: the
-backward keeps no graph, so a run's memory is its forward's, freed as the backward goes.
+feed that head alone (shown in the first run from the graph: no path reaches the projections'
+outputs but through the layers' q, k and v, and no column feeds two heads). What needs a
+layer's graph from its q, k and v back to the stream (the heads' columns, found in the first
+run; a cotangent that is not q, k or v's whole gradient; a norm not read in closed form) is
+taken inside the run's backward, as the gradients of q, k and v arrive (hooks on their ξ) and
+before the backward reaches their projections: the backward keeps no graph, so a run's memory
+is its forward's, freed as the backward goes.
 
 On a grouped-query model with ``kv="query_head"``, the key and value gradients of each query
 head come from its own attention recomputed from the recorded q, k and v
@@ -51,7 +52,7 @@ from torch import Tensor, nn
 
 from multihead.circuits.edge_graph import LOGITS, EdgeModel, Receiver
 from multihead.circuits.frozen_norm import FrozenNorm
-from multihead.circuits.projection_columns import ProjectionColumns
+from multihead.circuits.projection_columns import ProjectionColumns, walked
 from multihead.circuits.query_head_kv import query_head_kv_grads
 from multihead.observers import AttentionCall, Removable, registered
 
@@ -110,7 +111,6 @@ class _Pending:
     index: int
     rounds: list[tuple[Tensor, list[Receiver], list[int]]]
     columns: ProjectionColumns
-    whole: bool
     parts: list[Tensor | None] | None
 
 
@@ -146,7 +146,8 @@ class ReceiverGradients:
         self.summed: dict[Receiver, Tensor] = {}  # a feed-forward's or the logits' gradient
         self.norms: dict[int, FrozenNorm | None] = {}  # layer -> its attention norm (run 1's)
         self.constants: dict[tuple[int, int], Tensor] = {}  # (layer, projection) -> (out,)
-        self.direct: dict[tuple[int, int], bool] = {}  # (layer, q/k/v index) -> see _parts
+        self.direct: dict[tuple[int, int], bool] = {}  # (layer, q/k/v index): _check_direct
+        self.checked = False  # whether the first run has filled ``direct``
 
     def _before(self, stage: int) -> int:
         """How many senders write before ``stage`` (a prefix of ``delta``)."""
@@ -177,16 +178,21 @@ class ReceiverGradients:
                     "edge_attribution needs metric(logits) to depend on the model through "
                     "autograd: its result does not require grad (does it detach the logits?)"
                 )
+            counts = {layer: self._watched(layer, run) for layer, run in enumerate(runs)}
+            watched = {layer: n for layer, n in counts.items() if n}
+            if not self.checked:
+                self._check_direct(value, runs, watched)
             leaves: list[Tensor] = []
             for layer, run in enumerate(runs):
                 leaves += [
                     *(run.xis or ()),
                     *(x for x in (run.out_xi, run.mlp_xi) if x is not None),
                 ]
-                made += self._watch(layer, run)  # removed on exit: they hold the run
+                if layer in watched:  # removed on exit: they hold the run
+                    made += self._watch(layer, run, watched[layer])
             leaves += logits_xi
             # the projections' outputs too: where a head's columns of them feed nothing but
-            # that head (checked in the first run), the gradient there is its own
+            # that head (_check_direct), the gradient there is its own
             leaves += [p for run in runs if run.qkv is not None for p in run.projected.values()]
             grads = torch.autograd.grad(value, leaves, allow_unused=True)
         found = dict(zip(map(id, leaves), grads, strict=True))
@@ -224,15 +230,43 @@ class ReceiverGradients:
             values = self._dot(self._before(2 * layer + 1), at_stream)
             self._add_columns(entry.receivers, values)
 
-    def _watch(self, layer: int, run: _LayerRun) -> list[Removable]:
+    def _watched(self, layer: int, run: _LayerRun) -> int:
+        """How many senders write before layer ``layer``'s attention where the run recorded
+        it and receivers of its q, k or v are scored against them; else 0."""
+        if run.qkv is None or run.stream is None or run.xis is None:
+            return 0
+        if not any(r.layer == layer and r.kind in ("q", "k", "v") for r in self.receivers):
+            return 0
+        return self._before(2 * layer + 1)
+
+    def _check_direct(self, value: Tensor, runs: list[_LayerRun], watched: dict[int, int]) -> None:
+        """Which watched layers' q, k and v take their heads' whole gradients off the
+        backward's own gradient at the projections' outputs (in the first run, before its
+        backward): those whose projections' outputs no path from ``value`` reaches but through
+        the layers' q, k and v, and whose columns no two of q, k and v read (each column feeds
+        one head: :meth:`ProjectionColumns.find`). There the gradient at a head's columns is
+        what its own cotangent gives them."""
+        self.checked = True
+        cuts = [t for run in runs if run.qkv is not None for t in run.qkv]
+        before = walked([value], cuts)
+        for layer in watched:
+            run = runs[layer]
+            found = [self._columns(layer, run, index) for index in range(3)]
+            for index, columns in enumerate(found):
+                self.direct[layer, index] = (
+                    columns is not None
+                    and not any(id(run.projected[i].grad_fn) in before for i in columns.used)
+                    and all(
+                        other is not None and not columns.overlaps(other)
+                        for j, other in enumerate(found)
+                        if j != index
+                    )
+                )
+
+    def _watch(self, layer: int, run: _LayerRun, n: int) -> list[Removable]:
         """Hooks on the run's ξ of layer ``layer``'s q, k, v (and heads' outputs) that take
         each gradient as the backward reaches it (:meth:`_arrived`)."""
-        if run.qkv is None or run.stream is None or run.xis is None:
-            return []
-        wanted = [r for r in self.receivers if r.layer == layer and r.kind in ("q", "k", "v")]
-        n = self._before(2 * layer + 1)
-        if not wanted or not n:
-            return []
+        assert run.xis is not None
         handles = []
         if run.out_xi is not None:
             # reached before the kernel's backward, so before any of q, k, v
@@ -280,7 +314,7 @@ class ReceiverGradients:
                 outputs = [run.projected[i] for i in range(len(run.projected))]
                 cotangents = [(c, s) for c, _, s in rounds]
                 parts = columns.at_columns(run.qkv[index], outputs, cotangents)
-            run.pending.append(_Pending(index, rounds, columns, whole, parts))
+            run.pending.append(_Pending(index, rounds, columns, parts))
             return
         values = self._dot(n, self._stream_gradients(layer, run, index, rounds, columns))
         self._add_columns([r for _, members, _ in rounds for r in members], values)
@@ -388,25 +422,18 @@ class ReceiverGradients:
         self, layer: int, pending: _Pending, projected_grads: dict[int, Tensor | None]
     ) -> list[Tensor | None]:
         """Per projection (BT, R, width): the pending rounds' gradients on each receiving
-        head's columns. Those taken through the layer's graph as they arrived; where they are
-        the whole gradient, its columns of the gradient the backward left at the projections'
-        outputs once the first run has shown those columns feed nothing else (the same to a
-        few rounding steps)."""
-        columns, key = pending.columns, (layer, pending.index)
+        head's columns: those taken through the layer's graph as they arrived, else (a whole
+        gradient, :meth:`_check_direct`) its columns of the gradient the backward left at the
+        projections' outputs."""
+        if pending.parts is not None:
+            return pending.parts
+        columns = pending.columns
         slots = [s for _, _, round_slots in pending.rounds for s in round_slots]
-        held = [projected_grads.get(i) for i in range(len(columns.columns))]
-        parts = pending.parts
-        if parts is None:
-            return [
-                None if cols is None or held[i] is None else columns.gather(i, held[i], slots)  # type: ignore[arg-type]
-                for i, cols in enumerate(columns.columns)
-            ]
-        if pending.whole and key not in self.direct:
-            self.direct[key] = all(
-                part is None or (g is not None and _close(columns.gather(i, g, slots), part))
-                for i, (part, g) in enumerate(zip(parts, held, strict=True))
-            )
-        return parts
+        found: list[Tensor | None] = []
+        for i, cols in enumerate(columns.columns):
+            held = projected_grads.get(i)
+            found.append(None if cols is None or held is None else columns.gather(i, held, slots))
+        return found
 
     def _stream_gradients(
         self,
@@ -463,12 +490,6 @@ class ReceiverGradients:
         if LOGITS in self.kinds:
             assert graph.mapped.final_norm is not None
             yield graph.mapped.final_norm.register_forward_pre_hook(_logits_xi(logits_xi))
-
-
-def _close(a: Tensor, b: Tensor) -> bool:
-    """Whether two gradients agree to a few rounding steps of their dtype."""
-    tolerance = _EXACT_STEPS * torch.finfo(b.dtype).eps * float(b.abs().max().clamp(min=1e-30))
-    return bool((a - b).abs().max() <= tolerance)
 
 
 def _keep_stream(run: _LayerRun) -> Any:
