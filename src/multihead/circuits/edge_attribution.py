@@ -18,7 +18,8 @@ the clean run. With ``ig_steps = m > 1`` the gradient is the mean over the point
 The gradients at the receivers' inputs come from ``ig_steps`` gradient runs
 (:class:`~multihead.circuits.receiver_gradients.ReceiverGradients`, which says how they are
 taken; the model's parameters ask for no gradient meanwhile, so the runs keep nothing for
-theirs), the senders' differences from the two runs the graph's probe records.
+theirs), the senders' differences from the corrupt run (the graph's probe) and the clean one,
+which is the first gradient run (α = 1): a call is ``ig_steps + 1`` forwards.
 
 Shapes: B batch, T tokens, E residual width, N senders, R receivers.
 """
@@ -76,8 +77,8 @@ def edge_attribution(
     receivers: Sequence[str] = ("q", "k", "v", "logits"),
     kv: str = "query_head",
 ) -> EdgeScores:
-    """Score every edge from a sender to a receiver (module docstring), from two recording
-    forwards and ``ig_steps`` forwards and backwards.
+    """Score every edge from a sender to a receiver (module docstring), from one recording
+    forward (the corrupt input) and ``ig_steps`` forwards and backwards.
 
     Args:
         model: a pre-LN stack (multihead's ``TransformerLM``, a transformers causal LM through
@@ -110,51 +111,53 @@ def edge_attribution(
     kinds = parse_kinds(receivers)
     experiment = Experiment.of(model, clean, corrupt, metric)
     warn_if_random(model, "edge_attribution")
-    # the probe run that reads the graph is the clean run: its writes are kept
-    graph = EdgeModel.of(experiment, kv, "edge_attribution", keep_writes=True)
+    # the probe run that reads the graph is the corrupt run (its writes kept); the clean run's
+    # writes are read in the first gradient run, α = 1, which is the clean run itself
+    graph = EdgeModel.of(experiment, kv, "edge_attribution", keep_writes=True, on="corrupt")
     chosen = graph.parse_senders(senders)
     readers = graph.receivers(kinds)
-    pair = experiment.pair
-    # the senders' differences (N, B, T, E) built in place as the runs write: the clean run's
-    # writes, then the corrupt run's less them
+    # the senders' differences (N, B, T, E) built in place as the runs write: the corrupt
+    # run's writes, then less the clean run's
     index = {s: i for i, s in enumerate(chosen)}
     held: list[Tensor] = []
-    embedded: list[Tensor] = []  # what block 0 is given: the clean run's, the corrupt run's
-
-    def clean_write(sender: Sender, write: Tensor) -> None:
-        if sender.kind == "embed":
-            embedded.append(write)
-        if sender in index:
-            if not held:
-                dtype = torch.promote_types(write.dtype, torch.float32)
-                held.append(write.new_empty((len(chosen), *write.shape), dtype=dtype))
-            held[0][index[sender]] = write
+    embedded: dict[str, Tensor] = {}  # what block 0 is given in each run
 
     def corrupt_write(sender: Sender, write: Tensor) -> None:
         if sender.kind == "embed":
-            embedded.append(write)
+            embedded["corrupt"] = write
+        if sender in index:
+            if not held:  # the metric's dtype, float32 at least
+                dtype = torch.promote_types(graph.probe_value.dtype, write.dtype)
+                dtype = torch.promote_types(dtype, torch.float32)
+                held.append(write.new_empty((len(chosen), *write.shape), dtype=dtype))
+            held[0][index[sender]] = write
+
+    def clean_write(sender: Sender, write: Tensor) -> None:
+        if sender.kind == "embed":
+            embedded["clean"] = write
         if sender in index:
             row = held[0][index[sender]]
-            torch.sub(write.to(row.dtype), row, out=row)
+            torch.sub(row, write.to(row.dtype), out=row)
 
-    clean_value = graph.clean_writes(clean_write)
-    _, corrupt_value = graph.writes_of(pair.corrupt, "corrupt run", corrupt_write)
-    assert held, "the clean run wrote none of the senders"
-    dtype = torch.promote_types(clean_value.dtype, held[0].dtype)
-    delta = held.pop().to(dtype)
-    clean_embed, corrupt_embed = embedded
+    corrupt_value = graph.probe_writes(corrupt_write)
+    assert held, "the corrupt run wrote none of the senders"
+    delta = held[0]
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
-    scores = torch.zeros(len(chosen), len(readers), dtype=dtype, device=delta.device)
+    scores = torch.zeros(len(chosen), len(readers), dtype=delta.dtype, device=delta.device)
     column = {r: j for j, r in enumerate(readers)}
 
     def add(receiver: Receiver, values: Tensor) -> None:
         scores[: values.shape[0], column[receiver]] += values
 
     gradients = ReceiverGradients(graph, readers, delta, stages, add)
+    *points, last = path_points(ig_steps)
     with experiment.activation_gradients():
-        for alpha in path_points(ig_steps):
+        # α = 1 first: its forward completes the differences the backwards read
+        with interpolated_embeddings(graph.mapped, None, None, last, "edge_attribution"):
+            clean_value = gradients.step(graph.recorded_writes(clean_write))
+        for alpha in points:
             with interpolated_embeddings(
-                graph.mapped, corrupt_embed, clean_embed, alpha, "edge_attribution"
+                graph.mapped, embedded["corrupt"], embedded["clean"], alpha, "edge_attribution"
             ):
                 gradients.step()
     gradients.finish()

@@ -137,7 +137,7 @@ class EdgeModel:
     """A model's senders and receivers, and the modules that make and read them.
 
     Built by :meth:`of` from a checked :class:`~multihead.circuits.experiment.Experiment` (one
-    probe forward of the clean input, with no gradient).
+    probe forward of the clean or the corrupt input, with no gradient).
 
     Raises:
         ValueError: a model the graph cannot be read from (no stack of one attention layer per
@@ -157,7 +157,7 @@ class EdgeModel:
         self.layers = layers
         self.kv = kv
         assert probe.value is not None
-        self.clean_value: Tensor = probe.value  # the metric on the clean input (the probe's)
+        self.probe_value: Tensor = probe.value  # the metric on the probe's input
         self._probe: _ProbeRun | None = probe if probe.writes else None
         self.sites = [site for _, site in experiment.found]
         self.senders = [Sender("embed")]
@@ -168,11 +168,19 @@ class EdgeModel:
 
     @classmethod
     def of(
-        cls, experiment: Experiment, kv: str, caller: str, *, keep_writes: bool = False
+        cls,
+        experiment: Experiment,
+        kv: str,
+        caller: str,
+        *,
+        keep_writes: bool = False,
+        on: str = "clean",
     ) -> EdgeModel:
-        """The graph of ``experiment``'s model, read in one probe run of the clean input (its
-        metric: :attr:`clean_value`; with ``keep_writes``, its writes: :meth:`clean_writes`)."""
+        """The graph of ``experiment``'s model, read in one probe run of its ``on`` input
+        (``"clean"`` or ``"corrupt"``; the run's metric: :attr:`probe_value`; with
+        ``keep_writes``, its writes: :meth:`probe_writes`)."""
         check_choice("kv", kv, KV_MODES)
+        check_choice("on", on, ("clean", "corrupt"))
         model = experiment.model
         mapped = model_map(model)
         if mapped.final_norm is None:
@@ -189,7 +197,8 @@ class EdgeModel:
         if keep_writes:
             hooks += _write_hooks(blocks, experiment, probe.write, probe.head_outputs)
         with torch.no_grad(), registered(iter(hooks)):
-            probe.value = experiment.value(experiment.pair.clean, "clean run").detach()
+            probed = experiment.pair.clean if on == "clean" else experiment.pair.corrupt
+            probe.value = experiment.value(probed, f"{on} run").detach()
         layers = []
         for layer, block in enumerate(blocks):
             norm = found.get(("norm", layer))
@@ -291,19 +300,20 @@ class EdgeModel:
         blocks = [stack_block(self.mapped, layer, "") for layer in range(len(self.layers))]
 
         def heads(layer: int, z: Tensor) -> None:
-            _store_heads(store, layer, self.layers[layer].projection, z)
+            with torch.no_grad():  # in a gradient run too: the writes record no graph
+                _store_heads(store, layer, self.layers[layer].projection, z)
 
         with registered(_write_hooks(blocks, self.experiment, store, heads)):
             yield writes
 
-    def clean_writes(self, keep: Callable[[Sender, Tensor], None]) -> Tensor:
-        """The probe run's writes (the clean input, as :meth:`recorded_writes` records them),
-        each handed to ``keep(sender, write)``, and its metric: what a run of the clean input
-        would give, without one. Once per graph (the probe lets its writes go)."""
+    def probe_writes(self, keep: Callable[[Sender, Tensor], None]) -> Tensor:
+        """The probe run's writes (as :meth:`recorded_writes` records them), each handed to
+        ``keep(sender, write)``, and its metric: what a run of the probe's input would give,
+        without one. Once per graph (the probe lets its writes go)."""
         probe = self._probe
         if probe is None:
             raise RuntimeError(
-                "EdgeModel.clean_writes: the probe run kept no writes (keep_writes=False), or "
+                "EdgeModel.probe_writes: the probe run kept no writes (keep_writes=False), or "
                 "has handed them over already"
             )
         self._probe = None
@@ -312,7 +322,7 @@ class EdgeModel:
         with torch.no_grad():  # as in the run: the heads' writes record no graph
             for layer, z in probe.outputs:
                 _store_heads(keep, layer, self.layers[layer].projection, z)
-        return self.clean_value
+        return self.probe_value
 
     def writes_of(
         self, inputs: Any, what: str, keep: Callable[[Sender, Tensor], None] | None = None

@@ -53,15 +53,17 @@ def recorded_embeddings(mapped: ModelMap, caller: str) -> Iterator[list[Tensor]]
 
 @contextlib.contextmanager
 def interpolated_embeddings(
-    mapped: ModelMap, source: Tensor, target: Tensor, alpha: float, caller: str
+    mapped: ModelMap, source: Tensor | None, target: Tensor | None, alpha: float, caller: str
 ) -> Iterator[None]:
     """Within the block, block 0 is given ``source + alpha (target - source)`` (B, T, E) as a
-    leaf that requires grad (at ``alpha == 1``, its own input, which is the target's), so that
-    every later activation has a gradient whatever the parameters' ``requires_grad``."""
+    leaf that requires grad (at ``alpha == 1``, its own input, which is the target's: then
+    ``source`` and ``target`` may be None), so that every later activation has a gradient
+    whatever the parameters' ``requires_grad``."""
+    assert alpha == 1 or (source is not None and target is not None), "a point needs both ends"
 
     def hook(m: nn.Module, args: Any, kwargs: Any) -> Any:
         given = args[0] if args else kwargs["hidden_states"]
-        x = given if alpha == 1 else source + alpha * (target - source)
+        x = given if alpha == 1 else source + alpha * (target - source)  # type: ignore[operator]
         x = x.detach().to(given.dtype).requires_grad_()
         if args:
             return (x, *args[1:]), kwargs

@@ -66,7 +66,7 @@ class CircuitRuns:
         self.receivers = graph.receivers(kinds)
         pair = graph.experiment.pair
         self.corrupt_writes, corrupt = graph.writes_of(pair.corrupt, "corrupt run")
-        self.clean, self.corrupt = float(graph.clean_value), float(corrupt)
+        self.clean, self.corrupt = float(graph.probe_value), float(corrupt)  # probe: clean
         if self.clean == self.corrupt:
             raise ValueError(
                 f"faithfulness needs the metric to differ between the clean and the corrupt "

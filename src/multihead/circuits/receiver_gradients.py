@@ -43,7 +43,9 @@ receivers, BT = B·T.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -162,17 +164,19 @@ class ReceiverGradients:
         for j, receiver in enumerate(receivers):
             self.add(receiver, values[:, j])
 
-    def step(self) -> None:
-        """One forward and backward on the clean input (whatever block 0 is given). What needs
-        a layer's graph from its q, k and v back to the stream is done as their gradients
-        arrive in the backward, before it passes them (and frees that graph): the backward
-        keeps no graph."""
+    def step(self, recording: AbstractContextManager[Any] | None = None) -> Tensor:
+        """One forward and backward on the clean input (whatever block 0 is given), the
+        forward within ``recording`` if given (the senders' differences are read only in the
+        backward); the metric on it, detached. What needs a layer's graph from its q, k and v
+        back to the stream is done as their gradients arrive in the backward, before it passes
+        them (and frees that graph): the backward keeps no graph."""
         graph = self.graph
         experiment = graph.experiment
         runs = [_LayerRun() for _ in graph.layers]
         logits_xi: list[Tensor] = []
         with registered(self._hooks(runs, logits_xi)) as made:
-            value = experiment.value(experiment.pair.clean, "clean run")
+            with recording or contextlib.nullcontext():
+                value = experiment.value(experiment.pair.clean, "clean run")
             if not value.requires_grad:
                 raise ValueError(
                     "edge_attribution needs metric(logits) to depend on the model through "
@@ -196,6 +200,7 @@ class ReceiverGradients:
             leaves += [p for run in runs if run.qkv is not None for p in run.projected.values()]
             grads = torch.autograd.grad(value, leaves, allow_unused=True)
         found = dict(zip(map(id, leaves), grads, strict=True))
+        value = value.detach()
 
         def grad_of(x: Tensor | None) -> Tensor | None:
             return None if x is None else found[id(x)]
@@ -214,6 +219,7 @@ class ReceiverGradients:
             projected_grads = {i: grad_of(p) for i, p in run.projected.items()}
             for pending in run.pending:
                 self._sum(layer, run, pending, self._parts(layer, pending, projected_grads))
+        return value
 
     def finish(self) -> None:
         """Score what the runs summed: a feed-forward's and the logits' gradients, and the q,
