@@ -32,7 +32,7 @@ def test_columns_and_gradients_follow_the_layout(batch: int, layout: str) -> Non
     if layout == "interleaved":  # head h reads columns h, h + H, h + 2H (then shifted by 2)
         order = torch.arange(H * D).view(D, H).T.flatten() + 2
     x, out, tensor, proj = _run(batch, order)
-    found = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    found = ProjectionColumns.find([tensor], x, [out], [proj.weight.detach()])[0]
     assert found is not None
     cols = found.columns[0]
     assert cols is not None
@@ -49,7 +49,7 @@ def test_columns_and_gradients_follow_the_layout(batch: int, layout: str) -> Non
 
 def test_two_rounds_are_two_cotangents() -> None:
     x, out, tensor, proj = _run(2, torch.arange(H * D))
-    found = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    found = ProjectionColumns.find([tensor], x, [out], [proj.weight.detach()])[0]
     assert found is not None
     first, second = torch.randn_like(tensor), torch.randn_like(tensor)
     got = found.backward(tensor, [out], [(first, [1]), (second, [1, 3])])
@@ -64,20 +64,20 @@ def test_a_column_two_slots_read_gives_no_map() -> None:
     order = torch.arange(H * D)
     order[D] = 0  # slot 1's first column is slot 0's too
     x, out, tensor, proj = _run(3, order)
-    assert ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()]) is None
+    assert ProjectionColumns.find([tensor], x, [out], [proj.weight.detach()])[0] is None
 
 
 def test_slots_of_unequal_widths_give_no_map() -> None:
     order = torch.arange(H * D)
     order[D + 1] = D  # slot 1 reads one column twice: two columns, the others three
     x, out, tensor, proj = _run(3, order)
-    assert ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()]) is None
+    assert ProjectionColumns.find([tensor], x, [out], [proj.weight.detach()])[0] is None
 
 
 def test_a_path_past_the_projection_gives_no_map() -> None:
     x, out, tensor, proj = _run(3, torch.arange(H * D))
     bypass = tensor + x[..., :D].unsqueeze(1)  # the stream reaches the slots directly too
-    assert ProjectionColumns.find(bypass, x, [out], [proj.weight.detach()]) is None
+    assert ProjectionColumns.find([bypass], x, [out], [proj.weight.detach()])[0] is None
 
 
 def test_walked_stops_at_the_cuts() -> None:
@@ -97,11 +97,39 @@ def test_walked_stops_at_the_cuts() -> None:
 def test_overlaps_compares_the_columns_of_each_projection() -> None:
     order = torch.arange(H * D)
     x, out, tensor, proj = _run(2, order)
-    first = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    first = ProjectionColumns.find([tensor], x, [out], [proj.weight.detach()])[0]
     moved = order + 2  # the same layout two columns on: shares all but two columns
     x, out, tensor, proj = _run(2, moved)
-    second = ProjectionColumns.find(tensor, x, [out], [proj.weight.detach()])
+    second = ProjectionColumns.find([tensor], x, [out], [proj.weight.detach()])[0]
     assert first is not None and second is not None
     assert first.overlaps(second) and second.overlaps(first)
     apart = ProjectionColumns((None,), (None,))  # reads no column of the projection
     assert not first.overlaps(apart) and not apart.overlaps(first)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 16])
+def test_several_tensors_found_in_one_backward_as_each_alone(batch: int) -> None:
+    """q, k and v of one fused projection, and a tensor of a second projection, found at once:
+    each map is the one found alone, and a projection a tensor does not read is None for it."""
+    torch.manual_seed(3)
+    fused = nn.Linear(E, 3 * H * D, dtype=torch.float64)
+    other = nn.Linear(E, 2 * D, dtype=torch.float64)
+    stream = torch.randn(batch, 5, E, dtype=torch.float64, requires_grad=True)
+    x = nn.functional.layer_norm(stream, (E,))
+    out, second = fused(x), other(x)
+    q, k, v = (p.view(batch, 5, H, D).transpose(1, 2) for p in out.split(H * D, -1))
+    interleaved = second.view(batch, 5, D, 2).permute(0, 3, 1, 2)  # slot s: columns s, s + 2
+    tensors = [q, k, v, interleaved]
+    matrices = [fused.weight.detach(), other.weight.detach()]
+    together = ProjectionColumns.find(tensors, x, [out, second], matrices)
+    for tensor, found in zip(tensors, together, strict=True):
+        alone = ProjectionColumns.find([tensor], x, [out, second], matrices)[0]
+        assert found is not None and alone is not None
+        for a, b in zip(found.columns, alone.columns, strict=True):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    first = together[0]
+    assert first is not None and first.columns[1] is None
+    assert first.columns[0] is not None and first.columns[0][1].tolist() == list(range(D, 2 * D))
+    last = together[3]
+    assert last is not None and last.columns[0] is None
+    assert last.columns[1] is not None and last.columns[1].tolist() == [[0, 2, 4], [1, 3, 5]]

@@ -51,47 +51,86 @@ class ProjectionColumns:
 
     @classmethod
     def find(
-        cls, tensor: Tensor, normed: Tensor, outputs: list[Tensor], matrices: list[Tensor]
-    ) -> ProjectionColumns | None:
-        """The column map of ``tensor`` (B, slots, T, D), read in this run's graph from
-        ``normed`` (the norm's output) through ``outputs`` (the projections' outputs (B, T,
-        out), each ``normed`` times the transpose of its matrix in ``matrices``, plus a bias).
+        cls,
+        tensors: list[Tensor],
+        normed: Tensor,
+        outputs: list[Tensor],
+        matrices: list[Tensor],
+    ) -> list[ProjectionColumns | None]:
+        """The column maps of ``tensors`` (each (B, slots, T, D): a layer's q, k and v), read
+        in this run's graph from ``normed`` (the norm's output) through ``outputs`` (the
+        projections' outputs (B, T, out), each ``normed`` times the transpose of its matrix in
+        ``matrices``, plus a bias).
 
-        Sends back one random cotangent on every slot and, per bit of a slot's number, one on
-        the slots with that bit set and one on those without: which of them reach a column
-        spell its slot. The sends ride on the batch rows (send i on row i mod B; ⌈sends / B⌉
-        batched cotangents): nothing between a projection and the kernel mixes sequences.
-        None where a path from ``tensor`` to ``normed`` passes by the projections, a column is
-        reached by two slots (a bit both set and unset) or slots read unequally many columns
-        of a projection (then each slot's cotangent goes through the whole backward)."""
-        if not outputs or _reaches(tensor, normed, outputs):
-            return None
-        batch, slots = tensor.shape[0], tensor.shape[1]
-        bits = max(1, math.ceil(math.log2(slots)))
-        number = torch.arange(slots, device=tensor.device)
-        has = ((number >> torch.arange(bits, device=tensor.device)[:, None]) & 1).bool()
-        chosen = torch.ones(1 + 2 * bits, slots, dtype=torch.bool, device=tensor.device)
-        chosen[1::2], chosen[2::2] = has, ~has  # (sends, slots): the slots each send is on
-        rounds = -(-len(chosen) // batch)
-        padded = torch.zeros(rounds * batch, slots, dtype=torch.bool, device=tensor.device)
-        padded[: len(chosen)] = chosen
-        on = padded.view(rounds, batch, slots, 1, 1).to(tensor.dtype)
-        # one random cotangent of a sequence's shape, on every batch row (each its own send)
-        base = torch.rand(tensor.shape[1:], dtype=tensor.dtype, device=tensor.device) + 0.5
+        Sends back, for each tensor, one random cotangent on every slot and, per bit of a
+        slot's number, one on the slots with that bit set and one on those without: which of
+        them reach a column spell its slot. Every tensor's sends ride on the batch rows of one
+        backward (send i on row i mod B; ⌈sends / B⌉ batched cotangents): nothing between a
+        projection and the kernel mixes sequences. None for a tensor where a path from it to
+        ``normed`` passes by the projections, a column is reached by two of its slots (a bit
+        both set and unset) or its slots read unequally many columns of a projection (then
+        each slot's cotangent goes through the whole backward)."""
+        found: list[ProjectionColumns | None] = [None] * len(tensors)
+        live = [i for i, t in enumerate(tensors) if outputs and not _reaches(t, normed, outputs)]
+        if not live:
+            return found
+        device, batch = normed.device, tensors[live[0]].shape[0]
+        plans: list[tuple[int, int, Tensor]] = []  # (tensor, its first send, its sends' slots)
+        sends = 0
+        for i in live:
+            slots = tensors[i].shape[1]
+            bits = max(1, math.ceil(math.log2(slots)))
+            number = torch.arange(slots, device=device)
+            has = ((number >> torch.arange(bits, device=device)[:, None]) & 1).bool()
+            chosen = torch.ones(1 + 2 * bits, slots, dtype=torch.bool, device=device)
+            chosen[1::2], chosen[2::2] = has, ~has  # (sends, slots): the slots each is on
+            plans.append((i, sends, chosen))
+            sends += len(chosen)
+        rounds = -(-sends // batch)
+        cotangents = []
+        for i, first, chosen in plans:
+            tensor = tensors[i]
+            slots = tensor.shape[1]
+            padded = torch.zeros(rounds * batch, slots, dtype=torch.bool, device=device)
+            padded[first : first + len(chosen)] = chosen
+            on = padded.view(rounds, batch, slots, 1, 1).to(tensor.dtype)
+            # one random cotangent of a sequence's shape, on every batch row (each a send)
+            base = torch.rand(tensor.shape[1:], dtype=tensor.dtype, device=device) + 0.5
+            cotangents.append(base * on)
         grads = torch.autograd.grad(
-            tensor, outputs, base * on, retain_graph=True, is_grads_batched=True,
-            allow_unused=True,
+            [tensors[i] for i in live], outputs, cotangents, retain_graph=True,
+            is_grads_batched=True, allow_unused=True,
         )  # fmt: skip
+        for i, first, chosen in plans:
+            found[i] = cls._read(grads, matrices, chosen, first, tensors[i].shape[1])
+        return found
+
+    @classmethod
+    def _read(
+        cls,
+        grads: tuple[Tensor | None, ...],
+        matrices: list[Tensor],
+        chosen: Tensor,
+        first: int,
+        slots: int,
+    ) -> ProjectionColumns | None:
+        """One tensor's column map from the sends :meth:`find` gave it (``chosen`` (sends,
+        slots), from send ``first`` on) and the gradients they left at the projections'
+        outputs (each (rounds, B, ..., out), or None)."""
+        bits = (len(chosen) - 1) // 2
+        weights = (1 << torch.arange(bits, device=chosen.device))[:, None]  # (bits, 1)
         columns: list[Tensor | None] = []
         rows: list[Tensor | None] = []
-        weights = (1 << torch.arange(bits, device=tensor.device))[:, None]  # (bits, 1)
         for grad, matrix in zip(grads, matrices, strict=True):
-            if grad is None:
-                columns.append(None)
+            # (rounds, B, ..., out) -> (sends, out): whether each send reached each column
+            reached = None
+            if grad is not None:
+                mine = grad.flatten(0, 1)[first : first + len(chosen)]
+                reached = mine.flatten(1, -2).ne(0).any(1)
+            if reached is None or not bool(reached[0].any()):
+                columns.append(None)  # a projection this tensor does not read
                 rows.append(None)
                 continue
-            # (rounds, B, ..., out) -> (sends, out): whether each send reached each column
-            reached = grad.flatten(0, 1)[: len(chosen)].flatten(1, -2).ne(0).any(1)
             with_bit, without = reached[1::2], reached[2::2]  # (bits, out)
             if bool((with_bit & without).any()):
                 return None

@@ -378,18 +378,18 @@ class ReceiverGradients:
         return norm if float((rebuilt - y.to(dtype)).abs().max()) <= tolerance else None
 
     def _columns(self, layer: int, run: _LayerRun, index: int) -> ProjectionColumns | None:
-        """The heads' columns of the projections that made q, k or v (``index``), found in the
-        first run that recorded them all (None where they cannot be read)."""
+        """The heads' columns of the projections that made q, k or v (``index``), found for all
+        three in the first run that recorded them all (None where they cannot be read)."""
         assert run.qkv is not None
         count = len(self.graph.layers[layer].inputs)
         if run.normed is None or not count or len(run.projected) != count:
             return None
-        if (layer, index) not in self.columns:
+        if (layer, index) not in self.columns:  # q's, k's and v's in one backward
             outputs = [run.projected[i] for i in range(count)]
             matrices = [matrix for _, matrix in self.graph.layers[layer].inputs]
-            self.columns[layer, index] = ProjectionColumns.find(
-                run.qkv[index], run.normed, outputs, matrices
-            )
+            found = ProjectionColumns.find(list(run.qkv), run.normed, outputs, matrices)
+            for i, columns in enumerate(found):
+                self.columns[layer, i] = columns
         return self.columns[layer, index]
 
     def _sum(
