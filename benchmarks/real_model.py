@@ -81,8 +81,8 @@ def measure(threads: int) -> dict[str, Any]:
     import torch
 
     import multihead
-    from multihead.circuits.paths import path_patching
-    from multihead.circuits.site_patching import patch
+    from multihead.circuits.patching.patch import patch
+    from multihead.circuits.paths.path_patching import path_patching
     from multihead.circuits.steering import intervene
     from multihead.hf.forward import NAME
     from multihead.pretrained import load_text_model

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.activation_cache import SITES, cache, head_writes, hook_name
+from multihead.circuits.runs.activation_cache import SITES, cache, head_writes, hook_name
 from multihead.models import TransformerLM
 
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention
-from multihead.circuits.attribution import attribution_patching
+from multihead.circuits.patching.attribution_patching import attribution_patching
 from multihead.models import TransformerLM
 
 

@@ -13,9 +13,9 @@ import torch
 from test_edge_attribution import _lm, _metric
 
 import multihead
-from multihead.circuits.edge_attribution import edge_attribution
-from multihead.circuits.edge_scores import EdgeScores
-from multihead.circuits.faithfulness import faithfulness
+from multihead.circuits.edges.edge_attribution import edge_attribution
+from multihead.circuits.edges.edge_scores import EdgeScores
+from multihead.circuits.edges.faithfulness import faithfulness
 
 
 def _reads(receiver: str) -> int:
@@ -180,7 +180,7 @@ def test_plot_draws_the_pruned_circuit() -> None:
 
 
 def test_default_sizes_reach_down_to_ten_edges_on_a_large_graph() -> None:
-    from multihead.circuits.faithfulness_curve import default_sizes
+    from multihead.circuits.edges.faithfulness_curve import default_sizes
 
     assert default_sizes(81) == [0, 1, 2, 4, 8, 12, 16, 24, 40, 61, 81]  # the fractions alone
     big = default_sizes(118_561)

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.edge_attribution import edge_attribution
-from multihead.circuits.faithfulness import faithfulness
-from multihead.circuits.projection_columns import ProjectionColumns
+from multihead.circuits.edges.edge_attribution import edge_attribution
+from multihead.circuits.edges.faithfulness import faithfulness
+from multihead.circuits.edges.projection_columns import ProjectionColumns
 from multihead.models import TransformerLM
 
 

@@ -12,8 +12,8 @@ from test_circuit_pruning import EVERY, SENDERS, _scores
 from test_edge_attribution import _lm, _metric
 
 import multihead
-from multihead.circuits.edge_attribution import edge_attribution
-from multihead.circuits.faithfulness import faithfulness
+from multihead.circuits.edges.edge_attribution import edge_attribution
+from multihead.circuits.edges.faithfulness import faithfulness
 
 ALL = ("q", "k", "v", "mlp", "logits")
 

@@ -22,8 +22,8 @@ from devices import generator
 from torch import Tensor, nn
 
 import multihead
+from multihead.heads import head_label, is_head, parse_head
 from multihead.models import TransformerLM
-from multihead.sites import head_label, is_head, parse_head
 
 V = 17
 L, H, HK = 3, 4, 2  # layers, query heads, key/value heads of the TransformerLM here

@@ -71,10 +71,12 @@ FLOORS: dict[str, int] = {
     #    by name); what layers are built from
     "__init__": 8,
     "layer_parts": 8,
+    #    the one head notation ("L0H1", (0, 1), "MLP3") and the lookups over a model's sites
+    "heads": 8,
     #    the model map's types (ModelMap, Site, Block, BlockParts: what layers declare)
-    "sites": 8,
-    # 9: encoder/decoder layers and the stack
-    "layers": 9,
+    "map_types": 9,
+    # 10: encoder/decoder layers and the stack
+    "layers": 10,
     # 11: pure modules on the layers: BERT, the LM, generation; ring attention
     "models": 11,
     "distributed": 11,
@@ -87,22 +89,35 @@ FLOORS: dict[str, int] = {
     # 15: pictures, the page, the head map: tensors, labels and statistics in, figures out
     #     (below circuits, so that a patching result draws itself)
     "viz": 15,
-    # 16: causing: interventions, importance, patching, path patching, attribution, logit
-    #     attribution (texts only through a text model's own tokenize)
-    "circuits": 16,
-    # 17: the text floor: any tokenizer's batch (TokenBatch, tokenize, the one word rule),
+    # 16-20: causing (texts only through a text model's own tokenize). The engine first: one
+    #     model on one clean/corrupt pair (the experiment, its inputs, metric, cache and runs);
+    #     steering (intervene, record_heads) beside it
+    "circuits.runs": 16,
+    "circuits.steering": 16,
+    # 17: the methods on the engine: head importance, activation and attribution patching
+    #     (PatchResult), edges and faithfulness
+    "circuits.importance": 17,
+    "circuits.patching": 17,
+    "circuits.edges": 17,
+    # 18: path patching (its results are PatchResults)
+    "circuits.paths": 18,
+    # 19: exact decompositions: logit attribution, the logit lens, QK attribution
+    "circuits.decompose": 19,
+    # 20: the package's names, looked up lazily
+    "circuits": 20,
+    # 21: the text floor: any tokenizer's batch (TokenBatch, tokenize, the one word rule),
     #     TextModel (a pure model, its tokenizer, pooling), loops over texts
-    "text": 17,
-    # 18: local files -> models: load_text_model, minilm, load_bert
-    "pretrained": 18,
-    # 19: training (tasks, loop, plots)
-    "training": 19,
-    # 20: explain() and its parts (the Explanation, the focus word, head effects)
-    "explanation": 20,
-    # 21: the command line
-    "cli": 21,
-    # 22: python -m multihead
-    "__main__": 22,
+    "text": 21,
+    # 22: local files -> models: load_text_model, minilm, load_bert
+    "pretrained": 22,
+    # 23: training (tasks, loop, plots)
+    "training": 23,
+    # 24: explain() and its parts (the Explanation, the focus word, head effects)
+    "explanation": 24,
+    # 25: the command line
+    "cli": 25,
+    # 26: python -m multihead
+    "__main__": 26,
 }
 
 # Third-party packages that may be imported inside a function or under TYPE_CHECKING: the

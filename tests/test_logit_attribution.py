@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.direct_logit_attribution import logit_attribution
+from multihead.circuits.decompose.logit_attribution import logit_attribution
 from multihead.models import TransformerLM
 
 

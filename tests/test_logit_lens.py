@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import multihead
-from multihead.circuits.logit_lens import logit_lens
+from multihead.circuits.decompose.logit_lens import logit_lens
 from multihead.models import TransformerLM
 
 

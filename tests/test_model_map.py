@@ -28,10 +28,10 @@ from torch import Tensor, nn
 
 import multihead
 from multihead.layers import TransformerEncoderLayer
+from multihead.map_types import BlockParts, ModelMap
 from multihead.mapping import model_map
 from multihead.models import TransformerLM
 from multihead.models.bert import BertModel
-from multihead.sites import BlockParts, ModelMap
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

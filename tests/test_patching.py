@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention
-from multihead.circuits.patching import patch_heads
+from multihead.circuits.patching.patch_heads import patch_heads
 from multihead.models import TransformerLM
 
 Run = Callable[[nn.Module, Any], Any]
@@ -364,7 +364,7 @@ def test_bad_inputs_name_the_argument() -> None:
 
 
 def test_reuse_falls_back_and_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="multihead.circuits.patching")
+    caplog.set_level(logging.INFO, logger="multihead.circuits.patching.patch_heads")
     mha = MultiHeadAttention(12, 3).eval()
     x, y = torch.randn(2, 4, 12), torch.randn(2, 4, 12)
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 import multihead
 from multihead import MultiHeadAttention
-from multihead.circuits.paths import path_patching
+from multihead.circuits.paths.path_patching import path_patching
 from multihead.models import TransformerLM
 
 VIA = ("q", "k", "v")

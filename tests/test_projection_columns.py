@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.projection_columns import ProjectionColumns, walked
+from multihead.circuits.edges.projection_columns import ProjectionColumns, walked
 
 E, H, D = 12, 4, 3
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.qk_attribution import QKAttribution, qk_attribution
+from multihead.circuits.decompose.qk_attribution import QKAttribution, qk_attribution
 from multihead.models import TransformerLM
 
 T = 9
@@ -374,7 +374,7 @@ def test_the_induction_heads_keys_rise_by_the_previous_token_head(
 def test_path_is_importable() -> None:
     assert multihead.qk_attribution is qk_attribution
     assert multihead.QKAttribution is QKAttribution
-    assert Path(multihead.circuits.qk_attribution.__file__).name == "qk_attribution.py"
+    assert Path(multihead.circuits.decompose.qk_attribution.__file__).name == "qk_attribution.py"
 
 
 # -- explain(qk=...), the page and `multihead explain --qk` -----------------------------------

@@ -143,7 +143,7 @@ def test_ablating_the_induction_heads_costs_more_than_random_heads(
 def test_the_previous_token_head_composes_through_the_keys(
     smollm2: Any, repeated: dict[str, Any]
 ) -> None:
-    from multihead.circuits.paths import path_patching
+    from multihead.circuits.paths.path_patching import path_patching
 
     hf, ids = smollm2.model, repeated["ids"]
     g = torch.Generator().manual_seed(2)

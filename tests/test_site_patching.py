@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.site_patching import patch
+from multihead.circuits.patching.patch import patch
 from multihead.models import TransformerLM
 
 

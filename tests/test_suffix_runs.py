@@ -1,5 +1,5 @@
-"""Per-position patches run from their position on (multihead.circuits.suffix_runs): equal to one
-full forward per patch (record_heads + intervene, written here) for metrics reading any
+"""Per-position patches run from their position on (multihead.circuits.runs.suffix_runs): equal
+to one full forward per patch (record_heads + intervene, written here) for metrics reading any
 positions; only the positions a metric reads are unembedded; the cases the runs cannot serve
 fall back to whole sequences and say why. (Every site against hook references, per position:
 test_site_patching.py, which runs these paths.)"""
@@ -101,7 +101,7 @@ def test_a_run_that_misplaces_positions_is_not_trusted(caplog: pytest.LogCapture
     torch.manual_seed(4)
     lm = Forgetful(30, 24, 4, 3, 40, max_len=16).to(torch.float64).eval()
     clean, corrupt = _pair()
-    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching.patch_heads"):
         got = multihead.patch_heads(lm, clean, corrupt, METRICS["last"], per_position=True)
     assert "every per-position patch runs the whole sequence" in caplog.text
     assert "from the whole run's" in caplog.text
@@ -111,7 +111,7 @@ def test_a_run_that_misplaces_positions_is_not_trusted(caplog: pytest.LogCapture
 def test_cases_the_runs_cannot_serve_say_why(caplog: pytest.LogCaptureFixture) -> None:
     lm = _lm()
     clean, corrupt = _pair()
-    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching.patch_heads"):
         multihead.patch_heads(
             lm, clean, corrupt, lambda out: METRICS["last"](out), per_position=True,
             metric_input="output",
@@ -131,7 +131,7 @@ def test_padding_and_sliding_windows_run_whole_sequences(caplog: pytest.LogCaptu
     )  # fmt: skip
     model = transformers.MistralForCausalLM(config).to(torch.float64).eval()
     clean, corrupt = _pair()
-    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching.patch_heads"):
         got = multihead.patch_heads(model, clean, corrupt, METRICS["last"], per_position=True)
     assert "the model attends through a sliding window shorter than the inputs" in caplog.text
     want = _loop(model, clean, corrupt, METRICS["last"], use_cache=False)
@@ -143,7 +143,7 @@ def test_padding_and_sliding_windows_run_whole_sequences(caplog: pytest.LogCaptu
     mask = torch.ones_like(clean)
     mask[0, :2] = 0  # left padding
     inputs = [{"input_ids": ids, "attention_mask": mask} for ids in (clean, corrupt)]
-    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching"):
+    with caplog.at_level(logging.INFO, logger="multihead.circuits.patching.patch_heads"):
         multihead.patch_heads(model, *inputs, METRICS["last"], per_position=True)
     assert "the inputs hold padding (an attention_mask with zeros)" in caplog.text
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import multihead
-from multihead.circuits.activation_cache import SITES, hook_name
+from multihead.circuits.runs.activation_cache import SITES, hook_name
 
 transformers = pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("transformer_lens")

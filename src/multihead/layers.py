@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from multihead.attention import AttentionCache, MultiHeadAttention
 from multihead.layer_parts import FeedForward, build_parts, check_layer_input
+from multihead.map_types import BlockParts
 from multihead.packing import PackedBatch
-from multihead.sites import BlockParts
 
 __all__ = [
     "TransformerEncoderLayer",
@@ -67,7 +67,7 @@ class TransformerEncoderLayer(nn.Module):
         torch.Size([2, 10, 64])
     """
 
-    # the model map reads it (multihead.sites): where the block writes into the residual stream
+    # the model map reads it (multihead.map_types): where the block writes into the residual stream
     block_parts = BlockParts(attention="self_attn", mlp="ff")
 
     norm_first: bool
@@ -249,7 +249,7 @@ class TransformerDecoderLayer(nn.Module):
     ``norm2``, ``norm3``, ``dropout1``..``dropout3``.
     """
 
-    # the model map reads it (multihead.sites): where the block writes into the residual stream
+    # the model map reads it (multihead.map_types): where the block writes into the residual stream
     block_parts = BlockParts(attention="self_attn", mlp="ff")
 
     norm_first: bool

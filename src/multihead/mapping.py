@@ -1,13 +1,14 @@
-"""``model_map(model)``: the one way to know a model (see :mod:`multihead.sites`)."""
+"""``model_map(model)``: the one way to know a model (see :mod:`multihead.map_types`)."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from multihead.holds_transformers import holds_transformers
-from multihead.sites import MapsItself, ModelMap
+from multihead.map_types import MapsItself, ModelMap
+from multihead.observers import ObservableAttention
 
-__all__ = ["model_map"]
+__all__ = ["attention_modules", "model_heads", "model_map"]
 
 # The map lives on the model it describes (an attribute outside the state dict): built once,
 # gone with the model, and it never keeps a model alive.
@@ -31,7 +32,7 @@ class _Kept:
 
 
 def model_map(model: nn.Module, *, rebuild: bool = False) -> ModelMap:
-    """The :class:`~multihead.sites.ModelMap` of ``model``: its attention sites, blocks,
+    """The :class:`~multihead.map_types.ModelMap` of ``model``: its attention sites, blocks,
     embeddings, final norm and unembedding, causality, position limit and call options.
 
     Built once per model and kept with it: a model that declares its map
@@ -72,3 +73,30 @@ def model_map(model: nn.Module, *, rebuild: bool = False) -> ModelMap:
         built = ModelMap.of_modules(model)
     object.__setattr__(model, _ATTRIBUTE, _Kept(built))  # not a submodule, not in the state dict
     return built
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
+    """Every observable attention site in ``model``, in module order (= layer order): the
+    sites of its :func:`multihead.model_map`.
+
+    A site is a :class:`~multihead.MultiHeadAttention`, or, in a Hugging Face transformers
+    model, an attention module routed through transformers' ``AttentionInterface`` (the model
+    runs on ``attn_implementation="multihead"`` while observers are registered). Both offer
+    the same observer channel.
+
+    Returns:
+        ``(qualified_name, site)`` pairs; the model itself comes first if it is one.
+    """
+    return [(s.name, s.attention) for s in model_map(model).sites]
+
+
+def model_heads(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
+    """The model's attention modules (= layers), or a ValueError when there are none."""
+    found = attention_modules(model)
+    if not found:
+        raise ValueError(
+            f"model ({type(model).__name__}) contains no multihead.MultiHeadAttention module: "
+            f"heads can be edited only in attention built from multihead's modules (or a "
+            f"transformers model, through multihead.hf)"
+        )
+    return found

@@ -5,8 +5,8 @@
 - ``method="ablation"``: metric with the head's output zeroed, minus metric clean. A head in
   layer l cannot change anything computed before it, so the blocks before layer l's are not run
   again: their outputs are recorded once, on a clean run, and handed back
-  (:mod:`multihead.circuits.prefix_reuse`), which makes the 72 ablations of MiniLM cost about 0.6
-  of 72 forwards.
+  (:mod:`multihead.circuits.runs.prefix_reuse`), which makes the 72 ablations of MiniLM cost
+  about 0.6 of 72 forwards.
 - ``method="gradient"``: |∂metric/∂ξ_{l,h}| at ξ = 1, where ξ_{l,h} multiplies head (l, h)'s
   output (Michel, Levy and Neubig, "Are Sixteen Heads Really Better than One?", 2019): one
   forward and one backward for every head at once.
@@ -27,9 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice
-from multihead.circuits.prefix_reuse import PrefixCache
-from multihead.circuits.steering import head_table, intervene, model_heads
+from multihead.circuits.runs.prefix_reuse import PrefixCache
+from multihead.circuits.steering import intervene
 from multihead.head_shard import held_heads
+from multihead.heads import head_table
+from multihead.mapping import model_heads
 from multihead.observers import AttentionCall, ObservableAttention, registered
 
 __all__ = ["head_importance", "METHODS"]

@@ -13,7 +13,7 @@ Everything here is an observer on that per-head output
 - :func:`multihead.circuits.importance.head_importance` scores every head (ablation or gradient).
 
 ``layer`` numbers the model's attention modules in module order, as :func:`multihead.capture`
-does (:func:`multihead.observe.rows.attention_modules`); ``head`` is a query head. With grouped
+does (:func:`multihead.mapping.attention_modules`); ``head`` is a query head. With grouped
 query heads (H > Hk) an edit of query head h leaves the other query heads that share its
 key/value head untouched: the per-head output is per query head.
 
@@ -31,27 +31,24 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_index, describe
+from multihead._checks import describe
 from multihead.head_shard import held_heads
-from multihead.observe.rows import attention_modules
+from multihead.heads import HeadKey, HeadName, parse_head, resolve_head
+from multihead.mapping import model_heads
 from multihead.observers import (
     AttentionCall,
     AttentionObserver,
     ObservableAttention,
     registered,
 )
-from multihead.sites import HeadName, parse_head
 
 __all__ = [
-    "head_table",
     "intervene",
     "record_heads",
     "HeadRecording",
     "Edit",
-    "HeadKey",
 ]
 
-HeadKey = tuple[int, int]
 # 0.0: zero ablation; another number: a scale; "mean": the mean over real tokens; a Tensor
 # (B, T, Dv): a patch.
 Edit = Union[float, int, str, Tensor]  # noqa: UP007 - a runtime alias, also on Python 3.10
@@ -60,45 +57,6 @@ _EDIT_KINDS = (
     '0.0 (zero ablation), a finite number (a scale), "mean" (mean ablation) or a patch tensor '
     "(B, T, Dv)"
 )
-
-
-def model_heads(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
-    """The model's attention modules (= layers), or a ValueError when there are none."""
-    found = attention_modules(model)
-    if not found:
-        raise ValueError(
-            f"model ({type(model).__name__}) contains no multihead.MultiHeadAttention module: "
-            f"heads can be edited only in attention built from multihead's modules (or a "
-            f"transformers model, through multihead.hf)"
-        )
-    return found
-
-
-def head_table(
-    found: list[tuple[str, ObservableAttention]], like: Tensor, positions: int | None
-) -> Tensor:
-    """(L, H) or (L, H, T) of NaN in ``like``'s dtype and device: unscored heads stay NaN."""
-    most = max(site.num_heads for _, site in found)
-    shape = (len(found), most) if positions is None else (len(found), most, positions)
-    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-
-
-def resolve_head(
-    name: str, key: object, found: Sequence[tuple[str, ObservableAttention]]
-) -> HeadKey:
-    """Check one head, ``"L0H1"`` or ``(0, 1)`` (:func:`multihead.sites.parse_head`), against
-    the model; negative indices count from the end.
-
-    Returns the key with both indices in range, e.g. ``(5, 11)`` for ``(-1, -1)`` or
-    ``"L-1H-1"`` on MiniLM.
-    """
-    raw = parse_head(name, key)
-    layer = check_index(f"{name} {key!r}: layer", raw[0], len(found), "attention layers")
-    module_name, mha = found[layer]
-    head = check_index(
-        f"{name} {key!r}: head", raw[1], mha.num_heads, f"heads in layer {layer} ({module_name})"
-    )
-    return layer, head
 
 
 def _module_dtype(mha: ObservableAttention) -> torch.dtype:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import multihead
-from multihead.circuits.edge_scores import METHODS, EdgeScores
+from multihead.circuits.edges.edge_scores import METHODS, EdgeScores
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,

@@ -19,7 +19,7 @@ from torch import nn
 from multihead._files import read_json
 from multihead.devices import DTYPES, resolve_device
 from multihead.distributed.data_parallel import DataParallelGroup
-from multihead.observe.rows import attention_modules
+from multihead.mapping import attention_modules
 from multihead.pretrained import load_text_model
 from multihead.pretrained.text_loader import check_text_model_files
 from multihead.training.ddp import World, setup_world, world_size

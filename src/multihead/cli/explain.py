@@ -31,8 +31,8 @@ from multihead.cli.threads import add_threads_argument, torch_threads
 from multihead.explanation import explain
 from multihead.explanation.head_effects import NEXT_TOKEN_KL
 from multihead.explanation.result import Explanation
+from multihead.heads import head_label, parse_head
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
-from multihead.sites import head_label, parse_head
 from multihead.training.ddp import World, world_size
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 

@@ -38,11 +38,11 @@ from multihead.cli.common import (
     status,
     torchrun_world,
 )
+from multihead.heads import head_label
 from multihead.memory_budget import format_bytes
 from multihead.observe.head_distance import HeadMap
 from multihead.observe.head_metrics import BROAD, OTHER, ROLES
 from multihead.observe.head_summary import HeadStatistics
-from multihead.sites import head_label
 from multihead.text.corpus import Progress, corpus_statistics, head_distances
 from multihead.training.ddp import World, world_size
 from multihead.viz.formats import FIGURE_FORMATS, FORMATS, check_formats, check_output_dir

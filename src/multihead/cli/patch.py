@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 import multihead
-from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES
-from multihead.circuits.patching import DIRECTIONS
+from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES
+from multihead.circuits.runs.input_pair import DIRECTIONS
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
@@ -48,7 +48,7 @@ from multihead.cli.common import (
 from multihead.cli.patch_experiment import PatchExperiment
 from multihead.cli.text_pairs import BUILT_IN_PAIRS, TextPair, built_in_note, chosen_pairs
 from multihead.cli.threads import add_threads_argument, torch_threads
-from multihead.sites import head_label, parse_head
+from multihead.heads import head_label, parse_head
 from multihead.training.ddp import World
 from multihead.viz.formats import FORMATS, check_formats, check_output_dir
 from multihead.viz.page import write_page

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_index, check_indices, describe, is_int
-from multihead.circuits.qk_attribution import qk_attribution
+from multihead.circuits.decompose.qk_attribution import qk_attribution
 from multihead.explanation.focus import (
     LayerFocus,
     choose_focus,
@@ -44,6 +44,7 @@ from multihead.explanation.head_effects import (
 )
 from multihead.explanation.head_effects import importance as head_effect_importance
 from multihead.explanation.result import Explanation
+from multihead.heads import HeadName, parse_head
 from multihead.memory_budget import (
     DEFAULT_MEMORY_LIMIT,
     FLOAT32_BYTES,
@@ -52,7 +53,6 @@ from multihead.memory_budget import (
 )
 from multihead.observe.head_summary import HeadStatistics
 from multihead.pretrained.text_loader import load_text_model
-from multihead.sites import HeadName, parse_head
 from multihead.text.model import TextModel
 from multihead.text.tokenization import TokenBatch, TruncationWarning, check_text
 

@@ -33,12 +33,13 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_index, describe
-from multihead.circuits.prefix_reuse import PrefixCache
-from multihead.circuits.steering import head_table, intervene, model_heads
+from multihead.circuits.runs.prefix_reuse import PrefixCache
+from multihead.circuits.steering import intervene
 from multihead.head_shard import held_heads
+from multihead.heads import head_table, parse_head
+from multihead.mapping import model_heads
 from multihead.observe.recorder import capture
 from multihead.observers import AttentionCall, ObservableAttention, registered
-from multihead.sites import parse_head
 from multihead.text.model import TextModel
 from multihead.text.tokenization import TokenBatch
 
@@ -215,7 +216,7 @@ def _stacked_ablation(
     The same scores as :func:`multihead.head_importance` by ablation of that metric, with
     every head of a layer ablated in one forward: copy h of the H stacked copies runs without
     head h, and the blocks before the layer hand back their outputs from the clean run
-    (:class:`~multihead.circuits.prefix_reuse.PrefixCache`). One forward of H copies reads the
+    (:class:`~multihead.circuits.runs.prefix_reuse.PrefixCache`). One forward of H copies reads the
     weights once where H forwards read them H times.
     """
     found = model_heads(model)

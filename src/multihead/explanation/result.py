@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from multihead._checks import check_index
-from multihead.circuits.qk_attribution import QKAttribution
+from multihead.circuits.decompose.qk_attribution import QKAttribution
 from multihead.explanation.focus import LayerFocus
 from multihead.explanation.head_effects import NEXT_TOKEN_KL, Ablation
 from multihead.observe.head_summary import HeadStatistics

@@ -1,6 +1,6 @@
 """The map of a transformers model: every family table multihead needs, in one place.
 
-:func:`transformers_map` builds the :class:`~multihead.sites.ModelMap` of a transformers model
+:func:`transformers_map` builds the :class:`~multihead.map_types.ModelMap` of a transformers model
 (what :func:`multihead.model_map` returns for one): its routed attention sites
 (:func:`~multihead.hf.sites.attention_sites`) with their query and key/value heads, the layers
 holding them, the embeddings, the final norm and the unembedding, the base module that gives
@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 
 from multihead import kernels
 from multihead.hf.sites import AttentionSite, attention_sites
+from multihead.map_types import Block, ModelMap, Site, block_norms
 from multihead.observers import AttentionCall, registered
-from multihead.sites import Block, ModelMap, Site, block_norms
 
 __all__ = ["transformers_map", "position_limit", "NORM_NAMES", "MLP_NAMES"]
 
@@ -284,7 +284,7 @@ def _probe_causal(base: nn.Module, sites: list[Site]) -> bool:
 
 
 def transformers_map(model: nn.Module) -> ModelMap:
-    """The :class:`~multihead.sites.ModelMap` of a model holding a transformers
+    """The :class:`~multihead.map_types.ModelMap` of a model holding a transformers
     ``PreTrainedModel`` (see the module docstring).
 
     Raises:

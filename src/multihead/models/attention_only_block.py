@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from multihead.attention import AttentionCache, MultiHeadAttention
 from multihead.layer_parts import build_parts, check_layer_input
-from multihead.sites import BlockParts
+from multihead.map_types import BlockParts
 
 __all__ = ["AttentionOnlyBlock"]
 
@@ -33,7 +33,7 @@ class AttentionOnlyBlock(nn.Module):
             :class:`~multihead.layers.TransformerEncoderLayer`.
     """
 
-    # the model map reads it (multihead.sites): only attention writes into the residual stream
+    # the model map reads it (multihead.map_types): only attention writes into the residual stream
     block_parts = BlockParts(attention="self_attn", mlp=None)
 
     norm_first: bool

@@ -32,10 +32,10 @@ from torch import Tensor, nn
 
 from multihead._checks import check_tensor
 from multihead.layers import TransformerEncoder, TransformerEncoderLayer
+from multihead.map_types import ModelMap
 from multihead.models.bert_config import BertConfig
 from multihead.packing import PackedBatch
 from multihead.positions import LearnedPositionalEmbedding
-from multihead.sites import ModelMap
 
 __all__ = ["BertModel", "BertOutput", "BertEmbeddings"]
 
@@ -191,7 +191,7 @@ class BertModel(nn.Module):
         return self.embeddings.word
 
     def build_model_map(self) -> ModelMap:
-        """Its :class:`~multihead.sites.ModelMap` (read through :func:`multihead.model_map`):
+        """Its :class:`~multihead.map_types.ModelMap` (read through :func:`multihead.model_map`):
         post-LN encoder layers (no final norm, no unembedding), word, position and token-type
         embeddings, not causal, ``max_position_embeddings`` positions."""
         e = self.embeddings

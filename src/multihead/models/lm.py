@@ -37,13 +37,13 @@ from multihead._checks import (
 from multihead._files import TensorInfo, layer_counts, read_header, tensor_problems
 from multihead.kv_cache import KVCache
 from multihead.layers import TransformerEncoderLayer
+from multihead.map_types import ModelMap
 from multihead.models import lm_io
 from multihead.models.attention_only_block import AttentionOnlyBlock
 from multihead.models.generation import pick, prompt_positions
 from multihead.models.lm_config import LMConfig
 from multihead.models.lm_io import CONFIG_NAME, WEIGHTS_NAME
 from multihead.positions import LearnedPositionalEmbedding
-from multihead.sites import ModelMap
 
 __all__ = ["TransformerLM"]
 
@@ -194,7 +194,7 @@ class TransformerLM(nn.Module):
             )
 
     def build_model_map(self) -> ModelMap:
-        """Its :class:`~multihead.sites.ModelMap` (read through :func:`multihead.model_map`):
+        """Its :class:`~multihead.map_types.ModelMap` (read through :func:`multihead.model_map`):
         blocks and heads, the token and position embeddings, the final norm (None when
         post-LN) and the unembedding ``head``; causal; ``max_len`` positions, taken as
         ``positions``."""

@@ -23,7 +23,7 @@ _LAZY: dict[str, str] = {
     "statistics_over_batches": "multihead.observe.corpus",
     "head_distances_over_batches": "multihead.observe.head_distance",
     "HeadMap": "multihead.observe.head_distance",
-    "attention_modules": "multihead.observe.rows",
+    "attention_modules": "multihead.mapping",
 }
 
 __all__ = list(_LAZY)

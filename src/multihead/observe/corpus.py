@@ -24,10 +24,10 @@ from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_positive_int
 from multihead.distributed.data_parallel import DataParallelGroup
+from multihead.mapping import attention_modules
 from multihead.memory_budget import FLOAT32_BYTES
 from multihead.observe.head_metrics import CHANCE, CHANCE_METRICS, METRICS
 from multihead.observe.head_summary import HeadStatistics, split_chance
-from multihead.observe.rows import attention_modules
 from multihead.observe.statistics import accumulate_statistics
 
 __all__ = ["statistics_over_batches", "statistics_batch_bytes", "chosen_size", "BatchBytes"]

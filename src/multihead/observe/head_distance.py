@@ -31,10 +31,10 @@ from torch import Tensor, nn
 
 from multihead._checks import check_positive_int
 from multihead.distributed.data_parallel import DataParallelGroup
+from multihead.heads import head_label
 from multihead.memory_budget import FLOAT32_BYTES
 from multihead.observe.corpus import BatchBytes, chosen_size
 from multihead.observe.recorder import capture
-from multihead.sites import head_label
 
 __all__ = [
     "js_distance",

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from multihead.heads import HeadName
 from multihead.observe.rows import Rows, observe_rows, row_values
 from multihead.observers import AttentionCall
-from multihead.sites import HeadName
 
 __all__ = ["capture", "Recorder", "CapturedAttention"]
 

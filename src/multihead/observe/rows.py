@@ -20,13 +20,12 @@ from multihead._checks import (
     check_indices,
     check_optional_positive_int,
 )
-from multihead.mapping import model_map
+from multihead.heads import HeadName, is_head, parse_head
+from multihead.mapping import attention_modules
 from multihead.observers import AttentionCall, AttentionObserver, ObservableAttention, registered
 from multihead.score_mods import SINK_WEIGHTS, modified_attention
-from multihead.sites import HeadName, is_head, parse_head
 
 __all__ = [
-    "attention_modules",
     "observe_rows",
     "resolve_rows",
     "row_values",
@@ -41,21 +40,6 @@ Rows = int | Sequence[int] | slice | range | None
 def _device_of(site: ObservableAttention) -> torch.device | None:
     """Where a site's parameters live (None without any)."""
     return next((p.device for p in site.parameters()), None)
-
-
-def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
-    """Every observable attention site in ``model``, in module order (= layer order): the
-    sites of its :func:`multihead.model_map`.
-
-    A site is a :class:`~multihead.MultiHeadAttention`, or, in a Hugging Face transformers
-    model, an attention module routed through transformers' ``AttentionInterface`` (the model
-    runs on ``attn_implementation="multihead"`` while observers are registered). Both offer
-    the same observer channel.
-
-    Returns:
-        ``(qualified_name, site)`` pairs; the model itself comes first if it is one.
-    """
-    return [(s.name, s.attention) for s in model_map(model).sites]
 
 
 def _head_pairs(heads: object) -> list[tuple[int, int]] | None:

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_positive_int
+from multihead.mapping import attention_modules
 from multihead.observe.head_metrics import QueryChunk, StatsAccumulator
 from multihead.observe.head_summary import HeadStatistics
-from multihead.observe.rows import attention_modules, observe_rows, visible_keys
+from multihead.observe.rows import observe_rows, visible_keys
 from multihead.observers import AttentionCall
 
 __all__ = ["head_statistics"]

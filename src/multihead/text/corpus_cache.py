@@ -29,7 +29,7 @@ import torch
 
 from multihead._checks import check_positive_int, describe
 from multihead._files import atomic_write, checksummed_safetensors, json_bytes, write_synced
-from multihead.circuits.activation_cache import Names, cache, hook_name
+from multihead.circuits.runs.activation_cache import Names, cache, hook_name
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.text.corpus import Progress, check_texts, text_batches
 from multihead.text.model import TextModel

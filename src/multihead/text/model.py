@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_positive_int, describe, is_int
+from multihead.map_types import ModelMap
 from multihead.mapping import model_map
-from multihead.sites import ModelMap
 from multihead.text.tokenization import TokenBatch, check_text, prepare_tokenizer, tokenize
 
 __all__ = ["TextModel", "mean_pool", "last_token_pool", "HEADS"]

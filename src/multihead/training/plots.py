@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from multihead.heads import head_label
 from multihead.models.lm import TransformerLM
 from multihead.observe.recorder import capture
-from multihead.sites import head_label
 from multihead.training.induction import InductionProbe
 from multihead.training.tasks import TaskLike
 from multihead.viz.figure import new_figure

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_positive_int, describe
-from multihead.circuits.activation_cache import RESIDUAL_SITES
-from multihead.sites import head_label
+from multihead.circuits.runs.activation_cache import RESIDUAL_SITES
+from multihead.heads import head_label
 from multihead.viz.plots import effects_figure
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Attribution patching: the first-order estimate of activation patching, for every head at once.
 
-:func:`~multihead.circuits.patching.patch_heads` runs one patched variant per head (and
+:func:`~multihead.patch_heads` runs one patched variant per head (and
 position). Attribution patching (Nanda, "Attribution Patching", 2023; Syed et al., 2023)
 replaces each by its linear estimate around the run being patched: with :math:`z` a head's
 per-head output before the output projection,
@@ -24,18 +24,19 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_positive_int, describe
-from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
-from multihead.circuits.embedding_path import (
+from multihead.circuits.patching.patch_result import PatchResult
+from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
+from multihead.circuits.runs.embedding_path import (
     interpolated_embeddings,
     path_points,
     recorded_embeddings,
 )
-from multihead.circuits.experiment import Experiment, warn_if_random
-from multihead.circuits.input_pair import Metric, metric_value
-from multihead.circuits.patch_result import PatchResult
-from multihead.circuits.patching import DIRECTIONS, record_layers
-from multihead.circuits.steering import head_table
+from multihead.circuits.runs.experiment import Experiment, warn_if_random
+from multihead.circuits.runs.input_pair import DIRECTIONS
+from multihead.circuits.runs.layer_recording import record_layers
+from multihead.circuits.runs.metric import Metric, metric_value
 from multihead.head_shard import every_head
+from multihead.heads import head_table
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, Removable, registered
 
@@ -88,7 +89,7 @@ def attribution_patching(
             sites (``z``, ``result``) only.
 
     Returns:
-        A :class:`~multihead.circuits.patch_result.PatchResult` with :func:`multihead.patch`'s
+        A :class:`~multihead.PatchResult` with :func:`multihead.patch`'s
         axes for the site: values (L, H), or (L, H, T) with ``per_position`` (for z), in the
         metric's dtype (float32 at least) and device, NaN where a layer has fewer heads than
         the most; the clean and corrupt metrics (of the two forwards) beside them. On a

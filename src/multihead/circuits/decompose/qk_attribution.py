@@ -9,7 +9,7 @@ component wrote into it::
 (embed: the token and position embeddings; r: each earlier head's write, its output through
 its slice of the output projection; b^O: each output projection's bias; m: each feed-forward
 network's write). The block's pre-attention norm, with its scale σ (T,) *frozen at this run*
-(:class:`~multihead.circuits.frozen_norm.FrozenNorm`), is affine: ``norm(x) = Σ_c
+(:class:`~multihead.circuits.runs.frozen_norm.FrozenNorm`), is affine: ``norm(x) = Σ_c
 γ ⊙ (c - mean c) / σ + β``. At fixed positions the map from the attention's input to one head's
 query and key is affine too (the projections W_Q, W_K with their biases, then rotary positions,
 a rotation per position): ``q_i = Σ_c A_i n_c + A_i β + b_i``. So::
@@ -38,16 +38,15 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int
-from multihead.circuits.activation_cache import cache, stack_block
-from multihead.circuits.experiment import warn_if_random
-from multihead.circuits.frozen_norm import FrozenNorm
-from multihead.circuits.path_endpoints import Sender
-from multihead.circuits.steering import model_heads
+from multihead.circuits.paths.path_endpoints import Sender
+from multihead.circuits.runs.activation_cache import cache, stack_block
+from multihead.circuits.runs.experiment import warn_if_random
+from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.kernels import causal_mask
-from multihead.mapping import model_map
+from multihead.map_types import output_tensor
+from multihead.mapping import model_heads, model_map
 from multihead.observe.rows import row_weights, visible_keys
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.sites import output_tensor
 
 __all__ = ["EMBED", "QKAttribution", "qk_attribution"]
 

@@ -1,12 +1,11 @@
 """The faithfulness curve: the faithfulness of a method's circuits of n edges (the top n, or
-the greedy search's n: :meth:`~multihead.circuits.edge_scores.EdgeScores.circuit`) over circuit
-sizes n, against random circuits of the same sizes
-(:func:`~multihead.circuits.faithfulness.faithfulness` each).
+the greedy search's n: :meth:`~multihead.EdgeScores.circuit`) over circuit
+sizes n, against random circuits of the same sizes (:func:`~multihead.faithfulness` each).
 
 The areas are taken over the fraction of the graph's edges (0 … 1), so a method whose top
 edges carry the behaviour early has a larger area than random circuits, which carry it only
 when they hold most edges. With ``prune`` (the default) every circuit, top-n or random, is
-pruned of its inert edges (:meth:`~multihead.circuits.edge_scores.EdgeScores.inert`: its
+pruned of its inert edges (:meth:`~multihead.circuits.edges.edge_scores.EdgeScores.inert`: its
 faithfulness is unchanged) and counted by the edges it keeps: the x axis is the pruned size.
 """
 
@@ -20,9 +19,9 @@ import torch
 from torch import nn
 
 from multihead._checks import check_choice, check_positive_int, describe
-from multihead.circuits.edge_scores import METHODS, Circuit, EdgeScores
-from multihead.circuits.faithfulness import CircuitRuns
-from multihead.circuits.input_pair import Metric
+from multihead.circuits.edges.edge_scores import METHODS, Circuit, EdgeScores
+from multihead.circuits.edges.faithfulness import CircuitRuns
+from multihead.circuits.runs.metric import Metric
 from multihead.viz.circuit_graph import faithfulness_figure
 
 __all__ = ["FaithfulnessCurve", "default_sizes", "faithfulness_curve"]

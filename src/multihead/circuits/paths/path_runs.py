@@ -1,4 +1,4 @@
-"""The stacked runs of one path patching call (:func:`~multihead.circuits.paths.path_patching`,
+"""The stacked runs of one path patching call (:func:`~multihead.path_patching`,
 whose module docstring defines them), on the target input:
 
 - run 1 for some senders of one layer, one stacked variant each: the sender's output (a head's,
@@ -9,7 +9,7 @@ whose module docstring defines them), on the target input:
   a q/k/v editor on every layer a receiver's heads are in replaces their input at their
   positions with run 1's.
 
-Both go through :func:`~multihead.circuits.stacked_runs.run_stacked` (the blocks before the
+Both go through :func:`~multihead.circuits.runs.stacked_runs.run_stacked` (the blocks before the
 patched layer hand back their target-run outputs). Under tensor parallelism each rank patches
 and records the heads it holds.
 
@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.activation_cache import stack_block
-from multihead.circuits.input_pair import InputPair
-from multihead.circuits.path_endpoints import Member, Receiver, Sender
-from multihead.circuits.prefix_reuse import PrefixCache
-from multihead.circuits.stacked_runs import EndOfRun, run_stacked
+from multihead.circuits.paths.path_endpoints import Member, Receiver, Sender
+from multihead.circuits.runs.activation_cache import stack_block
+from multihead.circuits.runs.input_pair import InputPair
+from multihead.circuits.runs.prefix_reuse import PrefixCache
+from multihead.circuits.runs.stacked_runs import EndOfRun, run_stacked
 from multihead.head_shard import held_heads
+from multihead.map_types import ModelMap, output_tensor, with_output_tensor
 from multihead.observers import (
     AttentionCall,
     AttentionObserver,
@@ -40,7 +41,6 @@ from multihead.observers import (
     Removable,
     registered,
 )
-from multihead.sites import ModelMap, output_tensor, with_output_tensor
 
 __all__ = ["PathRuns", "recorded_feed_forward"]
 
@@ -112,7 +112,7 @@ class PathRuns:
         kinds: the receivers' inputs to record, of "q", "k", "v".
         end: run 1 freezes the layers before ``end`` (after the sender's); it stops at the last
             receiver's layer unless ``end`` is the model's depth (the logits are a receiver).
-        kv: ``"query_head"`` or ``"shared"`` (:func:`~multihead.circuits.paths.path_patching`).
+        kv: ``"query_head"`` or ``"shared"`` (:func:`~multihead.path_patching`).
     """
 
     def __init__(

@@ -21,15 +21,15 @@ key/value heads, Dv one head's output width, E the residual width.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
 from multihead.head_shard import HeadShard
+from multihead.heads import head_label
 from multihead.observers import ObservableAttention
 
 __all__ = [
@@ -39,81 +39,9 @@ __all__ = [
     "MapsItself",
     "ModelMap",
     "Site",
-    "HeadName",
-    "head_label",
-    "is_head",
-    "mlp_label",
-    "mlp_layer",
-    "parse_head",
     "output_tensor",
     "with_output_tensor",
 ]
-
-
-# One head, in the one notation: "L0H1" or (0, 1).
-HeadName = Union[tuple[int, int], str]  # noqa: UP007 - a runtime alias
-
-
-def head_label(layer: int, head: int) -> str:
-    """The one written name of a head: ``"L0H1"`` for layer 0, head 1."""
-    return f"L{layer}H{head}"
-
-
-_HEAD_NAME = re.compile(r"\s*[Ll]\s*(-?\d+)\s*[Hh]\s*(-?\d+)\s*")
-_MLP_NAME = re.compile(r"\s*mlp\s*(-?\d+)\s*", re.IGNORECASE)
-
-
-def mlp_label(layer: int) -> str:
-    """The one written name of a block's feed-forward network: ``"MLP3"`` for block 3."""
-    return f"MLP{layer}"
-
-
-def mlp_layer(value: object) -> object:
-    """The layer a feed-forward network is named by, ``"MLP3"`` (any case) or ``("mlp", 3)``
-    (not yet checked: it may be any object in the pair form), or None when ``value`` is not
-    written as a feed-forward network."""
-    if isinstance(value, str):
-        match = _MLP_NAME.fullmatch(value)
-        return None if match is None else int(match[1])
-    if (
-        isinstance(value, (tuple, list))
-        and len(value) == 2
-        and isinstance(value[0], str)
-        and value[0].lower() == "mlp"
-    ):
-        return value[1]
-    return None
-
-
-def is_head(value: object) -> bool:
-    """Whether ``value`` is written as one head: ``"L0H1"`` or a ``(layer, head)`` pair of ints."""
-    if isinstance(value, str):
-        return _HEAD_NAME.fullmatch(value) is not None
-    return (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    )
-
-
-def parse_head(name: str, value: object) -> tuple[int, int]:
-    """One head in the one notation, ``"L0H1"`` or ``(0, 1)``, as ``(layer, head)`` ints (not
-    yet checked against a model: negative indices count from the end there).
-
-    Raises:
-        TypeError: neither form (``name`` names the argument).
-    """
-    if isinstance(value, str):
-        match = _HEAD_NAME.fullmatch(value)
-        if match is not None:
-            return int(match[1]), int(match[2])
-    elif is_head(value):
-        assert isinstance(value, tuple)
-        return value[0], value[1]
-    raise TypeError(
-        f"{name} must be a (layer, head) pair of ints, got {value!r} (or a head written as "
-        f"'L0H1': layer 0, head 1)"
-    )
 
 
 def output_tensor(output: Any) -> Tensor:

@@ -6,7 +6,7 @@ normalise it first: Gemma-2's "sandwich" norms (``x + post_attention_layernorm(a
 OLMo-2's post-norms. Which module does is read off the run, for any family: the one module of
 the block (outside the attention) whose input *is* the attention module's output tensor
 (dropout, the identity in eval, is looked through). A norm there is frozen at the run
-(:class:`~multihead.circuits.frozen_norm.FrozenNorm`: its scale from this run's attention
+(:class:`~multihead.circuits.runs.frozen_norm.FrozenNorm`: its scale from this run's attention
 output), so it is linear and a sum of heads' writes goes through it term by term, exactly: the
 frozen norm's outputs of the heads, plus its bias, add up to what the block added. Anything else
 there is refused by name: its heads' shares would not be linear.
@@ -21,9 +21,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from multihead.circuits.frozen_norm import FrozenNorm
+from multihead.circuits.runs.frozen_norm import FrozenNorm
+from multihead.map_types import Block, ModelMap, output_tensor
 from multihead.observers import Removable
-from multihead.sites import Block, ModelMap, output_tensor
 
 __all__ = ["AttentionWrites"]
 

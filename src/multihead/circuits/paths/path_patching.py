@@ -1,7 +1,7 @@
 r"""Path patching: does a sender's change reach the metric through a later head's q, k or v, or
 through no head at all?
 
-Activation patching (:func:`~multihead.circuits.patching.patch_heads`) says that a head matters;
+Activation patching (:func:`~multihead.patch_heads`) says that a head matters;
 path patching (Wang et al. 2022, "Interpretability in the Wild", the IOI circuit) says through
 which later heads, and through which of their inputs. With ``(source, target) = (corrupt,
 clean)`` for ``direction="noise"`` (the default, Wang et al.'s) and ``(clean, corrupt)`` for
@@ -35,10 +35,11 @@ key/value head keep theirs); with ``"shared"`` the key/value head ``h // group``
 replaced, so every query head reading it sees the change (TransformerLens's ``hook_k`` and
 ``hook_v`` are per key/value head). Without grouped heads the two agree.
 
-Both runs are stacked along the batch as in patch_heads (:class:`~multihead.circuits.path_runs.
-PathRuns`): run 1 stacks the senders of one layer, run 2 the (sender, receiver, x) variants of
-the receivers that start at one layer; the blocks before the patched layer hand back their
-outputs from the target run. :mod:`~multihead.circuits.path_endpoints` reads the senders and
+Both runs are stacked along the batch as in patch_heads
+(:class:`~multihead.circuits.paths.path_runs.PathRuns`): run 1 stacks the senders of one layer,
+run 2 the (sender, receiver, x) variants of the receivers that start at one layer; the blocks
+before the patched layer hand back their outputs from the target run.
+:mod:`~multihead.circuits.paths.path_endpoints` reads the senders and
 receivers and writes their names.
 
 Shapes: B batch, T query length, S key length, H query heads, Hk key/value heads, D head dim,
@@ -56,13 +57,14 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe
-from multihead.circuits.experiment import Experiment
-from multihead.circuits.input_pair import InputPair, Metric
-from multihead.circuits.patch_result import PatchResult
-from multihead.circuits.patching import DIRECTIONS, check_recorded, record_layers
-from multihead.circuits.path_endpoints import Receiver, Sender, parse_receivers, parse_senders
-from multihead.circuits.path_runs import PathRuns, recorded_feed_forward
-from multihead.circuits.stacked_runs import EndOfRun, stacked_metrics
+from multihead.circuits.patching.patch_result import PatchResult
+from multihead.circuits.paths.path_endpoints import Receiver, Sender, parse_receivers, parse_senders
+from multihead.circuits.paths.path_runs import PathRuns, recorded_feed_forward
+from multihead.circuits.runs.experiment import Experiment
+from multihead.circuits.runs.input_pair import DIRECTIONS, InputPair
+from multihead.circuits.runs.layer_recording import check_recorded, record_layers
+from multihead.circuits.runs.metric import Metric
+from multihead.circuits.runs.stacked_runs import EndOfRun, stacked_metrics
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, ObservableAttention
 
@@ -141,7 +143,7 @@ def path_patching(
         batch_size: variants per forward; default as for :func:`~multihead.patch_heads`.
 
     Returns:
-        A :class:`~multihead.circuits.patch_result.PatchResult`: values (len(senders),
+        A :class:`~multihead.PatchResult`: values (len(senders),
         len(receivers), len(via)) in the metric's dtype and device, dims ``("sender",
         "receiver", "via")``, each index named (``names``: ``"L0H1"`` or ``"MLP3"``;
         ``"L1H3"``, ``"L1H3@[6]"``, ``"{L1H3, L1H4}"`` or ``"logits"``; ``"k"``; a cell's label

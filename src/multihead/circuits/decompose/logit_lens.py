@@ -7,7 +7,7 @@ norm and unembedding, as if the remaining layers added nothing::
 
 so the last layer's is the model's logits, and the layers before show when the prediction forms.
 Each head's write is read the same way, through the final norm frozen at this run (the split of
-:mod:`~multihead.circuits.frozen_norm`, as direct logit attribution reads it)::
+:mod:`~multihead.circuits.runs.frozen_norm`, as direct logit attribution reads it)::
 
     head_l,h = (γ ⊙ (result_l,h - mean) / σ) W_U^T      (B, P, V): its direct effect on every logit
 
@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_optional_positive_int
-from multihead.circuits.activation_cache import cache
-from multihead.circuits.frozen_norm import FrozenNorm
+from multihead.circuits.runs.activation_cache import cache
+from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.mapping import model_map
 from multihead.observers import registered
 

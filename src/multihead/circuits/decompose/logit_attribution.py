@@ -23,8 +23,8 @@ A block that normalises its attention's output before adding it to the stream (G
 sandwich norms, OLMo-2's post-norms: ``x + N(Σ_h z_h W^O_h + b^O)``) is read the same way: N
 is frozen at this run too (its scale from this run's attention output), so it is linear and
 head h writes ``N_lin(z_h W^O_h)``; the heads' writes, ``N_lin(b^O)`` and N's bias add up to
-exactly what the block added (:mod:`multihead.circuits.attention_writes` finds N at the run).
-Gemma's norms scale by ``1 + γ``; :class:`~multihead.circuits.frozen_norm.FrozenNorm` reads
+exactly what the block added (:mod:`multihead.circuits.runs.attention_writes` finds N at the run).
+Gemma's norms scale by ``1 + γ``; :class:`~multihead.circuits.runs.frozen_norm.FrozenNorm` reads
 either form. A family that caps its final logits (Gemma-2's ``final_logit_softcapping``:
 ``c · tanh(logit / c)``) is explained before the cap: the unembedding's output, which is what
 adds up; the cap is monotonic, applied to that sum.
@@ -53,16 +53,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_index, check_positive_int, describe, is_int
-from multihead.circuits.attention_writes import AttentionWrites
-from multihead.circuits.experiment import warn_if_random
-from multihead.circuits.frozen_norm import FrozenNorm
-from multihead.circuits.input_pair import model_inputs, run_model
-from multihead.circuits.patching import record_layers
-from multihead.circuits.steering import model_heads
+from multihead.circuits.runs.attention_writes import AttentionWrites
+from multihead.circuits.runs.experiment import warn_if_random
+from multihead.circuits.runs.frozen_norm import FrozenNorm
+from multihead.circuits.runs.input_pair import model_inputs, run_model
+from multihead.circuits.runs.layer_recording import record_layers
 from multihead.head_shard import every_head
-from multihead.mapping import model_map
+from multihead.map_types import Block, ModelMap
+from multihead.mapping import model_heads, model_map
 from multihead.observers import Removable, registered
-from multihead.sites import Block, ModelMap
 
 if dist.is_available():  # a torch built without distributed has no DTensor
     from torch.distributed.tensor import DTensor, Replicate

@@ -38,18 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
-from multihead.circuits.activation_cache import head_writes, projection_rows, stack_block
-from multihead.circuits.experiment import Experiment
+from multihead.circuits.runs.activation_cache import head_writes, projection_rows, stack_block
+from multihead.circuits.runs.experiment import Experiment
+from multihead.heads import head_label, mlp_label, mlp_layer, parse_head
+from multihead.map_types import ModelMap, output_tensor
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.sites import (
-    ModelMap,
-    head_label,
-    mlp_label,
-    mlp_layer,
-    output_tensor,
-    parse_head,
-)
 
 __all__ = [
     "EMBED",
@@ -136,7 +130,7 @@ class _Layer:
 class EdgeModel:
     """A model's senders and receivers, and the modules that make and read them.
 
-    Built by :meth:`of` from a checked :class:`~multihead.circuits.experiment.Experiment` (one
+    Built by :meth:`of` from a checked :class:`~multihead.circuits.runs.experiment.Experiment` (one
     probe forward of the clean or the corrupt input, with no gradient).
 
     Raises:
@@ -401,7 +395,7 @@ def _store_heads(
 
 def _linear_matrix(module: nn.Module, given: Tensor) -> Tensor | None:
     """M (out, E) of a module read as the per-token linear map x ↦ x Mᵀ + bias
-    (:func:`~multihead.circuits.activation_cache.projection_rows`, transposed); None unless it
+    (:func:`~multihead.circuits.runs.activation_cache.projection_rows`, transposed); None unless it
     has a 2-D weight and maps ``given`` (..., E), what the model gave it, per token."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.activation_cache import stack_block
-from multihead.sites import ModelMap
+from multihead.circuits.runs.activation_cache import stack_block
+from multihead.map_types import ModelMap
 
 __all__ = ["interpolated_embeddings", "path_points", "recorded_embeddings"]
 

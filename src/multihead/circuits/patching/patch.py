@@ -3,7 +3,7 @@ queries, keys, values, pattern and output.
 
 For a clean input and a corrupt one, patching site s of layer l (at position t, or at every
 position) replaces its activation, in the run of one input, with the activation the other
-input gave it (the sites and their shapes are :mod:`~multihead.circuits.activation_cache`'s)::
+input gave it (the sites and their shapes are :mod:`~multihead.circuits.runs.activation_cache`'s)::
 
     P[l]       = metric(target run with s_l := s_l(source)) - metric(target run)     residual
     P[l, t]    = the same with only position t replaced                              per_position
@@ -15,7 +15,7 @@ where (source, target) is (clean, corrupt) for ``"denoise"`` and (corrupt, clean
 ``"noise"``. Heads' outputs (``z``) are :func:`~multihead.patch_heads`'s, and ``result`` (a
 head's output through its slice of the output projection) patches to the same numbers: the slice
 is linear. The other sites run here, with the same stacking of variants along the batch and the
-same reuse of the blocks before the patched one (:mod:`~multihead.circuits.stacked_runs`):
+same reuse of the blocks before the patched one (:mod:`~multihead.circuits.runs.stacked_runs`):
 
 - ``resid_pre``, ``resid_post``: a forward pre-hook / hook on block l replaces its input /
   output; ``attn_out`` and ``mlp_out`` a hook on its attention / feed-forward module;
@@ -41,15 +41,17 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_indices, check_optional_positive_int, describe
-from multihead.circuits.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
-from multihead.circuits.experiment import Experiment
-from multihead.circuits.patch_result import PatchResult
-from multihead.circuits.patching import DIRECTIONS, chosen_heads, patch_heads, variant_chunks
-from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
+from multihead.circuits.patching.patch_heads import patch_heads
+from multihead.circuits.patching.patch_result import PatchResult
+from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
+from multihead.circuits.runs.experiment import Experiment
+from multihead.circuits.runs.input_pair import DIRECTIONS
+from multihead.circuits.runs.stacked_runs import run_stacked, stacked_metrics, variant_chunks
 from multihead.distributed.data_parallel import DataParallelGroup
+from multihead.heads import HeadName, chosen_heads
+from multihead.map_types import output_tensor, with_output_tensor
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall
-from multihead.sites import HeadName, output_tensor, with_output_tensor
 
 __all__ = ["patch"]
 
@@ -88,7 +90,7 @@ def patch(
         layers: the layers to patch (negative from the end); default all.
 
     Returns:
-        A :class:`~multihead.circuits.patch_result.PatchResult`: values (L,) or (L, T) for a
+        A :class:`~multihead.PatchResult`: values (L,) or (L, T) for a
         residual site, (L, H) or (L, H, T) per head (Hk for k and v), NaN where nothing was
         patched; the clean and corrupt metrics beside them.
 
@@ -262,7 +264,7 @@ class _SitePatch:
     ) -> list[Any]:
         """Register the hooks that patch ``chunk``'s variants (stacked, variant-major) of
         ``layer``'s site from ``src``; returns their handles. In a run of positions ``start``
-        … ``stop`` - 1 alone (:mod:`~multihead.circuits.suffix_runs`) the hooks see those
+        … ``stop`` - 1 alone (:mod:`~multihead.circuits.runs.suffix_runs`) the hooks see those
         positions, but keys and values, which hold every one up to ``stop``."""
         n = len(chunk)
         if self.site in _KV_SITES:

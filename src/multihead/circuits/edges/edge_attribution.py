@@ -1,7 +1,7 @@
 """Edge attribution patching (EAP; Syed et al., 2023) and its integrated-gradients form (EAP-IG;
 Hanna et al., "Have Faith in Faithfulness", 2024): every edge of the graph at once.
 
-With the graph of :mod:`~multihead.circuits.edge_graph` (senders write into the residual
+With the graph of :mod:`~multihead.circuits.edges.edge_graph` (senders write into the residual
 stream, receivers read it), an edge's score is
 
     S(s -> r) = Σ_{b, t, e} (w_s(corrupt) - w_s(clean))[b, t, e] · ∂m/∂x_r[b, t, e]
@@ -13,10 +13,10 @@ feed-forward network through its norm; the logits through the final norm). S est
 first order, how much the metric moves when that one edge carries the corrupt run's value in
 the clean run. With ``ig_steps = m > 1`` the gradient is the mean over the points
 ``x_α = corrupt + α (clean - corrupt)``, ``α = k / m``, k = 1 … m, of the embeddings
-(:mod:`~multihead.circuits.embedding_path`).
+(:mod:`~multihead.circuits.runs.embedding_path`).
 
 The gradients at the receivers' inputs come from ``ig_steps`` gradient runs
-(:class:`~multihead.circuits.receiver_gradients.ReceiverGradients`, which says how they are
+(:class:`~multihead.circuits.edges.receiver_gradients.ReceiverGradients`, which says how they are
 taken; the model's parameters ask for no gradient meanwhile, so the runs keep nothing for
 theirs), the senders' differences from the corrupt run (the graph's probe) and the clean one,
 which is the first gradient run (α = 1): a call is ``ig_steps + 1`` forwards.
@@ -33,20 +33,20 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_positive_int, describe
-from multihead.circuits.edge_graph import (
+from multihead.circuits.edges.edge_graph import (
     RECEIVER_KINDS,
     EdgeModel,
     Receiver,
     Sender,
 )
-from multihead.circuits.edge_scores import EdgeScores
-from multihead.circuits.embedding_path import (
+from multihead.circuits.edges.edge_scores import EdgeScores
+from multihead.circuits.edges.receiver_gradients import ReceiverGradients
+from multihead.circuits.runs.embedding_path import (
     interpolated_embeddings,
     path_points,
 )
-from multihead.circuits.experiment import Experiment, warn_if_random
-from multihead.circuits.input_pair import Metric
-from multihead.circuits.receiver_gradients import ReceiverGradients
+from multihead.circuits.runs.experiment import Experiment, warn_if_random
+from multihead.circuits.runs.metric import Metric
 
 __all__ = ["edge_attribution", "parse_kinds"]
 
@@ -95,7 +95,7 @@ def edge_attribution(
             the default) or ``"shared"`` (the key/value head, read by its whole group).
 
     Returns:
-        :class:`~multihead.circuits.edge_scores.EdgeScores`: values (N, R) in the metric's
+        :class:`~multihead.EdgeScores`: values (N, R) in the metric's
         dtype (float32 at least), NaN where there is no edge.
 
     Raises:

@@ -1,11 +1,12 @@
 """Forwards of patched variants stacked along the batch: how many fit one forward, one such
 forward with the blocks before the patched layer reused, and each variant's metric.
 
-:func:`~multihead.circuits.patching.patch_heads` and :func:`~multihead.circuits.paths.path_patching`
+:func:`~multihead.patch_heads` and :func:`~multihead.path_patching`
 run their variants this way: n copies of an input stacked along the batch, each edited by
 observers or q/k/v editors that know their copy, the blocks before the patched layer handing
-back their outputs from the unpatched run (:class:`~multihead.circuits.prefix_reuse.PrefixCache`),
-and the metric called once per copy on that copy's slice of the output.
+back their outputs from the unpatched run
+(:class:`~multihead.circuits.runs.prefix_reuse.PrefixCache`), and the metric called once per copy
+on that copy's slice of the output.
 
 Shapes: B batch, T tokens, H heads, Dv one head's output width, n stacked variants.
 """
@@ -20,11 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from multihead.circuits.input_pair import InputPair, Metric, metric_value, split_output
-from multihead.circuits.prefix_reuse import PrefixCache
+from multihead.circuits.runs.input_pair import InputPair, split_output
+from multihead.circuits.runs.metric import Metric, metric_value
+from multihead.circuits.runs.prefix_reuse import PrefixCache
 from multihead.observers import ObservableAttention, ObserverHandle
 
-__all__ = ["EndOfRun", "run_stacked", "stacked_metrics", "variants_per_forward"]
+__all__ = ["EndOfRun", "run_stacked", "stacked_metrics", "variant_chunks", "variants_per_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +140,15 @@ def stacked_metrics(
     errors)."""
     pieces = split_output(output, single, copies)
     return torch.stack([metric_value(metric, piece, pair.batch, what) for piece in pieces])
+
+
+def variant_chunks(
+    variants: list[tuple[int, int | None]], size: int, by_position: bool
+) -> list[tuple[int, int]]:
+    """The (first, end) of each forward's variants: ``size`` at most, and with
+    ``by_position`` all of one position (a run from that position on holds them)."""
+    bounds = [0]
+    for i in range(1, len(variants)):
+        if i - bounds[-1] == size or (by_position and variants[i][1] != variants[i - 1][1]):
+            bounds.append(i)
+    return list(zip(bounds, [*bounds[1:], len(variants)], strict=True))

@@ -24,18 +24,12 @@ from typing import Any
 from torch import Tensor, nn
 
 from multihead._checks import describe
-from multihead.circuits.input_pair import (
-    InputPair,
-    Metric,
-    metric_reader,
-    metric_value,
-    reduced_fields,
-)
-from multihead.circuits.prefix_reuse import PrefixCache
-from multihead.circuits.stacked_runs import variants_per_forward
-from multihead.circuits.steering import model_heads
-from multihead.circuits.suffix_runs import SuffixRuns
-from multihead.mapping import model_map
+from multihead.circuits.runs.input_pair import InputPair, reduced_fields
+from multihead.circuits.runs.metric import Metric, metric_reader, metric_value
+from multihead.circuits.runs.prefix_reuse import PrefixCache
+from multihead.circuits.runs.stacked_runs import variants_per_forward
+from multihead.circuits.runs.suffix_runs import SuffixRuns
+from multihead.mapping import model_heads, model_map
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
 from multihead.observers import ObservableAttention
 
@@ -77,7 +71,7 @@ class Experiment:
     Attributes:
         model: the model.
         found: its attention sites, ``(name, site)`` in layer order.
-        pair: the two inputs (:class:`~multihead.circuits.input_pair.InputPair`).
+        pair: the two inputs (:class:`~multihead.circuits.runs.input_pair.InputPair`).
         metric: ``metric(output) -> () or (B,)``, reading the logits or the whole output as
             the caller's ``metric_input`` said.
         metric_input: that: ``"logits"`` or ``"output"``.
@@ -101,7 +95,7 @@ class Experiment:
     ) -> Experiment:
         """Check the model (it has heads), the inputs (alike) and the metric (callable); the
         metric is then given what ``metric_input`` says (see
-        :func:`~multihead.circuits.input_pair.metric_reader`).
+        :func:`~multihead.circuits.runs.metric.metric_reader`).
 
         Raises:
             ValueError, TypeError: as the patching functions document for these arguments.
@@ -161,7 +155,7 @@ class Experiment:
         self, inputs: Any, unpatched: Unpatched, *, caller: str, log: logging.Logger
     ) -> SuffixRuns | None:
         """Runs of ``inputs`` from a later position on, for a per-position sweep on it
-        (:mod:`~multihead.circuits.suffix_runs`), or None (the reason logged on ``log``)."""
+        (:mod:`~multihead.circuits.runs.suffix_runs`), or None (the reason logged on ``log``)."""
         return SuffixRuns.build(
             self.pair, inputs, self.metric, self.metric_input, unpatched.output,
             unpatched.prefix, caller=caller, log=log,

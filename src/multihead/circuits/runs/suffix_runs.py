@@ -6,12 +6,12 @@ earlier position, its keys and values included, is the unpatched run's. A per-po
 each patch at t on the positions t … T-1 alone:
 
 - the model is called on them, their positions given through the map's
-  ``positions_argument`` (:class:`~multihead.sites.ModelMap`);
+  ``positions_argument`` (:class:`~multihead.map_types.ModelMap`);
 - each attention call gets the keys and values of positions 0 … t-1 from the unpatched run put
   before its own (a q/k/v editor; causality is aligned bottom-right, so each query sees the
   keys at or before its own position);
 - the blocks before the patched layer hand back their recorded outputs from t on
-  (:meth:`~multihead.circuits.prefix_reuse.PrefixCache.skipping_suffix`);
+  (:meth:`~multihead.circuits.runs.prefix_reuse.PrefixCache.skipping_suffix`);
 - the unembedding computes only the positions the metric reads (found once, below).
 
 The metric is then given the unpatched run's logits with the recomputed positions put in: at
@@ -47,11 +47,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.input_pair import InputPair, Metric, logits_of
-from multihead.circuits.prefix_reuse import PrefixCache
+from multihead.circuits.runs.input_pair import InputPair
+from multihead.circuits.runs.metric import Metric, logits_of
+from multihead.circuits.runs.prefix_reuse import PrefixCache
+from multihead.map_types import ModelMap, output_tensor
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, ObserverHandle, QKVEditor, registered
-from multihead.sites import ModelMap, output_tensor
 
 __all__ = ["SuffixRuns"]
 

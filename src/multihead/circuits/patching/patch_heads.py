@@ -18,10 +18,11 @@ of :func:`~multihead.circuits.steering.record_heads` and
   forward (chosen from the memory budget by default), each patched by one observer on the
   patched layer (an ``out`` replaced where a (variant, position, head) mask says so);
 - the blocks before the patched layer are not run again: they hand back their outputs from the
-  unpatched run, repeated for every variant (:class:`~multihead.circuits.prefix_reuse.PrefixCache`).
+  unpatched run, repeated for every variant
+  (:class:`~multihead.circuits.runs.prefix_reuse.PrefixCache`).
 
-The stacked forwards are :mod:`~multihead.circuits.stacked_runs`'s, shared with
-:mod:`~multihead.circuits.paths`.
+The stacked forwards are :mod:`~multihead.circuits.runs.stacked_runs`'s, shared with
+:mod:`~multihead.circuits.paths.path_patching`.
 
 Shapes: B batch, T tokens, L attention layers, H heads (the most any layer has), Dv one head's
 output width, n stacked variants.
@@ -29,7 +30,6 @@ output width, n stacked variants.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -38,76 +38,23 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe
-from multihead.circuits.experiment import Experiment
-from multihead.circuits.input_pair import InputPair, Metric
-from multihead.circuits.prefix_reuse import PrefixCache
-from multihead.circuits.stacked_runs import run_stacked, stacked_metrics
-from multihead.circuits.steering import HeadKey, head_table, resolve_head
-from multihead.circuits.suffix_runs import SuffixRuns
+from multihead.circuits.runs.experiment import Experiment
+from multihead.circuits.runs.input_pair import DIRECTIONS, InputPair
+from multihead.circuits.runs.layer_recording import check_recorded, record_layers
+from multihead.circuits.runs.metric import Metric
+from multihead.circuits.runs.prefix_reuse import PrefixCache
+from multihead.circuits.runs.stacked_runs import run_stacked, stacked_metrics, variant_chunks
+from multihead.circuits.runs.suffix_runs import SuffixRuns
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.head_shard import held_heads
-from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle, registered
-from multihead.sites import HeadName
+from multihead.heads import HeadName, chosen_heads, head_table
+from multihead.observers import AttentionCall, ObservableAttention, ObserverHandle
 
 __all__ = [
-    "check_recorded",
     "patch_heads",
-    "DIRECTIONS",
-    "record_layers",
-    "chosen_heads",
-    "variant_chunks",
 ]
 
 logger = logging.getLogger(__name__)
-
-DIRECTIONS = ("denoise", "noise")
-
-
-def chosen_heads(
-    heads: object, found: list[tuple[str, ObservableAttention]]
-) -> dict[int, list[int]]:
-    """``heads`` (None: every head; else ``(layer, head)`` pairs) as layer -> heads, in order."""
-    if heads is None:
-        return {layer: list(range(site.num_heads)) for layer, (_, site) in enumerate(found)}
-    if isinstance(heads, (str, bytes, Tensor)) or not isinstance(heads, Sequence):
-        raise TypeError(
-            f"heads must be None or a sequence of (layer, head) pairs, got {describe(heads)}"
-        )
-    if not heads:
-        raise ValueError("heads must name at least one (layer, head) pair, got none")
-    keys: list[HeadKey] = list(dict.fromkeys(resolve_head("heads item", k, found) for k in heads))
-    by_layer: dict[int, list[int]] = {}
-    for layer, head in sorted(keys):
-        by_layer.setdefault(layer, []).append(head)
-    return by_layer
-
-
-@contextlib.contextmanager
-def record_layers(found: list[tuple[str, ObservableAttention]], layers: Sequence[int]) -> Any:
-    """Within the block, ``recorded[layer]`` is the layer's per-head output (B, T, H, Dv) of
-    its latest call, detached."""
-    recorded: dict[int, Tensor] = {}
-
-    def make(layer: int) -> Any:
-        def observer(call: AttentionCall, out: Tensor) -> None:
-            recorded[layer] = out.detach()
-
-        return observer
-
-    with registered(found[layer][1].register_observer(make(layer)) for layer in layers):
-        yield recorded
-
-
-def check_recorded(
-    found: list[tuple[str, ObservableAttention]], layers: Sequence[int], recorded: dict[int, Tensor]
-) -> None:
-    """Every layer of ``layers`` was called (and so recorded) by the run: else a ValueError."""
-    missing = [layer for layer in layers if layer not in recorded]
-    if missing:
-        raise ValueError(
-            f"the model did not call attention layer {missing[0]} ({found[missing[0]][0]}) on "
-            f"the inputs: there is nothing to patch there"
-        )
 
 
 def _variant_mask(
@@ -270,18 +217,6 @@ def patch_heads(
         for where in places.values():
             result[where] = changes[where]
     return result
-
-
-def variant_chunks(
-    variants: list[tuple[int, int | None]], size: int, by_position: bool
-) -> list[tuple[int, int]]:
-    """The (first, end) of each forward's variants: ``size`` at most, and with
-    ``by_position`` all of one position (a run from that position on holds them)."""
-    bounds = [0]
-    for i in range(1, len(variants)):
-        if i - bounds[-1] == size or (by_position and variants[i][1] != variants[i - 1][1]):
-            bounds.append(i)
-    return list(zip(bounds, [*bounds[1:], len(variants)], strict=True))
 
 
 def _run_variants(

@@ -1,4 +1,4 @@
-"""The two ends of a path, as :func:`~multihead.circuits.paths.path_patching` reads them and
+"""The two ends of a path, as :func:`~multihead.path_patching` reads them and
 its result writes them.
 
 A **sender** is what changes between the two runs:
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from multihead._checks import check_index, describe, is_int
-from multihead.circuits.activation_cache import stack_block
-from multihead.circuits.steering import resolve_head
+from multihead.circuits.runs.activation_cache import stack_block
+from multihead.heads import head_label, mlp_label, mlp_layer, resolve_head
+from multihead.map_types import ModelMap
 from multihead.observers import ObservableAttention
-from multihead.sites import ModelMap, head_label, mlp_label, mlp_layer
 
 __all__ = ["LOGITS", "Member", "Receiver", "Sender", "parse_receivers", "parse_senders"]
 

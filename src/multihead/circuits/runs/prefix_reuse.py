@@ -23,8 +23,8 @@ a call is reused (``compare_first``), as they must be for such a metric.
 
 :func:`multihead.circuits.importance.head_importance` uses it; the reasons for running
 full forwards instead are logged on its logger, ``multihead.circuits.importance``;
-:func:`multihead.circuits.patching.patch_heads` uses it for stacked variants and logs on
-``multihead.circuits.patching``.
+:func:`multihead.patch_heads` uses it for stacked variants and logs on
+``multihead.circuits.patching.patch_heads``.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from multihead.map_types import Site, output_tensor, with_output_tensor
 from multihead.mapping import model_map
 from multihead.observers import ObservableAttention
 from multihead.packing import PackedBatch
-from multihead.sites import Site, output_tensor, with_output_tensor
 
 __all__ = ["PrefixCache"]
 
@@ -130,7 +130,7 @@ def _copy(value: Any, copies: int = 1) -> Any:
 
 def _from(output: Any, start: int, stop: int | None, copies: int) -> Any:
     """A recorded block output's positions ``start`` … ``stop`` - 1: its residual stream
-    (:func:`~multihead.sites.output_tensor`, (B, T, E)) cut along T and repeated ``copies``
+    (:func:`~multihead.map_types.output_tensor`, (B, T, E)) cut along T and repeated ``copies``
     times along the batch; the other items as recorded."""
     stream = output_tensor(output)
     if not isinstance(stream, Tensor):
@@ -316,7 +316,7 @@ class PrefixCache:
 
         Their arguments are not compared: such a run gives them other shapes than the
         recorded ones (fewer positions). Whoever runs it checks once that it reproduces the
-        recorded run (:class:`~multihead.circuits.suffix_runs.SuffixRuns` does).
+        recorded run (:class:`~multihead.circuits.runs.suffix_runs.SuffixRuns` does).
         """
         never = len(self.order)
         first = self._first_call(layer)

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.edge_graph import LOGITS, EdgeModel, Receiver, Sender
-from multihead.circuits.edge_scores import Circuit, circuit_edges
-from multihead.circuits.experiment import Experiment, warn_if_random
-from multihead.circuits.input_pair import Metric
+from multihead.circuits.edges.edge_graph import LOGITS, EdgeModel, Receiver, Sender
+from multihead.circuits.edges.edge_scores import Circuit, circuit_edges
+from multihead.circuits.runs.experiment import Experiment, warn_if_random
+from multihead.circuits.runs.metric import Metric
 from multihead.observers import AttentionCall, Removable, registered
 
 __all__ = ["CircuitRuns", "faithfulness"]
@@ -43,7 +43,7 @@ def faithfulness(
 
     Args:
         model, clean, corrupt, metric: as for :func:`~multihead.edge_attribution`.
-        circuit: a :class:`~multihead.circuits.edge_scores.Circuit` (``EdgeScores.circuit(n)``)
+        circuit: a :class:`~multihead.Circuit` (``EdgeScores.circuit(n)``)
             or a sequence of edge labels (``"L0H1 -> L1H3.k"``; receivers q, k, v and the logits).
 
     Returns:

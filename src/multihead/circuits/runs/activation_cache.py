@@ -36,12 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import describe, is_int
-from multihead.circuits.input_pair import model_inputs, run_model
-from multihead.circuits.steering import model_heads
-from multihead.mapping import model_map
+from multihead.circuits.runs.input_pair import model_inputs, run_model
+from multihead.map_types import Block, ModelMap, output_tensor
+from multihead.mapping import model_heads, model_map
 from multihead.observe.recorder import capture
 from multihead.observers import AttentionCall, Removable, registered
-from multihead.sites import Block, ModelMap, output_tensor
 
 __all__ = [
     "SITES",

@@ -1,6 +1,6 @@
 """The gradients of a grouped-query attention's keys and values as each query head reads them,
 without repeating the keys and values per query head: edge attribution's key and value
-receivers per query head (:mod:`~multihead.circuits.receiver_gradients`, ``kv="query_head"``).
+receivers per query head (:mod:`~multihead.circuits.edges.receiver_gradients`, ``kv="query_head"``).
 
 A key/value head is read by the G query heads of its group; the gradient of the metric at its
 keys (values) is the sum of G parts, one per query head, and each part is the gradient through

@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from multihead._checks import check_choice, check_positive_int, describe
-from multihead.circuits.edge_graph import EMBED, LOGITS
+from multihead.circuits.edges.edge_graph import EMBED, LOGITS
 from multihead.viz.circuit_graph import circuit_figure
 
 __all__ = ["METHODS", "Circuit", "EdgeScores", "circuit_edges"]

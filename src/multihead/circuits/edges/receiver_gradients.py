@@ -1,14 +1,15 @@
 """The gradient runs of edge attribution
-(:func:`~multihead.circuits.edge_attribution.edge_attribution`): the gradient of the metric at
+(:func:`~multihead.edge_attribution`): the gradient of the metric at
 every receiver's own input, summed over the runs and scored against the senders before it.
 
 Each run is one forward and one backward from the metric to zeros ξ added to each head's
 queries, keys and values (a q/k/v editor), to each feed-forward norm's input and to the final
 norm's input, and to the q/k/v projections' outputs. A feed-forward network's and the logits'
 gradients are summed over the runs and scored once. A head's gradient at the stream is its own
-columns g of the projections' outputs (:mod:`~multihead.circuits.projection_columns`) times the
-same rows of the projections' matrices M, then the norm's backward. Where the norm is a
-LayerNorm or RMSNorm, y = γ ⊙ c / σ (+ β) with c the stream x (less its mean for a LayerNorm),
+columns g of the projections' outputs
+(:mod:`~multihead.circuits.edges.projection_columns`) times the same rows of the
+projections' matrices M, then the norm's backward. Where the norm is a LayerNorm
+or RMSNorm, y = γ ⊙ c / σ (+ β) with c the stream x (less its mean for a LayerNorm),
 that backward is written out,
 
     Jᵀu = v - mean(v) - c ⟨v, c⟩ / (E σ²),    v = γ ⊙ u / σ,    u = g M
@@ -35,7 +36,7 @@ is its forward's, freed as the backward goes.
 
 On a grouped-query model with ``kv="query_head"``, the key and value gradients of each query
 head come from its own attention recomputed from the recorded q, k and v
-(:mod:`~multihead.circuits.query_head_kv`): keys and values are never repeated per query head.
+(:mod:`~multihead.circuits.edges.query_head_kv`): keys and values are never repeated per query head.
 
 Shapes: B batch, T tokens, E residual width, N senders (n: those before a receiver), R
 receivers, BT = B·T.
@@ -52,10 +53,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.edge_graph import LOGITS, EdgeModel, Receiver
-from multihead.circuits.frozen_norm import FrozenNorm
-from multihead.circuits.projection_columns import ProjectionColumns, walked
-from multihead.circuits.query_head_kv import query_head_kv_grads
+from multihead.circuits.edges.edge_graph import LOGITS, EdgeModel, Receiver
+from multihead.circuits.edges.projection_columns import ProjectionColumns, walked
+from multihead.circuits.edges.query_head_kv import query_head_kv_grads
+from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.observers import AttentionCall, Removable, registered
 
 __all__ = ["ReceiverGradients"]
