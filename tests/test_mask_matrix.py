@@ -1,6 +1,6 @@
 """The core's contract as a matrix: each mask form, dtype and backend against the float64 reference.
 
-``multihead.functional.attention`` promises (README, "Conventions" and "The core"):
+``multihead.functional.attention`` promises (docs/attention.md, "Conventions" and "The core"):
 
 - any bool or float mask that broadcasts to (..., H, T, S) is accepted, rank 0 and 1 included;
 - causal masking is bottom-right aligned: query i sees key j <= i + (S - T);

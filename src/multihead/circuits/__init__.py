@@ -2,14 +2,24 @@
 
 Everything here acts through the one observer channel
 (:meth:`multihead.MultiHeadAttention.register_observer`, its q/k/v editors, and the sites of
-:mod:`multihead.hf`): ``intervene`` ablates, scales or patches heads and ``record_heads``
-records their outputs (``steering.py``); ``head_importance`` scores every head
-(``importance.py``, reusing unchanged blocks' outputs: ``prefix_reuse.py``); ``patch_heads``
-(activation patching, ``patching.py``, on the stacked forwards of ``stacked_runs.py`` and the
-clean/corrupt inputs of ``input_pair.py``), ``attribution_patching`` (``attribution.py``),
-``path_patching`` (``paths.py``) and ``logit_attribution`` (``direct_logit_attribution.py``)
-find the heads that carry what differs between two inputs. Seeing heads (capture, statistics)
-is :mod:`multihead.observe`, one floor below.
+:mod:`multihead.hf`), on one model and one clean/corrupt pair at a time:
+
+- ``runs/``, the engine: the experiment (a model, its sites, the pair and the metric), how the
+  model is called, the prefix, stacked and suffix runs, and ``cache`` (an ``ActivationCache``
+  of the residual stream and every head, TransformerLens's names);
+- ``steering.py``: ``intervene`` ablates, scales or patches heads, ``record_heads`` records
+  their outputs (a ``HeadRecording``); ``importance.py``: ``head_importance`` scores every head;
+- ``patching/``: activation patching, ``patch`` (every site) and ``patch_heads`` (a head's
+  output), and ``attribution_patching`` (its first-order estimate), each measured as a
+  ``PatchResult``;
+- ``paths/``: ``path_patching`` (does a sender reach the metric through a receiver's q, k or v);
+- ``edges/``: ``edge_attribution`` (EAP, EAP-IG) scores the edges of the graph as
+  ``EdgeScores``, whose ``Circuit`` ``faithfulness`` measures (``faithfulness_curve``: a
+  ``FaithfulnessCurve`` over circuit sizes);
+- ``decompose/``: exact splits of one number: ``logit_attribution`` (a ``LogitAttribution``),
+  ``logit_lens`` (a ``LogitLens``) and ``qk_attribution`` (a ``QKAttribution``).
+
+Seeing heads (capture, statistics) is :mod:`multihead.observe`, floors below.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Models built from multihead's layers, pure modules (ids in, hidden states or logits out): a BERT
-encoder (``bert``) and a small causal LM (``lm``). Nothing here reads text or checkpoints of other
-libraries: that is :mod:`multihead.text` and :mod:`multihead.pretrained`, above this package."""
+encoder (``BertModel``, configured by a ``BertConfig``) and a small causal LM (``TransformerLM``,
+an ``LMConfig``). Nothing here reads text or checkpoints of other libraries: that is
+:mod:`multihead.text` and :mod:`multihead.pretrained`, above this package."""
 
 from __future__ import annotations
 

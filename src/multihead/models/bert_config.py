@@ -35,7 +35,7 @@ class BertConfig:
         max_position_embeddings: the longest input, in tokens.
         type_vocab_size: rows of the token-type (segment) embedding.
         layer_norm_eps: epsilon of every LayerNorm (> 0).
-        activation: the feed-forward activation, a :data:`multihead.layers.ACTIVATIONS` name:
+        activation: the feed-forward activation, a :data:`multihead.layer_parts.ACTIVATIONS` name:
             "gelu" (exact), "gelu_tanh", "relu" or "silu".
         pad_token_id: the id of [PAD], in [0, vocab_size).
         hidden_dropout_prob: dropout on embeddings and residual branches (training only).

@@ -1,11 +1,13 @@
 """See attention through MultiHeadAttention's one observer channel.
 
-``capture`` records chosen layers, heads and query rows; ``head_statistics`` summarises heads
-(``statistics_over_batches`` over many token batches; ``head_distances_over_batches`` maps heads
-by how alike they attend; the loops over texts, ``corpus_statistics`` and ``head_distances``, are
-:mod:`multihead.text`'s: nothing here reads text);
-steering heads and finding the ones a behaviour runs through (``intervene``, ``patch_heads``,
-...) is :mod:`multihead.circuits`, one floor up. Everything here is an observer
+``capture`` records chosen layers, heads and query rows (a ``Recorder`` of
+``CapturedAttention``); ``head_statistics`` summarises heads as ``HeadStatistics`` (the
+``METRICS`` it computes; ``statistics_over_batches`` over many token batches;
+``head_distances_over_batches`` maps heads by how alike they attend, a ``HeadMap``); the loops
+over texts, ``corpus_statistics`` and ``head_distances``, are :mod:`multihead.text`'s: nothing
+here reads text. ``attention_modules`` (from :mod:`multihead.mapping`) lists a model's sites.
+Steering heads and finding the ones a behaviour runs through (``intervene``, ``patch_heads``,
+...) is :mod:`multihead.circuits`, floors up. Everything here is an observer
 (:meth:`multihead.MultiHeadAttention.register_observer`).
 """
 

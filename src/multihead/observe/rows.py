@@ -27,7 +27,6 @@ from multihead.score_mods import SINK_WEIGHTS, modified_attention
 
 __all__ = [
     "observe_rows",
-    "resolve_rows",
     "row_values",
     "row_weights",
     "RowIndex",
@@ -55,11 +54,6 @@ def _head_pairs(heads: object) -> list[tuple[int, int]] | None:
 def row_values(rows: Rows, t: int) -> list[int]:
     """The query rows chosen by ``rows`` for a query length T, as ints in [0, T), in order."""
     return RowIndex(rows).values(t)
-
-
-def resolve_rows(rows: Rows, t: int, device: torch.device) -> Tensor:
-    """The query rows (R,) int64 chosen by ``rows`` for a query length T."""
-    return RowIndex(rows)(t, device)
 
 
 class RowIndex:

@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from multihead._checks import describe, is_int
@@ -309,7 +308,3 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         "optimizer_state": optimizer_state,
         "state": state,
     }
-
-
-def to_device(tensors: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {k: v.to(device) for k, v in tensors.items()}

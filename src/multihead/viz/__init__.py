@@ -1,6 +1,10 @@
-"""Pictures of attention: heatmap grids and single heads (matplotlib), the heatmap of patching
-effects (``effects_figure``, which :meth:`multihead.PatchResult.plot` draws with), and one
-self-contained interactive HTML page.
+"""Pictures of attention: heatmap grids and single heads (matplotlib: ``grid_figure``,
+``head_figure``, saved by ``save_figure`` in the ``FORMATS`` that ``check_formats`` and
+``check_output_dir`` check), the heatmap of patching effects (``effects_figure``, which
+:meth:`multihead.PatchResult.plot` draws with), a circuit's graph and faithfulness curves
+(``circuit_figure``, ``faithfulness_figure``), the head map (``heads_map_figure``,
+``save_heads_map``) and one self-contained interactive HTML page (``render_page``,
+``write_page``, its weights packed by ``encode_weights``).
 
 matplotlib and rich come with the ``viz`` extra (``pip install 'multihead[viz]'``); they are
 imported only when a picture is drawn, so importing this package costs nothing.

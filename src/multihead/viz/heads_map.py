@@ -1,6 +1,6 @@
 """The head map: every head a point, placed by how alike heads attend, coloured by layer.
 
-The positions come from :func:`multihead.observe.head_distance.head_distances` (classical MDS of
+The positions come from :func:`multihead.head_distances` (classical MDS of
 the mean Jensen–Shannon distances, as in Clark et al. 2019, figure 6); the labels from
 :meth:`HeadStatistics.roles <multihead.observe.statistics.HeadStatistics.roles>`. Drawing only:
 the math lives in ``observe/head_distance.py``.

@@ -53,7 +53,6 @@ __all__ = [
     "EdgeModel",
     "Receiver",
     "Sender",
-    "edge_label",
 ]
 
 EMBED = "embed"
@@ -106,11 +105,6 @@ class Receiver:
     def stage(self) -> int:
         """When it reads: layer l's heads at 2l + 1 (before they write), its MLP at 2l + 2."""
         return 2 * self.layer + (2 if self.kind in ("mlp", LOGITS) else 1)
-
-
-def edge_label(sender: Sender, receiver: Receiver) -> str:
-    """``"L0H1 -> L1H3.k"``."""
-    return f"{sender.label} -> {receiver.label}"
 
 
 @dataclass

@@ -219,7 +219,7 @@ class ReceiverGradients:
         for layer, run in enumerate(runs):
             projected_grads = {i: grad_of(p) for i, p in run.projected.items()}
             for pending in run.pending:
-                self._sum(layer, run, pending, self._parts(layer, pending, projected_grads))
+                self._sum(layer, run, pending, self._parts(pending, projected_grads))
         return value
 
     def finish(self) -> None:
@@ -426,7 +426,7 @@ class ReceiverGradients:
         self._add_columns(entry.receivers, values)
 
     def _parts(
-        self, layer: int, pending: _Pending, projected_grads: dict[int, Tensor | None]
+        self, pending: _Pending, projected_grads: dict[int, Tensor | None]
     ) -> list[Tensor | None]:
         """Per projection (BT, R, width): the pending rounds' gradients on each receiving
         head's columns: those taken through the layer's graph as they arrived, else (a whole

@@ -255,7 +255,8 @@ class PrefixCache:
         return None
 
     def _record(self, run: Run) -> Tensor:
-        def make_forward(index: int, block: nn.Module) -> Callable[..., Any]:
+        def make_forward(index: int) -> Callable[..., Any]:
+            block = self.blocks[index]
             real = type(block).forward
 
             def forward(*args: Any, **kwargs: Any) -> Any:
@@ -322,7 +323,7 @@ class PrefixCache:
         first = self._first_call(layer)
         counts: dict[int, int] = {}
 
-        def make_forward(index: int, block: nn.Module) -> Callable[..., Any] | None:
+        def make_forward(index: int) -> Callable[..., Any] | None:
             rank = self.order.get(index, never)
             own = written is not None and rank == first
             if rank >= first and not own:
@@ -348,9 +349,10 @@ class PrefixCache:
         """Blocks whose first call ranked below ``first`` hand back their recorded outputs."""
         counts: dict[int, int] = {}
 
-        def make_forward(index: int, block: nn.Module) -> Callable[..., Any] | None:
+        def make_forward(index: int) -> Callable[..., Any] | None:
             if self.order.get(index, first) >= first:
                 return None
+            block = self.blocks[index]
             real = type(block).forward
             recorded = self.calls[index]
 
@@ -385,7 +387,7 @@ class _patched:
     def __init__(
         self,
         blocks: list[nn.Module],
-        make_forward: Callable[[int, nn.Module], Callable[..., Any] | None],
+        make_forward: Callable[[int], Callable[..., Any] | None],
     ) -> None:
         self.blocks = blocks
         self.make_forward = make_forward
@@ -394,7 +396,7 @@ class _patched:
     def __enter__(self) -> None:
         try:
             for index, block in enumerate(self.blocks):
-                forward = self.make_forward(index, block)
+                forward = self.make_forward(index)
                 if forward is not None:
                     block.forward = forward
                     self.patched.append(block)

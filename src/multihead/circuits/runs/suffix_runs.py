@@ -260,7 +260,7 @@ class SuffixRuns:
         with (
             registered(self._editors(start, t, n)),
             registered(hooks()),
-            self._cut(index, start),
+            self._cut(index),
             skipping,
         ):
             output = self.pair.run_suffix(self.inputs, start, n, self.mapped.positions_argument)
@@ -327,7 +327,7 @@ class SuffixRuns:
         self.dirty = self.dirty[:0]
         return self.buffer[: n * b]
 
-    def _cut(self, index: Tensor, start: int) -> Any:
+    def _cut(self, index: Tensor) -> Any:
         """Within the block, the unembedding computes only the positions ``index`` (counted
         from ``start``) of its input, when the metric's positions are known."""
         unembedding = self.mapped.unembedding
