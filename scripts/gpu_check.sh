@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check: the test suite on a GPU (MULTIHEAD_TEST_DEVICE), then the GPU benchmarks, in
 # one command that fits a 10-minute run on a bare machine with PyTorch and transformers installed
-# and no package index. Anything else it needs travels as wheels in .whl/ (see the README,
+# and no package index. Anything else it needs travels as wheels in .whl/ (see docs/setup.md,
 # "Run the suite on a GPU"); they are installed into $WHEEL_TARGET (default /tmp/site).
 #
 # Usage: bash scripts/gpu_check.sh [--device cuda|cpu] [--quick] [--workers N]

@@ -387,11 +387,11 @@ def test_blocks_before_the_patched_layer_are_not_run(device: torch.device) -> No
     ids = torch.randint(V, (2, 5), device=device)
     other = torch.randint(V, (2, 5), device=device)
     path_patching(lm, ids, other, _last_logprob(1), [(0, 0), (0, 1)], [(2, 0)], batch_size=2)
-    # corrupt (whole: its metric is reported), clean recording the frozen layer 1 (ends there),
-    # clean and check (the last layer only) of the prefix reuse, run 1 (one forward of both
-    # senders, from layer 0, ending at layer 2's inputs), run 2 (6 variants, 3 forwards, from
-    # layer 2)
-    assert calls == [1 + 1 + 1 + 1, 1 + 1 + 1 + 1, 1 + 1 + 1 + 1 + 3]
+    # corrupt (whole: its metric is reported), clean once (recording the frozen layer 1 and the
+    # blocks for prefix reuse), the check of the prefix reuse (the last layer only), run 1 (one
+    # forward of both senders, from layer 0, ending at layer 2's inputs), run 2 (6 variants, 3
+    # forwards, from layer 2)
+    assert calls == [1 + 1 + 1, 1 + 1 + 1, 1 + 1 + 1 + 1 + 3]
 
 
 @pytest.mark.cpu_only

@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "record_heads": "multihead.circuits.steering",
     "head_importance": "multihead.circuits.importance",
     "patch_heads": "multihead.circuits.patching.patch_heads",
+    "Experiment": "multihead.circuits.runs.experiment",
     "patch": "multihead.circuits.patching.patch",
     "PatchResult": "multihead.circuits.patching.patch_result",
     "attribution_patching": "multihead.circuits.patching.attribution_patching",

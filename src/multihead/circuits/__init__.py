@@ -4,8 +4,9 @@ Everything here acts through the one observer channel
 (:meth:`multihead.MultiHeadAttention.register_observer`, its q/k/v editors, and the sites of
 :mod:`multihead.hf`), on one model and one clean/corrupt pair at a time:
 
-- ``runs/``, the engine: the experiment (a model, its sites, the pair and the metric), how the
-  model is called, the prefix, stacked and suffix runs, and ``cache`` (an ``ActivationCache``
+- ``runs/``, the engine: the ``Experiment`` (a model, its sites, the pair and the metric, each
+  input run unpatched at most once and recorded for every function run on it), how the model is
+  called, the prefix, stacked and suffix runs, and ``cache`` (an ``ActivationCache``
   of the residual stream and every head, TransformerLens's names);
 - ``steering.py``: ``intervene`` ablates, scales or patches heads, ``record_heads`` records
   their outputs (a ``HeadRecording``); ``importance.py``: ``head_importance`` scores every head;
@@ -32,6 +33,7 @@ _LAZY: dict[str, str] = {
     "HeadRecording": "multihead.circuits.steering",
     "head_importance": "multihead.circuits.importance",
     "patch_heads": "multihead.circuits.patching.patch_heads",
+    "Experiment": "multihead.circuits.runs.experiment",
     "patch": "multihead.circuits.patching.patch",
     "PatchResult": "multihead.circuits.patching.patch_result",
     "attribution_patching": "multihead.circuits.patching.attribution_patching",

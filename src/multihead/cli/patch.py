@@ -179,20 +179,23 @@ def _patch(
         print_warnings(caught)
         print_split(experiment.model)
 
+    runs = multihead.Experiment.of(
+        experiment.model, experiment.clean, experiment.corrupt, experiment.metric
+    )
     if args.site != "z":
-        return _patch_site(args, experiment, shown, out, formats)
-    run = (experiment.model, experiment.clean, experiment.corrupt, experiment.metric)
+        return _patch_site(args, experiment, runs, shown, out, formats)
     with status("Patching…", shown):
+        _record(runs, args.direction, paths=bool(senders))
         paths_table = None
         if senders:  # first: its checks of the heads come before the long runs
             paths_table = multihead.path_patching(
-                *run, senders, receivers, direction="noise"
+                runs, senders=senders, receivers=receivers, direction="noise"
             )  # (N, R, 3): the clean run, each sender from the corrupt one
-        effects = multihead.patch(*run, direction=args.direction)
-        estimates = multihead.attribution_patching(*run, direction=args.direction).values
+        effects = multihead.patch(runs, direction=args.direction)
+        estimates = multihead.attribution_patching(runs, direction=args.direction).values
         top = _cells(effects, args.top)
         positions = multihead.patch(
-            *run, direction=args.direction, per_position=True, heads=top
+            runs, direction=args.direction, per_position=True, heads=top
         )  # fmt: skip
         # the page's forwards: rank 0's, and every rank's when the model's forward is collective
         page = _page_inputs(experiment) if "html" in formats and (shown or tp) else None
@@ -213,9 +216,25 @@ def _patch(
     return 0
 
 
+def _record(runs: Any, direction: str, *, paths: bool, site: str = "z") -> None:
+    """Run the two inputs once, recording what every function the command runs on them reads:
+    the patched site on the source (and the heads' outputs); on the target the blocks for
+    prefix reuse, its keys and values (per-position runs) and, for ``site`` z, the heads'
+    gradients (attribution patching). With ``paths`` (path patching noises, the clean run
+    patched), the clean run's blocks too."""
+    source, target = runs.ends(direction)
+    layers = range(len(runs.found))
+    heads = [("z", layer) for layer in layers]
+    patched = [(site, layer) for layer in layers]
+    keys = [(s, layer) for layer in layers for s in ("k", "v")]
+    runs.run(source, sites=[*heads, *patched], prefix=paths and source == "clean")
+    runs.run(target, sites=[*heads, *keys], prefix=True, gradients=site == "z")
+
+
 def _patch_site(
     args: argparse.Namespace,
     experiment: PatchExperiment,
+    runs: Any,
     shown: bool,
     out: Path,
     formats: list[str],
@@ -223,16 +242,16 @@ def _patch_site(
     """``--site`` other than z: :func:`multihead.patch` of that site, the cells that move the
     metric most, and a layer x position map (residual sites) or the heads' maps."""
     site, direction = args.site, args.direction
-    run = (experiment.model, experiment.clean, experiment.corrupt, experiment.metric)
     residual = site in RESIDUAL_SITES
     with status("Patching…", shown):
-        result = multihead.patch(*run, site=site, direction=direction, per_position=residual)
+        _record(runs, direction, paths=False, site=site)
+        result = multihead.patch(runs, site=site, direction=direction, per_position=residual)
         top_cells = result.top(args.top)
         positions = None
         if not residual:
             heads = _cells(result, args.top)
             positions = multihead.patch(
-                *run, site=site, direction=direction, per_position=True, heads=heads
+                runs, site=site, direction=direction, per_position=True, heads=heads
             )
     if not shown:
         return 0

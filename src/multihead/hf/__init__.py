@@ -21,9 +21,16 @@ with layers = the routed attention modules in module order. While any observer i
 the model runs on ``"multihead"``; its previous implementation comes back when the last one is
 removed.
 
-Refused, with an error naming the model family and the feature (never a different result):
-attention-logit softcapping (Gemma-2, ...), attention sinks (GPT-OSS, ...), paged caches, and
-families whose attention is not routed through the interface.
+Attention-logit softcapping (``softcap``: Gemma-2, ...) and attention sinks (``s_aux`` /
+``sinks``: GPT-OSS, ...) go to the core function's ``softcap=`` and ``sinks=``: the forward,
+``output_attentions`` (with sinks in the family's own convention,
+:func:`multihead.hf.forward.sink_weights_of`) and every observer see what ``"eager"`` computes.
+
+Refused, with an error naming the model family and the feature (never a different result): a
+keyword argument carrying data that sdpa would ignore but eager may honour, sinks of a shape the
+core does not take, paged caches (``NotImplementedError``); and observing a family whose
+attention is not routed through the interface, computed partly outside it, or made of several
+calls per layer (``ValueError``).
 
 This package is the bridge only. :mod:`multihead.hf.loading` reads a model from local files for
 :func:`multihead.pretrained.load_text_model`, which wraps it with its tokenizer as a

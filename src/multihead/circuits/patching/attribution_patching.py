@@ -17,7 +17,7 @@ Shapes: B batch, T tokens, L layers, H heads (the most any layer has), Dv one he
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -25,7 +25,12 @@ from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_positive_int, describe
 from multihead.circuits.patching.patch_result import PatchResult
-from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
+from multihead.circuits.runs.activation_cache import (
+    RESIDUAL_SITES,
+    SITES,
+    SiteRecorder,
+    stack_block,
+)
 from multihead.circuits.runs.embedding_path import (
     interpolated_embeddings,
     path_points,
@@ -33,8 +38,7 @@ from multihead.circuits.runs.embedding_path import (
 )
 from multihead.circuits.runs.experiment import Experiment, warn_if_random
 from multihead.circuits.runs.input_pair import DIRECTIONS
-from multihead.circuits.runs.layer_recording import record_layers
-from multihead.circuits.runs.metric import Metric, metric_value
+from multihead.circuits.runs.metric import Metric
 from multihead.head_shard import every_head
 from multihead.heads import head_table
 from multihead.mapping import model_map
@@ -42,12 +46,14 @@ from multihead.observers import AttentionCall, Removable, registered
 
 __all__ = ["attribution_patching"]
 
+logger = logging.getLogger(__name__)
+
 
 def attribution_patching(
-    model: nn.Module,
-    clean: Any,
-    corrupt: Any,
-    metric: Metric,
+    model: nn.Module | Experiment,
+    clean: Any = None,
+    corrupt: Any = None,
+    metric: Metric | None = None,
     *,
     per_position: bool = False,
     direction: str = "denoise",
@@ -113,7 +119,7 @@ def attribution_patching(
     if not isinstance(per_position, bool):
         raise TypeError(f"per_position must be a bool, got {describe(per_position)}")
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
-    warn_if_random(model, "attribution_patching")
+    warn_if_random(experiment.model, "attribution_patching")
     dims = PatchResult.site_dims(site, per_position)
     if site not in ("z", "result"):  # result is linear in z: the same estimate
         values, source_value, target_value = _SiteAttribution(experiment, site).estimate(
@@ -134,48 +140,28 @@ def _estimate_heads(
 ) -> tuple[Tensor, float, float]:
     """Every head's estimate (L, H) or (L, H, T), and the metric on the source and target
     runs."""
-    found, pair = experiment.found, experiment.pair
-    source, target = pair.pick(direction)
+    found = experiment.found
+    source, target = experiment.ends(direction)
     layers = list(range(len(found)))
-
-    with torch.no_grad(), record_layers(found, layers) as sources:
-        source_value = experiment.value(source, "source run")
-    xis: dict[int, Tensor] = {}
-    targets: dict[int, Tensor] = {}
-    leaves = (
-        site.register_observer(_leaf(layer, xis, targets)) for layer, (_, site) in enumerate(found)
-    )
-    points = path_points(ig_steps)
-    if ig_steps > 1:  # the path between the two runs' embeddings (embedding_path.py)
-        mapped = model_map(experiment.model)
-        with torch.no_grad(), recorded_embeddings(mapped, "attribution_patching") as embedded:
-            experiment.value(source, "source run")
-            experiment.value(target, "target run")
-    summed: list[Tensor | None] = []
-    with registered(leaves), experiment.activation_gradients():
-        for alpha in points:
-            path = (
-                interpolated_embeddings(
-                    mapped, embedded[0], embedded[1], alpha, "attribution_patching"
-                )
-                if ig_steps > 1
-                else contextlib.nullcontext()
-            )
-            with path, torch.enable_grad():
-                value = experiment.value(target, "target run")
-                if not value.requires_grad:
-                    raise ValueError(
-                        "attribution_patching needs metric(output) to depend on the heads "
-                        "through autograd: its result does not require grad (does it detach "
-                        "the output or run under torch.no_grad()?)"
-                    )
-                ran = [layer for layer in layers if layer in xis]
-                step = torch.autograd.grad(value, [xis[layer] for layer in ran], allow_unused=True)
-            summed = list(step) if not summed else [
-                a if b is None else (b if a is None else a + b)
-                for a, b in zip(summed, step, strict=True)
-            ]  # fmt: skip
-    grads = [None if g is None else g / ig_steps for g in summed]
+    head_sites = [("z", layer) for layer in layers]
+    caller = "attribution_patching"
+    with torch.no_grad():
+        recorded = experiment.run(source, sites=head_sites, caller=caller, log=logger)
+    sources = {
+        layer: recorded.sites["z", layer] for layer in layers if ("z", layer) in recorded.sites
+    }
+    source_value = recorded.value
+    if ig_steps == 1:  # the target's own run, its heads' gradients taken once
+        unpatched = experiment.run(
+            target, sites=head_sites, gradients=True, caller=caller, log=logger
+        )
+        assert unpatched.gradients is not None
+        ran = [layer for layer in layers if layer in unpatched.gradients]
+        grads = [unpatched.gradients[layer] for layer in ran]
+        targets = {layer: unpatched.sites["z", layer] for layer in ran}
+        value = unpatched.value
+    else:
+        grads, targets, value, ran = _integrated(experiment, source, target, ig_steps)
     dtype = torch.promote_types(value.dtype, torch.float32)
     lengths = {sources[layer].shape[1] for layer in ran}
     if per_position and len(lengths) > 1:
@@ -194,6 +180,47 @@ def _estimate_heads(
         heads = per_token.shape[1]
         result[layer, :heads] = per_token.T if per_position else per_token.sum(0)
     return result, float(source_value), float(value.detach())
+
+
+def _integrated(
+    experiment: Experiment, source: str, target: str, ig_steps: int
+) -> tuple[list[Tensor | None], dict[int, Tensor], Tensor, list[int]]:
+    """The heads' gradients averaged over the ``ig_steps`` points of the path between the two
+    runs' embeddings (embedding_path.py), the target's heads' outputs, its metric and the
+    layers that ran."""
+    found = experiment.found
+    layers = list(range(len(found)))
+    xis: dict[int, Tensor] = {}
+    targets: dict[int, Tensor] = {}
+    leaves = (
+        site.register_observer(_leaf(layer, xis, targets)) for layer, (_, site) in enumerate(found)
+    )
+    mapped = model_map(experiment.model)
+    with torch.no_grad(), recorded_embeddings(mapped, "attribution_patching") as embedded:
+        experiment.value(experiment.inputs(source), "source run")
+        experiment.value(experiment.inputs(target), "target run")
+    summed: list[Tensor | None] = []
+    with registered(leaves), experiment.activation_gradients():
+        for alpha in path_points(ig_steps):
+            path = interpolated_embeddings(
+                mapped, embedded[0], embedded[1], alpha, "attribution_patching"
+            )
+            with path, torch.enable_grad():
+                value = experiment.value(experiment.inputs(target), "target run")
+                if not value.requires_grad:
+                    raise ValueError(
+                        "attribution_patching needs metric(output) to depend on the heads "
+                        "through autograd: its result does not require grad (does it detach "
+                        "the output or run under torch.no_grad()?)"
+                    )
+                ran = [layer for layer in layers if layer in xis]
+                step = torch.autograd.grad(value, [xis[layer] for layer in ran], allow_unused=True)
+            summed = list(step) if not summed else [
+                a if b is None else (b if a is None else a + b)
+                for a, b in zip(summed, step, strict=True)
+            ]  # fmt: skip
+    grads = [None if g is None else g / ig_steps for g in summed]
+    return grads, targets, value.detach(), ran
 
 
 def _leaf(layer: int, xis: dict[int, Tensor], targets: dict[int, Tensor]) -> Any:
@@ -237,19 +264,20 @@ class _SiteAttribution:
         """The estimate (module docstring's shapes), and the metric on the source and target
         runs."""
         experiment, site = self.experiment, self.site
-        source, target = experiment.pair.pick(direction)
+        source, target = experiment.ends(direction)
         layers = range(len(experiment.found))
         names = [(site, layer) for layer in layers]
-        outputs: list[Any] = []  # the source run's output, as the cache's forward returns it
-        keep = experiment.model.register_forward_hook(lambda m, a, out: outputs.append(out))
-        with torch.no_grad(), registered([keep]):
-            sources = cache(experiment.model, source, names=names)
-            targets = cache(experiment.model, target, names=names)
-        pair = experiment.pair
-        source_value = metric_value(experiment.metric, outputs[0], pair.batch, "source run")
+        with torch.no_grad():
+            recorded = experiment.run(
+                source, sites=names, caller="attribution_patching", log=logger
+            )
+        sources, source_value = recorded.sites, recorded.value
+        inputs = experiment.inputs(target)
+        # the target's activations recorded on its gradient run (the ξ added are zeros)
+        recorder = SiteRecorder(experiment.model, inputs, names=names)
         xis: dict[int, Tensor] = {}
-        with registered(self._leaves(xis)), torch.enable_grad():
-            value = experiment.value(target, "target run")
+        with registered(self._leaves(xis)), recorder.recording(), torch.enable_grad():
+            value = experiment.value(inputs, "target run")
             if not value.requires_grad:
                 raise ValueError(
                     "attribution_patching needs metric(output) to depend on the activations "
@@ -257,6 +285,8 @@ class _SiteAttribution:
                 )
             ran = [layer for layer in layers if layer in xis]
             grads = torch.autograd.grad(value, [xis[layer] for layer in ran], allow_unused=True)
+        with torch.no_grad():
+            targets = recorder.result()
         dtype = torch.promote_types(value.dtype, torch.float32)
         per_token: dict[int, Tensor] = {}  # layer -> (T,) or (T, units)
         for layer, grad in zip(ran, grads, strict=True):

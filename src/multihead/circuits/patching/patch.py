@@ -43,9 +43,10 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, check_indices, check_optional_positive_int, describe
 from multihead.circuits.patching.patch_heads import patch_heads
 from multihead.circuits.patching.patch_result import PatchResult
-from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES, cache, stack_block
+from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES, stack_block
 from multihead.circuits.runs.experiment import Experiment
 from multihead.circuits.runs.input_pair import DIRECTIONS
+from multihead.circuits.runs.layer_recording import check_recorded
 from multihead.circuits.runs.stacked_runs import run_stacked, stacked_metrics, variant_chunks
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.heads import HeadName, chosen_heads
@@ -61,10 +62,10 @@ _KV_SITES = ("k", "v")
 
 
 def patch(
-    model: nn.Module,
-    clean: Any,
-    corrupt: Any,
-    metric: Callable[[Any], Tensor],
+    model: nn.Module | Experiment,
+    clean: Any = None,
+    corrupt: Any = None,
+    metric: Callable[[Any], Tensor] | None = None,
     *,
     site: str = "z",
     per_position: bool = False,
@@ -116,23 +117,22 @@ def patch(
     if heads is not None and site in RESIDUAL_SITES:
         raise ValueError(f"heads: {site} is one activation per layer, with no heads; give layers")
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
-    found, pair = experiment.found, experiment.pair
+    found = experiment.found
     chosen = sorted(set(check_indices("layers", layers, len(found), "layers") or range(len(found))))
-    with torch.no_grad():
-        clean_value = experiment.value(pair.clean, "clean run")
-        corrupt_value = experiment.value(pair.corrupt, "corrupt run")
     dims = PatchResult.site_dims(site, per_position)
     if site in ("z", "result"):
         every = [(layer, h) for layer in chosen for h in range(found[layer][1].num_heads)]
         values = patch_heads(
-            model, pair.clean, pair.corrupt, metric, direction=direction,
-            per_position=per_position, heads=heads if heads is not None else every,
-            batch_size=batch_size, group=group, metric_input=metric_input,
+            experiment, direction=direction, per_position=per_position,
+            heads=heads if heads is not None else every, batch_size=batch_size, group=group,
         )  # fmt: skip
     else:
         values = _SitePatch(experiment, site, direction, per_position, group).run(
             chosen, heads, batch_size
         )
+    # both inputs ran for the patches: their metrics are the recorded runs'
+    clean_value = experiment.run("clean", caller="patch", log=logger).value
+    corrupt_value = experiment.run("corrupt", caller="patch", log=logger).value
     return PatchResult(values, dims, site, direction, float(clean_value), float(corrupt_value))
 
 
@@ -147,7 +147,7 @@ class _SitePatch:
         self.per_position = per_position
         self.mapped = model_map(experiment.model)
         self.split = DataParallelGroup.of(group, experiment.model)
-        self.source, self.target = experiment.pair.pick(direction)
+        self.source, self.target = experiment.ends(direction)
 
     def _units(self, layer: int) -> int:
         """Heads (key/value heads for k and v) of ``layer``; 1 for a residual site."""
@@ -174,17 +174,21 @@ class _SitePatch:
             by_layer = {layer: list(range(self._units(layer))) for layer in layers}
         with torch.no_grad():
             names = [(self.site, layer) for layer in by_layer]
-            kept = cache(experiment.model, self.source, names=names)
-            sources = {layer: kept[self.site, layer] for layer in by_layer}
-            unpatched = experiment.unpatched(
-                self.target, "unpatched run", caller="patch", log=logger
-            )
-            base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
+            kept = experiment.run(self.source, sites=names, caller="patch", log=logger)
+            sources = {
+                layer: kept.sites[self.site, layer]
+                for layer in by_layer
+                if (self.site, layer) in kept.sites
+            }
+            check_recorded(found, list(by_layer), sources)
             suffix = (
-                experiment.suffix_runs(self.target, unpatched, caller="patch", log=logger)
+                experiment.suffix_runs(self.target, caller="patch", log=logger)
                 if self.per_position
                 else None
             )
+            unpatched = experiment.run(self.target, prefix=True, caller="patch", log=logger)
+            base = experiment.checked_value(unpatched, "unpatched run")
+            single, prefix, target = unpatched.output, unpatched.prefix, unpatched.inputs
             stand_ins = [self._as_heads(src) for src in sources.values()]
             size = experiment.stack_size(batch_size, single, stand_ins, logger)
             t = next(iter(sources.values())).shape[2 if self.site == "pattern" else 1]
@@ -217,7 +221,7 @@ class _SitePatch:
                     else:
                         whole = functools.partial(attach, 0, None)
                         output = run_stacked(
-                            pair, self.target, len(chunk), layer, prefix, whole, "patch"
+                            pair, target, len(chunk), layer, prefix, whole, "patch"
                         )
                     values = stacked_metrics(
                         pair, experiment.metric, output, single, len(chunk),

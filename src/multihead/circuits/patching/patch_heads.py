@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, check_optional_positive_int, describe
 from multihead.circuits.runs.experiment import Experiment
 from multihead.circuits.runs.input_pair import DIRECTIONS, InputPair
-from multihead.circuits.runs.layer_recording import check_recorded, record_layers
+from multihead.circuits.runs.layer_recording import check_recorded
 from multihead.circuits.runs.metric import Metric
 from multihead.circuits.runs.prefix_reuse import PrefixCache
 from multihead.circuits.runs.stacked_runs import run_stacked, stacked_metrics, variant_chunks
@@ -73,10 +73,10 @@ def _variant_mask(
 
 
 def patch_heads(
-    model: nn.Module,
-    clean: Any,
-    corrupt: Any,
-    metric: Metric,
+    model: nn.Module | Experiment,
+    clean: Any = None,
+    corrupt: Any = None,
+    metric: Metric | None = None,
     *,
     direction: str = "denoise",
     per_position: bool = False,
@@ -159,15 +159,25 @@ def patch_heads(
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     found, pair = experiment.found, experiment.pair
     by_layer = chosen_heads(heads, found)
-    source, target = pair.pick(direction)
-    split = DataParallelGroup.of(group, model)
+    source, target = experiment.ends(direction)
+    split = DataParallelGroup.of(group, experiment.model)
 
     with torch.no_grad():
-        with record_layers(found, list(by_layer)) as recorded:
-            pair.run(source)
+        sources = experiment.run(
+            source, sites=[("z", layer) for layer in by_layer], caller="patch_heads", log=logger
+        )
+        recorded = {
+            layer: sources.sites["z", layer] for layer in by_layer if ("z", layer) in sources.sites
+        }
         check_recorded(found, list(by_layer), recorded)
-        unpatched = experiment.unpatched(target, "unpatched run", caller="patch_heads", log=logger)
-        base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
+        suffix = (
+            experiment.suffix_runs(target, caller="patch_heads", log=logger)
+            if per_position
+            else None
+        )
+        unpatched = experiment.run(target, prefix=True, caller="patch_heads", log=logger)
+        base = experiment.checked_value(unpatched, "unpatched run")
+        single, prefix = unpatched.output, unpatched.prefix
         size = experiment.stack_size(batch_size, single, list(recorded.values()), logger)
         lengths = {out.shape[1] for out in recorded.values()}
         if per_position and len(lengths) > 1:
@@ -175,11 +185,6 @@ def patch_heads(
                 f"per_position=True needs one query length T in every patched layer, got "
                 f"{sorted(lengths)} (pass heads= of layers with one length)"
             )
-        suffix = (
-            experiment.suffix_runs(target, unpatched, caller="patch_heads", log=logger)
-            if per_position
-            else None
-        )
         positions = lengths.pop()
         result = head_table(found, base, positions if per_position else None)
         masks: dict[int, list[tuple[int, int | None]]] = {}  # layer -> its variants (head, t)
@@ -205,8 +210,8 @@ def patch_heads(
                 site = found[layer][1]
                 mask = _variant_mask(masks[layer][start:stop], recorded[layer], site)
                 values = _run_variants(
-                    pair, target, experiment.metric, single, site, layer, recorded[layer], mask,
-                    prefix, suffix, masks[layer][start][1],
+                    pair, unpatched.inputs, experiment.metric, single, site, layer,
+                    recorded[layer], mask, prefix, suffix, masks[layer][start][1],
                 )  # fmt: skip
                 where = tuple(p if isinstance(p, int) else p[start:stop] for p in places[layer])
                 changes[where] = values.to(result.dtype) - base

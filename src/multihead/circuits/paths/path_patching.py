@@ -48,7 +48,6 @@ E residual width, n stacked variants, N senders, R receiving heads of one layer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -61,12 +60,11 @@ from multihead.circuits.patching.patch_result import PatchResult
 from multihead.circuits.paths.path_endpoints import Receiver, Sender, parse_receivers, parse_senders
 from multihead.circuits.paths.path_runs import PathRuns, recorded_feed_forward
 from multihead.circuits.runs.experiment import Experiment
-from multihead.circuits.runs.input_pair import DIRECTIONS, InputPair
-from multihead.circuits.runs.layer_recording import check_recorded, record_layers
+from multihead.circuits.runs.input_pair import DIRECTIONS
+from multihead.circuits.runs.layer_recording import check_recorded
 from multihead.circuits.runs.metric import Metric
-from multihead.circuits.runs.stacked_runs import EndOfRun, stacked_metrics
+from multihead.circuits.runs.stacked_runs import stacked_metrics
 from multihead.mapping import model_map
-from multihead.observers import AttentionCall, ObservableAttention
 
 __all__ = ["path_patching", "VIA", "RESID", "KV_MODES"]
 
@@ -79,12 +77,12 @@ KV_MODES = ("query_head", "shared")
 
 
 def path_patching(
-    model: nn.Module,
-    clean: Any,
-    corrupt: Any,
-    metric: Metric,
-    senders: Sequence[Any],
-    receivers: Sequence[Any],
+    model: nn.Module | Experiment,
+    clean: Any = None,
+    corrupt: Any = None,
+    metric: Metric | None = None,
+    senders: Sequence[Any] | None = None,
+    receivers: Sequence[Any] | None = None,
     *,
     via: Sequence[str] | None = None,
     direction: str = "noise",
@@ -111,10 +109,11 @@ def path_patching(
 
     The runs are stacked along the batch, ``batch_size`` variants a forward, and the blocks
     before the patched layer are not run again: with N senders, R receivers and V inputs, N
-    variants of run 1 and N·R·V of run 2, besides one whole source forward, one target forward
-    recording the heads to freeze (to the last receiver's layer; to the end with ``"logits"``),
-    and the target and check runs of the prefix reuse. Between the two runs it holds, per
-    receiver input, N·R·B·(T or S)·D values.
+    variants of run 1 and N·R·V of run 2, besides one whole source forward (a second one for
+    feed-forward senders' outputs), one target forward recording the heads to freeze and the
+    blocks for prefix reuse, and the check run of the prefix reuse (its blocks handed back). An
+    :class:`~multihead.Experiment` given as ``model`` shares these runs with the other functions
+    run on it. Between the two runs it holds, per receiver input, N·R·B·(T or S)·D values.
 
     Args:
         model, clean, corrupt, metric, metric_input: as for :func:`~multihead.patch_heads`.
@@ -177,7 +176,7 @@ def path_patching(
     check_choice("kv", kv, KV_MODES)
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     found, pair = experiment.found, experiment.pair
-    mapped = model_map(model)
+    mapped = model_map(experiment.model)
     sent = parse_senders(senders, found, mapped)
     received = parse_receivers(receivers, found)
     kinds = _via(via, received)
@@ -198,27 +197,45 @@ def path_patching(
     frozen = list(range(min(s.layer for s in sent) + 1, end))
     head_layers = sorted({s.layer for s in unique_senders if s.head is not None})
     mlp_layers = sorted({s.layer for s in unique_senders if s.head is None})
-    source, target = pair.pick(direction)
-    source_name, target_name = (
-        ("corrupt", "clean") if direction == "noise" else ("clean", "corrupt")
-    )
+    source_name, target_name = experiment.ends(direction)
+    caller = "path_patching"
 
     with torch.no_grad():
         # the source run, whole (its metric is the result's): the senders' outputs, and the
-        # first receiving layer's to know the positions T
+        # first receiving layer's to know the positions T; a feed-forward sender's output is
+        # recorded on a run of its own
         seen = sorted({*head_layers, *receiver_layers[:1]})
-        with record_layers(found, seen) as outs, recorded_feed_forward(mapped, mlp_layers) as mlps:
-            source_value = experiment.value(source, f"{source_name} run")
+        recorded_source = experiment.run(
+            source_name, sites=[("z", layer) for layer in seen], caller=caller, log=logger
+        )
+        source_value = recorded_source.value
+        outs = {
+            layer: recorded_source.sites[("z", layer)]
+            for layer in seen
+            if ("z", layer) in recorded_source.sites
+        }
         check_recorded(found, seen, outs)
+        mlps: dict[int, Tensor] = {}
+        if mlp_layers:
+            with recorded_feed_forward(mapped, mlp_layers) as mlps:
+                experiment.value(recorded_source.inputs, f"{source_name} run")
         if receiver_layers:
             length = outs[receiver_layers[0]].shape[1]
             received = [r.resolved(length) for r in received]
         unique_receivers = list(dict.fromkeys(received))
-        target_out = _recorded(found, pair, target, frozen) if frozen else {}
-        unpatched = experiment.unpatched(
-            target, f"{target_name} run", caller="path_patching", log=logger
-        )
-        base, single, prefix = unpatched.value, unpatched.output, unpatched.prefix
+        # the target run, recorded for prefix reuse: the frozen heads' outputs and the metric
+        unpatched = experiment.run(
+            target_name, sites=[("z", layer) for layer in frozen], prefix=True, caller=caller,
+            log=logger,
+        )  # fmt: skip
+        target_out = {
+            layer: unpatched.sites[("z", layer)]
+            for layer in frozen
+            if ("z", layer) in unpatched.sites
+        }
+        check_recorded(found, frozen, target_out)
+        base = experiment.checked_value(unpatched, f"{target_name} run")
+        single, prefix, target = unpatched.output, unpatched.prefix, unpatched.inputs
         held = [*outs.values(), *target_out.values()] or [m.unsqueeze(2) for m in mlps.values()]
         size = experiment.stack_size(batch_size, single, held, logger)
 
@@ -348,23 +365,3 @@ def _check_order(sent: list[Sender], received: list[Receiver]) -> None:
                 f"{first.layer}: path patching follows what a sender writes into a later "
                 f"head's inputs"
             )
-
-
-def _recorded(
-    found: list[tuple[str, ObservableAttention]],
-    pair: InputPair,
-    inputs: Any,
-    layers: list[int],
-) -> dict[int, Tensor]:
-    """layer -> its per-head output (B, T, H, Dv) on ``inputs``, the forward ended after the
-    last of ``layers``."""
-    last = found[layers[-1]][1]
-
-    def end(call: AttentionCall, out: Tensor) -> None:
-        raise EndOfRun
-
-    with record_layers(found, layers) as recorded, last.register_observer(end):
-        with contextlib.suppress(EndOfRun):
-            pair.run(inputs)
-    check_recorded(found, layers, recorded)
-    return dict(recorded)

@@ -21,13 +21,15 @@ and k are what the kernel reads, after rotary positions, TransformerLens's ``hoo
 resid_pre + attn_out + mlp_out`` (pre-LN blocks; checked on the run); a post-LN block (BERT) has
 no such decomposition and a lookup says so.
 
-One forward, with forward hooks on the map's blocks, attention and feed-forward modules
-(:func:`multihead.model_map`) and observers on the attention sites; nothing is stored that was
-not asked for, and ``positions`` are cut before anything is kept.
+One forward (:class:`SiteRecorder` records it: any run can be recorded), with forward hooks on the
+map's blocks, attention and feed-forward modules (:func:`multihead.model_map`) and observers on the
+attention sites; nothing is stored that was not asked for, and ``positions`` are cut before anything
+is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
@@ -48,6 +50,7 @@ __all__ = [
     "HEAD_SITES",
     "ActivationCache",
     "cache",
+    "SiteRecorder",
     "head_writes",
     "hook_name",
     "projection_rows",
@@ -282,65 +285,108 @@ def cache(
         >>> c = multihead.cache(lm, ids, names=["resid_post", ("z", 1)])
         >>> c["resid_post", -1].shape, c["blocks.1.attn.hook_z"].shape
     """
-    found = model_heads(model)
-    mapped = model_map(model)
-    num_layers = len(found)
-    inputs = model_inputs(model, inputs)
-    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
-    # a model that packs a padded batch (multihead's BERT) runs its blocks on (N, E), the real
-    # tokens in row-major order: kept as (B, T, E) with zeros at padding
-    real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
-    packed = int(real.sum()) if real is not None and not bool(real.all()) else None
-    wanted = _wanted(names, num_layers)
-    explicit = names is not None
-    blocks = [mapped.block_of(layer) for layer in range(num_layers)]
-    residual_layers = sorted({layer for s, layer in wanted if s in RESIDUAL_SITES})
-    for layer in residual_layers:
-        block = blocks[layer]
-        if block is None or len(block.sites) != 1:
-            if explicit:
-                raise ValueError(
-                    f"the residual sites need one attention layer per block of a stack; the "
-                    f"map of {mapped.family} has no block holding layer {layer} alone"
-                )
-            wanted = {(s, la) for s, la in wanted if s not in RESIDUAL_SITES}
-            break
-    kept: dict[SiteKey, Tensor] = {}
-    seen: dict[SiteKey, Tensor] = {}  # what the sum check needs beyond what is kept
-    where: list[list[int] | None] = []  # the positions, once the run has told T
+    checked = model_inputs(model, inputs)
+    recorder = SiteRecorder(model, checked, names=names, positions=positions, device=device)
+    with recorder.recording():
+        run_model(model, checked)
+    return recorder.result()
 
-    def keep(key: SiteKey, value: Tensor, axis: int = 1) -> None:
-        if not where:
-            where.append(_positions(positions, value.shape[axis]))
-        chosen = where[0]
+
+class SiteRecorder:
+    """What :func:`cache` keeps, recorded around one run of the model (any run: the
+    experiment's recorded runs are :func:`cache`'s too).
+
+    Built with the names checked (nothing is registered yet); :meth:`recording` holds the
+    hooks and observers during the forward; :meth:`result` is the cache. One recorder serves
+    one run.
+
+    Args:
+        model: the model, as for :func:`cache`.
+        inputs: the run's inputs, checked
+            (:func:`~multihead.circuits.runs.input_pair.model_inputs`): a padded batch's
+            attention mask tells a packed run's real tokens.
+        names, positions, device: as for :func:`cache`.
+
+    Raises:
+        ValueError, TypeError: as :func:`cache`, for names (at once) and positions (at the
+            run, once its length is known).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        names: Names = None,
+        positions: int | Sequence[int] | slice | Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.model = model
+        found = model_heads(model)
+        self.found = found
+        mapped = self.mapped = model_map(model)
+        num_layers = self.num_layers = len(found)
+        mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+        # a model that packs a padded batch (multihead's BERT) runs its blocks on (N, E), the
+        # real tokens in row-major order: kept as (B, T, E) with zeros at padding
+        real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        self.real = real
+        self.packed = int(real.sum()) if real is not None and not bool(real.all()) else None
+        wanted = _wanted(names, num_layers)
+        self.explicit = names is not None
+        self.blocks = [mapped.block_of(layer) for layer in range(num_layers)]
+        residual_layers = sorted({layer for s, layer in wanted if s in RESIDUAL_SITES})
+        for layer in residual_layers:
+            block = self.blocks[layer]
+            if block is None or len(block.sites) != 1:
+                if self.explicit:
+                    raise ValueError(
+                        f"the residual sites need one attention layer per block of a stack; the "
+                        f"map of {mapped.family} has no block holding layer {layer} alone"
+                    )
+                wanted = {(s, la) for s, la in wanted if s not in RESIDUAL_SITES}
+                break
+        self.wanted = wanted
+        self.positions = positions
+        self.device = device
+        self.kept: dict[SiteKey, Tensor] = {}
+        self.seen: dict[SiteKey, Tensor] = {}  # what the sum check needs beyond what is kept
+        self.where: list[list[int] | None] = []  # the positions, once the run has told T
+        self.needs_sum = {layer for s, layer in wanted if s in _SUM_SITES}
+        self.projections: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
+        self.pattern_layers = sorted({layer for s, layer in wanted if s == "pattern"})
+        self.patterns: list[Any] = []
+
+    def keep(self, key: SiteKey, value: Tensor, axis: int = 1) -> None:
+        if not self.where:
+            self.where.append(_positions(self.positions, value.shape[axis]))
+        chosen = self.where[0]
         value = value.detach()
-        if packed is not None and real is not None and value.dim() == 2:
-            value = _unpacked(value, real)
+        if self.packed is not None and self.real is not None and value.dim() == 2:
+            value = _unpacked(value, self.real)
         if chosen is not None:
             value = value.index_select(axis, torch.tensor(chosen, device=value.device))
-        kept[key] = value if device is None else value.to(device)
+        self.kept[key] = value if self.device is None else value.to(self.device)
 
-    needs_sum = {layer for s, layer in wanted if s in _SUM_SITES}
-
-    def on_block(layer: int) -> Callable[..., None]:
+    def _on_block(self, layer: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             x = args[0] if args else kwargs["hidden_states"]
             y = output_tensor(out)
             for site, value in (("resid_pre", x), ("resid_post", y)):
-                if (site, layer) in wanted:
-                    keep((site, layer), value)
-                if layer in needs_sum:
-                    seen[site, layer] = value.detach()
+                if (site, layer) in self.wanted:
+                    self.keep((site, layer), value)
+                if layer in self.needs_sum:
+                    self.seen[site, layer] = value.detach()
 
         return hook
 
-    def on_part(site: str, layer: int) -> Callable[..., None]:
+    def _on_part(self, site: str, layer: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            seen[site, layer] = output_tensor(out).detach()
+            self.seen[site, layer] = output_tensor(out).detach()
 
         return hook
 
-    def on_heads(layer: int) -> Callable[[AttentionCall, Tensor], None]:
+    def _on_heads(self, layer: int) -> Callable[[AttentionCall, Tensor], None]:
         def observer(call: AttentionCall, out: Tensor) -> None:
             for site, value in (
                 ("z", out),
@@ -348,75 +394,93 @@ def cache(
                 ("k", call.k.transpose(1, 2)),
                 ("v", call.v.transpose(1, 2)),
             ):
-                if (site, layer) in wanted:
-                    keep((site, layer), value)
-            if ("result", layer) in wanted:
-                seen["z", layer] = out.detach()
+                if (site, layer) in self.wanted:
+                    self.keep((site, layer), value)
+            if ("result", layer) in self.wanted:
+                self.seen["z", layer] = out.detach()
 
         return observer
 
-    projections: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
-
-    def on_projection_input(layer: int, module: nn.Module) -> Callable[..., None]:
+    def _on_projection_input(self, layer: int, module: nn.Module) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
             if args and isinstance(args[0], Tensor):
-                projections[layer].append((module, args[0]))
+                self.projections[layer].append((module, args[0]))
 
         return hook
 
-    def hooks() -> Iterator[Removable]:
-        for layer in range(num_layers):
-            block = blocks[layer]
+    def _hooks(self) -> Iterator[Removable]:
+        wanted = self.wanted
+        for layer in range(self.num_layers):
+            block = self.blocks[layer]
             if block is not None and any((s, layer) in wanted for s in RESIDUAL_SITES):
-                yield block.module.register_forward_hook(on_block(layer), with_kwargs=True)
-                if layer in needs_sum:
+                yield block.module.register_forward_hook(self._on_block(layer), with_kwargs=True)
+                if layer in self.needs_sum:
                     if block.attention is not None:
-                        yield block.attention.register_forward_hook(on_part("attn_out", layer))
+                        yield block.attention.register_forward_hook(
+                            self._on_part("attn_out", layer)
+                        )
                     if block.mlp is not None:
-                        yield block.mlp.register_forward_hook(on_part("mlp_out", layer))
+                        yield block.mlp.register_forward_hook(self._on_part("mlp_out", layer))
             if any((s, layer) in wanted for s in HEAD_SITES):
-                yield found[layer][1].register_observer(on_heads(layer))
+                yield self.found[layer][1].register_observer(self._on_heads(layer))
             if ("result", layer) in wanted:
-                site = mapped.sites[layer].module
+                site = self.mapped.sites[layer].module
                 for m in site.modules():
                     if m is not site:
-                        yield m.register_forward_pre_hook(on_projection_input(layer, m))
+                        yield m.register_forward_pre_hook(self._on_projection_input(layer, m))
 
-    pattern_layers = sorted({layer for s, layer in wanted if s == "pattern"})
-    with registered(hooks()):
-        if pattern_layers:
-            with capture(model, layers=pattern_layers, rows=_rows(positions)) as recorder:
-                run_model(model, inputs)
-        else:
-            run_model(model, inputs)
-    for record in recorder.records if pattern_layers else []:
-        kept["pattern", record.layer] = (
-            record.weights if device is None else record.weights.to(device)
-        )
-    absent: dict[str, str] = {}
-    for layer in sorted(needs_sum):
-        block = blocks[layer]
-        _sums(mapped, layer, block is not None and block.mlp is not None, seen, absent)
-        for site in _SUM_SITES:
-            if (site, layer) in wanted and (site, layer) in seen:
-                keep((site, layer), seen[site, layer])
-    for layer in range(num_layers):
-        if ("result", layer) in wanted and ("z", layer) in seen:
-            result = _result(seen["z", layer], projections[layer], real if packed else None)
-            if result is None:
-                absent["result"] = (
-                    f"no module inside {found[layer][0]} is fed its heads' outputs (the output "
-                    f"projection is outside the attention module the map knows)"
-                )
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Within the block, a run of the model records what was named."""
+        with registered(self._hooks()):
+            if self.pattern_layers:
+                rows = _rows(self.positions)
+                with capture(self.model, layers=self.pattern_layers, rows=rows) as recorder:
+                    yield
+                self.patterns = list(recorder.records)
             else:
-                keep(("result", layer), result)
-    if explicit:
-        for site, layer in sorted(wanted):
-            if (site, layer) not in kept and site in absent:
-                raise ValueError(f"{site} of layer {layer}: {absent[site]}")
-    return ActivationCache(
-        kept, positions=where[0] if where else None, num_layers=num_layers, absent=absent
-    )
+                yield
+
+    def result(self) -> ActivationCache:
+        """The cache of the run recorded.
+
+        Raises:
+            ValueError: a named site the model does not have (the reason named).
+        """
+        kept, seen, mapped = self.kept, self.seen, self.mapped
+        for record in self.patterns:
+            weights = record.weights
+            kept["pattern", record.layer] = (
+                weights if self.device is None else weights.to(self.device)
+            )
+        absent: dict[str, str] = {}
+        for layer in sorted(self.needs_sum):
+            block = self.blocks[layer]
+            _sums(mapped, layer, block is not None and block.mlp is not None, seen, absent)
+            for site in _SUM_SITES:
+                if (site, layer) in self.wanted and (site, layer) in seen:
+                    self.keep((site, layer), seen[site, layer])
+        for layer in range(self.num_layers):
+            if ("result", layer) in self.wanted and ("z", layer) in seen:
+                packed = self.real if self.packed else None
+                result = _result(seen["z", layer], self.projections[layer], packed)
+                if result is None:
+                    absent["result"] = (
+                        f"no module inside {self.found[layer][0]} is fed its heads' outputs (the "
+                        f"output projection is outside the attention module the map knows)"
+                    )
+                else:
+                    self.keep(("result", layer), result)
+        if self.explicit:
+            for site, layer in sorted(self.wanted):
+                if (site, layer) not in kept and site in absent:
+                    raise ValueError(f"{site} of layer {layer}: {absent[site]}")
+        return ActivationCache(
+            kept,
+            positions=self.where[0] if self.where else None,
+            num_layers=self.num_layers,
+            absent=absent,
+        )
 
 
 def _rows(positions: object) -> Any:

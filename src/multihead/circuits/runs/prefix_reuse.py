@@ -122,6 +122,8 @@ def _copy(value: Any, copies: int = 1) -> Any:
     """A copy of a recorded value (it must not change if the caller modifies the one it got in
     place), its tensors repeated ``copies`` times along the batch (the first) dimension."""
     if isinstance(value, Tensor):
+        # detached: a recorded run made with gradients keeps no graph in its record
+        value = value.detach()
         return value.clone() if copies == 1 else value.repeat(copies, *(1,) * (value.dim() - 1))
     if isinstance(value, (tuple, list)):
         return type(value)(_copy(v, copies) for v in value)

@@ -124,28 +124,34 @@ class SuffixRuns:
         metric_input: str,
         output: Any,
         prefix: PrefixCache | None,
+        keys: list[Tensor | None],
+        values: list[Tensor | None],
         *,
         caller: str,
         log: logging.Logger,
     ) -> SuffixRuns | None:
         """Runs from a later position of ``inputs`` (whose unpatched run gave ``output``, with
-        ``prefix`` recorded on it), or None when they cannot serve (the reason logged on
-        ``log``, naming ``caller``)."""
+        ``prefix`` recorded on it, and per layer the keys and values (B, T, Hk, D) its kernel
+        saw: None for a layer the run did not call), or None when they cannot serve (the reason
+        logged on ``log``, naming ``caller``)."""
         reason = cls._refusal(pair, inputs, metric_input, output)
+        missing = [
+            i for i, (k, v) in enumerate(zip(keys, values, strict=True)) if k is None or v is None
+        ]
+        if reason is None and missing:
+            reason = f"attention layer {missing[0]} was not called"
         if reason is None:
             mapped = model_map(pair.model)
             logits = logits_of(output)
             assert logits is not None
-            try:
-                keys, values = _recorded_keys(pair, inputs, mapped)
-            except _NotASuffixRun as e:
-                reason = str(e)
-            else:
-                read = _read_positions(metric, logits)
-                runs = cls(pair, inputs, mapped, prefix, keys, values, output, read)
-                reason = runs._check()
-                if reason is None:
-                    return runs
+            # the kernel's (B, Hk, T, D), as the cache's (B, T, Hk, D) were taken from it
+            heads_first = [k.transpose(1, 2) for k in keys if k is not None]
+            values_first = [v.transpose(1, 2) for v in values if v is not None]
+            read = _read_positions(metric, logits)
+            runs = cls(pair, inputs, mapped, prefix, heads_first, values_first, output, read)
+            reason = runs._check()
+            if reason is None:
+                return runs
         log.info("%s: every per-position patch runs the whole sequence (%s)", caller, reason)
         return None
 
@@ -368,28 +374,6 @@ class SuffixRuns:
             return call.q, k.flatten(0, 1), v.flatten(0, 1)
 
         return editor
-
-
-def _recorded_keys(
-    pair: InputPair, inputs: Any, mapped: ModelMap
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Per layer, the keys and values (B, Hk, T, D) its kernel saw on ``inputs``."""
-    keys: dict[int, Tensor] = {}
-    values: dict[int, Tensor] = {}
-
-    def record(layer: int) -> QKVEditor:
-        def editor(call: AttentionCall) -> None:
-            keys[layer], values[layer] = call.k.detach(), call.v.detach()
-
-        return editor
-
-    handles = [site.attention.register_qkv_editor(record(i)) for i, site in enumerate(mapped.sites)]
-    with registered(handles):
-        pair.run(inputs)
-    missing = [i for i in range(len(mapped.sites)) if i not in keys]
-    if missing:
-        raise _NotASuffixRun(f"attention layer {missing[0]} was not called")
-    return [keys[i] for i in range(len(keys))], [values[i] for i in range(len(values))]
 
 
 def _read_positions(metric: Metric, logits: Tensor) -> list[int] | None:
