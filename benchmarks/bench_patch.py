@@ -221,7 +221,7 @@ def main() -> int:
     every, patches = spread(shape, args.naive_patches)
 
     def patch() -> torch.Tensor:
-        return multihead.patch_heads(model, clean, corrupt, metric, per_position=True)
+        return multihead.patch_heads(model, clean, corrupt, metric, per_position=True).values
 
     # the induction-shaped TransformerLM: the same sweep and naive loop
     small = INDUCTION_QUICK if args.quick else INDUCTION
@@ -235,7 +235,7 @@ def main() -> int:
     lm_every, lm_patches = spread(small, args.naive_patches)
 
     def lm_patch() -> torch.Tensor:
-        return multihead.patch_heads(lm, lm_clean, lm_corrupt, metric, per_position=True)
+        return multihead.patch_heads(lm, lm_clean, lm_corrupt, metric, per_position=True).values
 
     lm_naive_values: dict[tuple[int, int, int], float] = {}
 

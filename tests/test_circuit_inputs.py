@@ -83,7 +83,7 @@ def test_row14_an_empty_batch_or_sequence_is_a_value_error_naming_the_input(
     empty = torch.zeros(shape, dtype=torch.long, device=device)
     expected = r"must hold at least one sequence \(B >= 1\) of at least one token \(T >= 1\)"
     calls = {
-        "patch_heads": lambda: multihead.patch_heads(lm, empty, empty, _logit_diff),
+        "patch_heads": lambda: multihead.patch_heads(lm, empty, empty, _logit_diff).values,
         "attribution_patching": lambda: multihead.attribution_patching(
             lm, empty, empty, _logit_diff
         ),
@@ -138,9 +138,9 @@ def test_the_metric_is_given_the_logits_as_transformer_lens_gives_them(
     def whole(output: Any) -> torch.Tensor:
         return output.logits[:, -1, 3] - output.logits[:, -1, 4]
 
-    given = multihead.patch_heads(model, clean, corrupt, tl_style)
+    given = multihead.patch_heads(model, clean, corrupt, tl_style).values
     torch.testing.assert_close(
-        given, multihead.patch_heads(model, clean, corrupt, whole, metric_input="output")
+        given, multihead.patch_heads(model, clean, corrupt, whole, metric_input="output").values
     )
     # the unpatched value the effects are measured from: the logits of a plain forward
     with torch.no_grad():

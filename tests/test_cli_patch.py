@@ -39,7 +39,7 @@ def test_induction_run_with_the_built_in_pair(
     # the printed heads are patch_heads' largest effects on the same pair, in order
     model = TransformerLM.load(induction_run).eval()
     pair = induction_pair(16)
-    effects = multihead.patch_heads(model, pair.clean, pair.corrupt, pair.metric)
+    effects = multihead.patch_heads(model, pair.clean, pair.corrupt, pair.metric).values
     order = effects.flatten().abs().argsort(descending=True)[:3].tolist()
     printed = _heads(stdout)
     assert [(layer, head) for layer, head, _, _ in printed] == [(i // 2, i % 2) for i in order]

@@ -93,7 +93,7 @@ def _patch(lm: TransformerLM, **kwargs: Any) -> torch.Tensor:
     clean, corrupt = _patch_inputs()
     return patch_heads(
         lm, clean, corrupt, _logit_difference, per_position=True, batch_size=5, **kwargs
-    )
+    ).values
 
 
 def _rows_of(model: Any) -> list[tuple[int, ...]]:

@@ -193,8 +193,10 @@ def test_patch_heads_takes_labels_and_equals_patching_by_hand(
 ) -> None:
     clean, corrupt = _ids(device, 3), _ids(device, 4)
     labels: Any = ["L0H1", "L-1H-1", "l1h0"]
-    got = multihead.patch_heads(lm, clean, corrupt, _metric, heads=labels)
-    paired = multihead.patch_heads(lm, clean, corrupt, _metric, heads=[(0, 1), (2, 3), (1, 0)])
+    got = multihead.patch_heads(lm, clean, corrupt, _metric, heads=labels).values
+    paired = multihead.patch_heads(
+        lm, clean, corrupt, _metric, heads=[(0, 1), (2, 3), (1, 0)]
+    ).values
     torch.testing.assert_close(got, paired, rtol=0, atol=0, equal_nan=True)
     chosen = [(0, 1), (2, 3), (1, 0)]
     assert got.shape == (L, H)
@@ -272,7 +274,7 @@ def _naming(lm: TransformerLM, ids: Tensor, label: str) -> dict[str, Callable[[]
         "intervene": lambda: _enter(multihead.intervene(lm, {label: 0.0})),
         "record_heads": lambda: _enter(multihead.record_heads(lm, [label])),
         "capture": lambda: _enter(multihead.capture(lm, heads=[label])),
-        "patch_heads": lambda: multihead.patch_heads(lm, ids, ids, _metric, heads=[label]),
+        "patch_heads": lambda: multihead.patch_heads(lm, ids, ids, _metric, heads=[label]).values,
         "path_patching": lambda: multihead.path_patching(lm, ids, ids, _metric, [label], ["L2H0"]),
     }
 

@@ -335,13 +335,13 @@ def test_patching_and_steering_equal_hand_hooks(family: str) -> None:
         for head in range(heads):
             patched = _patched_logits(model, corrupt, layer, head, source[layer])
             want[layer, head] = metric(patched).mean() - base
-    got = multihead.patch_heads(model, clean, corrupt, metric)
+    got = multihead.patch_heads(model, clean, corrupt, metric).values
     close = dict(rtol=1e-4, atol=1e-5)  # float32 forwards, run differently stacked
     torch.testing.assert_close(got, want, **close)
     assert float(want.abs().max()) > 1e-4  # the patches change the metric
 
     # one position of one head: the per-position runs (windows of 4 keys < 6 tokens)
-    values = multihead.patch_heads(model, clean, corrupt, metric, per_position=True)
+    values = multihead.patch_heads(model, clean, corrupt, metric, per_position=True).values
     at = source[1].clone()
     mixed = _head_inputs(model, corrupt)[1]
     mixed[:, 3] = at[:, 3]

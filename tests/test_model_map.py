@@ -572,22 +572,25 @@ def test_patch_heads_takes_texts_for_a_text_model(
     clean, corrupt = tokens(CLEAN), tokens(CORRUPT)
     assert clean["input_ids"].shape == corrupt["input_ids"].shape == (1, 10)
     assert not torch.equal(clean["input_ids"], corrupt["input_ids"])
-    got = multihead.patch_heads(text_model, CLEAN, CORRUPT, _logit_diff)
-    want = multihead.patch_heads(text_model, clean, corrupt, _logit_diff)
+    got = multihead.patch_heads(text_model, CLEAN, CORRUPT, _logit_diff).values
+    want = multihead.patch_heads(text_model, clean, corrupt, _logit_diff).values
     assert got.shape == (2, 4)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert float(got.abs().max()) > 0  # the pair differs where it matters
     # transformers' own model on the same ids: the same effects
     reference = transformers.AutoModelForCausalLM.from_pretrained(saved["gpt2"]).to(device).eval()
-    theirs = multihead.patch_heads(reference, clean, corrupt, _logit_diff)
+    theirs = multihead.patch_heads(reference, clean, corrupt, _logit_diff).values
     torch.testing.assert_close(got, theirs, rtol=0, atol=1e-5)
     # lists of texts (of one token count each, so that no padding enters)
     cleans, corrupts = [CLEAN, "The cat sat in the sun"], [CORRUPT, "The cat sat on the sun"]
-    many = multihead.patch_heads(text_model, cleans, corrupts, _logit_diff)
+    many = multihead.patch_heads(text_model, cleans, corrupts, _logit_diff).values
     clean_ids, corrupt_ids = tokens(cleans), tokens(corrupts)
     assert clean_ids["input_ids"].shape == corrupt_ids["input_ids"].shape == (2, 10)
     torch.testing.assert_close(
-        many, multihead.patch_heads(text_model, clean_ids, corrupt_ids, _logit_diff), rtol=0, atol=0
+        many,
+        multihead.patch_heads(text_model, clean_ids, corrupt_ids, _logit_diff).values,
+        rtol=0,
+        atol=0,
     )
     with pytest.raises(ValueError, match="same shape"):
         multihead.patch_heads(text_model, CLEAN, "The dog sat on the mat", _logit_diff)

@@ -125,11 +125,11 @@ def test_transformer_lm_grouped_query(direction: str, device: torch.device) -> N
     keys = [(layer, h) for layer in range(3) for h in range(6)]
     projections = _own_projections(lm)
 
-    got = patch_heads(lm, clean, corrupt, metric, direction=direction)
+    got = patch_heads(lm, clean, corrupt, metric, direction=direction).values
     assert got.shape == (3, 6)
     _compare(got, reference(lm, projections, source, target, metric, keys, None))
 
-    got = patch_heads(lm, clean, corrupt, metric, direction=direction, per_position=True)
+    got = patch_heads(lm, clean, corrupt, metric, direction=direction, per_position=True).values
     assert got.shape == (3, 6, 7)
     _compare(got, reference(lm, projections, source, target, metric, keys, 7))
 
@@ -140,11 +140,11 @@ def test_batch_size_and_chosen_heads(device: torch.device) -> None:
     clean = torch.randint(20, (2, 5), device=device)
     corrupt = torch.randint(20, (2, 5), device=device)
     metric = _last_logprob(4)
-    full = patch_heads(lm, clean, corrupt, metric, per_position=True)
+    full = patch_heads(lm, clean, corrupt, metric, per_position=True).values
     for size in (1, 4, 1000):
-        sized = patch_heads(lm, clean, corrupt, metric, per_position=True, batch_size=size)
+        sized = patch_heads(lm, clean, corrupt, metric, per_position=True, batch_size=size).values
         torch.testing.assert_close(sized, full, rtol=1e-5, atol=1e-6)
-    some = patch_heads(lm, clean, corrupt, metric, heads=[(2, 1), (0, -1)], batch_size=1)
+    some = patch_heads(lm, clean, corrupt, metric, heads=[(2, 1), (0, -1)], batch_size=1).values
     want = reference(lm, _own_projections(lm), clean, corrupt, metric, [(2, 1), (0, 5)], None)
     _compare(some, want)
 
@@ -178,7 +178,7 @@ def test_a_per_position_patch_runs_from_its_position(device: torch.device) -> No
         )
     clean = torch.randint(20, (2, 5), device=device)
     corrupt = torch.randint(20, (2, 5), device=device)
-    got = patch_heads(lm, clean, corrupt, _last_logprob(1), per_position=True)
+    got = patch_heads(lm, clean, corrupt, _last_logprob(1), per_position=True).values
     # a patch at position t changes nothing before t in a causal model: the 6 heads' variants
     # of one position (6 x 2 rows) run the patched layer at t alone (its heads' outputs at
     # t change only what it writes at t), then the later layers on positions t..4; the
@@ -195,7 +195,7 @@ def test_a_per_position_patch_runs_from_its_position(device: torch.device) -> No
 def test_patching_a_head_with_equal_inputs_changes_nothing(device: torch.device) -> None:
     lm = _lm(device)
     ids = torch.randint(20, (2, 5), device=device)
-    got = patch_heads(lm, ids, ids.clone(), _last_logprob(2), per_position=True)
+    got = patch_heads(lm, ids, ids.clone(), _last_logprob(2), per_position=True).values
     # exactly zero on the CPU; on a GPU the stacked variants' larger batch may take another
     # matmul kernel than the unpatched run, whose rounding differs in the last bits
     exact = {"rtol": 0.0, "atol": 0.0 if device.type == "cpu" else 1e-5}
@@ -234,10 +234,10 @@ def test_minilm(minilm: Any, path: str) -> None:
     try:
         projections = _own_projections(minilm)
         every = [(layer, h) for layer in range(6) for h in range(12)]
-        got = patch_heads(minilm, clean, corrupt, _similarity, direction="noise")
+        got = patch_heads(minilm, clean, corrupt, _similarity, direction="noise").values
         _compare(got, reference(minilm, projections, corrupt, clean, _similarity, every, None))
         few = [(0, 3), (4, 11)]
-        got = patch_heads(minilm, clean, corrupt, _similarity, per_position=True, heads=few)
+        got = patch_heads(minilm, clean, corrupt, _similarity, per_position=True, heads=few).values
         key_mask = mask.bool() if path == "unpadded" else None
         want = reference(minilm, projections, clean, corrupt, _similarity, few, 6, key_mask)
         _compare(got, want)
@@ -276,7 +276,9 @@ def test_hugging_face(name: str, device: torch.device) -> None:
     keys = [(layer, h) for layer in range(3) for h in range(heads)]
     for direction in ("denoise", "noise"):
         source, target = (clean, corrupt) if direction == "denoise" else (corrupt, clean)
-        got = patch_heads(model, clean, corrupt, metric, direction=direction, per_position=True)
+        got = patch_heads(
+            model, clean, corrupt, metric, direction=direction, per_position=True
+        ).values
         assert got.shape == (3, heads, 6)
         _compare(got, reference(model, projections, source, target, metric, keys, 6))
     # dicts of keyword arguments, with left padding
@@ -284,7 +286,7 @@ def test_hugging_face(name: str, device: torch.device) -> None:
     mask[0, :2] = 0
     clean_kw = {"input_ids": clean, "attention_mask": mask}
     corrupt_kw = {"input_ids": corrupt, "attention_mask": mask}
-    got = patch_heads(model, clean_kw, corrupt_kw, metric)
+    got = patch_heads(model, clean_kw, corrupt_kw, metric).values
     _compare(got, reference(model, projections, clean_kw, corrupt_kw, metric, keys, None))
 
 
@@ -302,7 +304,7 @@ def test_row1_a_loss_reduced_over_the_batch_is_measured_per_variant(device: torc
 
     keys = [(layer, h) for layer in range(3) for h in range(4)]
     whole = {"metric_input": "output"}  # the loss is not in the logits
-    got = patch_heads(model, clean_kw, corrupt_kw, loss, **whole)
+    got = patch_heads(model, clean_kw, corrupt_kw, loss, **whole).values
     _compare(got, reference(model, projections, clean_kw, corrupt_kw, loss, keys, None))
     assert len({round(float(v), 6) for v in got.flatten()}) > 1  # not one number for all
     with pytest.raises(ValueError, match=r"batch_size=4 stacks .* output\.loss is one number"):
@@ -371,7 +373,7 @@ def test_reuse_falls_back_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     def metric(out: Tensor) -> Tensor:
         return out[:, -1, 0]
 
-    got = patch_heads(mha, x, y, metric)
+    got = patch_heads(mha, x, y, metric).values
     want = reference(mha, _own_projections(mha), x, y, metric, [(0, 0), (0, 1), (0, 2)], None)
     _compare(got, want)
     assert "patch_heads: full forwards" in caplog.text and "no prefix to reuse" in caplog.text

@@ -303,7 +303,7 @@ def test_result_patches_as_z_and_the_result_object(device: torch.device) -> None
     result = patch(model, clean, corrupt, _metric, site="result")
     torch.testing.assert_close(result.values, z.values, rtol=0, atol=0)
     torch.testing.assert_close(
-        z.values, multihead.patch_heads(model, clean, corrupt, _metric), rtol=0, atol=0
+        z.values, multihead.patch_heads(model, clean, corrupt, _metric).values, rtol=0, atol=0
     )
     assert z.dims == ("layer", "head") and z.site == "z" and multihead.patch is patch
     gap = z.clean - z.corrupt

@@ -71,7 +71,7 @@ METRICS: dict[str, Metric] = {
 def test_per_position_patches_equal_one_forward_each(name: str) -> None:
     lm = _lm()
     clean, corrupt = _pair()
-    got = multihead.patch_heads(lm, clean, corrupt, METRICS[name], per_position=True)
+    got = multihead.patch_heads(lm, clean, corrupt, METRICS[name], per_position=True).values
     want = _loop(lm, clean, corrupt, METRICS[name])
     assert float(want.abs().max()) > 1e-4  # the patches change something
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
@@ -82,7 +82,9 @@ def test_only_the_positions_the_metric_reads_are_unembedded() -> None:
     clean, corrupt = _pair()
     rows: list[tuple[int, int]] = []
     lm.head.register_forward_hook(lambda m, a, out: rows.append(tuple(out.shape[:2])))
-    got = multihead.patch_heads(lm, clean, corrupt, METRICS["two positions"], per_position=True)
+    got = multihead.patch_heads(
+        lm, clean, corrupt, METRICS["two positions"], per_position=True
+    ).values
     swept = [r for r in rows if r[0] == 4 * 2]  # the 4 heads' variants of one position, B = 2
     # a run from position t <= 2 reads positions 2 and 5, from 3 to 5 position 5; one from a
     # later position cannot change the metric and runs nothing
@@ -102,7 +104,7 @@ def test_a_run_that_misplaces_positions_is_not_trusted(caplog: pytest.LogCapture
     lm = Forgetful(30, 24, 4, 3, 40, max_len=16).to(torch.float64).eval()
     clean, corrupt = _pair()
     with caplog.at_level(logging.INFO, logger="multihead.circuits.patching.patch_heads"):
-        got = multihead.patch_heads(lm, clean, corrupt, METRICS["last"], per_position=True)
+        got = multihead.patch_heads(lm, clean, corrupt, METRICS["last"], per_position=True).values
     assert "every per-position patch runs the whole sequence" in caplog.text
     assert "from the whole run's" in caplog.text
     torch.testing.assert_close(got, _loop(lm, clean, corrupt, METRICS["last"]))
@@ -132,7 +134,9 @@ def test_padding_and_sliding_windows_run_whole_sequences(caplog: pytest.LogCaptu
     model = transformers.MistralForCausalLM(config).to(torch.float64).eval()
     clean, corrupt = _pair()
     with caplog.at_level(logging.INFO, logger="multihead.circuits.patching.patch_heads"):
-        got = multihead.patch_heads(model, clean, corrupt, METRICS["last"], per_position=True)
+        got = multihead.patch_heads(
+            model, clean, corrupt, METRICS["last"], per_position=True
+        ).values
     assert "the model attends through a sliding window shorter than the inputs" in caplog.text
     want = _loop(model, clean, corrupt, METRICS["last"], use_cache=False)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

@@ -206,11 +206,11 @@ def _circuits(model: Any, clean: torch.Tensor, corrupt: torch.Tensor, last: int)
         return logits[:, -1, 5] - logits[:, -1, 7]
 
     out: dict[str, Any] = {}
-    out["patch_denoise"] = patch_heads(model, clean, corrupt, logit_diff)  # (L, H)
+    out["patch_denoise"] = patch_heads(model, clean, corrupt, logit_diff).values  # (L, H)
     out["patch_noise_per_position"] = patch_heads(
         model, clean, corrupt, logit_diff, direction="noise", per_position=True,
         heads=[(1, last), (1, 0), (0, 1)], batch_size=3,
-    )  # fmt: skip
+    ).values  # fmt: skip
     out["attribution"] = attribution_patching(
         model, clean, corrupt, logit_diff, per_position=True
     ).values

@@ -125,7 +125,7 @@ def patch(
         values = patch_heads(
             experiment, direction=direction, per_position=per_position,
             heads=heads if heads is not None else every, batch_size=batch_size, group=group,
-        )  # fmt: skip
+        ).values  # fmt: skip
     else:
         values = _SitePatch(experiment, site, direction, per_position, group).run(
             chosen, heads, batch_size

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe
+from multihead.circuits.patching.patch_result import PatchResult
 from multihead.circuits.runs.experiment import Experiment
 from multihead.circuits.runs.input_pair import DIRECTIONS, InputPair
 from multihead.circuits.runs.layer_recording import check_recorded
@@ -84,7 +85,7 @@ def patch_heads(
     batch_size: int | None = None,
     group: Any = None,
     metric_input: str = "logits",
-) -> Tensor:
+) -> PatchResult:
     r"""Activation patching: the metric's change when one head's output comes from the other run.
 
     With ``source, target = clean, corrupt`` (``"denoise"``) or ``corrupt, clean``
@@ -137,8 +138,10 @@ def patch_heads(
             note naming what it was given.
 
     Returns:
-        (L, H), or (L, H, T) with ``per_position``, in the metric's dtype and device; NaN
-        where a layer has fewer heads than the most, and for heads not in ``heads``.
+        A :class:`~multihead.PatchResult` of site ``"z"``: values (L, H), or (L, H, T) with
+        ``per_position``, in the metric's dtype and device, NaN where a layer has fewer heads
+        than the most and for heads not in ``heads``; the clean and corrupt metrics (of the
+        two unpatched runs) beside them.
 
     Raises:
         ValueError: an unknown ``direction``, a bad ``batch_size``, ``clean`` and ``corrupt``
@@ -150,7 +153,9 @@ def patch_heads(
     Example:
         >>> def logit_diff(logits):  # the right answer's logit minus the wrong one's
         ...     return logits[:, -1, right] - logits[:, -1, wrong]
-        >>> effects = patch_heads(lm, clean_ids, corrupt_ids, logit_diff)  # (L, H)
+        >>> effects = patch_heads(lm, clean_ids, corrupt_ids, logit_diff)
+        >>> effects.values  # (L, H)
+        >>> effects.top(5), effects.plot()
     """
     check_choice("direction", direction, DIRECTIONS)
     if not isinstance(per_position, bool):
@@ -221,7 +226,12 @@ def patch_heads(
         changes = split.sum(changes)
         for where in places.values():
             result[where] = changes[where]
-    return result
+    clean_value, corrupt_value = (
+        experiment.run(name, caller="patch_heads", log=logger).value
+        for name in ("clean", "corrupt")
+    )
+    dims = PatchResult.site_dims("z", per_position)
+    return PatchResult(result, dims, "z", direction, float(clean_value), float(corrupt_value))
 
 
 def _run_variants(
