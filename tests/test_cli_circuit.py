@@ -155,3 +155,24 @@ def test_a_model_without_texts_is_one_line(
     err = capsys.readouterr().err
     assert "--model needs --clean, --corrupt and --answer" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_query_outside_the_inputs_is_refused_before_any_scoring(
+    induction_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 51 row 10: ``--query 999`` (was: refused only after the whole EAP-IG run and the
+    curve): one line, exit 2, before edge attribution runs, nothing written."""
+
+    def scored(*args: object, **kwargs: object) -> None:
+        raise AssertionError("edge_attribution ran before --query was checked")
+
+    monkeypatch.setattr(multihead, "edge_attribution", scored)
+    out = tmp_path / "o"
+    argv = ["circuit", "--checkpoint", str(induction_run), "--out", str(out), "--query", "999"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--query must be a position of the 16-token inputs in [-16, 16), got 999" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -1,13 +1,13 @@
 """Each input runs unpatched at most once: the experiment records its runs for every function
 on the pair (multihead.Experiment).
 
-Runs are counted with forward pre-hooks: a module-global one sees every top-level forward and
-its input; a run *of* an input is a top-level forward whose input equals that input whole (its
-(B, T) ids, value for value) and in which the first attention module actually ran. Patched runs
-stack their variants along the batch (n·B rows) or run a later position on (fewer than T), so
-they are not runs of either input; the prefix cache's check (a replay of the recorded run with
-every block but the last handed back, so the first attention does not run) is counted apart,
-as a replay, and is at most one per input whose blocks are reused.
+Runs are counted with forward pre-hooks: a module-global one sees every forward of the model and
+its input; a run *of* an input is a forward of the model whose input equals that input whole
+(its (B, T) ids, value for value) and in which the first attention module actually ran. Patched
+runs stack their variants along the batch (n·B rows) or run a later position on (fewer than T),
+so they are not runs of either input; a forward whose first blocks hand back their recorded
+outputs (the prefix cache's check of its record, a patched variant of a later layer alone)
+computes nothing of the input before its patch, and is counted apart, as a replay.
 """
 
 from __future__ import annotations
@@ -32,17 +32,20 @@ V, E, HEADS, LAYERS = 13, 16, 2, 3
 class Runs:
     """Counts of the runs of named inputs (module docstring)."""
 
-    def __init__(self, inputs: dict[str, Tensor]) -> None:
+    def __init__(self, inputs: dict[str, Tensor], *, until_partial: bool = False) -> None:
         self.inputs = inputs
+        # stop counting at the first forward of the model on anything but an input whole
+        self.until_partial = until_partial
+        self.stopped = False
         self.ran: Counter[str] = Counter()
         self.replays: Counter[str] = Counter()
-        self.first: nn.Module | None = None  # the first attention of the model run
-        self.depth = 0
+        self.model: nn.Module | None = None  # the first module given one of the inputs
+        self.first: nn.Module | None = None  # its first attention
         self.current: str | None = None
         self.first_ran = False
 
-    def _which(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        given = args[0] if args else kwargs.get("input_ids")
+    def _which(self, args: tuple[Any, ...]) -> str | None:
+        given = args[0] if args else None
         if not isinstance(given, Tensor):
             return None
         for name, value in self.inputs.items():
@@ -50,26 +53,37 @@ class Runs:
                 return name
         return None
 
+    def _end(self) -> None:
+        """Count the forward that ran (its module hook, or the next forward: a forward that
+        raised, as a run stopped early does, calls no forward hook)."""
+        if self.current is not None:
+            (self.ran if self.first_ran else self.replays)[self.current] += 1
+        self.current = None
+
     @contextlib.contextmanager
     def counting(self) -> Iterator[Runs]:
         def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if self.depth == 0:
-                self.current, self.first_ran = self._which(args, {}), False
-                if self.current is not None:
-                    self.first = multihead.model_map(module).sites[0].module
-            if module is self.first:
+            if self.model is None and self._which(args) is not None:
+                self.model = module  # a model's pre-hook runs before its modules'
+                self.first = multihead.model_map(module).sites[0].module
+            if module is self.model:
+                self._end()
+                self.current, self.first_ran = self._which(args), False
+                self.stopped |= self.until_partial and self.current is None
+                if self.stopped:
+                    self.current = None
+            elif module is self.first:
                 self.first_ran = True
-            self.depth += 1
 
         def post(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            self.depth -= 1
-            if self.depth == 0 and self.current is not None:
-                (self.ran if self.first_ran else self.replays)[self.current] += 1
+            if module is self.model:
+                self._end()
 
         handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
         try:
             yield self
         finally:
+            self._end()
             for handle in handles:
                 handle.remove()
 
@@ -94,10 +108,11 @@ def _metric(logits: Tensor) -> Tensor:
 def test_patch_resid_pre_per_position_runs_each_input_once(device: torch.device) -> None:
     lm = _lm(device)
     clean, corrupt = _pair(device)
-    with Runs({"clean": clean, "corrupt": corrupt}).counting() as runs:
+    # per position, a patch of block 0's input at position 0 runs the whole corrupt ids again
+    # (one variant): count until the first run of a later position on, where patches begin
+    with Runs({"clean": clean, "corrupt": corrupt}, until_partial=True).counting() as runs:
         result = multihead.patch(lm, clean, corrupt, _metric, site="resid_pre", per_position=True)
     assert runs.ran == {"clean": 1, "corrupt": 1}
-    assert runs.replays["clean"] == 0 and runs.replays["corrupt"] <= 1
     # a cell by hand: the corrupt run with block 1's input at position 2 the clean run's
     with torch.no_grad():
         entering: list[Tensor] = []
@@ -125,7 +140,6 @@ def test_patch_heads_runs_each_input_once(device: torch.device, per_position: bo
     with Runs({"clean": clean, "corrupt": corrupt}).counting() as runs:
         multihead.patch(lm, clean, corrupt, _metric, per_position=per_position)
     assert runs.ran == {"clean": 1, "corrupt": 1}
-    assert runs.replays["clean"] == 0 and runs.replays["corrupt"] <= 1
 
 
 def test_functions_on_one_experiment_share_its_runs(device: torch.device) -> None:
@@ -146,7 +160,6 @@ def test_functions_on_one_experiment_share_its_runs(device: torch.device) -> Non
         top = [(0, 1), (2, 0)]
         positions = multihead.patch(experiment, per_position=True, heads=top)
     assert runs.ran == {"clean": 1, "corrupt": 1}
-    assert runs.replays["clean"] == 0 and runs.replays["corrupt"] <= 1
     # each equals the function on its own (the reference: a fresh experiment each)
     alone = multihead.patch(lm, clean, corrupt, _metric)
     torch.testing.assert_close(effects.values, alone.values, rtol=0, atol=1e-6)
@@ -210,4 +223,31 @@ def test_the_patch_command_runs_each_input_once(induction_run: Path, tmp_path: P
     with Runs({"clean": pair.clean, "corrupt": pair.corrupt}).counting() as runs:
         assert main(argv) == 0
     assert runs.ran == {"clean": 1, "corrupt": 1}
-    assert runs.replays["clean"] == 0 and runs.replays["corrupt"] <= 1
+
+
+@pytest.mark.parametrize("ig_steps", [1, 2])
+def test_edge_attribution_and_its_curve_probe_the_graph_once(
+    device: torch.device, ig_steps: int
+) -> None:
+    """``multihead circuit``'s sequence on one experiment: edge attribution and the
+    faithfulness curve of its scores. The graph is probed once (the corrupt run, the only run
+    of the corrupt input); every other forward is one of edge attribution's gradient runs (of
+    the clean ids, α = 1 the clean run itself) or one circuit run (the clean ids patched) per
+    faithfulness of the curve; the numbers equal each function called alone."""
+    lm = _lm(device)
+    clean, corrupt = _pair(device)
+    draws = 2
+    with Runs({"clean": clean, "corrupt": corrupt}).counting() as runs:
+        experiment = multihead.Experiment.of(lm, clean, corrupt, _metric)
+        scores = multihead.edge_attribution(experiment, ig_steps=ig_steps)
+        curve = multihead.faithfulness_curve(experiment, scores=scores, draws=draws)
+    assert runs.ran["corrupt"] + runs.replays["corrupt"] == 1
+    circuit_runs = len(curve.sizes) * (1 + draws)
+    assert runs.ran["clean"] + runs.replays["clean"] == ig_steps + circuit_runs
+    alone = multihead.edge_attribution(lm, clean, corrupt, _metric, ig_steps=ig_steps)
+    torch.testing.assert_close(scores.values, alone.values, rtol=0, atol=1e-6, equal_nan=True)
+    assert (scores.clean, scores.corrupt) == (alone.clean, alone.corrupt)
+    reference = multihead.faithfulness_curve(lm, clean, corrupt, _metric, alone, draws=draws)
+    assert curve.values == pytest.approx(reference.values, abs=1e-6)
+    assert curve.random == pytest.approx(reference.random, abs=1e-6)
+    assert (curve.clean, curve.corrupt) == pytest.approx((reference.clean, reference.corrupt))

@@ -600,6 +600,8 @@ FAMILY_KNOWLEDGE: frozenset[str] = frozenset(
         "attention_dropout",
         "attn_dropout",
         "tp_plan",
+        "sliding_window",
+        "use_sliding_window",
         # family names
         "gpt2",
         "llama",
@@ -659,3 +661,90 @@ def test_the_family_check_sees_a_family_named_outside_the_builders(tmp_path: Pat
     (package / "observe" / "x.py").write_text('def f(m):\n    return getattr(m, "ln_f")\n')
     (package / "hf.py").write_text("def g(m):\n    return m.ln_f\n")
     assert family_knowledge(tmp_path, "pkg") == ["pkg/observe/x.py:2: ln_f"]
+
+
+# The names a module outside the map builders may look up by string on an object it did not
+# make: getattr/hasattr/setattr, a mapping's ["key"], .get/.pop/.setdefault("key") and
+# "key" in x. An allow list (a new name fails until it is added here, with its reason), so that
+# the next family attribute read by name outside hf/ (kwargs["hidden_states"],
+# getattr(config, "sliding_window")) is caught: such facts belong in the map.
+ALLOWED_LOOKUPS: frozenset[str] = frozenset(
+    {
+        # multihead's own records, results, configs and files (checkpoints, run directories,
+        # safetensors headers, the page, head statistics, training state)
+        "", "ablate", "all", "answer", "attention.html", "attn_out", "call", "chance", "clean",
+        "cls", "config", "config.json", "corrupt", "data_offsets", "dtype", "embedding",
+        "entropy", "files", "func", "has_first", "head", "head_importance", "history", "html",
+        "importance", "in", "induction", "k", "key_mask", "layer", "lm", "lr", "max_len",
+        "mlp", "mlp_out", "model", "model.safetensors", "model_state", "most_attended",
+        "most_attended_weight", "name", "normalized", "num_queries", "observer", "optimizer",
+        "optimizer.safetensors", "optimizer_state", "other", "out", "out_grad", "pad_id",
+        "pad_type_id", "params", "position", "q", "receiver", "repeat", "resid_mid", "result",
+        "role", "scalars", "sender", "sep", "seq_len", "sha256", "shape", "special_mask",
+        "state", "stats", "step", "task", "text_index", "threads", "title", "training", "v",
+        "via", "vocab", "wrong", "__metadata__", "block_parts", "model_type",
+        # the model inputs and outputs every circuit function takes (TransformerLens's and
+        # transformers' conventions alike: the user's own batch and output)
+        "attention_mask", "input_ids", "logits", "token_type_ids", "tokens",
+        # torch, Python, the environment and the picture stack
+        "__dataclass_fields__", "_fields", "bias", "weight", "eps", "forward", "param_groups",
+        "padding", "RMSNorm", "torch_dtype", "LOCAL_RANK", "RANK", "WORLD_SIZE",
+        "OMP_NUM_THREADS", "gloo", "mpi", "BLOCK_M", "BLOCK_N", "RdBu_r", "tab10", "turbo",
+        # a tokenizer's and a text model's config, read by the text floor (TextModel wraps any
+        # tokenizer and model: its padding, its length and the logits it keeps)
+        "backend_tokenizer", "is_fast", "post_processor", "pad_token", "pad_token_id",
+        "model_max_length", "logits_to_keep",
+    }
+)  # fmt: skip
+
+
+def lookups(src: Path, package: str) -> list[tuple[str, str]]:
+    """``(where, name)`` of every string lookup (see :data:`ALLOWED_LOOKUPS`) outside
+    :data:`MAY_KNOW_FAMILIES`."""
+    found = []
+    for module, path in modules_of(src, package).items():
+        unit = module.split(".")[1] if "." in module else ""
+        if unit in MAY_KNOW_FAMILIES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name: object = None
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if called in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
+                    name = getattr(node.args[1], "value", None)
+                elif called in ("get", "pop", "setdefault") and isinstance(f, ast.Attribute):
+                    name = getattr(node.args[0], "value", None) if node.args else None
+            elif isinstance(node, ast.Subscript):
+                name = (
+                    getattr(node.slice, "value", None)
+                    if isinstance(node.slice, ast.Constant)
+                    else None
+                )
+            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
+                if any(isinstance(op, ast.In | ast.NotIn) for op in node.ops):
+                    name = node.left.value
+            if isinstance(name, str):
+                found.append((f"{path.relative_to(src)}:{getattr(node, 'lineno', 0)}", name))
+    return found
+
+
+def test_outside_the_builders_only_allowed_names_are_looked_up() -> None:
+    unknown = [
+        f"{where}: {name!r}" for where, name in lookups(SRC, PACKAGE) if name not in ALLOWED_LOOKUPS
+    ]
+    assert not unknown, (
+        "names looked up by string outside hf/ and the models (a family's attribute belongs in "
+        "the map; multihead's own: add it to ALLOWED_LOOKUPS):\n" + "\n".join(unknown)
+    )
+
+
+def test_the_lookup_check_sees_a_keyword_read_by_name(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "circuits").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "circuits" / "__init__.py").write_text("")
+    body = 'def f(m, kw):\n    return kw["hidden_states"], getattr(m, "sliding_window", None)\n'
+    (package / "circuits" / "x.py").write_text(body)
+    (package / "hf.py").write_text('def g(kw):\n    return kw["hidden_states"]\n')
+    assert [n for _, n in lookups(tmp_path, "pkg")] == ["hidden_states", "sliding_window"]

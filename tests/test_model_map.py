@@ -605,3 +605,37 @@ def test_a_text_for_a_model_that_reads_no_text_is_a_type_error(device: torch.dev
         multihead.patch_heads(lm, ids, ["two texts"], _logit_diff)
     with pytest.raises(TypeError, match=r"\bclean\b"):
         multihead.path_patching(lm, "one text", "two texts", _logit_diff, [(0, 1)], [(1, 0)])
+
+
+def test_the_map_holds_each_sites_window_and_the_stream_keyword() -> None:
+    """A sliding window is a site's fact, declared by hf/: Mistral's window on every layer,
+    Gemma-2's on its local layers alone (its global ones None), none on Llama; transformers'
+    layers take the stream by ``hidden_states``, read and written by the map alone."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    common = dict(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    mistral = transformers.MistralForCausalLM(
+        transformers.MistralConfig(**common, sliding_window=6)
+    )
+    gemma = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**common, head_dim=8, sliding_window=5)
+    )
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    assert [s.window for s in multihead.model_map(mistral).sites] == [6, 6, 6, 6]
+    local = [layer.self_attn.sliding_window for layer in gemma.model.layers]  # the reference
+    assert [s.window for s in multihead.model_map(gemma).sites] == local
+    assert None in local and 5 in local
+    assert [s.window for s in multihead.model_map(llama).sites] == [None] * 4
+    mapped = multihead.model_map(llama)
+    x, y = torch.zeros(1, 2, 32), torch.ones(1, 2, 32)
+    assert mapped.stream_keyword == "hidden_states"
+    assert mapped.stream_of((), {"hidden_states": x, "other": 1}) is x
+    assert mapped.stream_of((x, 2), {}) is x and mapped.stream_of((), {}) is None
+    args, kwargs = mapped.with_stream((), {"hidden_states": x, "other": 1}, y)
+    assert args == () and kwargs["hidden_states"] is y and kwargs["other"] == 1
+    args, kwargs = mapped.with_stream((x, 2), {"k": 3}, y)
+    assert args[0] is y and args[1] == 2 and kwargs == {"k": 3}
+    own = multihead.model_map(TransformerLM(11, 16, 2, 2, 24, max_len=8))
+    assert own.stream_keyword is None and all(s.window is None for s in own.sites)

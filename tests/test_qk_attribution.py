@@ -185,6 +185,34 @@ def test_the_result_reads_consistently(device: torch.device) -> None:
     assert "QKAttribution(L2H3, query 8, key 2" in repr(got)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_one_forward_splits_every_key(name: str, device: torch.device) -> None:
+    """One call (one forward of the model) holds every key's split: ``at(key)`` equals a call
+    for that key, and the default key is the one the reference scores highest."""
+    build, reference = MODELS[name]
+    model = build(device)
+    vocab = 20 if name == "transformer_lm" else 50
+    ids = torch.randint(vocab, (1, T), generator=torch.Generator().manual_seed(4)).to(device)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda m, a: forwards.append(1))
+    try:
+        got = qk_attribution(model, ids, layer=2, head=1, query=5)
+    finally:
+        hook.remove()
+    assert len(forwards) == 1
+    q, k = reference(model, ids, 2, 1)
+    scores = (q[5].double() @ k[:6].double().T).cpu()
+    assert got.key == int(scores.argmax())
+    for key in (0, 3, 5):
+        alone = qk_attribution(model, ids, layer=2, head=1, query=5, key=key)
+        other = got.at(key)
+        assert other.key == key and other.score == pytest.approx(alone.score, rel=1e-9)
+        torch.testing.assert_close(other.table(), alone.table(), rtol=0, atol=1e-9)
+        assert [label for label, _ in other.key_rise()] == [label for label, _ in alone.key_rise()]
+    with pytest.raises(ValueError, match="key must be a position query 5 may attend to, got 7"):
+        got.at(7)
+
+
 # -- one pair by hand -------------------------------------------------------------------------
 
 

@@ -289,6 +289,8 @@ def _worker(rank: int, world: int, root: str, queue: Any) -> None:
                 rank, root, "explain-alone", EXPLAIN, tensor_parallel=False
             )
             results["cli_corpus"] = _cli(rank, root, "corpus", CORPUS(root))
+            # one process's work too: rank 0 alone scores, prints and writes (issue 46)
+            results["cli_circuit"] = _cli(rank, root, "circuit", CIRCUIT, tensor_parallel=False)
             # the model directory missing on rank 1's machine alone: both stop in one line and
             # neither waits (the files are agreed on before the build, which can be collective)
             missing = "llama-cli" if rank == 0 else "not-here"
@@ -309,6 +311,7 @@ CLI_ANSWER = ["--answer", " it", "--wrong", " the", "--top", "4"]
 
 PATCH = ["patch", *CLI_TEXTS, *CLI_ANSWER, "--format", "png,html"]
 EXPLAIN = ["explain", "The cat was tired", "--format", "png"]
+CIRCUIT = ["circuit", *CLI_TEXTS, *CLI_ANSWER, "--ig-steps", "2", "--draws", "1", "--format", "png"]
 SPLIT = (
     "the model is split over 2 ranks by tensor parallelism: each rank holds 3 of every layer's 6"
 )
@@ -588,6 +591,26 @@ def test_row16_explain_under_torchrun_without_tensor_parallel_prints_once(
     alone = str(tmp_path / "alone")
     assert main([*EXPLAIN, "--model", first["model"], "--out", alone]) == 0
     printed = capsys.readouterr().out.replace(alone, first["out"])
+    assert first["printed"] == printed
+    assert sorted(os.listdir(first["out"])) == sorted(os.listdir(alone))
+
+
+def test_circuit_under_torchrun_prints_and_writes_once(
+    group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``torchrun … circuit`` on two ranks (was: every rank scored, printed and wrote the same
+    files): rank 0 prints and writes what one process does; rank 1 prints nothing."""
+    world, ranks, _ = group
+    if world != 2:
+        pytest.skip("the command line runs on the 2-rank group")
+    _mapped(world, ranks)
+    first, second = ranks[0]["cli_circuit"], ranks[1]["cli_circuit"]
+    assert (first["code"], second["code"]) == (0, 0), (first["said"], second["said"])
+    assert second["printed"] == "" and second["said"] == "" and not os.path.exists(second["out"])
+    alone = str(tmp_path / "alone")
+    assert main([*CIRCUIT, "--model", first["model"], "--out", alone]) == 0
+    printed = capsys.readouterr().out.replace(alone, first["out"])
+    assert "edges; metric:" in printed
     assert first["printed"] == printed
     assert sorted(os.listdir(first["out"])) == sorted(os.listdir(alone))
 

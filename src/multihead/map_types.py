@@ -93,6 +93,8 @@ class Site:
         head_dim: Dv, the width of one head's output.
         shard: the global heads this rank's calls hold (tensor parallelism), else None.
         dropout: the attention dropout the site applies inside its call in training mode.
+        window: the sliding window its queries attend through (each sees the keys at most
+            this many positions back), or None for global attention.
     """
 
     layer: int
@@ -104,6 +106,7 @@ class Site:
     head_dim: int
     shard: HeadShard | None = None
     dropout: float = 0.0
+    window: int | None = None
 
     def labels(self) -> list[str]:
         """``["L{layer}H0", ...]``: the written names of its heads."""
@@ -169,6 +172,10 @@ class ModelMap:
         positions_argument: the keyword of the model's forward that takes each token's position
             (``"positions"``, ``"position_ids"``), so that a run of a sequence's later tokens
             alone embeds them where they are; None when not known.
+        stream_keyword: the keyword under which the model's blocks, and the modules inside them,
+            are given the residual stream when it is not their first positional argument
+            (transformers' ``"hidden_states"``); None where it always comes first. Read and
+            written by :meth:`stream_of` and :meth:`with_stream` alone.
     """
 
     family: str
@@ -186,6 +193,7 @@ class ModelMap:
     token_types: bool = False
     call_options: Mapping[str, Any] = field(default_factory=dict)
     positions_argument: str | None = None
+    stream_keyword: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -200,6 +208,23 @@ class ModelMap:
     def block_of(self, layer: int) -> Block | None:
         """The block holding site ``layer``, or None."""
         return next((b for b in self.blocks if layer in b.sites), None)
+
+    def stream_of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """The residual stream a call of a block (or of a module inside one) was given, as its
+        forward (pre-)hook sees the call: its first positional argument, else the map's
+        :attr:`stream_keyword` argument; None when it has neither."""
+        if args:
+            return args[0]
+        return kwargs.get(self.stream_keyword) if self.stream_keyword is not None else None
+
+    def with_stream(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], stream: Tensor
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A call's arguments with its residual stream (:meth:`stream_of`) replaced by
+        ``stream``, as a forward pre-hook with keyword arguments returns them."""
+        if args or self.stream_keyword is None:
+            return (stream, *args[1:]), kwargs
+        return args, {**kwargs, self.stream_keyword: stream}
 
     def labels(self) -> list[list[str]]:
         """Per layer, the written names of its heads (``[["L0H0", ...], ...]``)."""

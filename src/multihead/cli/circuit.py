@@ -32,13 +32,15 @@ from multihead.circuits.edges.edge_scores import METHODS, EdgeScores
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
+    on_rank_zero,
     print_warnings,
     status,
     torchrun_world,
 )
 from multihead.cli.patch_experiment import PatchExperiment
-from multihead.cli.text_pairs import built_in_note, chosen_pairs
+from multihead.cli.text_pairs import TextPair, built_in_note, chosen_pairs
 from multihead.cli.threads import add_threads_argument, torch_threads
+from multihead.training.ddp import World
 from multihead.viz.formats import check_output_dir
 from multihead.viz.plots import save_figure
 
@@ -136,28 +138,58 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--reach must be in (0, 1], got {args.reach}")
     pairs = chosen_pairs(args)
     with torch_threads(args.threads), torchrun_world(args.device) as world:
-        note = built_in_note(args, pairs)
-        if note:
-            print(note, file=sys.stderr)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with status("loading the model"):
-                experiment = PatchExperiment.from_args(args, world.device, pairs)
-            code = _circuit(args, experiment, out, formats)
-        print_warnings(caught)
-        return code
+        # nothing here is shared over ranks: rank 0 loads, scores, prints and writes; an error
+        # there stops every rank
+        code = on_rank_zero(world.rank, lambda: _load_and_circuit(args, world, pairs, out, formats))
+        return 0 if code is None else code
+
+
+def _load_and_circuit(
+    args: argparse.Namespace,
+    world: World,
+    pairs: list[TextPair] | None,
+    out: Path,
+    formats: list[str],
+) -> int:
+    note = built_in_note(args, pairs)
+    if note:
+        print(note, file=sys.stderr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with status("loading the model"):
+            experiment = PatchExperiment.from_args(args, world.device, pairs)
+        _check_query(args.query, experiment)
+        code = _circuit(args, experiment, out, formats)
+    print_warnings(caught)
+    return code
+
+
+def _check_query(query: int, experiment: PatchExperiment) -> None:
+    """``--query`` is a position of the clean input (checked before any scoring)."""
+    clean = experiment.clean
+    ids = clean["input_ids"] if isinstance(clean, dict) else clean
+    t = ids.shape[-1]
+    if not -t <= query < t:
+        raise CLIError(
+            f"--query must be a position of the {t}-token inputs in [{-t}, {t}), got {query}"
+        )
 
 
 def _circuit(
     args: argparse.Namespace, experiment: PatchExperiment, out: Path, formats: list[str]
 ) -> int:
-    run = (experiment.model, experiment.clean, experiment.corrupt, experiment.metric)
+    # one experiment: the graph is probed once, each input runs once, for both functions
+    runs = multihead.Experiment.of(
+        experiment.model, experiment.clean, experiment.corrupt, experiment.metric
+    )
     method = "EAP" if args.ig_steps == 1 else f"EAP-IG, {args.ig_steps} steps"
     with status(f"scoring every edge ({method})"):
-        scores = multihead.edge_attribution(*run, ig_steps=args.ig_steps)
+        scores = multihead.edge_attribution(runs, ig_steps=args.ig_steps)
     chosen = "the top edges" if args.method == "top" else "the greedy circuits"
     with status(f"faithfulness of {chosen} and of random circuits"):
-        curve = multihead.faithfulness_curve(*run, scores, draws=args.draws, method=args.method)
+        curve = multihead.faithfulness_curve(
+            runs, scores=scores, draws=args.draws, method=args.method
+        )
     print(f"{experiment.name}: {len(scores)} edges; metric: {experiment.describe}")
     print(f"  clean {scores.clean:.3f}   corrupt {scores.corrupt:.3f}")
     print(f"\nTop edges ({method}: corrupt - clean write times the gradient at the receiver):")
@@ -243,13 +275,9 @@ def _print_qk(experiment: PatchExperiment, heads: list[tuple[int, int]], query: 
     first = {k: v[:1] for k, v in clean.items()} if isinstance(clean, dict) else clean[:1]
     print(f"\nQK attribution of the circuit's top heads (query position {query}):")
     for layer, head in heads:
-        probe = multihead.qk_attribution(
-            experiment.model, first, layer=layer, head=head, query=query, key=query
-        )
-        key = int(probe.scores().nan_to_num(float("-inf")).argmax())
-        qk = multihead.qk_attribution(
-            experiment.model, first, layer=layer, head=head, query=query, key=key
-        )
+        # one forward splits every key: by default the key the head scores highest
+        qk = multihead.qk_attribution(experiment.model, first, layer=layer, head=head, query=query)
+        key = qk.key
         print(
             f"  L{layer}H{head}: key {key} scores {qk.total():.2f}; "
             f"top pairs (query side, key side):"

@@ -34,6 +34,7 @@ __all__ = [
     "progress",
     "load_model",
     "load_on_every_rank",
+    "on_rank_zero",
     "torchrun_world",
     "add_tensor_parallel_argument",
     "check_tensor_parallel",
@@ -229,6 +230,15 @@ def load_on_every_rank(load: Callable[[], T], check: Callable[[], object] | None
     if check is not None:
         _on_every_rank(check)
     return _on_every_rank(load)
+
+
+def on_rank_zero(rank: int, work: Callable[[], T]) -> T | None:
+    """``work()`` on rank 0 alone, for a command whose work is one process's (nothing to share
+    over the ranks): rank 0 runs, prints and writes; under torchrun every other rank waits for
+    it, and an error there is raised on every rank, one line each (as
+    :func:`load_on_every_rank`), so that all stop with exit code 2. Returns ``work()``'s
+    result on rank 0, None elsewhere."""
+    return _on_every_rank(work if rank == 0 else lambda: None)
 
 
 def _on_every_rank(fn: Callable[[], T]) -> T:

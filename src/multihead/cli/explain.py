@@ -20,6 +20,7 @@ from multihead.cli.common import (
     add_tensor_parallel_argument,
     check_tensor_parallel,
     load_model,
+    on_rank_zero,
     print_split,
     print_warnings,
     printable,
@@ -204,8 +205,10 @@ def run(args: argparse.Namespace) -> int:
             with torchrun_world(args.device) as world:
                 if args.tensor_parallel:  # every rank runs the forwards together
                     ex, paths = _explain(args, formats, out, world)
-                elif world.rank == 0:  # one text: nothing to share, so rank 0 runs it alone
-                    ex, paths = _explain(args, formats, out, World())
+                else:  # one text: nothing to share, so rank 0 runs it alone
+                    done = on_rank_zero(world.rank, lambda: _explain(args, formats, out, World()))
+                    if done is not None:
+                        ex, paths = done
                 if world.rank != 0:
                     return 0
     _print_report(ex, paths)

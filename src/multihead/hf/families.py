@@ -291,6 +291,8 @@ def transformers_map(model: nn.Module) -> ModelMap:
         ValueError: a family whose attention is not routed through transformers'
             AttentionInterface, or that computes some attention outside it (named).
     """
+    root = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    config = getattr(root, "config", None)
     sites = [
         Site(
             layer=layer,
@@ -302,12 +304,11 @@ def transformers_map(model: nn.Module) -> ModelMap:
             head_dim=site.head_dim,
             shard=site.head_shard,
             dropout=_attention_dropout(site.module),
+            window=_window(site.module, config),
         )
         for layer, (name, site) in enumerate(attention_sites(model))
     ]
-    root = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
     base = _base(root)
-    config = getattr(root, "config", None)
     causal = _causal(root, base, [s for s in sites if _inside(base, s.module)])
     return ModelMap(
         family=str(getattr(config, "model_type", None) or type(root).__name__),
@@ -326,7 +327,22 @@ def transformers_map(model: nn.Module) -> ModelMap:
         and _takes(base, "token_type_ids"),
         call_options={"use_cache": False} if _takes(model, "use_cache") else {},
         positions_argument="position_ids" if causal and _takes(model, "position_ids") else None,
+        stream_keyword="hidden_states",  # transformers' layers and norms take it by this name
     )
+
+
+def _window(module: nn.Module, config: Any) -> int | None:
+    """The sliding window of an attention module: its own ``sliding_window`` (transformers'
+    modules carry their layer's, None on global layers), else the config's where the model
+    uses one (``use_sliding_window``, True when the config does not say)."""
+    window: Any
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    elif getattr(config, "use_sliding_window", True):
+        window = getattr(config, "sliding_window", None)
+    else:
+        window = None
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
 
 
 def _inside(outer: nn.Module, module: nn.Module) -> bool:

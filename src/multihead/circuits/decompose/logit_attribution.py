@@ -246,7 +246,7 @@ def logit_attribution(
 
     def on_block(i: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-            hidden["in"][i] = args[0] if args else kwargs.get("hidden_states")
+            hidden["in"][i] = mapped.stream_of(args, kwargs)
             hidden["out"][i] = out[0] if isinstance(out, (tuple, list)) else out
 
         return hook

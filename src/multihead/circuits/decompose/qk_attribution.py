@@ -31,7 +31,7 @@ components.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from multihead.circuits.runs.activation_cache import cache, stack_block
 from multihead.circuits.runs.experiment import warn_if_random
 from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.kernels import causal_mask
-from multihead.map_types import output_tensor
+from multihead.map_types import ModelMap, output_tensor
 from multihead.mapping import model_heads, model_map
 from multihead.observe.rows import row_weights, visible_keys
 from multihead.observers import AttentionCall, Removable, registered
@@ -74,6 +74,10 @@ class QKAttribution:
         score: the model's own score ``scale · q · k`` at (query, key).
         weights: (S,) the head's attention row at ``query`` (0 at keys it cannot see).
         visible: (S,) bool, the keys the query may attend to.
+        q: (D,) the head's query at ``query`` as the kernel read it.
+        k: (S, D) its keys at every position as the kernel read them.
+
+    Every key's split is held: :meth:`at` gives the split of another key with no forward.
     """
 
     layer: int
@@ -88,6 +92,25 @@ class QKAttribution:
     score: float
     weights: Tensor
     visible: Tensor
+    q: Tensor
+    k: Tensor
+
+    def at(self, key: int) -> QKAttribution:
+        """The split of the score of ``key`` (negative from the end) for the same query: every
+        key's parts are held, so no forward runs.
+
+        Raises:
+            ValueError: ``key`` out of range, or a key the query cannot see.
+            TypeError: ``key`` not an int.
+        """
+        key = check_index("key", key, len(self.visible), "positions")
+        if not bool(self.visible[key]):
+            raise ValueError(
+                f"key must be a position query {self.query} may attend to, got {key} (a causal "
+                f"model's queries see keys at or before their own position)"
+            )
+        score = float(self.scale * self.q.double() @ self.k[key].double())
+        return replace(self, key=key, score=score)
 
     def table(self) -> Tensor:
         """(Nq, Nk) float64: every pair's share of the score at (query, key)."""
@@ -163,19 +186,20 @@ class QKAttribution:
         )
 
 
-def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
-    """A module call's hidden states: its first positional argument or ``hidden_states``."""
-    value = args[0] if args else kwargs.get("hidden_states")
+def _hidden(mapped: ModelMap, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """A module call's hidden states (the map's :meth:`~multihead.ModelMap.stream_of`)."""
+    value = mapped.stream_of(args, kwargs)
     return value if isinstance(value, Tensor) else None
 
 
 @torch.inference_mode(False)
 @torch.no_grad()
 def qk_attribution(
-    model: nn.Module, inputs: Any, *, layer: int, head: int, query: int, key: int
+    model: nn.Module, inputs: Any, *, layer: int, head: int, query: int, key: int | None = None
 ) -> QKAttribution:
     """Split head ``head`` of ``layer``'s score of ``key`` for ``query`` into pairs of
-    components (see the module docstring), exactly: ``total()`` is the score.
+    components (see the module docstring), exactly: ``total()`` is the score. One forward
+    splits every key's score (:meth:`QKAttribution.at` reads another key's).
 
     Args:
         model: multihead's :class:`~multihead.models.TransformerLM` (pre-LN), or a transformers
@@ -184,7 +208,8 @@ def qk_attribution(
             a :class:`multihead.TextModel` a text.
         layer, head: the head (negative from the end).
         query: the query position (negative from the end).
-        key: the key position (negative from the end); one the query may attend to.
+        key: the key position (negative from the end); one the query may attend to. Default
+            the key the head scores highest for the query.
 
     Returns:
         A :class:`QKAttribution`.
@@ -217,7 +242,7 @@ def qk_attribution(
         fed.append((args, kwargs))
 
     def on_part(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        given = _hidden(args, kwargs)
+        given = _hidden(mapped, args, kwargs)
         if given is not None:
             ran.append((m, given.detach(), output_tensor(out).detach()))
 
@@ -245,13 +270,20 @@ def qk_attribution(
     if b_size != 1:
         raise ValueError(f"qk_attribution explains one sequence: inputs must hold 1, got {b_size}")
     query = check_index("query", query, t, "positions")
-    key = check_index("key", key, t, "positions")
+    if key is not None:
+        key = check_index("key", key, t, "positions")
     args, kwargs = fed[0]
-    h = _hidden(args, kwargs)
+    h = _hidden(mapped, args, kwargs)
     assert h is not None  # the attention ran on the hidden states
     call: AttentionCall = seen["call"]
     rows = torch.tensor([query], device=x.device)
     visible = visible_keys(call, rows)[0, 0]  # (S,)
+    captured_q = seen["q"][0, head, query]  # (D,)
+    if key is None:  # the key the head scores highest
+        scores = (captured_q.double() @ seen["k"][0, kv].double().T).masked_fill(
+            ~visible, float("-inf")
+        )
+        key = int(scores.argmax())
     if not bool(visible[key]):
         raise ValueError(
             f"key must be a position query {query} may attend to, got {key} (a causal model's "
@@ -284,7 +316,6 @@ def qk_attribution(
     _check_sum("query", q_parts.sum(0), seen["q"][0, head, query], site.name)
     _check_sum("key", k_parts.sum(0), seen["k"][0, kv], site.name)
     base = labels + constants
-    captured_q = seen["q"][0, head, query].double()
     return QKAttribution(
         layer=layer,
         head=head,
@@ -295,9 +326,11 @@ def qk_attribution(
         query_parts=q_parts,
         key_parts=k_parts,
         scale=float(call.scale),
-        score=float(call.scale * captured_q @ seen["k"][0, kv, key].double()),
+        score=float(call.scale * captured_q.double() @ seen["k"][0, kv, key].double()),
         weights=weights,
         visible=visible,
+        q=captured_q,
+        k=seen["k"][0, kv],
     )
 
 

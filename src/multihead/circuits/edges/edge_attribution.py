@@ -67,10 +67,10 @@ def parse_kinds(receivers: object) -> tuple[str, ...]:
 
 
 def edge_attribution(
-    model: nn.Module,
-    clean: Any,
-    corrupt: Any,
-    metric: Metric,
+    model: nn.Module | Experiment,
+    clean: Any = None,
+    corrupt: Any = None,
+    metric: Metric | None = None,
     *,
     ig_steps: int = 1,
     senders: Sequence[Any] | None = None,
@@ -109,11 +109,12 @@ def edge_attribution(
     """
     check_positive_int("ig_steps", ig_steps)
     kinds = parse_kinds(receivers)
+    callers = isinstance(model, Experiment)  # the caller's: what is read once is kept on it
     experiment = Experiment.of(model, clean, corrupt, metric)
-    warn_if_random(model, "edge_attribution")
+    warn_if_random(experiment.model, "edge_attribution")
     # the probe run that reads the graph is the corrupt run (its writes kept); the clean run's
     # writes are read in the first gradient run, α = 1, which is the clean run itself
-    graph = EdgeModel.of(experiment, kv, "edge_attribution", keep_writes=True, on="corrupt")
+    graph = EdgeModel.shared(experiment, kv, "edge_attribution")
     chosen = graph.parse_senders(senders)
     readers = graph.receivers(kinds)
     # the senders' differences (N, B, T, E) built in place as the runs write: the corrupt
@@ -139,7 +140,8 @@ def edge_attribution(
             row = held[0][index[sender]]
             torch.sub(row, write.to(row.dtype), out=row)
 
-    corrupt_value = graph.probe_writes(corrupt_write)
+    # an experiment the caller holds keeps the corrupt writes for faithfulness after
+    corrupt_value = graph.probe_writes(corrupt_write, release=not callers)
     assert held, "the corrupt run wrote none of the senders"
     delta = held[0]
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix
@@ -155,6 +157,7 @@ def edge_attribution(
         # α = 1 first: its forward completes the differences the backwards read
         with interpolated_embeddings(graph.mapped, None, None, last, "edge_attribution"):
             clean_value = gradients.step(graph.recorded_writes(clean_write))
+        experiment.adopt("clean", experiment.last_output, clean_value)
         for alpha in points:
             with interpolated_embeddings(
                 graph.mapped, embedded["corrupt"], embedded["clean"], alpha, "edge_attribution"

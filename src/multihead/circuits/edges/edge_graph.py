@@ -185,8 +185,9 @@ class EdgeModel:
         if keep_writes:
             hooks += _write_hooks(blocks, experiment, probe.write, probe.head_outputs)
         with torch.no_grad(), registered(iter(hooks)):
-            probed = experiment.pair.clean if on == "clean" else experiment.pair.corrupt
-            probe.value = experiment.value(probed, f"{on} run").detach()
+            probe.value = experiment.value(experiment.inputs(on), f"{on} run").detach()
+        # the probe is an unpatched run of its input (its hooks only read): the experiment's
+        experiment.adopt(on, experiment.last_output, probe.value)
         layers = []
         for layer, block in enumerate(blocks):
             norm = found.get(("norm", layer))
@@ -214,6 +215,18 @@ class EdgeModel:
                 _Layer(norm, projection, block.mlp, mlp_norm, inputs, block.norm_eps(norm))
             )
         return cls(experiment, mapped, layers, kv, probe)
+
+    @classmethod
+    def shared(cls, experiment: Experiment, kv: str, caller: str) -> EdgeModel:
+        """The graph of ``experiment``'s model, read once per experiment (and ``kv``) and kept
+        on it for every function after: its probe is the corrupt run, whose writes are kept
+        (:meth:`probe_writes`) and which is the experiment's corrupt run."""
+        key = ("edge graph", kv)
+        graph = experiment.kept.get(key)
+        if not isinstance(graph, EdgeModel):
+            graph = cls.of(experiment, kv, caller, keep_writes=True, on="corrupt")
+            experiment.kept[key] = graph
+        return graph
 
     # -- the graph ------------------------------------------------------------------------------
 
@@ -294,17 +307,26 @@ class EdgeModel:
         with registered(_write_hooks(blocks, self.experiment, store, heads)):
             yield writes
 
-    def probe_writes(self, keep: Callable[[Sender, Tensor], None]) -> Tensor:
+    @property
+    def holds_writes(self) -> bool:
+        """Whether the probe run's writes are still held (:meth:`probe_writes`)."""
+        return self._probe is not None
+
+    def probe_writes(
+        self, keep: Callable[[Sender, Tensor], None], *, release: bool = True
+    ) -> Tensor:
         """The probe run's writes (as :meth:`recorded_writes` records them), each handed to
         ``keep(sender, write)``, and its metric: what a run of the probe's input would give,
-        without one. Once per graph (the probe lets its writes go)."""
+        without one. With ``release`` the probe lets its writes go (a later call raises): a
+        graph on an experiment the caller holds keeps them for the next function."""
         probe = self._probe
         if probe is None:
             raise RuntimeError(
                 "EdgeModel.probe_writes: the probe run kept no writes (keep_writes=False), or "
                 "has handed them over already"
             )
-        self._probe = None
+        if release:
+            self._probe = None
         for sender, write in probe.writes:
             keep(sender, write)
         with torch.no_grad():  # as in the run: the heads' writes record no graph
@@ -320,13 +342,6 @@ class EdgeModel:
         with torch.no_grad(), self.recorded_writes(keep) as writes:
             value = self.experiment.value(inputs, what)
         return dict(writes), value.detach()
-
-
-def _stream_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
-    """A block's residual stream argument: its first positional one, or ``hidden_states``."""
-    if args:
-        return args[0]
-    return kwargs["hidden_states"]
 
 
 @dataclass
@@ -355,9 +370,10 @@ def _write_hooks(
     """Hooks handing a run's writes on, detached: what block 0 is given and each feed-forward
     network's output to ``write(sender, x)`` (B, T, E), each layer's heads' outputs to
     ``heads(layer, z)`` (B, T, H, Dv)."""
+    mapped = model_map(experiment.model)
 
     def embed(m: nn.Module, args: Any, kwargs: Any) -> None:
-        write(Sender("embed"), _stream_argument(args, kwargs).detach())
+        write(Sender("embed"), mapped.stream_of(args, kwargs).detach())
 
     def observer_of(layer: int) -> Any:
         def observer(call: AttentionCall, out: Tensor) -> None:
@@ -404,6 +420,7 @@ def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) ->
     module of the block whose output tensor is the part's input), output projection (the
     module inside the attention given its heads' outputs, flattened) and input projections
     (the modules inside it given the norm's output itself, and that output)."""
+    mapped = model_map(experiment.model)
     made: dict[int, tuple[nn.Module, Tensor]] = {}  # id(output) -> (module, output: kept alive)
     flat: dict[int, Tensor] = {}  # layer -> its heads' outputs (B, T, H·Dv)
 
@@ -413,7 +430,7 @@ def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) ->
 
     def reading(key: tuple[str, int]) -> Any:
         def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
-            given = args[0] if args else kwargs.get("hidden_states")
+            given = mapped.stream_of(args, kwargs)
             if isinstance(given, Tensor) and key not in found:
                 maker = made.get(id(given))
                 if maker is not None and maker[1] is given:
@@ -429,7 +446,7 @@ def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) ->
 
     def attention_input(layer: int) -> Any:
         def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
-            given = args[0] if args else kwargs.get("hidden_states")
+            given = mapped.stream_of(args, kwargs)
             if isinstance(given, Tensor) and ("given", layer) not in found:
                 found["given", layer] = given
 

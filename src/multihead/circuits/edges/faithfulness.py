@@ -36,13 +36,18 @@ __all__ = ["CircuitRuns", "faithfulness"]
 
 
 def faithfulness(
-    model: nn.Module, clean: Any, corrupt: Any, metric: Metric, circuit: Circuit | Sequence[str]
+    model: nn.Module | Experiment,
+    clean: Any = None,
+    corrupt: Any = None,
+    metric: Metric | None = None,
+    circuit: Circuit | Sequence[str] | None = None,
 ) -> float:
     """The share of the clean metric the circuit's edges bring back on their own (module
     docstring): 1 with every edge, 0 with none.
 
     Args:
-        model, clean, corrupt, metric: as for :func:`~multihead.edge_attribution`.
+        model, clean, corrupt, metric: as for :func:`~multihead.edge_attribution` (an
+            :class:`~multihead.Experiment` shares the graph and runs edge attribution read).
         circuit: a :class:`~multihead.Circuit` (``EdgeScores.circuit(n)``)
             or a sequence of edge labels (``"L0H1 -> L1H3.k"``; receivers q, k, v and the logits).
 
@@ -53,6 +58,8 @@ def faithfulness(
         ValueError: an edge the model's graph does not have, clean and corrupt metrics that are
             equal (nothing to bring back), and as :func:`~multihead.edge_attribution`.
     """
+    if circuit is None:
+        raise TypeError("circuit is required: a Circuit or a sequence of edge labels, got None")
     runs = CircuitRuns.of(model, clean, corrupt, metric, circuit_edges(circuit))
     return runs.faithfulness(circuit_edges(circuit))
 
@@ -64,9 +71,17 @@ class CircuitRuns:
         self.graph = graph
         self.kinds = kinds
         self.receivers = graph.receivers(kinds)
-        pair = graph.experiment.pair
-        self.corrupt_writes, corrupt = graph.writes_of(pair.corrupt, "corrupt run")
-        self.clean, self.corrupt = float(graph.probe_value), float(corrupt)  # probe: clean
+        experiment = graph.experiment
+        # the graph's probe is the corrupt run: its writes, while it holds them (else a run)
+        if graph.holds_writes:
+            self.corrupt_writes: dict[Sender, Tensor] = {}
+            graph.probe_writes(self.corrupt_writes.__setitem__, release=False)
+        else:
+            self.corrupt_writes, _ = graph.writes_of(experiment.inputs("corrupt"), "corrupt run")
+        with torch.no_grad():
+            clean = experiment.run("clean", caller="faithfulness").value
+            corrupt = experiment.run("corrupt", caller="faithfulness").value
+        self.clean, self.corrupt = float(clean), float(corrupt)
         if self.clean == self.corrupt:
             raise ValueError(
                 f"faithfulness needs the metric to differ between the clean and the corrupt "
@@ -82,11 +97,16 @@ class CircuitRuns:
 
     @classmethod
     def of(
-        cls, model: nn.Module, clean: Any, corrupt: Any, metric: Metric, circuit: Circuit
+        cls,
+        model: nn.Module | Experiment,
+        clean: Any,
+        corrupt: Any,
+        metric: Metric | None,
+        circuit: Circuit,
     ) -> CircuitRuns:
         experiment = Experiment.of(model, clean, corrupt, metric)
-        warn_if_random(model, "faithfulness")
-        return cls(EdgeModel.of(experiment, circuit.kv, "faithfulness"), circuit.receivers)
+        warn_if_random(experiment.model, "faithfulness")
+        return cls(EdgeModel.shared(experiment, circuit.kv, "faithfulness"), circuit.receivers)
 
     def faithfulness(self, circuit: Circuit) -> float:
         """The circuit run's metric, normalised (module docstring)."""

@@ -21,6 +21,7 @@ from torch import nn
 from multihead._checks import check_choice, check_positive_int, describe
 from multihead.circuits.edges.edge_scores import METHODS, Circuit, EdgeScores
 from multihead.circuits.edges.faithfulness import CircuitRuns
+from multihead.circuits.runs.experiment import Experiment
 from multihead.circuits.runs.metric import Metric
 from multihead.viz.circuit_graph import faithfulness_figure
 
@@ -111,11 +112,11 @@ def default_sizes(total: int) -> list[int]:
 
 
 def faithfulness_curve(
-    model: nn.Module,
-    clean: Any,
-    corrupt: Any,
-    metric: Metric,
-    scores: EdgeScores,
+    model: nn.Module | Experiment,
+    clean: Any = None,
+    corrupt: Any = None,
+    metric: Metric | None = None,
+    scores: EdgeScores | None = None,
     *,
     sizes: Sequence[int] | None = None,
     draws: int = 5,
@@ -147,6 +148,10 @@ def faithfulness_curve(
     if not isinstance(prune, bool):
         raise TypeError(f"prune must be True or False, got {describe(prune)}")
     check_choice("method", method, METHODS)
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(
+            f"scores must be the EdgeScores of edge_attribution, got {describe(scores)}"
+        )
     runs = CircuitRuns.of(model, clean, corrupt, metric, scores.circuit(0))
     total = len(runs.all_edges)
     if total != len(scores):

@@ -359,9 +359,7 @@ class _SiteAttribution:
             if self.site == "resid_pre":
 
                 def pre(m: nn.Module, a: Any, kw: Any, layer: int = layer) -> Any:
-                    if a:
-                        return (add(layer, a[0]), *a[1:]), kw
-                    return a, {**kw, "hidden_states": add(layer, kw["hidden_states"])}
+                    return self.mapped.with_stream(a, kw, add(layer, self.mapped.stream_of(a, kw)))
 
                 handles.append(block.module.register_forward_pre_hook(pre, with_kwargs=True))
                 continue

@@ -341,12 +341,8 @@ class _SitePatch:
         if self.site == "resid_pre":
 
             def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-                if args:
-                    return (replaced(args[0], src[None]), *args[1:]), kwargs
-                return args, {
-                    **kwargs,
-                    "hidden_states": replaced(kwargs["hidden_states"], src[None]),
-                }
+                stream = replaced(self.mapped.stream_of(args, kwargs), src[None])
+                return self.mapped.with_stream(args, kwargs, stream)
 
             return [block.module.register_forward_pre_hook(pre, with_kwargs=True)]
         if self.site == "resid_post":
@@ -363,7 +359,7 @@ class _SitePatch:
         entering: list[Tensor] = []
 
         def record(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            entering[:] = [args[0] if args else kwargs["hidden_states"]]
+            entering[:] = [self.mapped.stream_of(args, kwargs)]
 
         def write(m: nn.Module, a: Any, out: Any) -> Any:
             written = output_tensor(out)

@@ -370,7 +370,7 @@ class SiteRecorder:
 
     def _on_block(self, layer: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-            x = args[0] if args else kwargs["hidden_states"]
+            x = self.mapped.stream_of(args, kwargs)
             y = output_tensor(out)
             for site, value in (("resid_pre", x), ("resid_post", y)):
                 if (site, layer) in self.wanted:

@@ -42,7 +42,7 @@ def recorded_embeddings(mapped: ModelMap, caller: str) -> Iterator[list[Tensor]]
     recorded: list[Tensor] = []
 
     def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
-        recorded.append((args[0] if args else kwargs["hidden_states"]).detach())
+        recorded.append(mapped.stream_of(args, kwargs).detach())
 
     handle = _first_block(mapped, caller).register_forward_pre_hook(hook, with_kwargs=True)
     try:
@@ -62,12 +62,9 @@ def interpolated_embeddings(
     assert alpha == 1 or (source is not None and target is not None), "a point needs both ends"
 
     def hook(m: nn.Module, args: Any, kwargs: Any) -> Any:
-        given = args[0] if args else kwargs["hidden_states"]
+        given = mapped.stream_of(args, kwargs)
         x = given if alpha == 1 else source + alpha * (target - source)  # type: ignore[operator]
-        x = x.detach().to(given.dtype).requires_grad_()
-        if args:
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": x}
+        return mapped.with_stream(args, kwargs, x.detach().to(given.dtype).requires_grad_())
 
     handle = _first_block(mapped, caller).register_forward_pre_hook(hook, with_kwargs=True)
     try:

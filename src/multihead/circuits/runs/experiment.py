@@ -21,10 +21,11 @@ Shapes: B batch, T tokens, H heads, Dv one head's width.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,8 @@ class Experiment:
             the caller's ``metric_input`` said.
         metric_input: that: ``"logits"`` or ``"output"``.
         records: the unpatched runs made so far, by input name.
+        kept: what functions built from the experiment once, by key, for the next to read
+            (the edge graph: its probe run and wiring).
     """
 
     model: nn.Module
@@ -118,6 +121,8 @@ class Experiment:
     metric_input: str = "logits"
     outputs: list[Any] = field(default_factory=list, repr=False)
     records: dict[str, Recorded] = field(default_factory=dict, repr=False)
+    # what a function built from this experiment once, for the next one (the edge graph)
+    kept: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(
@@ -219,6 +224,16 @@ class Experiment:
         if made.gradients is not None:
             record.gradients = made.gradients
         return record
+
+    def adopt(self, name: str, output: Any, value: Tensor) -> None:
+        """Keep an unpatched run of input ``name`` that a function made itself (a probe with
+        its own hooks, a gradient run whose added zeros change nothing) as the input's run,
+        when none was recorded yet: its output (detached) and metric are what later needs of
+        them read."""
+        if name not in self.records:
+            self.records[name] = Recorded(
+                name, self.inputs(name), _detached(output), value.detach()
+            )
 
     def _record(
         self,
@@ -383,3 +398,24 @@ class Experiment:
         if batch_size is not None:
             return batch_size
         return variants_per_forward(output, recorded, DEFAULT_MEMORY_LIMIT, self.found)
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor in it detached (a gradient run's output keeps no graph)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(
+            value,
+            **{
+                f.name: _detached(getattr(value, f.name))
+                for f in dataclasses.fields(value)
+                if f.init
+            },
+        )
+    if isinstance(value, dict):
+        return type(value)({k: _detached(v) for k, v in value.items()})
+    if isinstance(value, (tuple, list)):
+        items = [_detached(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

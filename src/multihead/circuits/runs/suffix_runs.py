@@ -169,13 +169,7 @@ class SuffixRuns:
             return "the model's map names no positions argument for a run of later tokens"
         if any(site.shard is not None for site in mapped.sites):
             return "the model is tensor-parallel"
-        # transformers' attention modules carry their layer's window (None on global layers)
-        windows = [getattr(s.module, "sliding_window", None) for s in mapped.sites]
-        if not any(hasattr(s.module, "sliding_window") for s in mapped.sites):
-            config = getattr(pair.model, "config", None)
-            if getattr(config, "use_sliding_window", True):
-                windows.append(getattr(config, "sliding_window", None))
-        if any(isinstance(w, int) and w < pair.length for w in windows):
+        if any(s.window is not None and s.window < pair.length for s in mapped.sites):
             return "the model attends through a sliding window shorter than the inputs"
         if metric_input != "logits":
             return "the metric reads the whole output, not the logits"
