@@ -251,3 +251,26 @@ def test_head_writes_are_each_heads_slice_of_the_projection(tokens: int, layout:
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     # the heads' writes and the bias make the projection's output
     torch.testing.assert_close(got.sum(2) + bias, projection(z.flatten(2)), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("positions", [[], slice(4, 2)])
+def test_row18_empty_positions_are_a_value_error(positions: Any, device: torch.device) -> None:
+    """Issue 51 row 18: empty positions (was: a RuntimeError from inside the forward): the
+    documented ValueError, for ``cache`` and ``logit_lens`` alike."""
+    lm = TransformerLM(20, 24, 2, 2, 40, max_len=16).to(device).eval()
+    ids = torch.randint(20, (1, 6), device=device)
+    with pytest.raises(ValueError, match="none of the 6 positions"):
+        cache(lm, ids, names="resid_pre", positions=positions)
+    with pytest.raises(ValueError, match="none of the 6 positions"):
+        multihead.logit_lens(lm, ids, positions=positions)
+
+
+def test_row18_a_pattern_only_cache_keeps_its_positions(device: torch.device) -> None:
+    """Issue 51 row 18: a cache of patterns alone, with positions (was: ``positions`` None):
+    the positions kept, as for any other site, and the rows are those positions' weights."""
+    lm = TransformerLM(20, 24, 2, 2, 40, max_len=16).to(device).eval()
+    ids = torch.randint(20, (1, 6), device=device)
+    kept = cache(lm, ids, names=[("pattern", 0)], positions=[-1, 2])
+    assert kept.positions == [5, 2]
+    whole = cache(lm, ids, names=[("pattern", 0)])
+    torch.testing.assert_close(kept["pattern", 0], whole["pattern", 0][:, :, [5, 2]])

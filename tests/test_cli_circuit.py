@@ -157,7 +157,7 @@ def test_a_model_without_texts_is_one_line(
     assert len(err.strip().splitlines()) == 1
 
 
-def test_a_query_outside_the_inputs_is_refused_before_any_scoring(
+def test_row10_a_query_outside_the_inputs_is_refused_before_any_scoring(
     induction_run: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

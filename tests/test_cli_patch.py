@@ -265,3 +265,15 @@ def test_site_flag_patches_the_residual_stream_and_other_head_sites(
          "L1H0"],
     )  # fmt: skip
     assert "--senders and --receivers patch heads' outputs: give them with --site z" in err
+
+
+def test_row17_a_page_of_another_site_is_refused(
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51 row 17: ``patch --site q --format html`` (was: exit 0, "Wrote:" and nothing):
+    one line, exit 2, nothing written."""
+    out = tmp_path / "out"
+    argv = ["patch", "--checkpoint", str(induction_run), "--out", str(out), "--site", "q"]
+    err = fails(capsys, [*argv, "--format", "html"])
+    assert "--format html: the page shows the heads' outputs (--site z); --site q writes" in err
+    assert not out.exists()

@@ -179,6 +179,24 @@ def test_functions_on_one_experiment_share_its_runs(device: torch.device) -> Non
     assert (effects.clean, effects.corrupt) == (alone.clean, alone.corrupt)
 
 
+def test_the_readme_sequence_runs_each_input_once(device: torch.device) -> None:
+    """README's example: the corrupt run recorded up front with the blocks and the heads'
+    gradients, then patch and attribution patching: one run of each input in all."""
+    lm = _lm(device)
+    clean, corrupt = _pair(device)
+    with Runs({"clean": clean, "corrupt": corrupt}).counting() as runs:
+        experiment = multihead.Experiment.of(lm, clean, corrupt, _metric)
+        experiment.run("corrupt", prefix=True, gradients=True)
+        effects = multihead.patch(experiment)
+        estimates = multihead.attribution_patching(experiment)
+    assert runs.ran == {"clean": 1, "corrupt": 1}
+    alone = multihead.attribution_patching(lm, clean, corrupt, _metric)
+    torch.testing.assert_close(estimates.values, alone.values, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        effects.values, multihead.patch(lm, clean, corrupt, _metric).values, rtol=0, atol=1e-6
+    )
+
+
 def test_a_need_not_recorded_reruns_once_and_merges(device: torch.device) -> None:
     lm = _lm(device)
     clean, corrupt = _pair(device)

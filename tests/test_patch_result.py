@@ -159,3 +159,17 @@ def test_effects_figure_is_exported() -> None:
     from multihead.viz.plots import effects_figure as plots_effects_figure
 
     assert effects_figure is plots_effects_figure
+
+
+def test_row15_top_lists_only_patched_cells(setup: tuple[TransformerLM, Tensor, Tensor]) -> None:
+    """Issue 51 row 15: ``patch(layers=[1])``'s ``top(k)`` (was: the unpatched, NaN cells of
+    the other layers listed as 0.0 effects): only patched cells, as many as there are."""
+    lm, clean, corrupt = setup
+    result = multihead.patch(lm, clean, corrupt, _metric, layers=[1])  # layer 1's 4 heads
+    listed = result.top(10)
+    assert len(listed) == 4 and all(label.startswith("L1H") for label, _ in listed)
+    by_hand = sorted(
+        ((f"L1H{h}", float(result.values[1, h])) for h in range(4)), key=lambda c: -abs(c[1])
+    )
+    assert listed == by_hand
+    assert all(not math.isnan(v) for _, v in listed)

@@ -595,7 +595,7 @@ def test_row16_explain_under_torchrun_without_tensor_parallel_prints_once(
     assert sorted(os.listdir(first["out"])) == sorted(os.listdir(alone))
 
 
-def test_circuit_under_torchrun_prints_and_writes_once(
+def test_row9_circuit_under_torchrun_prints_and_writes_once(
     group: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``torchrun … circuit`` on two ranks (was: every rank scored, printed and wrote the same

@@ -127,6 +127,11 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``multihead patch``; returns the exit code."""
     formats = check_formats("--format", args.format)
+    if "html" in formats and args.site != "z" and args.format != _DEFAULT_FORMATS:
+        raise CLIError(
+            f"--format html: the page shows the heads' outputs (--site z); --site {args.site} "
+            f"writes {', '.join(f for f in FORMATS if f != 'html')}"
+        )
     stems = (args.site,) if args.site in RESIDUAL_SITES else ("heads", "positions")
     names = [f"{stem}.{f}" for stem in stems for f in formats if f != "html"]
     page = "html" in formats and args.site == "z"  # the page's column is the heads' output's

@@ -104,7 +104,9 @@ def patch_heads(
     Args:
         model: any module holding :class:`~multihead.MultiHeadAttention` modules, or a
             transformers model (through :mod:`multihead.hf`: heads of grouped-query models are
-            query heads). Left as it was.
+            query heads). Left as it was. Or an :class:`~multihead.Experiment`, given alone
+            (no clean, corrupt nor metric): its two recorded runs serve, shared with every
+            other function run on it.
         clean: the input on which the model does the behaviour: token ids (B, T) passed as the
             model's first argument, or a dict of keyword arguments (``input_ids``,
             ``attention_mask``, ...); for a :class:`multihead.TextModel`, also a text or a list

@@ -132,10 +132,12 @@ class PatchResult:
         return (self.values + unpatched - self.corrupt) / gap
 
     def top(self, k: int = 10) -> list[tuple[str, float]]:
-        """The ``k`` cells with the largest |effect|: ``(label, effect)``, largest first."""
+        """The ``k`` computed cells with the largest |effect|: ``(label, effect)``, largest
+        first (a NaN cell, one nothing was patched at, is none of them)."""
         check_positive_int("k", k)
-        flat = self.values.flatten().nan_to_num(0.0)
-        order = flat.abs().argsort(descending=True)[:k].tolist()
+        flat = self.values.flatten()
+        computed = (~flat.isnan()).nonzero().flatten()
+        order = computed[flat[computed].abs().argsort(descending=True)[:k]].tolist()
         indices = _indices(self.values.shape)
         return [(self.label(indices[i]), float(flat[i])) for i in order]
 

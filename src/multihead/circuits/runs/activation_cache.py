@@ -231,12 +231,19 @@ def _positions(positions: object, t: int) -> list[int] | None:
     if is_int(positions):
         positions = [positions]
     if isinstance(positions, slice):
-        return list(range(t))[positions]
+        chosen = list(range(t))[positions]
+        if not chosen:
+            raise ValueError(f"positions {positions} names none of the {t} positions")
+        return chosen
     if isinstance(positions, Tensor) and not positions.is_floating_point():
         positions = positions.flatten().tolist()
     if not isinstance(positions, Sequence) or not all(is_int(p) for p in positions):
         raise TypeError(
             f"positions must be None, an int, ints or a slice, got {describe(positions)}"
+        )
+    if not len(positions):
+        raise ValueError(
+            f"positions must name at least one position, got none of the {t} positions"
         )
     out = []
     for p in positions:
@@ -448,6 +455,8 @@ class SiteRecorder:
             ValueError: a named site the model does not have (the reason named).
         """
         kept, seen, mapped = self.kept, self.seen, self.mapped
+        if not self.where and self.patterns:  # patterns alone: their keys tell T
+            self.where.append(_positions(self.positions, self.patterns[0].weights.shape[-1]))
         for record in self.patterns:
             weights = record.weights
             kept["pattern", record.layer] = (

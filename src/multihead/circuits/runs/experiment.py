@@ -198,7 +198,8 @@ class Experiment:
             prefix: record every block's calls for prefix reuse (checked by a replay of the
                 recorded run; refused with the reason logged on ``log``, naming ``caller``).
             gradients: the heads' gradients of the metric on this run (the run made with
-                gradients enabled, the parameters asking for none).
+                gradients enabled, the parameters asking for none), and the heads' outputs
+                (the ``z`` sites) with them.
 
         Raises:
             ValueError: a metric that does not return a scalar (or (B,)) floating point tensor;
@@ -248,6 +249,7 @@ class Experiment:
         inputs = self.inputs(name)
         recorder = SiteRecorder(self.model, inputs, names=sorted(sites)) if sites else None
         xis: dict[int, Tensor] = {}
+        heads: dict[SiteKey, Tensor] = {}  # a gradient run's heads' outputs, recorded with it
         made: list[tuple[Any, Tensor]] = []
 
         def leaf(layer: int) -> Any:
@@ -255,6 +257,7 @@ class Experiment:
                 xi = xis.get(layer)
                 if xi is None or xi.shape != out.shape:
                     xi = xis[layer] = torch.zeros_like(out, requires_grad=True)
+                heads["z", layer] = out.detach()
                 return out + xi
 
             return observer
@@ -297,6 +300,9 @@ class Experiment:
         if recorder is not None:
             recorded.sites = dict(recorder.result())
             recorded.asked = set(sites)
+        if gradients:  # the heads whose gradients are taken: their outputs too (the z sites)
+            recorded.sites.update(heads)
+            recorded.asked |= {("z", layer) for layer in range(len(self.found))}
         recorded.gradients = found_grads
         return recorded
 
