@@ -3,7 +3,7 @@
 A head is written one way everywhere: ``"L0H1"`` (layer 0, head 1) or the pair ``(0, 1)``
 (:data:`HeadName`); a block's feed-forward network is ``"MLP3"``. ``layer`` numbers a model's
 attention sites in module order (:func:`multihead.model_map`), ``head`` is a query head. The
-lookups check such names against a model's sites (``(name, attention)`` in layer order): one
+lookups check such names against a model's sites (:class:`Layered`: in layer order): one
 head (:func:`resolve_head`), a set of them by layer (:func:`chosen_heads`), and the (L, H) table
 of NaN that every per-head result starts from (:func:`head_table`).
 
@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Union
+from typing import NamedTuple, Protocol, Union
 
 import torch
 from torch import Tensor
 
 from multihead._checks import check_index, describe
-from multihead.observers import ObservableAttention
 
 __all__ = [
     "chosen_heads",
+    "HeadCount",
+    "Layered",
     "HeadKey",
     "HeadName",
     "head_label",
@@ -107,18 +108,32 @@ def parse_head(name: str, value: object) -> tuple[int, int]:
 HeadKey = tuple[int, int]
 
 
-def head_table(
-    found: list[tuple[str, ObservableAttention]], like: Tensor, positions: int | None
-) -> Tensor:
+class Layered(Protocol):
+    """What the lookups read of a layer (a :class:`multihead.map_types.Site`, a
+    :class:`HeadCount`): its name, for messages, and how many heads it numbers."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+
+class HeadCount(NamedTuple):
+    """A layer's name and how many heads of one kind it numbers (its key/value heads, say)."""
+
+    name: str
+    num_heads: int
+
+
+def head_table(found: Sequence[Layered], like: Tensor, positions: int | None) -> Tensor:
     """(L, H) or (L, H, T) of NaN in ``like``'s dtype and device: unscored heads stay NaN."""
-    most = max(site.num_heads for _, site in found)
+    most = max(site.num_heads for site in found)
     shape = (len(found), most) if positions is None else (len(found), most, positions)
     return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
-def resolve_head(
-    name: str, key: object, found: Sequence[tuple[str, ObservableAttention]]
-) -> HeadKey:
+def resolve_head(name: str, key: object, found: Sequence[Layered]) -> HeadKey:
     """Check one head, ``"L0H1"`` or ``(0, 1)`` (:func:`multihead.heads.parse_head`), against
     the model; negative indices count from the end.
 
@@ -127,19 +142,17 @@ def resolve_head(
     """
     raw = parse_head(name, key)
     layer = check_index(f"{name} {key!r}: layer", raw[0], len(found), "attention layers")
-    module_name, mha = found[layer]
+    site = found[layer]
     head = check_index(
-        f"{name} {key!r}: head", raw[1], mha.num_heads, f"heads in layer {layer} ({module_name})"
+        f"{name} {key!r}: head", raw[1], site.num_heads, f"heads in layer {layer} ({site.name})"
     )
     return layer, head
 
 
-def chosen_heads(
-    heads: object, found: list[tuple[str, ObservableAttention]]
-) -> dict[int, list[int]]:
+def chosen_heads(heads: object, found: Sequence[Layered]) -> dict[int, list[int]]:
     """``heads`` (None: every head; else ``(layer, head)`` pairs) as layer -> heads, in order."""
     if heads is None:
-        return {layer: list(range(site.num_heads)) for layer, (_, site) in enumerate(found)}
+        return {layer: list(range(site.num_heads)) for layer, site in enumerate(found)}
     if isinstance(heads, (str, bytes, Tensor)) or not isinstance(heads, Sequence):
         raise TypeError(
             f"heads must be None or a sequence of (layer, head) pairs, got {describe(heads)}"

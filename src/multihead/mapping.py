@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from multihead.holds_transformers import holds_transformers
-from multihead.map_types import MapsItself, ModelMap
+from multihead.map_types import MapsItself, ModelMap, Site
 from multihead.observers import ObservableAttention
 
 __all__ = ["attention_modules", "model_heads", "model_map"]
@@ -90,9 +90,10 @@ def attention_modules(model: nn.Module) -> list[tuple[str, ObservableAttention]]
     return [(s.name, s.attention) for s in model_map(model).sites]
 
 
-def model_heads(model: nn.Module) -> list[tuple[str, ObservableAttention]]:
-    """The model's attention modules (= layers), or a ValueError when there are none."""
-    found = attention_modules(model)
+def model_heads(model: nn.Module) -> list[Site]:
+    """The model's attention sites (= layers, :class:`~multihead.map_types.Site`), or a
+    ValueError when there are none."""
+    found = list(model_map(model).sites)
     if not found:
         raise ValueError(
             f"model ({type(model).__name__}) contains no multihead.MultiHeadAttention module: "

@@ -31,6 +31,7 @@ from multihead.circuits.runs.prefix_reuse import PrefixCache
 from multihead.circuits.steering import intervene
 from multihead.head_shard import held_heads
 from multihead.heads import head_table
+from multihead.map_types import Site
 from multihead.mapping import model_heads
 from multihead.observers import AttentionCall, ObservableAttention, registered
 
@@ -117,7 +118,7 @@ def head_importance(
     return _ablation_importance(model, found, metric, reuse_prefix=bool(reuse_prefix))
 
 
-def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: Metric) -> Tensor:
+def _gradient_importance(found: list[Site], metric: Metric) -> Tensor:
     """|∂metric/∂ξ| with ξ (H,) per layer multiplied into the per-head output by an observer."""
     xis = [
         torch.ones(
@@ -126,7 +127,7 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
             device=next(mha.parameters()).device,
             requires_grad=True,
         )
-        for _, mha in found
+        for mha in (site.attention for site in found)
     ]
 
     def make_observer(
@@ -143,7 +144,7 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
 
     scaled = (
         mha.register_observer(make_observer(xi, mha))
-        for (_, mha), xi in zip(found, xis, strict=True)
+        for mha, xi in zip((site.attention for site in found), xis, strict=True)
     )
     with registered(scaled), torch.enable_grad():
         value = _scalar(metric, 'method="gradient"')
@@ -155,20 +156,20 @@ def _gradient_importance(found: list[tuple[str, ObservableAttention]], metric: M
         grads = torch.autograd.grad(value, xis, allow_unused=True)
     scores = head_table(found, value, None)
     for layer, grad in enumerate(grads):
-        shard = found[layer][1].head_shard
+        shard = found[layer].shard
         if shard is not None and grad is not None:
             # each rank's gradient is zero but at the heads it holds: the sum is every head's
             grad = shard.sum(grad)
         if grad is not None:
             scores[layer, : grad.shape[0]] = grad.abs().to(scores.dtype)
         else:  # the layer never ran: the metric does not depend on it
-            scores[layer, : found[layer][1].num_heads] = 0.0
+            scores[layer, : found[layer].num_heads] = 0.0
     return scores
 
 
 def _ablation_importance(
     model: nn.Module,
-    found: list[tuple[str, ObservableAttention]],
+    found: list[Site],
     metric: Metric,
     *,
     reuse_prefix: bool,
@@ -180,7 +181,7 @@ def _ablation_importance(
         else:
             clean = prefix.clean
         scores = head_table(found, clean, None)
-        for layer, (_, mha) in enumerate(found):
+        for layer, mha in enumerate(site.attention for site in found):
             for head in range(mha.num_heads):
                 what = f"head ({layer}, {head}) ablated"
                 skipping = contextlib.nullcontext() if prefix is None else prefix.skipping(layer)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from multihead._checks import describe
 from multihead.head_shard import held_heads
 from multihead.heads import HeadKey, HeadName, parse_head, resolve_head
+from multihead.map_types import Site
 from multihead.mapping import model_heads
 from multihead.observers import (
     AttentionCall,
@@ -182,7 +183,7 @@ def _edit_observer(
 
 def check_edits(
     model: nn.Module, edits: object
-) -> tuple[list[tuple[str, ObservableAttention]], dict[int, dict[int, float | str | Tensor]]]:
+) -> tuple[list[Site], dict[int, dict[int, float | str | Tensor]]]:
     """Validate every edit against the model; returns the modules and layer -> head -> edit."""
     found = model_heads(model)
     if not isinstance(edits, Mapping):
@@ -197,7 +198,9 @@ def check_edits(
                 f"edits key {key} names head ({layer}, {head}) a second time (negative indices "
                 f"count from the end)"
             )
-        by_layer.setdefault(layer, {})[head] = _check_edit((layer, head), edit, found[layer][1])
+        by_layer.setdefault(layer, {})[head] = _check_edit(
+            (layer, head), edit, found[layer].attention
+        )
     return found, by_layer
 
 
@@ -257,7 +260,9 @@ def intervene(
     """
     found, by_layer = check_edits(model, edits)
     with registered(
-        found[layer][1].register_observer(_edit_observer(layer, found[layer][1], head_edits))
+        found[layer].attention.register_observer(
+            _edit_observer(layer, found[layer].attention, head_edits)
+        )
         for layer, head_edits in by_layer.items()
     ):
         yield
@@ -358,7 +363,7 @@ def record_heads(model: nn.Module, heads: Sequence[HeadName]) -> Iterator[HeadRe
     if not heads:
         raise ValueError("heads must name at least one (layer, head) pair, got none")
     keys = list(dict.fromkeys(resolve_head("heads item", key, found) for key in heads))
-    recording = HeadRecording(keys, {key: [] for key in keys}, [s.num_heads for _, s in found])
+    recording = HeadRecording(keys, {key: [] for key in keys}, [s.num_heads for s in found])
     by_layer: dict[int, list[int]] = {}
     for layer, head in keys:
         by_layer.setdefault(layer, []).append(head)
@@ -386,7 +391,9 @@ def record_heads(model: nn.Module, heads: Sequence[HeadName]) -> Iterator[HeadRe
         return gathering_observer
 
     with registered(
-        found[layer][1].register_observer(make_observer(layer, chosen, found[layer][1]))
+        found[layer].attention.register_observer(
+            make_observer(layer, chosen, found[layer].attention)
+        )
         for layer, chosen in by_layer.items()
     ):
         yield recording

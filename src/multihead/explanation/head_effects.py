@@ -231,7 +231,7 @@ def _stacked_ablation(
         clean = recorded[0]
         rows = clean.shape[0]
         scores = head_table(found, clean, None)
-        for layer, (_, site) in enumerate(found):
+        for layer, site in enumerate(s.attention for s in found):
             heads = site.num_heads
             result = _ablated_layer(prefix, layer, site, outputs, compare_first=False)
             if prefix is not None and not prefix.agreed():

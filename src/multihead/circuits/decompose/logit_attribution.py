@@ -342,11 +342,11 @@ def logit_attribution(
         return (c.to(dtype) * read).sum(-1)
 
     shape = (t,) if reduce == "mean" else (b, t)
-    most = max(site.num_heads for _, site in found)
+    most = max(site.num_heads for site in found)
     heads = torch.full((len(found), most, *shape), float("nan"), dtype=dtype, device=x.device)
     attention_bias = torch.zeros(len(found), *shape, dtype=dtype, device=x.device)
     mlp = torch.zeros_like(attention_bias)
-    for layer, (name, _) in enumerate(found):
+    for layer, name in enumerate(site.name for site in found):
         out = per_head[layer]  # (B, T, H, Dv)
         flat = out.flatten(2)
         projection = next((m for m, given in fed[layer] if torch.equal(given, flat)), None)
@@ -368,7 +368,7 @@ def logit_attribution(
             bias = bias + (post.beta * read).sum(-1)
         per_head_term = (flat.to(dtype) * back.to(dtype)).unflatten(-1, out.shape[2:]).sum(-1)
         # under tensor parallelism each rank has the terms of the heads it holds: gather all
-        per_head_term = every_head(per_head_term, 2, found[layer][1].head_shard)  # (B, T, H)
+        per_head_term = every_head(per_head_term, 2, found[layer].shard)  # (B, T, H)
         heads[layer, : per_head_term.shape[2]] = batch(per_head_term).movedim(-1, 0)
         attention_bias[layer] = batch(bias)
         block_in, block_out = hidden["in"][layer], hidden["out"][layer]

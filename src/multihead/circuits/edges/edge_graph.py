@@ -147,7 +147,7 @@ class EdgeModel:
         assert probe.value is not None
         self.probe_value: Tensor = probe.value  # the metric on the probe's input
         self._probe: _ProbeRun | None = probe if probe.writes else None
-        self.sites = [site for _, site in experiment.found]
+        self.sites = [site.attention for site in experiment.found]
         self.senders = [Sender("embed")]
         for layer, site in enumerate(mapped.sites):
             self.senders += [Sender("head", layer, h) for h in range(site.num_heads)]
@@ -389,7 +389,7 @@ def _write_hooks(
 
     yield blocks[0].module.register_forward_pre_hook(embed, with_kwargs=True)
     for layer, block in enumerate(blocks):
-        yield experiment.found[layer][1].register_observer(observer_of(layer))
+        yield experiment.found[layer].attention.register_observer(observer_of(layer))
         if block.mlp is not None:
             yield block.mlp.register_forward_hook(mlp(layer))
 
@@ -476,7 +476,7 @@ def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) ->
         for m in block.module.modules():
             if id(m) not in inside and m is not block.module:
                 yield m.register_forward_hook(remember)
-        yield experiment.found[layer][1].register_observer(heads(layer))
+        yield experiment.found[layer].attention.register_observer(heads(layer))
         if attention is not None:
             yield attention.register_forward_pre_hook(reading(("norm", layer)), with_kwargs=True)
             yield attention.register_forward_pre_hook(attention_input(layer), with_kwargs=True)

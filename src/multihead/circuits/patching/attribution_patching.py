@@ -176,7 +176,7 @@ def _estimate_heads(
             delta = sources[layer].to(dtype) - targets[layer].to(dtype)  # (B, T, H, Dv)
             per_token = (grad.to(dtype) * delta).sum(dim=(0, 3))  # (T, H)
         # under tensor parallelism each rank scored the heads it holds: every rank gets all
-        per_token = every_head(per_token, 1, found[layer][1].head_shard)
+        per_token = every_head(per_token, 1, found[layer].shard)
         heads = per_token.shape[1]
         result[layer, :heads] = per_token.T if per_position else per_token.sum(0)
     return result, float(source_value), float(value.detach())
@@ -193,7 +193,8 @@ def _integrated(
     xis: dict[int, Tensor] = {}
     targets: dict[int, Tensor] = {}
     leaves = (
-        site.register_observer(_leaf(layer, xis, targets)) for layer, (_, site) in enumerate(found)
+        site.attention.register_observer(_leaf(layer, xis, targets))
+        for layer, site in enumerate(found)
     )
     mapped = model_map(experiment.model)
     with torch.no_grad(), recorded_embeddings(mapped, "attribution_patching") as embedded:
@@ -330,7 +331,7 @@ class _SiteAttribution:
 
         handles: list[Removable] = []
         for layer in range(len(self.experiment.found)):
-            attention = self.experiment.found[layer][1]
+            attention = self.experiment.found[layer].attention
             if self.site in ("q", "k", "v"):
                 index = ("q", "k", "v").index(self.site)
 

@@ -49,7 +49,7 @@ from multihead.circuits.runs.input_pair import DIRECTIONS
 from multihead.circuits.runs.layer_recording import check_recorded
 from multihead.circuits.runs.stacked_runs import run_stacked, stacked_metrics, variant_chunks
 from multihead.distributed.data_parallel import DataParallelGroup
-from multihead.heads import HeadName, chosen_heads
+from multihead.heads import HeadCount, HeadName, chosen_heads
 from multihead.map_types import output_tensor, with_output_tensor
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall
@@ -121,7 +121,7 @@ def patch(
     chosen = sorted(set(check_indices("layers", layers, len(found), "layers") or range(len(found))))
     dims = PatchResult.site_dims(site, per_position)
     if site in ("z", "result"):
-        every = [(layer, h) for layer in chosen for h in range(found[layer][1].num_heads)]
+        every = [(layer, h) for layer in chosen for h in range(found[layer].num_heads)]
         values = patch_heads(
             experiment, direction=direction, per_position=per_position,
             heads=heads if heads is not None else every, batch_size=batch_size, group=group,
@@ -245,12 +245,8 @@ class _SitePatch:
 
     def _kv_heads(self, heads: Sequence[HeadName]) -> dict[int, list[int]]:
         """k and v name key/value heads: ``(layer, kv_head)`` pairs checked against Hk."""
-        found = self.experiment.found
-        fake = [
-            (name, _KeyValueHeads(site.num_kv_heads))
-            for (name, _), site in zip(found, self.mapped.sites, strict=True)
-        ]
-        return chosen_heads(heads, fake)  # type: ignore[arg-type]
+        counts = [HeadCount(site.name, site.num_kv_heads) for site in self.experiment.found]
+        return chosen_heads(heads, counts)
 
     def _as_heads(self, src: Tensor) -> Tensor:
         """A (B, T, H, D)-shaped view of a source, for the stack size's memory estimate."""
@@ -279,7 +275,7 @@ class _SitePatch:
             chunk = [(h, None if at is None else at - start) for h, at in chunk]
         if self.site in RESIDUAL_SITES:
             return self._attach_stream(layer, chunk, src)
-        attention = self.experiment.found[layer][1]
+        attention = self.experiment.found[layer].attention
         units = self._units(layer)
         t = src.shape[2] if self.site == "pattern" else src.shape[1]
         mask = torch.zeros(n, t, units, dtype=torch.bool)
@@ -370,10 +366,3 @@ class _SitePatch:
             block.module.register_forward_pre_hook(record, with_kwargs=True),
             part.register_forward_hook(write),
         ]
-
-
-class _KeyValueHeads:
-    """A site's key/value heads, numbered as :func:`chosen_heads` numbers heads."""
-
-    def __init__(self, num_heads: int) -> None:
-        self.num_heads = num_heads

@@ -214,7 +214,7 @@ def patch_heads(
         error: Exception | None = None
         try:
             for layer, start, stop in split.share(forwards):
-                site = found[layer][1]
+                site = found[layer].attention
                 mask = _variant_mask(masks[layer][start:stop], recorded[layer], site)
                 values = _run_variants(
                     pair, unpatched.inputs, experiment.metric, single, site, layer,

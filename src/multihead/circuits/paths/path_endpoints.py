@@ -31,8 +31,7 @@ from torch import Tensor
 from multihead._checks import check_index, describe, is_int
 from multihead.circuits.runs.activation_cache import stack_block
 from multihead.heads import head_label, mlp_label, mlp_layer, resolve_head
-from multihead.map_types import ModelMap
-from multihead.observers import ObservableAttention
+from multihead.map_types import ModelMap, Site
 
 __all__ = ["LOGITS", "Member", "Receiver", "Sender", "parse_receivers", "parse_senders"]
 
@@ -116,9 +115,7 @@ class Receiver:
         return Receiver(tuple(m.resolved(length, name) for m in self.members), self.joint)
 
 
-def parse_senders(
-    senders: object, found: Sequence[tuple[str, ObservableAttention]], mapped: ModelMap
-) -> list[Sender]:
+def parse_senders(senders: object, found: Sequence[Site], mapped: ModelMap) -> list[Sender]:
     """``senders``, a non-empty sequence of heads (``(layer, head)``, ``"L0H1"``) and
     feed-forward networks (``("mlp", layer)``, ``"mlp3"``), resolved in order.
 
@@ -130,9 +127,7 @@ def parse_senders(
     return [_sender(item, found, mapped) for item in items]
 
 
-def parse_receivers(
-    receivers: object, found: Sequence[tuple[str, ObservableAttention]]
-) -> list[Receiver]:
+def parse_receivers(receivers: object, found: Sequence[Site]) -> list[Receiver]:
     """``receivers``, a non-empty sequence of receivers (module docstring), resolved in order;
     positions stay as given until :meth:`Receiver.resolved`.
 
@@ -157,9 +152,7 @@ def _items(name: str, value: object, forms: str) -> list[object]:
     return list(value)
 
 
-def _sender(
-    item: object, found: Sequence[tuple[str, ObservableAttention]], mapped: ModelMap
-) -> Sender:
+def _sender(item: object, found: Sequence[Site], mapped: ModelMap) -> Sender:
     layer = mlp_layer(item)
     if layer is None:
         return Sender(*resolve_head("senders item", item, found))
@@ -174,7 +167,7 @@ def _sender(
     return Sender(index, None)
 
 
-def _receiver(item: object, found: Sequence[tuple[str, ObservableAttention]]) -> Receiver:
+def _receiver(item: object, found: Sequence[Site]) -> Receiver:
     if isinstance(item, str) and item == LOGITS:
         return Receiver(())
     if isinstance(item, tuple) and item and not is_int(item[0]) and not isinstance(item[0], str):
@@ -201,7 +194,7 @@ def _receiver(item: object, found: Sequence[tuple[str, ObservableAttention]]) ->
     return Receiver(tuple(members.values()), joint=True)
 
 
-def _member(item: object, found: Sequence[tuple[str, ObservableAttention]]) -> Member:
+def _member(item: object, found: Sequence[Site]) -> Member:
     """One head, ``(layer, head)`` / ``"L1H3"`` or ``(layer, head, positions)``."""
     if isinstance(item, (tuple, list)) and len(item) == 3 and is_int(item[0]) and is_int(item[1]):
         layer, head = resolve_head("receivers item", (item[0], item[1]), found)

@@ -181,7 +181,7 @@ def path_patching(
     received = parse_receivers(receivers, found)
     kinds = _via(via, received)
     _check_order(sent, received)
-    if any(s.head is None for s in sent) and any(site.head_shard for _, site in found):
+    if any(s.head is None for s in sent) and any(site.shard for site in found):
         raise ValueError(
             "path_patching: feed-forward network senders ('MLP3') on a tensor-parallel model are "
             "not supported (the feed-forward output is split over the ranks): send heads there"

@@ -32,11 +32,10 @@ from multihead.circuits.runs.input_pair import InputPair
 from multihead.circuits.runs.prefix_reuse import PrefixCache
 from multihead.circuits.runs.stacked_runs import EndOfRun, run_stacked
 from multihead.head_shard import held_heads
-from multihead.map_types import ModelMap, output_tensor, with_output_tensor
+from multihead.map_types import ModelMap, Site, output_tensor, with_output_tensor
 from multihead.observers import (
     AttentionCall,
     AttentionObserver,
-    ObservableAttention,
     QKVEditor,
     Removable,
     registered,
@@ -117,7 +116,7 @@ class PathRuns:
 
     def __init__(
         self,
-        found: list[tuple[str, ObservableAttention]],
+        found: list[Site],
         mapped: ModelMap,
         pair: InputPair,
         target: Any,
@@ -163,7 +162,7 @@ class PathRuns:
         if missing:
             raise ValueError(
                 f"the model did not call attention layer {missing[0]} "
-                f"({self.found[missing[0]][0]}) on the inputs: there is nothing to patch there"
+                f"({self.found[missing[0]].name}) on the inputs: there is nothing to patch there"
             )
         return got, output
 
@@ -183,7 +182,7 @@ class PathRuns:
             return observer
 
         def record(receiver: int) -> QKVEditor:
-            site = self.found[receiver][1]
+            site = self.found[receiver].attention
             # the receivers this rank's calls hold, (R,) on the site's device, made here: no
             # copy from the host inside the forward
             local = [head for _, head in self._held(receiver).values()]
@@ -204,16 +203,18 @@ class PathRuns:
         def hooks() -> Iterator[Removable]:
             heads = [(i, s.head) for i, s in enumerate(chunk) if s.head is not None]
             if heads:
-                yield self.found[layer][1].register_observer(self._head_sender(layer, n, heads))
+                yield self.found[layer].attention.register_observer(
+                    self._head_sender(layer, n, heads)
+                )
             mlp = [i for i, s in enumerate(chunk) if s.head is None]
             if mlp:
                 yield _mlp(self.mapped, layer).register_forward_hook(
                     self._mlp_sender(layer, n, mlp)
                 )
             for frozen in range(layer + 1, self.end):
-                yield self.found[frozen][1].register_observer(freeze(frozen))
+                yield self.found[frozen].attention.register_observer(freeze(frozen))
             for receiver in self.receiver_heads:
-                yield self.found[receiver][1].register_qkv_editor(record(receiver))
+                yield self.found[receiver].attention.register_qkv_editor(record(receiver))
 
         return _all_or_none(hooks())
 
@@ -221,7 +222,7 @@ class PathRuns:
         """The observer giving variant i its sender head's output from the source run."""
         src = self.sources[layer]  # (B, T, H, Dv)
         batch = self.pair.batch
-        site = self.found[layer][1]
+        site = self.found[layer].attention
         patched = torch.zeros(n, 1, 1, site.num_heads, 1, dtype=torch.bool)
         for i, head in heads:
             patched[i, 0, 0, head] = True
@@ -260,7 +261,7 @@ class PathRuns:
         """The receiving heads of ``layer`` this rank's calls hold (all of them without tensor
         parallelism): global head -> (its slot among the held ones, as recorded; its index
         among the call's heads)."""
-        site = self.found[layer][1]
+        site = self.found[layer].attention
         held = held_heads(site.num_heads, site.head_shard)
         mine = [head for head in self.receiver_heads[layer] if head in held]
         return {head: (slot, head - held.start) for slot, head in enumerate(mine)}
@@ -286,7 +287,8 @@ class PathRuns:
 
         def attach() -> list[Any]:
             return _all_or_none(
-                self.found[at][1].register_qkv_editor(editor) for at, editor in editors.items()
+                self.found[at].attention.register_qkv_editor(editor)
+                for at, editor in editors.items()
             )
 
         return run_stacked(self.pair, self.target, n, layer, self.prefix, attach, "path_patching")

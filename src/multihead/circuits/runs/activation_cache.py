@@ -429,7 +429,7 @@ class SiteRecorder:
                     if block.mlp is not None:
                         yield block.mlp.register_forward_hook(self._on_part("mlp_out", layer))
             if any((s, layer) in wanted for s in HEAD_SITES):
-                yield self.found[layer][1].register_observer(self._on_heads(layer))
+                yield self.found[layer].attention.register_observer(self._on_heads(layer))
             if ("result", layer) in wanted:
                 site = self.mapped.sites[layer].module
                 for m in site.modules():
@@ -475,7 +475,7 @@ class SiteRecorder:
                 result = _result(seen["z", layer], self.projections[layer], packed)
                 if result is None:
                     absent["result"] = (
-                        f"no module inside {self.found[layer][0]} is fed its heads' outputs (the "
+                        f"no module inside {self.found[layer].name} is fed its heads' outputs (the "
                         f"output projection is outside the attention module the map knows)"
                     )
                 else:

@@ -39,9 +39,10 @@ from multihead.circuits.runs.metric import Metric, metric_reader, metric_value
 from multihead.circuits.runs.prefix_reuse import PrefixCache
 from multihead.circuits.runs.stacked_runs import variants_per_forward
 from multihead.circuits.runs.suffix_runs import SuffixRuns
+from multihead.map_types import Site
 from multihead.mapping import model_heads, model_map
 from multihead.memory_budget import DEFAULT_MEMORY_LIMIT
-from multihead.observers import AttentionCall, ObservableAttention, registered
+from multihead.observers import AttentionCall, registered
 
 __all__ = ["Experiment", "INPUTS", "Recorded", "warn_if_random"]
 
@@ -104,7 +105,8 @@ class Experiment:
 
     Attributes:
         model: the model.
-        found: its attention sites, ``(name, site)`` in layer order.
+        found: its attention sites (the map's :class:`~multihead.map_types.Site`), in layer
+            order.
         pair: the two inputs (:class:`~multihead.circuits.runs.input_pair.InputPair`).
         metric: ``metric(output) -> () or (B,)``, reading the logits or the whole output as
             the caller's ``metric_input`` said.
@@ -115,7 +117,7 @@ class Experiment:
     """
 
     model: nn.Module
-    found: list[tuple[str, ObservableAttention]]
+    found: list[Site]
     pair: InputPair
     metric: Metric
     metric_input: str = "logits"
@@ -276,7 +278,7 @@ class Experiment:
                     stack.enter_context(torch.enable_grad())
                     stack.enter_context(
                         registered(
-                            s.register_observer(leaf(i)) for i, (_, s) in enumerate(self.found)
+                            s.attention.register_observer(leaf(i)) for i, s in enumerate(self.found)
                         )
                     )
                 else:

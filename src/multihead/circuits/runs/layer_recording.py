@@ -11,13 +11,14 @@ from typing import Any
 
 from torch import Tensor
 
-from multihead.observers import AttentionCall, ObservableAttention, registered
+from multihead.map_types import Site
+from multihead.observers import AttentionCall, registered
 
 __all__ = ["check_recorded", "record_layers"]
 
 
 @contextlib.contextmanager
-def record_layers(found: list[tuple[str, ObservableAttention]], layers: Sequence[int]) -> Any:
+def record_layers(found: list[Site], layers: Sequence[int]) -> Any:
     """Within the block, ``recorded[layer]`` is the layer's per-head output (B, T, H, Dv) of
     its latest call, detached."""
     recorded: dict[int, Tensor] = {}
@@ -28,17 +29,15 @@ def record_layers(found: list[tuple[str, ObservableAttention]], layers: Sequence
 
         return observer
 
-    with registered(found[layer][1].register_observer(make(layer)) for layer in layers):
+    with registered(found[layer].attention.register_observer(make(layer)) for layer in layers):
         yield recorded
 
 
-def check_recorded(
-    found: list[tuple[str, ObservableAttention]], layers: Sequence[int], recorded: dict[int, Tensor]
-) -> None:
+def check_recorded(found: list[Site], layers: Sequence[int], recorded: dict[int, Tensor]) -> None:
     """Every layer of ``layers`` was called (and so recorded) by the run: else a ValueError."""
     missing = [layer for layer in layers if layer not in recorded]
     if missing:
         raise ValueError(
-            f"the model did not call attention layer {missing[0]} ({found[missing[0]][0]}) on "
+            f"the model did not call attention layer {missing[0]} ({found[missing[0]].name}) on "
             f"the inputs: there is nothing to patch there"
         )

@@ -177,7 +177,7 @@ class PrefixCache:
     def build(
         cls,
         model: nn.Module,
-        found: list[tuple[str, ObservableAttention]],
+        found: list[Site],
         run: Run,
         *,
         caller: str = "head_importance",
@@ -216,7 +216,7 @@ class PrefixCache:
             for module in modules
         ]
         sites = [
-            [site for (_, site), held in zip(found, holders, strict=True) if i in held]
+            [site.attention for site, held in zip(found, holders, strict=True) if i in held]
             for i in range(len(blocks))
         ]
         cache = cls(blocks, holders, sites, caller)

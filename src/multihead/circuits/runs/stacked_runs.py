@@ -24,7 +24,8 @@ from torch import Tensor
 from multihead.circuits.runs.input_pair import InputPair, split_output
 from multihead.circuits.runs.metric import Metric, metric_value
 from multihead.circuits.runs.prefix_reuse import PrefixCache
-from multihead.observers import ObservableAttention, ObserverHandle
+from multihead.map_types import Site
+from multihead.observers import ObserverHandle
 
 __all__ = ["EndOfRun", "run_stacked", "stacked_metrics", "variant_chunks", "variants_per_forward"]
 
@@ -55,7 +56,7 @@ def variants_per_forward(
     output: Any,
     per_head: Sequence[Tensor],
     limit: int,
-    found: list[tuple[str, ObservableAttention]],
+    found: list[Site],
 ) -> int:
     """How many stacked variants one forward should hold.
 
@@ -70,7 +71,7 @@ def variants_per_forward(
     time).
     """
     first = per_head[0]
-    ranks = max((site.head_shard.world_size for _, site in found if site.head_shard), default=1)
+    ranks = max((site.shard.world_size for site in found if site.shard), default=1)
     activations = max(
         _WIDTHS_PER_TOKEN * ranks * out.numel() * max(out.element_size(), 4)
         + 2 * out.shape[0] * out.shape[2] * out.shape[1] ** 2 * 4
