@@ -3,7 +3,7 @@
 A head is written one way everywhere: ``"L0H1"`` (layer 0, head 1) or the pair ``(0, 1)``
 (:data:`HeadName`); a block's feed-forward network is ``"MLP3"``. ``layer`` numbers a model's
 attention sites in module order (:func:`multihead.model_map`), ``head`` is a query head. The
-lookups check such names against a model's sites (:class:`Layered`: in layer order): one
+lookups check such names against a model's sites (:class:`LayerHeads`: in layer order): one
 head (:func:`resolve_head`), a set of them by layer (:func:`chosen_heads`), and the (L, H) table
 of NaN that every per-head result starts from (:func:`head_table`).
 
@@ -24,7 +24,7 @@ from multihead._checks import check_index, describe
 __all__ = [
     "chosen_heads",
     "HeadCount",
-    "Layered",
+    "LayerHeads",
     "HeadKey",
     "HeadName",
     "head_label",
@@ -108,7 +108,7 @@ def parse_head(name: str, value: object) -> tuple[int, int]:
 HeadKey = tuple[int, int]
 
 
-class Layered(Protocol):
+class LayerHeads(Protocol):
     """What the lookups read of a layer (a :class:`multihead.map_types.Site`, a
     :class:`HeadCount`): its name, for messages, and how many heads it numbers."""
 
@@ -126,14 +126,14 @@ class HeadCount(NamedTuple):
     num_heads: int
 
 
-def head_table(found: Sequence[Layered], like: Tensor, positions: int | None) -> Tensor:
+def head_table(found: Sequence[LayerHeads], like: Tensor, positions: int | None) -> Tensor:
     """(L, H) or (L, H, T) of NaN in ``like``'s dtype and device: unscored heads stay NaN."""
     most = max(site.num_heads for site in found)
     shape = (len(found), most) if positions is None else (len(found), most, positions)
     return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
-def resolve_head(name: str, key: object, found: Sequence[Layered]) -> HeadKey:
+def resolve_head(name: str, key: object, found: Sequence[LayerHeads]) -> HeadKey:
     """Check one head, ``"L0H1"`` or ``(0, 1)`` (:func:`multihead.heads.parse_head`), against
     the model; negative indices count from the end.
 
@@ -149,7 +149,7 @@ def resolve_head(name: str, key: object, found: Sequence[Layered]) -> HeadKey:
     return layer, head
 
 
-def chosen_heads(heads: object, found: Sequence[Layered]) -> dict[int, list[int]]:
+def chosen_heads(heads: object, found: Sequence[LayerHeads]) -> dict[int, list[int]]:
     """``heads`` (None: every head; else ``(layer, head)`` pairs) as layer -> heads, in order."""
     if heads is None:
         return {layer: list(range(site.num_heads)) for layer, site in enumerate(found)}

@@ -109,7 +109,8 @@ def edge_attribution(
     """
     check_positive_int("ig_steps", ig_steps)
     kinds = parse_kinds(receivers)
-    callers = isinstance(model, Experiment)  # the caller's: what is read once is kept on it
+    # an experiment the caller holds keeps what is read once on it, for the functions after
+    shared = isinstance(model, Experiment)
     experiment = Experiment.of(model, clean, corrupt, metric)
     warn_if_random(experiment.model, "edge_attribution")
     # the probe run that reads the graph is the corrupt run (its writes kept); the clean run's
@@ -141,7 +142,7 @@ def edge_attribution(
             torch.sub(row, write.to(row.dtype), out=row)
 
     # an experiment the caller holds keeps the corrupt writes for faithfulness after
-    corrupt_value = graph.probe_writes(corrupt_write, release=not callers)
+    corrupt_value = graph.probe_writes(corrupt_write, release=not shared)
     assert held, "the corrupt run wrote none of the senders"
     delta = held[0]
     stages = [s.stage for s in chosen]  # forward order: the senders before a receiver, a prefix

@@ -83,6 +83,9 @@ class Recorded:
         prefixed: whether prefix recording was asked (and so tried) on a run of this input.
         gradients: per attention layer, ∂metric/∂(its heads' output) (B, T, H, Dv) on this
             run, or None where the metric does not depend on it; None until asked.
+        suffix: the runs of this input from a later position on
+            (:meth:`Experiment.suffix_runs`), or None (refused: the reason was logged).
+        suffixed: whether they were built (and so tried).
     """
 
     name: str
@@ -186,7 +189,7 @@ class Experiment:
         sites: Iterable[SiteKey] = (),
         prefix: bool = False,
         gradients: bool = False,
-        caller: str = "patch",
+        caller: str = "Experiment.run",
         log: logging.Logger = logger,
     ) -> Recorded:
         """The unpatched run of input ``name``, with at least what is asked recorded on it.
@@ -297,7 +300,7 @@ class Experiment:
         output, value = made[0]
         found_grads = None
         if gradients:
-            found_grads = self._gradients(value, xis)
+            found_grads = self._gradients(value, xis, caller)
         recorded = Recorded(name, inputs, output, value.detach(), prefix=cache, prefixed=prefix)
         if recorder is not None:
             recorded.sites = dict(recorder.result())
@@ -308,11 +311,13 @@ class Experiment:
         recorded.gradients = found_grads
         return recorded
 
-    def _gradients(self, value: Tensor, xis: dict[int, Tensor]) -> dict[int, Tensor | None]:
+    def _gradients(
+        self, value: Tensor, xis: dict[int, Tensor], caller: str
+    ) -> dict[int, Tensor | None]:
         """∂value/∂ξ per layer that ran (the backward frees the run's graph)."""
         if not value.requires_grad:
             raise ValueError(
-                "attribution_patching needs metric(output) to depend on the heads through "
+                f"{caller} needs metric(output) to depend on the heads through "
                 "autograd: its result does not require grad (does it detach the output or run "
                 "under torch.no_grad()?)"
             )
