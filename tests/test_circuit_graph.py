@@ -5,6 +5,7 @@ mean, measured on matplotlib's own boxes and paths after a draw."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -14,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 from matplotlib.path import Path  # noqa: E402
 
-from multihead.viz.circuit_graph import circuit_figure  # noqa: E402
+from multihead.viz.circuit_graph import Arrow, circuit_figure  # noqa: E402
 
 # a 30-layer IOI-like circuit: long edges to the logits and between far layers, a sender
 # whose edges part high up, MLPs and heads stacked in single-node rows
@@ -49,8 +50,27 @@ def _random_circuit(seed: int, n: int = 25) -> list[tuple[str, float]]:
     return sorted(edges)
 
 
+def _place(node: str) -> tuple[float, float]:
+    """Where the graph puts a node, worked out here from its name: the embeddings at the bottom,
+    layer l's heads in row 2l + 1 by number, its MLP in row 2l + 2, the logits at the top."""
+    if node == "embed":
+        return 0.0, 0.0
+    if node == "logits":
+        return 1e9, 0.0
+    head = re.fullmatch(r"L(\d+)(?:H|KV)(\d+)", node)
+    if head:
+        return 2 * int(head[1]) + 1, float(head[2])
+    return 2 * int(node.removeprefix("MLP")) + 2, 0.0
+
+
+def _arrow(label: str, score: float) -> Arrow:
+    sender, _, receiver = label.partition(" -> ")
+    node, _, via = receiver.partition(".")
+    return Arrow(sender, node, via, score, _place(sender), _place(node))
+
+
 def _drawn(edges: list[tuple[str, float]]) -> tuple[object, dict[str, object], list[object]]:
-    fig = circuit_figure(edges)
+    fig = circuit_figure([_arrow(label, score) for label, score in edges])
     FigureCanvasAgg(fig).draw()
     ax = fig.axes[0]
     boxes = {

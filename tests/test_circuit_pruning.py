@@ -16,6 +16,7 @@ import multihead
 from multihead.circuits.edges.edge_attribution import edge_attribution
 from multihead.circuits.edges.edge_scores import EdgeScores
 from multihead.circuits.edges.faithfulness import faithfulness
+from multihead.circuits.graph import Graph, Receiver, Sender
 
 
 def _reads(receiver: str) -> int:
@@ -45,7 +46,39 @@ def _scores(senders: list[str], receivers: list[str], kinds: tuple[str, ...], to
         s, r = edge.split(" -> ")
         assert not values[senders.index(s), receivers.index(r)].isnan(), edge
         values[senders.index(s), receivers.index(r)] = (10.0 - k) * (-1) ** k
-    return EdgeScores(tuple(senders), tuple(receivers), values, 1.0, 0.0, 1, kinds, kv)
+    graph = Graph(
+        tuple(_sender(s) for s in senders), tuple(_receiver(r) for r in receivers), kinds, kv,
+        _head_counts([*senders, *receivers]),
+    )  # fmt: skip
+    return EdgeScores(graph, values, 1.0, 0.0, 1)
+
+
+def _sender(label: str) -> Sender:
+    if label == "embed":
+        return Sender("embed")
+    if label.startswith("MLP"):
+        return Sender("mlp", int(label[3:]))
+    layer, head = re.fullmatch(r"L(\d+)H(\d+)", label).groups()  # type: ignore[union-attr]
+    return Sender("head", int(layer), int(head))
+
+
+def _receiver(label: str) -> Receiver:
+    if label == "logits":
+        return Receiver("logits", 2)
+    if label.startswith("MLP"):
+        return Receiver("mlp", int(label[3:]))
+    layer, shared, head, kind = re.fullmatch(r"L(\d+)(H|KV)(\d+)\.([qkv])", label).groups()  # type: ignore[union-attr]
+    return Receiver(kind, int(layer), int(head), shared == "KV")
+
+
+def _head_counts(labels: list[str]) -> tuple[tuple[int, int], ...]:
+    """(query heads, key/value heads) of the two layers the labels name."""
+    counts = []
+    for layer in (0, 1):
+        heads = {int(m[1]) for x in labels if (m := re.fullmatch(rf"L{layer}H(\d+).*", x))}
+        kv = {int(m[1]) for x in labels if (m := re.fullmatch(rf"L{layer}KV(\d+).*", x))}
+        counts.append((len(heads), len(kv) or len(heads)))
+    return tuple(counts)
 
 
 SENDERS = ["embed", "L0H0", "L0H1", "MLP0", "L1H0", "L1H1", "MLP1"]
@@ -109,6 +142,22 @@ def test_shared_key_value_heads_feed_their_group() -> None:
     assert scores.inert(alive) == ()
     dead = ["embed -> L0KV0.v", "L0H0 -> L1KV0.k", "L1H3 -> logits"]
     assert scores.inert(dead) == tuple(dead)  # L1KV0 feeds L1H0, L1H1: neither reaches logits
+
+
+def test_shared_key_value_heads_feed_their_group_without_query_receivers() -> None:
+    """kv="shared" with no q receivers: the graph's head counts (4 query heads, 2 key/value
+    heads) still say L1KV0 feeds L1H0 and L1H1 only, so an edge into it is inert when only
+    L1H3 reaches the logits (L1H3 reads its queries unscored: it reaches every earlier writer,
+    but not its own layer's heads)."""
+    senders = ["embed", *(f"L{layer}H{h}" for layer in (0, 1) for h in range(4))]
+    receivers = [
+        *(f"L{layer}KV{g}.{k}" for layer in (0, 1) for g in (0, 1) for k in "kv"),
+        "logits",
+    ]
+    edge, into_l1h1 = "L0H0 -> L1KV0.k", "L1H1 -> logits"
+    scores = _scores(senders, receivers, ("k", "v", "logits"), [edge], kv="shared")
+    assert scores.inert([edge, "L1H3 -> logits"]) == (edge,)
+    assert scores.inert([edge, into_l1h1]) == ()
 
 
 def test_bad_input() -> None:

@@ -93,6 +93,8 @@ FLOORS: dict[str, int] = {
     #     model on one clean/corrupt pair (the experiment, its inputs, metric, cache and runs);
     #     steering (intervene, record_heads) beside it
     "circuits.runs": 16,
+    #     the graph's nodes every method names its ends by (senders, receivers, edges)
+    "circuits.graph": 16,
     "circuits.steering": 16,
     # 17: the methods on the engine: head importance, activation and attribution patching
     #     (PatchResult), edges and faithfulness

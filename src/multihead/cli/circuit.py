@@ -20,15 +20,13 @@ and exit code 2 (``multihead.cli.main``).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import multihead
-from multihead.circuits.edges.edge_scores import METHODS, EdgeScores
+from multihead.circuits.edges.edge_scores import METHODS, Circuit, EdgeScores
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
@@ -223,7 +221,7 @@ def _circuit(
             f"{curve.total}), reach {args.reach}"
         )
     circuit = scores.circuit(max(shown, 1), method=args.method)
-    _print_qk(experiment, _top_heads(scores, circuit.edges), args.query)
+    _print_qk(experiment, _top_heads(scores, circuit), args.query)
     drawn = min(max(shown, 1), args.graph_edges)
     title = f"{experiment.name}: the {_named(args.method, drawn)}"
     title += f", {len(scores.circuit(drawn, method=args.method))} once pruned"
@@ -248,19 +246,18 @@ def _named(method: str, n: int) -> str:
     return f"top {n} edges" if method == "top" else f"greedy circuit of {n} edges"
 
 
-def _top_heads(scores: EdgeScores, edges: Sequence[str], most: int = 3) -> list[tuple[int, int]]:
-    """The heads of a circuit's ``edges`` whose edges, in or out, weigh most (the sum of their
-    scores' sizes in ``scores``), at most ``most``, heaviest
-    first: (layer, head)."""
+def _top_heads(scores: EdgeScores, circuit: Circuit, most: int = 3) -> list[tuple[int, int]]:
+    """The heads of ``circuit`` whose edges, in or out, weigh most (the sum of their scores'
+    sizes in ``scores``), at most ``most``, heaviest first: (layer, head). A shared key/value
+    receiver is no one head's and counts for none."""
     weight: dict[tuple[int, int], float] = {}
-    for label in edges:
-        sender, _, receiver = label.partition(" -> ")
-        size = abs(scores.score(sender, receiver))
-        for end in (sender, receiver):
-            match = re.fullmatch(r"L(\d+)H(\d+)(?:\.[qkv])?", end)
-            if match:
-                key = (int(match[1]), int(match[2]))
-                weight[key] = weight.get(key, 0.0) + size
+    for edge, (sender, receiver) in zip(circuit.indices, circuit.nodes, strict=True):
+        size = abs(float(scores.values[edge]))
+        ends = [(sender.layer, sender.head)] if sender.kind == "head" else []
+        if receiver.via and not (receiver.shared and receiver.via != "q"):
+            ends.append((receiver.layer, receiver.head))
+        for key in ends:
+            weight[key] = weight.get(key, 0.0) + size
     return sorted(weight, key=lambda k: -weight[k])[:most]
 
 

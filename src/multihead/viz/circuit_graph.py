@@ -2,46 +2,41 @@
 edges as arrows coloured by their score, routed beside the nodes of the rows they cross) and
 the faithfulness curves.
 
-Labels in, figures out: a node ``"L0H1"``, ``"MLP0"``, ``"embed"`` or ``"logits"``; an edge
-``"L0H1 -> L1H3.k"`` (its receiver's input after the dot: the arrow's label).
+Arrows in, figures out: an :class:`Arrow` names its two nodes (``"L0H1"``, ``"MLP0"``,
+``"embed"``, ``"logits"``), the receiver's input (the arrow's label: q, k, v) and where each
+node sits (the row it is drawn in, its order there: the graph's stages, ``Sender.place``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from multihead.viz.figure import new_figure, plain_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["circuit_figure", "faithfulness_figure"]
+__all__ = ["Arrow", "circuit_figure", "faithfulness_figure"]
 
-_NODE = re.compile(r"L(\d+)(?:H|KV)(\d+)|MLP(\d+)")
 _POSITIVE, _NEGATIVE = "#c0392b", "#2e6fb5"
 
 
-def _row_and_order(node: str) -> tuple[float, float]:
-    """(row, order within the row): the embeddings at the bottom, each layer's heads, then its
-    MLP half a row up, the logits at the top."""
-    if node == "embed":
-        return 0.0, 0.0
-    if node == "logits":
-        return 1e9, 0.0
-    match = _NODE.fullmatch(node)
-    if match is None:
-        return 0.5, 0.0
-    if match[3] is not None:
-        return 2 * int(match[3]) + 2, 0.0
-    return 2 * int(match[1]) + 1, float(match[2])
+class Arrow(NamedTuple):
+    """One edge to draw: its sender's and receiver's node names, the receiver's input (``"q"``,
+    ``"k"``, ``"v"`` or ``""``), its score, and each node's place (row, order in the row:
+    rows from the bottom up, a node's order among the nodes of its row)."""
+
+    sender: str
+    receiver: str
+    via: str
+    score: float
+    sender_place: tuple[float, float]
+    receiver_place: tuple[float, float]
 
 
-def circuit_figure(
-    edges: Sequence[tuple[str, float]], *, title: str = "Circuit: the top edges"
-) -> Figure:
-    """The edges ``[(label, score)]`` as a layered graph: nodes in rows by layer (embeddings at
+def circuit_figure(edges: Sequence[Arrow], *, title: str = "Circuit: the top edges") -> Figure:
+    """The ``edges`` as a layered graph: nodes in rows by their places (embeddings at
     the bottom, each layer's heads, then its MLP, the logits at the top), arrows from sender to
     receiver, red for a positive score (corrupting the edge raises the metric) and blue for a
     negative one, wider for a larger ``|score|``, labelled with the receiver's input (q, k, v).
@@ -56,20 +51,19 @@ def circuit_figure(
     from matplotlib.patches import FancyArrowPatch
     from matplotlib.path import Path
 
-    parsed = []
-    for label, score in edges:
-        sender, _, receiver = label.partition(" -> ")
-        node, _, via = receiver.partition(".")
-        parsed.append((sender, node, via, score))
-    nodes = sorted({n for s, r, _, _ in parsed for n in (s, r)}, key=_row_and_order)
-    rank = {row: i for i, row in enumerate(sorted({_row_and_order(n)[0] for n in nodes}))}
+    drawn = [(e.sender, e.receiver, e.via, e.score) for e in edges]
+    where = {e.sender: e.sender_place for e in edges} | {
+        e.receiver: e.receiver_place for e in edges
+    }
+    nodes = sorted(where, key=where.__getitem__)
+    rank = {row: i for i, row in enumerate(sorted({where[n][0] for n in nodes}))}
     # a place (name, row): a node in its own row, or where a sender's edges pass a later row
-    home = {node: (node, rank[_row_and_order(node)[0]]) for node in nodes}
+    home = {node: (node, rank[where[node][0]]) for node in nodes}
     rows: list[list[tuple[str, int]]] = [[] for _ in rank]
     for node in nodes:
         rows[home[node][1]].append(home[node])
     routes = []
-    for sender, node, _, _ in parsed:
+    for sender, node, _, _ in drawn:
         passing = [(sender, r) for r in range(home[sender][1] + 1, home[node][1])]
         for place in passing:
             if place not in rows[place[1]]:
@@ -84,13 +78,13 @@ def circuit_figure(
 
         def key(place: tuple[str, int]) -> tuple[float, float]:
             came = [x[a] for a in below.get(place, [])]
-            order = _row_and_order(place[0])[1] if home[place[0]] == place else 0.0
+            order = where[place[0]][1] if home[place[0]] == place else 0.0
             return (sum(came) / len(came) if came else 0.5, order)
 
         row.sort(key=key)
         # the nodes keep the slots the ordering gave them, in their own order (heads by number)
         slots = [i for i, place in enumerate(row) if home[place[0]] == place]
-        nodes_in_order = sorted((row[i] for i in slots), key=lambda p: _row_and_order(p[0])[1])
+        nodes_in_order = sorted((row[i] for i in slots), key=lambda p: where[p[0]][1])
         for i, place in zip(slots, nodes_in_order, strict=True):
             row[i] = place
         for i, place in enumerate(row):
@@ -99,7 +93,7 @@ def circuit_figure(
     width = max(7.0, 0.9 * widest)
     fig = new_figure(width, 1.6 + 1.0 * max(len(rows), 1), layout="constrained")
     ax = fig.add_subplot()
-    largest = max((abs(v) for *_, v in parsed), default=1.0) or 1.0
+    largest = max((abs(v) for *_, v in drawn), default=1.0) or 1.0
     gap = 0.16  # where an arrow leaves or meets a node's box, in rows
     paths = [[(x[p], float(p[1])) for p in route] for route in routes]
     # the arrows that leave (meet) one node spread along its box, in the order they go (come)
@@ -113,7 +107,7 @@ def circuit_figure(
             for i, points in enumerate(group):
                 px, py = points[end]
                 points[end] = (px + (i - (len(group) - 1) / 2) * spread, py + side)
-    for points, (_, _, via, score) in zip(paths, parsed, strict=True):
+    for points, (_, _, via, score) in zip(paths, drawn, strict=True):
         verts, codes = [points[0]], [Path.MOVETO]
         for i in range(1, len(points) - 1):  # through the midpoints, bent at each place
             (ax0, ay0), (bx, by), (cx, cy) = points[i - 1], points[i], points[i + 1]
@@ -143,7 +137,7 @@ def circuit_figure(
     ax.set_ylim(-0.5, max(len(rows), 1) - 0.5)
     ax.set_axis_off()
     ax.set_title(plain_text(title))
-    if parsed:
+    if drawn:
         handles = [
             Line2D(
                 [],

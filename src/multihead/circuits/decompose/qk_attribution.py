@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int
-from multihead.circuits.paths.path_endpoints import Sender
+from multihead.circuits.graph import EMBED, Sender
 from multihead.circuits.runs.activation_cache import cache, stack_block
 from multihead.circuits.runs.experiment import warn_if_random
 from multihead.circuits.runs.frozen_norm import FrozenNorm
@@ -48,9 +48,7 @@ from multihead.mapping import model_heads, model_map
 from multihead.observe.rows import row_weights, visible_keys
 from multihead.observers import AttentionCall, Removable, registered
 
-__all__ = ["EMBED", "QKAttribution", "qk_attribution"]
-
-EMBED = "embed"  # the residual stream before the first block: token and position embeddings
+__all__ = ["QKAttribution", "qk_attribution"]
 _CHUNK = 64  # components per run of the attention module
 
 
@@ -291,16 +289,16 @@ def qk_attribution(
         )
     weights = _checked_row(call, seen["out"], head, kv, query, site.name)
 
-    labels = [EMBED]
+    labels = [Sender(EMBED).label]
     parts = [kept["resid_pre", 0]]
     for la, b in enumerate(earlier):
         result = kept["result", la]  # (1, T, H', E)
-        labels += [Sender(la, hh).label for hh in range(result.shape[2])]
+        labels += [Sender("head", la, hh).label for hh in range(result.shape[2])]
         parts += list(result.unbind(2))
         labels.append(f"L{la} attn bias")
         parts.append(kept["attn_out", la] - result.sum(2))
         if b.mlp:
-            labels.append(Sender(la, None).label)
+            labels.append(Sender("mlp", la).label)
             parts.append(kept["mlp_out", la])
     stream = torch.stack(parts, 2)  # (1, T, N, E)
     frozen = _frozen_norm(mapped.norm_eps, ran, x, h)

@@ -1,7 +1,7 @@
 """Edge attribution patching (EAP; Syed et al., 2023) and its integrated-gradients form (EAP-IG;
 Hanna et al., "Have Faith in Faithfulness", 2024): every edge of the graph at once.
 
-With the graph of :mod:`~multihead.circuits.edges.edge_graph` (senders write into the residual
+With the graph of :mod:`~multihead.circuits.edges.edge_model` (senders write into the residual
 stream, receivers read it), an edge's score is
 
     S(s -> r) = Σ_{b, t, e} (w_s(corrupt) - w_s(clean))[b, t, e] · ∂m/∂x_r[b, t, e]
@@ -33,14 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_positive_int, describe
-from multihead.circuits.edges.edge_graph import (
-    RECEIVER_KINDS,
-    EdgeModel,
-    Receiver,
-    Sender,
-)
+from multihead.circuits.edges.edge_model import EdgeModel
 from multihead.circuits.edges.edge_scores import EdgeScores
 from multihead.circuits.edges.receiver_gradients import ReceiverGradients
+from multihead.circuits.graph import RECEIVER_KINDS, Receiver, Sender
 from multihead.circuits.runs.embedding_path import (
     interpolated_embeddings,
     path_points,
@@ -117,7 +113,8 @@ def edge_attribution(
     # writes are read in the first gradient run, α = 1, which is the clean run itself
     graph = EdgeModel.shared(experiment, kv, "edge_attribution")
     chosen = graph.parse_senders(senders)
-    readers = graph.receivers(kinds)
+    scored = graph.graph(kinds, chosen)
+    readers = list(scored.receivers)
     # the senders' differences (N, B, T, E) built in place as the runs write: the corrupt
     # run's writes, then less the clean run's
     index = {s: i for i, s in enumerate(chosen)}
@@ -169,7 +166,4 @@ def edge_attribution(
     before = torch.tensor(stages, device=scores.device)[:, None]
     after = torch.tensor([r.stage for r in readers], device=scores.device)[None, :]
     scores = scores.masked_fill(before >= after, float("nan"))
-    return EdgeScores(
-        tuple(s.label for s in chosen), tuple(r.label for r in readers), scores,
-        float(clean_value), float(corrupt_value), ig_steps, kinds, kv,
-    )  # fmt: skip
+    return EdgeScores(scored, scores, float(clean_value), float(corrupt_value), ig_steps)

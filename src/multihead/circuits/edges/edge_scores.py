@@ -1,5 +1,6 @@
 """Edge scores and circuits: what :func:`~multihead.edge_attribution` returns and
-:func:`~multihead.faithfulness` takes.
+:func:`~multihead.faithfulness` takes. Both hold the :class:`~multihead.circuits.graph.Graph`
+they were scored on; labels are made from its nodes on demand.
 
 Shapes: N senders, R receivers.
 """
@@ -7,7 +8,6 @@ Shapes: N senders, R receivers.
 from __future__ import annotations
 
 import heapq
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,41 +15,87 @@ from typing import Any
 from torch import Tensor
 
 from multihead._checks import check_choice, check_positive_int, describe
-from multihead.circuits.edges.edge_graph import EMBED, LOGITS
-from multihead.viz.circuit_graph import circuit_figure
+from multihead.circuits.graph import EMBED, Graph, Node, Receiver, Sender
+from multihead.viz.circuit_graph import Arrow, circuit_figure
 
-__all__ = ["METHODS", "Circuit", "EdgeScores", "circuit_edges"]
+__all__ = ["METHODS", "Circuit", "EdgeScores"]
 
 #: how :meth:`EdgeScores.circuit` chooses its edges
 METHODS = ("top", "greedy")
 
+Edge = tuple[int, int]  # (sender index, receiver index) in a Graph
+
 
 @dataclass(frozen=True)
 class Circuit:
-    """A set of edges, written ``"L0H1 -> L1H3.k"``, and the receivers of the graph they were
-    chosen from: in a faithfulness run every edge into those receivers that is not in the
-    circuit carries the corrupt run's value, and receivers of other kinds are left alone.
+    """A set of edges of a graph: in a faithfulness run every edge into the graph's receivers
+    that is not in the circuit carries the corrupt run's value, and receivers of other kinds
+    are left alone.
 
     Attributes:
-        edges: the edges' labels; ``len(circuit)`` is their number.
-        receivers: the receiver kinds of the graph (of "q", "k", "v", "mlp", "logits").
-        kv: ``"query_head"`` or ``"shared"``: what a key/value receiver is (see
-            :func:`~multihead.edge_attribution`).
-        inert: the edges chosen with them and pruned as inert
+        graph: the :class:`~multihead.circuits.graph.Graph` the edges are chosen from.
+        indices: the edges, as (sender, receiver) indices into ``graph``; ``len(circuit)`` is
+            their number.
+        inert_indices: the edges chosen with them and pruned as inert
             (:meth:`EdgeScores.inert`; ``EdgeScores.circuit(n)`` keeps ``n - len(inert)``).
     """
 
-    edges: tuple[str, ...]
-    receivers: tuple[str, ...] = ("q", "k", "v", "logits")
-    kv: str = "query_head"
-    inert: tuple[str, ...] = ()
+    graph: Graph
+    indices: tuple[Edge, ...]
+    inert_indices: tuple[Edge, ...] = ()
+
+    @classmethod
+    def of(cls, circuit: object, graph: Graph) -> Circuit:
+        """``circuit`` as a circuit: a :class:`Circuit` as it is, or a sequence of edge labels
+        (``"L0H1 -> L1H3.k"``) found in ``graph``.
+
+        Raises:
+            TypeError: neither.
+            ValueError: a label that is not an edge of ``graph``.
+        """
+        if isinstance(circuit, Circuit):
+            return circuit
+        if isinstance(circuit, (str, bytes, Tensor)) or not isinstance(circuit, Sequence):
+            raise TypeError(
+                f"circuit must be a Circuit (EdgeScores.circuit(n)) or a sequence of edge labels "
+                f"('L0H1 -> L1H3.k'), got {describe(circuit)}"
+            )
+        if not all(isinstance(e, str) for e in circuit):
+            raise TypeError(f"circuit's edges must be labels ('L0H1 -> L1H3.k'), got {circuit!r}")
+        return cls(graph, tuple(graph.find(circuit, "circuit's edges")))
+
+    @property
+    def edges(self) -> tuple[str, ...]:
+        """The edges' labels, ``"L0H1 -> L1H3.k"``."""
+        return tuple(self.graph.label(e) for e in self.indices)
+
+    @property
+    def inert(self) -> tuple[str, ...]:
+        """The labels of the edges pruned as inert."""
+        return tuple(self.graph.label(e) for e in self.inert_indices)
+
+    @property
+    def nodes(self) -> tuple[tuple[Sender, Receiver], ...]:
+        """The edges as (sender, receiver) nodes."""
+        return tuple(self.graph.nodes(e) for e in self.indices)
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        """The receiver kinds of the graph (of "q", "k", "v", "mlp", "logits")."""
+        return self.graph.kinds
+
+    @property
+    def kv(self) -> str:
+        """``"query_head"`` or ``"shared"``: what a key/value receiver is (see
+        :func:`~multihead.edge_attribution`)."""
+        return self.graph.kv
 
     def __len__(self) -> int:
-        return len(self.edges)
+        return len(self.indices)
 
     def __repr__(self) -> str:
-        pruned = f", {len(self.inert)} inert pruned" if self.inert else ""
-        return f"Circuit({len(self.edges)} edges{pruned}; receivers {', '.join(self.receivers)})"
+        pruned = f", {len(self.inert_indices)} inert pruned" if self.inert_indices else ""
+        return f"Circuit({len(self)} edges{pruned}; receivers {', '.join(self.receivers)})"
 
 
 @dataclass(frozen=True)
@@ -59,45 +105,60 @@ class EdgeScores:
     (averaged over the integrated-gradient points).
 
     Attributes:
-        senders: the senders' labels, in forward order (``"embed"``, ``"L0H1"``, ``"MLP0"``).
-        receivers: the receivers' labels, in forward order (``"L1H3.k"``, ``"MLP1"``,
-            ``"logits"``).
+        graph: the :class:`~multihead.circuits.graph.Graph` scored: its senders and receivers
+            in forward order (:attr:`senders` and :attr:`receivers` are their labels).
         values: (N, R), NaN where the sender writes after the receiver reads (no edge).
         clean, corrupt: the metric on the two runs.
         ig_steps: the integrated-gradient points (1: EAP).
-        kinds: the receiver kinds scored; kv: what a key/value receiver is.
     """
 
-    senders: tuple[str, ...]
-    receivers: tuple[str, ...]
+    graph: Graph
     values: Tensor
     clean: float
     corrupt: float
     ig_steps: int = 1
-    kinds: tuple[str, ...] = ("q", "k", "v", "logits")
-    kv: str = "query_head"
+
+    @property
+    def senders(self) -> tuple[str, ...]:
+        """The senders' labels, in forward order (``"embed"``, ``"L0H1"``, ``"MLP0"``)."""
+        return tuple(s.label for s in self.graph.senders)
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        """The receivers' labels, in forward order (``"L1H3.k"``, ``"MLP1"``, ``"logits"``)."""
+        return tuple(r.label for r in self.graph.receivers)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The receiver kinds scored."""
+        return self.graph.kinds
+
+    @property
+    def kv(self) -> str:
+        """What a key/value receiver is: ``"query_head"`` or ``"shared"``."""
+        return self.graph.kv
 
     @property
     def labels(self) -> list[str]:
         """Every edge's label, ``"sender -> receiver"``, sender-major."""
-        return [label for label, _ in self._edges()]
+        return [self.graph.label(e) for e in self.graph.edges]
 
-    def _edges(self) -> list[tuple[str, float]]:
+    def _ranked(self) -> list[Edge]:
+        """Every edge, largest ``|score|`` first (ties in sender-major order)."""
         values = self.values.detach().cpu().tolist()
-        return [
-            (f"{s} -> {r}", values[i][j])
-            for i, s in enumerate(self.senders)
-            for j, r in enumerate(self.receivers)
-            if values[i][j] == values[i][j]  # not NaN: an edge
-        ]
+        return sorted(self.graph.edges, key=lambda e: -abs(values[e[0]][e[1]]))
+
+    def _value(self, edge: Edge) -> float:
+        return float(self.values[edge])
 
     def __len__(self) -> int:
-        return int((~self.values.isnan()).sum())
+        return len(self.graph.edges)
 
     def top(self, n: int = 10) -> list[tuple[str, float]]:
         """The ``n`` edges with the largest ``|score|``, largest first: ``[(label, score)]``."""
         check_positive_int("n", n)
-        return sorted(self._edges(), key=lambda e: -abs(e[1]))[:n]
+        values = self.values.detach().cpu().tolist()
+        return [(self.graph.label(e), values[e[0]][e[1]]) for e in self._ranked()[:n]]
 
     def circuit(self, n: int, *, prune: bool = True, method: str = "top") -> Circuit:
         """``n`` edges as a :class:`Circuit`, what :func:`~multihead.faithfulness` takes; with
@@ -131,32 +192,31 @@ class EdgeScores:
         if not isinstance(prune, bool):
             raise TypeError(f"prune must be True or False, got {describe(prune)}")
         check_choice("method", method, METHODS)
-        ranked = [label for label, _ in self.top(len(self))] if len(self) else []
+        ranked = self._ranked()
         edges = tuple(ranked[:n]) if method == "top" else self._greedy(ranked, n)
         if not prune:
-            return Circuit(edges, self.kinds, self.kv)
-        inert = set(self.inert(edges))
+            return Circuit(self.graph, edges)
+        inert = set(self.inert_of(edges))
         kept = tuple(e for e in edges if e not in inert)
-        return Circuit(kept, self.kinds, self.kv, tuple(e for e in edges if e in inert))
+        return Circuit(self.graph, kept, tuple(e for e in edges if e in inert))
 
-    def _greedy(self, ranked: list[str], n: int) -> tuple[str, ...]:
+    def _greedy(self, ranked: list[Edge], n: int) -> tuple[Edge, ...]:
         """The first ``n`` edges :meth:`circuit`'s greedy search takes from ``ranked`` (every
         edge, largest ``|score|`` first; ties kept in that order)."""
-        graph = _Nodes(self.senders, self.receivers, self.kinds)
-        pairs = [label.split(" -> ") for label in ranked]
-        waiting: dict[str, list[int]] = {}  # component -> the ranks of the edges into it
-        for i, (_, r) in enumerate(pairs):
-            for node in graph.of(r):
+        graph = self.graph
+        waiting: dict[Node, list[int]] = {}  # component -> the ranks of the edges into it
+        for i, (_, j) in enumerate(ranked):
+            for node in graph.feeds(graph.receivers[j]):
                 waiting.setdefault(node, []).append(i)
-        live: set[str] = set()
+        live: set[Node] = set()
         frontier: list[int] = []  # a heap of ranks: the edges into live components
 
-        def enter(node: str) -> None:
-            for m in graph.spread(node, live, {}):
+        def enter(node: Node) -> None:
+            for m in _spread(graph, node, live, {}):
                 for i in waiting.pop(m, ()):
                     heapq.heappush(frontier, i)
 
-        enter(LOGITS)
+        enter(graph.logits)
         taken: list[int] = []
         chosen: set[int] = set()
         while len(taken) < n and frontier:
@@ -164,7 +224,7 @@ class EdgeScores:
             if i not in chosen:  # a shared key/value receiver is waited on by each query head
                 chosen.add(i)
                 taken.append(i)
-                enter(pairs[i][0])
+                enter(graph.senders[ranked[i][0]])
         if len(taken) < n:
             raise ValueError(
                 f"n must be at most {len(taken)} with method='greedy': only {len(taken)} of the "
@@ -197,31 +257,27 @@ class EdgeScores:
             raise TypeError(
                 f"edges must be a sequence of edge labels ('L0H1 -> L1H3.k'), got {describe(edges)}"
             )
-        known = set(self.labels)
-        unknown = [e for e in edges if e not in known]
-        if unknown:
-            raise ValueError(
-                f"edges must be edges of this graph ('sender -> receiver', e.g. "
-                f"{next(iter(self.labels), '')!r}), got {unknown[0]!r}"
-                + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else "")
-            )
-        pairs = [e.split(" -> ") for e in edges]
-        graph = _Nodes(self.senders, self.receivers, self.kinds)
-        into: dict[str, list[str]] = {}  # component -> the senders of its circuit edges
-        for s, r in pairs:
-            for node in graph.of(r):
-                into.setdefault(node, []).append(s)
-        order = sorted(graph.stages, key=graph.stages.__getitem__)
-        reached = {EMBED}
-        for node in order:
-            if node in graph.open or any(s in reached for s in into.get(node, ())):
+        found = self.graph.find(edges, "edges")
+        return tuple(self.graph.label(e) for e in self.inert_of(found))
+
+    def inert_of(self, edges: Sequence[Edge]) -> tuple[Edge, ...]:
+        """:meth:`inert` of edges given as (sender, receiver) indices into :attr:`graph`."""
+        graph = self.graph
+        into: dict[Node, list[Sender]] = {}  # component -> the senders of its circuit edges
+        for i, j in edges:
+            for node in graph.feeds(graph.receivers[j]):
+                into.setdefault(node, []).append(graph.senders[i])
+        reached: set[Node] = {Sender(EMBED)}
+        for node in graph.components:  # in stage order: what feeds a node is reached first
+            if graph.open(node) or any(s in reached for s in into.get(node, ())):
                 reached.add(node)
-        live: set[str] = set()
-        graph.spread(LOGITS, live, into)
+        live: set[Node] = set()
+        _spread(graph, graph.logits, live, into)
         return tuple(
-            e
-            for e, (s, r) in zip(edges, pairs, strict=True)
-            if s not in reached or not any(m in live for m in graph.of(r))
+            (i, j)
+            for i, j in edges
+            if graph.senders[i] not in reached
+            or not any(m in live for m in graph.feeds(graph.receivers[j]))
         )
 
     def score(self, sender: str, receiver: str) -> float:
@@ -237,13 +293,11 @@ class EdgeScores:
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One dict per edge (sender, receiver, edge, score), sender-major: a table's rows."""
-        rows = []
         values = self.values.detach().cpu().tolist()
-        for i, s in enumerate(self.senders):
-            for j, r in enumerate(self.receivers):
-                v = values[i][j]
-                if v == v:
-                    rows.append({"sender": s, "receiver": r, "edge": f"{s} -> {r}", "score": v})
+        rows = []
+        for i, j in self.graph.edges:
+            s, r = self.graph.senders[i].label, self.graph.receivers[j].label
+            rows.append({"sender": s, "receiver": r, "edge": f"{s} -> {r}", "score": values[i][j]})
         return rows
 
     def plot(self, n: int = 20, *, prune: bool = True, method: str = "top", **kwargs: Any) -> Any:
@@ -254,8 +308,11 @@ class EdgeScores:
         circuit = self.circuit(min(n, len(self)), prune=prune, method=method)
         if method == "greedy":
             kwargs.setdefault("title", "Circuit: grown greedily from the logits")
-        edges = [(e, self.score(*e.split(" -> "))) for e in circuit.edges]
-        return circuit_figure(edges, **kwargs)
+        arrows = []
+        for edge in circuit.indices:
+            s, r = self.graph.nodes(edge)
+            arrows.append(Arrow(s.label, r.node_label, r.via, self._value(edge), s.place, r.place))
+        return circuit_figure(arrows, **kwargs)
 
     def __repr__(self) -> str:
         method = "EAP" if self.ig_steps == 1 else f"EAP-IG ({self.ig_steps} steps)"
@@ -266,89 +323,22 @@ class EdgeScores:
         )
 
 
-_HEAD_RECEIVER = re.compile(r"L(\d+)(H|KV)(\d+)\.([qkv])")
-_HEAD = re.compile(r"L(\d+)H(\d+)")
-
-
-class _Nodes:
-    """The components of an :class:`EdgeScores` graph, named by their sender labels ("embed",
-    "L0H1", "MLP0") and "logits": when each writes (``stages``: 0 the embeddings, 2l + 1 layer
-    l's heads, 2l + 2 its MLP) and reads (``reads``), which read through a receiver kind the
-    graph did not score (``open``), and which components a receiver feeds (:meth:`of`)."""
-
-    def __init__(self, senders: Sequence[str], receivers: Sequence[str], kinds: Sequence[str]):
-        heads: dict[int, set[int]] = {}
-        self.queries: dict[int, int] = {}  # layer -> its q receivers (query heads)
-        self.kv_heads: dict[int, set[int]] = {}  # layer -> its shared key/value heads
-        self.stages: dict[str, int] = {EMBED: 0}
-        for label in (*senders, *receivers):
-            head, receiver = _HEAD.fullmatch(label), _HEAD_RECEIVER.fullmatch(label)
-            if head:
-                heads.setdefault(int(head[1]), set()).add(int(head[2]))
-            elif receiver and receiver[2] == "H":
-                heads.setdefault(int(receiver[1]), set()).add(int(receiver[3]))
-                if receiver[4] == "q":
-                    self.queries[int(receiver[1])] = self.queries.get(int(receiver[1]), 0) + 1
-            elif receiver:
-                self.kv_heads.setdefault(int(receiver[1]), set()).add(int(receiver[3]))
-            elif label.startswith("MLP"):
-                self.stages[label] = 2 * int(label[3:]) + 2
-        self.heads = {layer: sorted(hs) for layer, hs in heads.items()}
-        self.stages.update(
-            {f"L{layer}H{h}": 2 * layer + 1 for layer, hs in heads.items() for h in hs}
-        )
-        self.reads = {n: stage for n, stage in self.stages.items() if n != EMBED}
-        self.reads[LOGITS] = max(self.stages.values()) + 1
-        self.open = {
-            n
-            for n in self.reads
-            if (n == LOGITS and LOGITS not in kinds)
-            or (n.startswith("MLP") and "mlp" not in kinds)
-            or (_HEAD.fullmatch(n) is not None and not {"q", "k", "v"} <= set(kinds))
-        }
-
-    def spread(self, node: str, live: set[str], into: dict[str, list[str]]) -> list[str]:
-        """Add to ``live`` ``node`` and every component with a path to it, through circuit
-        edges (``into``: component -> the senders of its edges) or through receivers the
-        graph did not score (a component reading through one reads every earlier write);
-        returns the components added. Components already in ``live`` are not walked again."""
-        added, todo = [], [node]
-        while todo:
-            m = todo.pop()
-            if m in live:
-                continue
-            live.add(m)
-            added.append(m)
-            todo.extend(into.get(m, ()))
-            if m in self.open:
-                todo.extend(k for k, stage in self.stages.items() if stage < self.reads[m])
-        return added
-
-    def of(self, receiver: str) -> list[str]:
-        """The components a receiver feeds: its head (a shared key/value head's query heads,
-        or with no q receivers to count them by, every head of its layer), MLP or the logits."""
-        m = _HEAD_RECEIVER.fullmatch(receiver)
-        if m is None:
-            return [receiver]
-        layer, head = int(m[1]), int(m[3])
-        if m[2] == "H":
-            return [f"L{layer}H{head}"]
-        if layer not in self.queries:
-            return [f"L{layer}H{h}" for h in self.heads.get(layer, ())]
-        size = self.queries[layer] // len(self.kv_heads[layer])
-        return [f"L{layer}H{h}" for h in range(head * size, (head + 1) * size)]
-
-
-def circuit_edges(circuit: object) -> Circuit:
-    """``circuit`` as a :class:`Circuit`: one, or a sequence of edge labels (of the default
-    graph: q, k, v and the logits as receivers)."""
-    if isinstance(circuit, Circuit):
-        return circuit
-    if isinstance(circuit, (str, bytes, Tensor)) or not isinstance(circuit, Sequence):
-        raise TypeError(
-            f"circuit must be a Circuit (EdgeScores.circuit(n)) or a sequence of edge labels "
-            f"('L0H1 -> L1H3.k'), got {describe(circuit)}"
-        )
-    if not all(isinstance(e, str) for e in circuit):
-        raise TypeError(f"circuit's edges must be labels ('L0H1 -> L1H3.k'), got {circuit!r}")
-    return Circuit(tuple(circuit))
+def _spread(
+    graph: Graph, node: Node, live: set[Node], into: dict[Node, list[Sender]]
+) -> list[Node]:
+    """Add to ``live`` ``node`` and every component with a path to it, through circuit edges
+    (``into``: component -> the senders of its edges) or through receivers the graph did not
+    score (a component reading through one reads every earlier write); returns the components
+    added. Components already in ``live`` are not walked again."""
+    added: list[Node] = []
+    todo = [node]
+    while todo:
+        m = todo.pop()
+        if m in live:
+            continue
+        live.add(m)
+        added.append(m)
+        todo.extend(into.get(m, ()))
+        if graph.open(m):
+            todo.extend(k for k in graph.components if k.stage < m.stage)
+    return added

@@ -26,13 +26,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.edges.edge_graph import LOGITS, EdgeModel, Receiver, Sender
-from multihead.circuits.edges.edge_scores import Circuit, circuit_edges
+from multihead.circuits.edges.edge_model import EdgeModel
+from multihead.circuits.edges.edge_scores import Circuit
+from multihead.circuits.graph import KV_MODES, LOGITS, Receiver, Sender
 from multihead.circuits.runs.experiment import Experiment, warn_if_random
 from multihead.circuits.runs.metric import Metric
 from multihead.observers import AttentionCall, Removable, registered
 
-__all__ = ["CircuitRuns", "faithfulness"]
+__all__ = ["DEFAULT_KINDS", "CircuitRuns", "faithfulness"]
+
+#: the receiver kinds of a circuit given as edge labels (edge_attribution's default)
+DEFAULT_KINDS = ("q", "k", "v", LOGITS)
 
 
 def faithfulness(
@@ -60,8 +64,12 @@ def faithfulness(
     """
     if circuit is None:
         raise TypeError("circuit is required: a Circuit or a sequence of edge labels, got None")
-    runs = CircuitRuns.of(model, clean, corrupt, metric, circuit_edges(circuit))
-    return runs.faithfulness(circuit_edges(circuit))
+    if isinstance(circuit, Circuit):
+        kinds, kv = circuit.graph.kinds, circuit.graph.kv
+    else:  # labels: of the default graph
+        kinds, kv = DEFAULT_KINDS, KV_MODES[0]
+    runs = CircuitRuns.of(model, clean, corrupt, metric, kinds, kv)
+    return runs.faithfulness(Circuit.of(circuit, runs.whole))
 
 
 class CircuitRuns:
@@ -69,8 +77,7 @@ class CircuitRuns:
 
     def __init__(self, graph: EdgeModel, kinds: tuple[str, ...]) -> None:
         self.graph = graph
-        self.kinds = kinds
-        self.receivers = graph.receivers(kinds)
+        self.whole = graph.graph(kinds)  # every sender, the receivers of kinds
         experiment = graph.experiment
         # the graph's probe is the corrupt run: its writes, while it holds them (else a run)
         if graph.holds_writes:
@@ -87,13 +94,11 @@ class CircuitRuns:
                 f"faithfulness needs the metric to differ between the clean and the corrupt "
                 f"run, got {self.clean} on both"
             )
-        self.edges = {
-            f"{s.label} -> {r.label}": (s, r)
-            for r in self.receivers
-            for s in graph.senders
-            if s.stage < r.stage
-        }
-        self.all_edges = tuple(self.edges)  # every edge of the graph, receiver-major
+        # every edge of the graph as its nodes, receiver-major (the random circuits' order)
+        self.all_edges = tuple(
+            (s, r) for r in self.whole.receivers for s in self.whole.senders if s.stage < r.stage
+        )
+        self.edges = set(self.all_edges)
 
     @classmethod
     def of(
@@ -102,11 +107,13 @@ class CircuitRuns:
         clean: Any,
         corrupt: Any,
         metric: Metric | None,
-        circuit: Circuit,
+        kinds: tuple[str, ...],
+        kv: str,
     ) -> CircuitRuns:
+        """The runs of the graph of receiver ``kinds`` and key/value mode ``kv``."""
         experiment = Experiment.of(model, clean, corrupt, metric)
         warn_if_random(experiment.model, "faithfulness")
-        return cls(EdgeModel.shared(experiment, circuit.kv, "faithfulness"), circuit.receivers)
+        return cls(EdgeModel.shared(experiment, kv, "faithfulness"), kinds)
 
     def faithfulness(self, circuit: Circuit) -> float:
         """The circuit run's metric, normalised (module docstring)."""
@@ -114,17 +121,19 @@ class CircuitRuns:
 
     def metric(self, circuit: Circuit) -> float:
         """The metric on the circuit run."""
-        unknown = [e for e in circuit.edges if e not in self.edges]
+        kept = set(circuit.nodes)
+        unknown = [f"{s.label} -> {r.label}" for s, r in circuit.nodes if (s, r) not in self.edges]
         if unknown:
+            first = self.all_edges[0] if self.all_edges else None
+            example = f"{first[0].label} -> {first[1].label}" if first else ""
             raise ValueError(
                 f"circuit has edges the model's graph does not ({len(unknown)}: "
                 f"{', '.join(repr(e) for e in unknown[:3])}); edges are 'sender -> receiver', "
-                f"e.g. {next(iter(self.edges), '')!r}"
+                f"e.g. {example!r}"
             )
-        kept = {self.edges[e] for e in circuit.edges}
         # receiver -> the senders whose edges into it carry the corrupt run's write
         cut: dict[Receiver, list[Sender]] = {}
-        for sender, receiver in self.edges.values():
+        for sender, receiver in self.all_edges:
             if (sender, receiver) not in kept:
                 cut.setdefault(receiver, []).append(sender)
         graph = self.graph

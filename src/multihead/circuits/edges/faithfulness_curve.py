@@ -152,7 +152,7 @@ def faithfulness_curve(
         raise TypeError(
             f"scores must be the EdgeScores of edge_attribution, got {describe(scores)}"
         )
-    runs = CircuitRuns.of(model, clean, corrupt, metric, scores.circuit(0))
+    runs = CircuitRuns.of(model, clean, corrupt, metric, scores.kinds, scores.kv)
     total = len(runs.all_edges)
     if total != len(scores):
         raise ValueError(
@@ -162,6 +162,8 @@ def faithfulness_curve(
     chosen = default_sizes(total) if sizes is None else sorted(set(sizes))
     if not chosen or chosen[0] < 0 or chosen[-1] > total:
         raise ValueError(f"sizes must be in [0, {total}] (the edges), got {sizes!r}")
+    # each of the model's edges in scores' graph (the same senders: checked above)
+    where = {scores.graph.nodes(e): e for e in scores.graph.edges}
     generator = torch.Generator().manual_seed(seed)
     orders = [torch.randperm(total, generator=generator).tolist() for _ in range(draws)]
     values, edges, random, random_edges = [], [], [], []
@@ -171,10 +173,10 @@ def faithfulness_curve(
         edges.append(len(circuit))
         drawn = []
         for order in orders:
-            labels = [runs.all_edges[i] for i in order[:n]]
-            inert = set(scores.inert(labels)) if prune else set()
-            drawn.append(tuple(e for e in labels if e not in inert))
-        faithful = [runs.faithfulness(Circuit(c, scores.kinds, scores.kv)) for c in drawn]
+            picked = [where[runs.all_edges[i]] for i in order[:n]]
+            inert = set(scores.inert_of(picked)) if prune else set()
+            drawn.append(Circuit(scores.graph, tuple(e for e in picked if e not in inert)))
+        faithful = [runs.faithfulness(c) for c in drawn]
         random.append(sum(faithful) / draws)
         random_edges.append(sum(len(c) for c in drawn) / draws)
     return FaithfulnessCurve(

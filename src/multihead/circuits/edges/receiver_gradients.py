@@ -53,9 +53,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.edges.edge_graph import LOGITS, EdgeModel, Receiver
+from multihead.circuits.edges.edge_model import EdgeModel
 from multihead.circuits.edges.projection_columns import ProjectionColumns, walked
 from multihead.circuits.edges.query_head_kv import query_head_kv_grads
+from multihead.circuits.graph import LOGITS, Receiver
 from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.observers import AttentionCall, Removable, registered
 

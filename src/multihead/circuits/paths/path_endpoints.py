@@ -1,7 +1,8 @@
 """The two ends of a path, as :func:`~multihead.path_patching` reads them and
 its result writes them.
 
-A **sender** is what changes between the two runs:
+A **sender** (a :class:`~multihead.circuits.graph.Sender` of the graph every circuit method
+names) is what changes between the two runs:
 
     (layer, head), "L0H1"          the head's output (B, T, Dv) before the output projection
     ("mlp", layer), "mlp3"         what block ``layer``'s feed-forward network adds to the
@@ -29,36 +30,16 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from multihead._checks import check_index, describe, is_int
+from multihead.circuits.graph import LOGITS, Sender
 from multihead.circuits.runs.activation_cache import stack_block
-from multihead.heads import head_label, mlp_label, mlp_layer, resolve_head
+from multihead.heads import head_label, mlp_layer, resolve_head
 from multihead.map_types import ModelMap, Site
 
-__all__ = ["LOGITS", "Member", "Receiver", "Sender", "parse_receivers", "parse_senders"]
-
-LOGITS = "logits"
+__all__ = ["Member", "ReceiverSet", "parse_receivers", "parse_senders"]
 
 _RECEIVER_FORMS = (
     "(layer, head), (layer, head, positions), a list of these patched together, or 'logits'"
 )
-
-
-@dataclass(frozen=True)
-class Sender:
-    """A head's output (``head`` its index) or, with ``head`` None, the feed-forward network of
-    the block holding attention layer ``layer``."""
-
-    layer: int
-    head: int | None
-
-    @property
-    def label(self) -> str:
-        """``"L0H1"`` or ``"MLP3"``."""
-        return mlp_label(self.layer) if self.head is None else head_label(self.layer, self.head)
-
-    @property
-    def shown(self) -> str:
-        """As errors write it: ``(0, 1)`` or ``'MLP3'``."""
-        return repr(self.label) if self.head is None else str((self.layer, self.head))
 
 
 @dataclass(frozen=True)
@@ -86,7 +67,7 @@ class Member:
 
 
 @dataclass(frozen=True)
-class Receiver:
+class ReceiverSet:
     """One receiver of the result's receiver axis: heads whose inputs are patched together in
     one run (one head, or a joint set), or the logits (no members)."""
 
@@ -109,10 +90,10 @@ class Receiver:
     def first_layer(self) -> int:
         return min(m.layer for m in self.members)
 
-    def resolved(self, length: int) -> Receiver:
+    def resolved(self, length: int) -> ReceiverSet:
         """The receiver with every member's positions in [0, length)."""
         name = f"receivers item {self.label}"
-        return Receiver(tuple(m.resolved(length, name) for m in self.members), self.joint)
+        return ReceiverSet(tuple(m.resolved(length, name) for m in self.members), self.joint)
 
 
 def parse_senders(senders: object, found: Sequence[Site], mapped: ModelMap) -> list[Sender]:
@@ -127,9 +108,9 @@ def parse_senders(senders: object, found: Sequence[Site], mapped: ModelMap) -> l
     return [_sender(item, found, mapped) for item in items]
 
 
-def parse_receivers(receivers: object, found: Sequence[Site]) -> list[Receiver]:
+def parse_receivers(receivers: object, found: Sequence[Site]) -> list[ReceiverSet]:
     """``receivers``, a non-empty sequence of receivers (module docstring), resolved in order;
-    positions stay as given until :meth:`Receiver.resolved`.
+    positions stay as given until :meth:`ReceiverSet.resolved`.
 
     Raises:
         TypeError: not a sequence, or an item of none of the forms.
@@ -155,7 +136,7 @@ def _items(name: str, value: object, forms: str) -> list[object]:
 def _sender(item: object, found: Sequence[Site], mapped: ModelMap) -> Sender:
     layer = mlp_layer(item)
     if layer is None:
-        return Sender(*resolve_head("senders item", item, found))
+        return Sender("head", *resolve_head("senders item", item, found))
     name = f"senders item {item!r}"
     index = check_index(f"{name}: layer", layer, len(found), "attention layers")
     block = stack_block(mapped, index, f"{name} (a feed-forward network sender)")
@@ -164,19 +145,19 @@ def _sender(item: object, found: Sequence[Site], mapped: ModelMap) -> Sender:
             f"{name}: block {index} of {mapped.family} has no feed-forward network the map knows "
             f"(an attention-only block?): there is no MLP output to send"
         )
-    return Sender(index, None)
+    return Sender("mlp", index)
 
 
-def _receiver(item: object, found: Sequence[Site]) -> Receiver:
+def _receiver(item: object, found: Sequence[Site]) -> ReceiverSet:
     if isinstance(item, str) and item == LOGITS:
-        return Receiver(())
+        return ReceiverSet(())
     if isinstance(item, tuple) and item and not is_int(item[0]) and not isinstance(item[0], str):
         raise TypeError(
             f"receivers item {item!r}: a set of receivers patched together is a list, e.g. "
             f"[(1, 3), (1, 4)]; a tuple is one receiver, (layer, head) or (layer, head, positions)"
         )
     if not (isinstance(item, list) and item and not is_int(item[0])):
-        return Receiver((_member(item, found),))
+        return ReceiverSet((_member(item, found),))
     members: dict[tuple[int, int], Member] = {}
     for part in item:
         nested = isinstance(part, list) and bool(part) and not is_int(part[0])
@@ -191,7 +172,7 @@ def _receiver(item: object, found: Sequence[Site]) -> Receiver:
         if key in members:  # the same head twice: its positions together
             member = _union(members[key], member)
         members[key] = member
-    return Receiver(tuple(members.values()), joint=True)
+    return ReceiverSet(tuple(members.values()), joint=True)
 
 
 def _member(item: object, found: Sequence[Site]) -> Member:

@@ -56,8 +56,9 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_optional_positive_int, describe
+from multihead.circuits.graph import KV_MODES, Sender
 from multihead.circuits.patching.patch_result import PatchResult
-from multihead.circuits.paths.path_endpoints import Receiver, Sender, parse_receivers, parse_senders
+from multihead.circuits.paths.path_endpoints import ReceiverSet, parse_receivers, parse_senders
 from multihead.circuits.paths.path_runs import PathRuns, recorded_feed_forward
 from multihead.circuits.runs.experiment import Experiment
 from multihead.circuits.runs.input_pair import DIRECTIONS
@@ -66,14 +67,13 @@ from multihead.circuits.runs.metric import Metric
 from multihead.circuits.runs.stacked_runs import stacked_metrics
 from multihead.mapping import model_map
 
-__all__ = ["path_patching", "VIA", "RESID", "KV_MODES"]
+__all__ = ["path_patching", "VIA", "RESID"]
 
 logger = logging.getLogger(__name__)
 
 VIA = ("q", "k", "v")
 # the logits' one input: the final residual stream
 RESID = "resid"
-KV_MODES = ("query_head", "shared")
 
 
 def path_patching(
@@ -181,7 +181,7 @@ def path_patching(
     received = parse_receivers(receivers, found)
     kinds = _via(via, received)
     _check_order(sent, received)
-    if any(s.head is None for s in sent) and any(site.shard for site in found):
+    if any(s.kind == "mlp" for s in sent) and any(site.shard for site in found):
         raise ValueError(
             "path_patching: feed-forward network senders ('MLP3') on a tensor-parallel model are "
             "not supported (the feed-forward output is split over the ranks): send heads there"
@@ -195,8 +195,8 @@ def path_patching(
     # are read before its heads run), or to the end when the logits read the stream
     end = len(found) if logits else receiver_layers[-1]
     frozen = list(range(min(s.layer for s in sent) + 1, end))
-    head_layers = sorted({s.layer for s in unique_senders if s.head is not None})
-    mlp_layers = sorted({s.layer for s in unique_senders if s.head is None})
+    head_layers = sorted({s.layer for s in unique_senders if s.kind == "head"})
+    mlp_layers = sorted({s.layer for s in unique_senders if s.kind == "mlp"})
     source_name, target_name = experiment.ends(direction)
     caller = "path_patching"
 
@@ -324,7 +324,7 @@ def path_patching(
     )
 
 
-def _via(via: object, received: list[Receiver]) -> list[str]:
+def _via(via: object, received: list[ReceiverSet]) -> list[str]:
     """``via``, a non-empty sequence of ``"q"``, ``"k"``, ``"v"``, ``"resid"`` fitting the
     receivers (None: every input they have)."""
     heads = any(not r.logits for r in received)
@@ -351,7 +351,7 @@ def _via(via: object, received: list[Receiver]) -> list[str]:
     return kinds
 
 
-def _check_order(sent: list[Sender], received: list[Receiver]) -> None:
+def _check_order(sent: list[Sender], received: list[ReceiverSet]) -> None:
     """Every sender in an earlier layer than every receiving head (ValueError)."""
     members = [m for r in received for m in r.members]
     if not members:

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.paths.path_endpoints import Member, Receiver, Sender
+from multihead.circuits.graph import Sender
+from multihead.circuits.paths.path_endpoints import Member, ReceiverSet
 from multihead.circuits.runs.activation_cache import stack_block
 from multihead.circuits.runs.input_pair import InputPair
 from multihead.circuits.runs.prefix_reuse import PrefixCache
@@ -201,12 +202,12 @@ class PathRuns:
             return editor
 
         def hooks() -> Iterator[Removable]:
-            heads = [(i, s.head) for i, s in enumerate(chunk) if s.head is not None]
+            heads = [(i, s.head) for i, s in enumerate(chunk) if s.kind == "head"]
             if heads:
                 yield self.found[layer].attention.register_observer(
                     self._head_sender(layer, n, heads)
                 )
-            mlp = [i for i, s in enumerate(chunk) if s.head is None]
+            mlp = [i for i, s in enumerate(chunk) if s.kind == "mlp"]
             if mlp:
                 yield _mlp(self.mapped, layer).register_forward_hook(
                     self._mlp_sender(layer, n, mlp)
@@ -269,7 +270,7 @@ class PathRuns:
     def receivers(
         self,
         layer: int,
-        variants: list[tuple[int, Receiver, str]],
+        variants: list[tuple[int, ReceiverSet, str]],
         recorded: dict[int, dict[str, Tensor]],
     ) -> Any:
         """Run 2 for ``variants`` (sender row, receiver, kind) of the receivers that start at

@@ -1,7 +1,5 @@
-"""The computational graph edge attribution and faithfulness read: senders, receivers, edges,
-and where each lives in a model.
-
-A **sender** writes into the residual stream; a **receiver** reads from it:
+"""Where the graph's nodes (:mod:`multihead.circuits.graph`) live in a model, for edge
+attribution and faithfulness:
 
     senders     "embed"            what block 0 is given (token + position embeddings)
                 "L0H1"             a head's write: its output through its slice of the
@@ -13,10 +11,6 @@ A **sender** writes into the residual stream; a **receiver** reads from it:
                                    head, "L1KV0.k"
                 "MLP1"             block 1's feed-forward network, through its norm
                 "logits"           the final residual stream, through the final norm
-
-An edge ``"L0H1 -> L1H3.k"`` exists when the sender writes before the receiver reads: a head
-of layer l reads what the embeddings, every earlier block and nothing of its own layer wrote; a
-feed-forward network also reads its own layer's heads; the logits read everything.
 
 :class:`EdgeModel` finds, in one probe run, what each receiver's input is (the module of the
 block whose output the attention or the feed-forward network is given: the pre-LN norm) and
@@ -38,73 +32,15 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
+from multihead.circuits.graph import EMBED, KV_MODES, LOGITS, Graph, Receiver, Sender
 from multihead.circuits.runs.activation_cache import head_writes, projection_rows, stack_block
 from multihead.circuits.runs.experiment import Experiment
-from multihead.heads import head_label, mlp_label, mlp_layer, parse_head
+from multihead.heads import mlp_layer, parse_head
 from multihead.map_types import ModelMap, output_tensor
 from multihead.mapping import model_map
 from multihead.observers import AttentionCall, Removable, registered
 
-__all__ = [
-    "EMBED",
-    "KV_MODES",
-    "LOGITS",
-    "RECEIVER_KINDS",
-    "EdgeModel",
-    "Receiver",
-    "Sender",
-]
-
-EMBED = "embed"
-LOGITS = "logits"
-RECEIVER_KINDS = ("q", "k", "v", "mlp", "logits")
-KV_MODES = ("query_head", "shared")
-
-
-@dataclass(frozen=True)
-class Sender:
-    """``kind`` "embed", "head" or "mlp"; ``layer`` (-1 for the embeddings), ``head``."""
-
-    kind: str
-    layer: int = -1
-    head: int = 0
-
-    @property
-    def label(self) -> str:
-        if self.kind == "embed":
-            return EMBED
-        return head_label(self.layer, self.head) if self.kind == "head" else mlp_label(self.layer)
-
-    @property
-    def stage(self) -> int:
-        """When it writes: 0 the embeddings, 2l + 1 layer l's heads, 2l + 2 its MLP."""
-        return 0 if self.kind == "embed" else 2 * self.layer + (1 if self.kind == "head" else 2)
-
-
-@dataclass(frozen=True)
-class Receiver:
-    """``kind`` one of q, k, v (``head`` a query head, or with ``shared`` a key/value head),
-    "mlp" or "logits" (``layer`` the model's depth)."""
-
-    kind: str
-    layer: int
-    head: int = 0
-    shared: bool = False
-
-    @property
-    def label(self) -> str:
-        if self.kind == LOGITS:
-            return LOGITS
-        if self.kind == "mlp":
-            return mlp_label(self.layer)
-        if self.shared and self.kind != "q":
-            return f"L{self.layer}KV{self.head}.{self.kind}"
-        return f"{head_label(self.layer, self.head)}.{self.kind}"
-
-    @property
-    def stage(self) -> int:
-        """When it reads: layer l's heads at 2l + 1 (before they write), its MLP at 2l + 2."""
-        return 2 * self.layer + (2 if self.kind in ("mlp", LOGITS) else 1)
+__all__ = ["EdgeModel"]
 
 
 @dataclass
@@ -244,6 +180,17 @@ class EdgeModel:
         if LOGITS in kinds:
             out.append(Receiver(LOGITS, self.mapped.num_layers))
         return out
+
+    def graph(self, kinds: Sequence[str], senders: Sequence[Sender] | None = None) -> Graph:
+        """The :class:`~multihead.circuits.graph.Graph` of ``senders`` (default: every
+        sender) and the receivers of ``kinds``."""
+        return Graph(
+            tuple(self.senders if senders is None else senders),
+            tuple(self.receivers(kinds)),
+            tuple(kinds),
+            self.kv,
+            tuple((site.num_heads, site.num_kv_heads) for site in self.mapped.sites),
+        )
 
     def parse_senders(self, senders: object) -> list[Sender]:
         """``None`` (every sender) or a sequence of "embed", heads (``"L0H1"``, ``(0, 1)``) and
