@@ -237,3 +237,16 @@ def test_default_sizes_reach_down_to_ten_edges_on_a_large_graph() -> None:
     assert big[8:] == [
         round(f * 118_561) for f in (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75)
     ] + [118_561]
+
+
+def test_bad_circuit_is_refused_before_any_run() -> None:
+    """A circuit of the wrong type is a TypeError naming it, raised before the model runs."""
+    model = _lm(torch.float64)
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    ids = torch.randint(20, (2, 5))
+    with pytest.raises(TypeError, match=r"circuit must be a Circuit .* got 3"):
+        faithfulness(model, ids, ids, _metric, 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"circuit's edges must be labels"):
+        faithfulness(model, ids, ids, _metric, [("embed", "L0H0.q")])  # type: ignore[list-item]
+    assert calls == []

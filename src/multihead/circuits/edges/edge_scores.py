@@ -18,12 +18,28 @@ from multihead._checks import check_choice, check_positive_int, describe
 from multihead.circuits.graph import EMBED, Graph, Node, Receiver, Sender
 from multihead.viz.circuit_graph import Arrow, circuit_figure
 
-__all__ = ["METHODS", "Circuit", "EdgeScores"]
+__all__ = ["METHODS", "Circuit", "EdgeScores", "edge_labels"]
 
 #: how :meth:`EdgeScores.circuit` chooses its edges
 METHODS = ("top", "greedy")
 
 Edge = tuple[int, int]  # (sender index, receiver index) in a Graph
+
+
+def edge_labels(circuit: object) -> tuple[str, ...]:
+    """``circuit``, a sequence of edge labels (``"L0H1 -> L1H3.k"``), checked.
+
+    Raises:
+        TypeError: not a sequence of strings (named ``circuit``).
+    """
+    if isinstance(circuit, (str, bytes, Tensor)) or not isinstance(circuit, Sequence):
+        raise TypeError(
+            f"circuit must be a Circuit (EdgeScores.circuit(n)) or a sequence of edge labels "
+            f"('L0H1 -> L1H3.k'), got {describe(circuit)}"
+        )
+    if not all(isinstance(e, str) for e in circuit):
+        raise TypeError(f"circuit's edges must be labels ('L0H1 -> L1H3.k'), got {circuit!r}")
+    return tuple(circuit)
 
 
 @dataclass(frozen=True)
@@ -55,14 +71,7 @@ class Circuit:
         """
         if isinstance(circuit, Circuit):
             return circuit
-        if isinstance(circuit, (str, bytes, Tensor)) or not isinstance(circuit, Sequence):
-            raise TypeError(
-                f"circuit must be a Circuit (EdgeScores.circuit(n)) or a sequence of edge labels "
-                f"('L0H1 -> L1H3.k'), got {describe(circuit)}"
-            )
-        if not all(isinstance(e, str) for e in circuit):
-            raise TypeError(f"circuit's edges must be labels ('L0H1 -> L1H3.k'), got {circuit!r}")
-        return cls(graph, tuple(graph.find(circuit, "circuit's edges")))
+        return cls(graph, tuple(graph.find(edge_labels(circuit), "circuit's edges")))
 
     @property
     def edges(self) -> tuple[str, ...]:

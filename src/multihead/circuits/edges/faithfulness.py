@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.circuits.edges.edge_model import EdgeModel
-from multihead.circuits.edges.edge_scores import Circuit
+from multihead.circuits.edges.edge_scores import Circuit, edge_labels
 from multihead.circuits.graph import KV_MODES, LOGITS, Receiver, Sender
 from multihead.circuits.runs.experiment import Experiment, warn_if_random
 from multihead.circuits.runs.metric import Metric
@@ -64,12 +64,13 @@ def faithfulness(
     """
     if circuit is None:
         raise TypeError("circuit is required: a Circuit or a sequence of edge labels, got None")
+    edges: Circuit | tuple[str, ...]
     if isinstance(circuit, Circuit):
-        kinds, kv = circuit.graph.kinds, circuit.graph.kv
-    else:  # labels: of the default graph
-        kinds, kv = DEFAULT_KINDS, KV_MODES[0]
+        kinds, kv, edges = circuit.graph.kinds, circuit.graph.kv, circuit
+    else:  # labels, checked before any run: of the default graph
+        kinds, kv, edges = DEFAULT_KINDS, KV_MODES[0], edge_labels(circuit)
     runs = CircuitRuns.of(model, clean, corrupt, metric, kinds, kv)
-    return runs.faithfulness(Circuit.of(circuit, runs.whole))
+    return runs.faithfulness(Circuit.of(edges, runs.whole))
 
 
 class CircuitRuns:
