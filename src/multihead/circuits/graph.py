@@ -148,9 +148,6 @@ class Graph:
             if s.stage < r.stage
         )
 
-    def is_edge(self, i: int, j: int) -> bool:
-        return self.senders[i].stage < self.receivers[j].stage
-
     def label(self, edge: tuple[int, int]) -> str:
         """``"L0H1 -> L1H3.k"``."""
         return f"{self.senders[edge[0]].label} -> {self.receivers[edge[1]].label}"
