@@ -23,7 +23,8 @@ A block that normalises its attention's output before adding it to the stream (G
 sandwich norms, OLMo-2's post-norms: ``x + N(Σ_h z_h W^O_h + b^O)``) is read the same way: N
 is frozen at this run too (its scale from this run's attention output), so it is linear and
 head h writes ``N_lin(z_h W^O_h)``; the heads' writes, ``N_lin(b^O)`` and N's bias add up to
-exactly what the block added (:mod:`multihead.circuits.runs.attention_writes` finds N at the run).
+exactly what the block added (N is the layer's post-norm in its
+:class:`~multihead.circuits.runs.wiring.Wiring`).
 Gemma's norms scale by ``1 + γ``; :class:`~multihead.circuits.runs.frozen_norm.FrozenNorm` reads
 either form. A family that caps its final logits (Gemma-2's ``final_logit_softcapping``:
 ``c · tanh(logit / c)``) is explained before the cap: the unembedding's output, which is what
@@ -53,11 +54,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_index, check_positive_int, describe, is_int
-from multihead.circuits.runs.attention_writes import AttentionWrites
 from multihead.circuits.runs.experiment import warn_if_random
 from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.circuits.runs.input_pair import model_inputs, run_model
 from multihead.circuits.runs.layer_recording import record_layers
+from multihead.circuits.runs.wiring import WiringRun
 from multihead.head_shard import every_head
 from multihead.map_types import Block, ModelMap
 from multihead.mapping import model_heads, model_map
@@ -239,10 +240,9 @@ def logit_attribution(
     mapped = model_map(model)
     norm, unembedding = _final_parts(mapped, model)
     blocks = _blocks(mapped)
-    writes = AttentionWrites(mapped, blocks)
+    wiring_run = WiringRun(mapped, post_norms=True)
     hidden: dict[str, list[Any]] = {"in": [None] * len(blocks), "out": [None] * len(blocks)}
     norm_io: list[Tensor] = []
-    fed: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
 
     def on_block(i: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -251,28 +251,18 @@ def logit_attribution(
 
         return hook
 
-    def on_input(layer: int, module: nn.Module) -> Callable[..., None]:
-        def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
-            if args and isinstance(args[0], Tensor):
-                fed[layer].append((module, args[0]))
-
-        return hook
-
     logits: list[Tensor] = []
 
     def hooks() -> Iterator[Removable]:
         for i, block in enumerate(blocks):
             yield block.module.register_forward_hook(on_block(i), with_kwargs=True)
-        yield from writes.hooks()
-        for layer, site in enumerate(mapped.sites):
-            for m in site.module.modules():
-                if m is not site.module:
-                    yield m.register_forward_pre_hook(on_input(layer, m))
+        yield from wiring_run.hooks()
         yield norm.register_forward_hook(lambda m, a, out: norm_io.extend((a[0], out)))
         yield unembedding.register_forward_hook(lambda m, a, out: logits.append(out))
 
     with registered(hooks()), record_layers(found, range(len(found))) as per_head:
         run_model(model, checked)
+    wiring = wiring_run.wiring
 
     x = norm_io[0]
     b, t = x.shape[0], x.shape[1]
@@ -349,14 +339,14 @@ def logit_attribution(
     for layer, name in enumerate(site.name for site in found):
         out = per_head[layer]  # (B, T, H, Dv)
         flat = out.flatten(2)
-        projection = next((m for m, given in fed[layer] if torch.equal(given, flat)), None)
+        projection = wiring.layers[layer].projection
         if projection is None:
             raise ValueError(
                 f"logit_attribution cannot find the output projection of layer {layer} ({name}): "
                 f"no module inside it is fed the per-head output"
             )
         # a post-attention norm, frozen at this run, is linear: the heads' writes go through it
-        post = writes.norm(layer, "logit_attribution", rounding, dtype)
+        post = wiring_run.post_norm(layer, "logit_attribution", rounding, dtype)
         read_here = read if post is None else post.read(read)
         with torch.enable_grad():
             z = flat.detach().requires_grad_()
@@ -372,7 +362,7 @@ def logit_attribution(
         heads[layer, : per_head_term.shape[2]] = batch(per_head_term).movedim(-1, 0)
         attention_bias[layer] = batch(bias)
         block_in, block_out = hidden["in"][layer], hidden["out"][layer]
-        added = writes.written(layer)  # what the block added for its attention
+        added = wiring_run.written(layer)  # what the block added for its attention
         added = written.detach() if added is None else added
         mlp[layer] = batch(term(block_out.to(dtype) - block_in.to(dtype) - added.to(dtype)))
     zero = torch.zeros(shape, dtype=dtype, device=x.device)

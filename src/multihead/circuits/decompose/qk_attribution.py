@@ -42,8 +42,9 @@ from multihead.circuits.graph import EMBED, Sender
 from multihead.circuits.runs.activation_cache import cache, stack_block
 from multihead.circuits.runs.experiment import warn_if_random
 from multihead.circuits.runs.frozen_norm import FrozenNorm
+from multihead.circuits.runs.wiring import WiringRun
 from multihead.kernels import causal_mask
-from multihead.map_types import ModelMap, output_tensor
+from multihead.map_types import ModelMap
 from multihead.mapping import model_heads, model_map
 from multihead.observe.rows import row_weights, visible_keys
 from multihead.observers import AttentionCall, Removable, registered
@@ -229,34 +230,25 @@ def qk_attribution(
     head = check_index("head", head, site.num_heads, f"heads in layer {layer} ({site.name})")
     if site.shard is not None:
         raise ValueError("qk_attribution does not support tensor-parallel models")
-    block = stack_block(mapped, layer, "qk_attribution")
+    stack_block(mapped, layer, "qk_attribution")  # a stack's block holds the layer alone
     earlier = [stack_block(mapped, la, "qk_attribution") for la in range(layer)]
     kv = head // (site.num_heads // site.num_kv_heads)
     fed: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    ran: list[tuple[nn.Module, Tensor, Tensor]] = []
     seen: dict[str, Any] = {}
+    wiring_run = WiringRun(mapped)
 
     def on_attention(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fed.append((args, kwargs))
-
-    def on_part(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        given = _hidden(mapped, args, kwargs)
-        if given is not None:
-            ran.append((m, given.detach(), output_tensor(out).detach()))
 
     def on_heads(call: AttentionCall, out: Tensor) -> None:
         if "q" not in seen:
             seen.update(q=call.q.detach(), k=call.k.detach(), v=call.v.detach(), call=call)
             seen["out"] = out.detach()
 
-    inside = set(map(id, site.module.modules()))
-
     def hooks() -> Iterator[Removable]:
         yield site.module.register_forward_pre_hook(on_attention, with_kwargs=True)
-        for m in block.module.modules():
-            if m is not block.module and id(m) not in inside:
-                yield m.register_forward_hook(on_part, with_kwargs=True)
         yield site.attention.register_observer(on_heads)
+        yield from wiring_run.hooks()
 
     names: list[tuple[str, int]] = [("resid_pre", 0), ("resid_pre", layer)]
     for la, b in enumerate(earlier):
@@ -301,7 +293,9 @@ def qk_attribution(
             labels.append(Sender("mlp", la).label)
             parts.append(kept["mlp_out", la])
     stream = torch.stack(parts, 2)  # (1, T, N, E)
-    frozen = _frozen_norm(mapped.norm_eps, ran, x, h)
+    wired = wiring_run.wiring.layers[layer]
+    eps = wired.norm_eps if wired.norm_eps is not None else mapped.norm_eps
+    frozen = _frozen_norm(wired.norm, eps, x, h)
     normed = (frozen.linear(stream) if frozen is not None else stream)[0].movedim(1, 0)
     constants = ["norm bias"] if frozen is not None and frozen.beta is not None else []
     if constants:
@@ -333,17 +327,16 @@ def qk_attribution(
 
 
 def _frozen_norm(
-    eps: float | None, ran: list[tuple[nn.Module, Tensor, Tensor]], x: Tensor, h: Tensor
+    norm: nn.Module | None, eps: float | None, x: Tensor, h: Tensor
 ) -> FrozenNorm | None:
-    """The block's pre-attention norm, frozen at this run: the part that was fed the stream
-    ``x`` and gave the attention's input ``h``; None when the attention reads ``x`` itself."""
-    if torch.equal(h, x):
-        return None
-    norm = next((m for m, given, out in ran if torch.equal(given, x) and torch.equal(out, h)), None)
+    """The block's pre-attention norm (its wiring's), frozen at this run where it mapped the
+    stream ``x`` to the attention's input ``h``; None when the attention reads ``x`` itself."""
     if norm is None:
+        if torch.equal(h, x):
+            return None
         raise ValueError(
             "qk_attribution needs the attention's input to be the residual stream through one "
-            "norm; no part of the block maps the one to the other"
+            "norm; no module of the block gives the attention its input"
         )
     rounding = torch.finfo(h.dtype).eps
     return FrozenNorm.of(norm, eps, x, h, "qk_attribution (the pre-attention norm)", rounding)

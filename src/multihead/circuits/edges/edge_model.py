@@ -12,8 +12,9 @@ attribution and faithfulness:
                 "MLP1"             block 1's feed-forward network, through its norm
                 "logits"           the final residual stream, through the final norm
 
-:class:`EdgeModel` finds, in one probe run, what each receiver's input is (the module of the
-block whose output the attention or the feed-forward network is given: the pre-LN norm) and
+:class:`EdgeModel` reads, from the model's :class:`~multihead.circuits.runs.wiring.Wiring`
+(found in its probe run when no earlier run has), what each receiver's input is (the module of
+the block whose output the attention or the feed-forward network is given: the pre-LN norm) and
 each layer's output projection, so that a run can record the senders' writes and change the
 receivers' inputs one by one.
 
@@ -35,6 +36,7 @@ from multihead._checks import check_choice, describe
 from multihead.circuits.graph import EMBED, KV_MODES, LOGITS, Graph, Receiver, Sender
 from multihead.circuits.runs.activation_cache import head_writes, projection_rows, stack_block
 from multihead.circuits.runs.experiment import Experiment
+from multihead.circuits.runs.wiring import WiringRun
 from multihead.heads import mlp_layer, parse_head
 from multihead.map_types import ModelMap, output_tensor
 from multihead.mapping import model_map
@@ -115,9 +117,9 @@ class EdgeModel:
         if any(s.shard is not None for s in mapped.sites):
             raise ValueError(f"{caller} does not support a tensor-parallel model")
         blocks = [stack_block(mapped, layer, caller) for layer in range(mapped.num_layers)]
-        found: dict[Any, Any] = {}
         probe = _ProbeRun()
-        hooks = [*_probes(blocks, experiment, found)]
+        wiring_run = WiringRun(mapped)
+        hooks = [*wiring_run.hooks()]
         if keep_writes:
             hooks += _write_hooks(blocks, experiment, probe.write, probe.head_outputs)
         with torch.no_grad(), registered(iter(hooks)):
@@ -125,9 +127,8 @@ class EdgeModel:
         # the probe is an unpatched run of its input (its hooks only read): the experiment's
         experiment.adopt(on, experiment.last_output, probe.value)
         layers = []
-        for layer, block in enumerate(blocks):
-            norm = found.get(("norm", layer))
-            projection = found.get(("projection", layer))
+        for layer, (block, wired) in enumerate(zip(blocks, wiring_run.wiring.layers, strict=True)):
+            norm, projection = wired.norm, wired.projection
             if norm is None or projection is None:
                 what = "a module's output as its input" if norm is None else "an output projection"
                 raise ValueError(
@@ -135,20 +136,19 @@ class EdgeModel:
                     f"through its output projection; block {layer} of {mapped.family} gives its "
                     f"attention no {what} the graph can find (a pre-LN block is needed)"
                 )
-            mlp_norm = found.get(("mlp_norm", layer))
-            if block.mlp is not None and mlp_norm is None:
+            if block.mlp is not None and wired.mlp_norm is None:
                 raise ValueError(
                     f"{caller}: block {layer} of {mapped.family} gives its feed-forward network "
                     f"no module's output as its input (a pre-LN block is needed)"
                 )
-            given = found.get(("given", layer))
             inputs = tuple(
                 (m, matrix)
-                for m in found.get(("inputs", layer), [])
-                if given is not None and (matrix := _linear_matrix(m, given)) is not None
+                for m in wired.inputs
+                if wired.width is not None
+                and (matrix := _linear_matrix(m, wired.width)) is not None
             )
             layers.append(
-                _Layer(norm, projection, block.mlp, mlp_norm, inputs, block.norm_eps(norm))
+                _Layer(norm, projection, block.mlp, wired.mlp_norm, inputs, wired.norm_eps)
             )
         return cls(experiment, mapped, layers, kv, probe)
 
@@ -350,87 +350,14 @@ def _store_heads(
         store(Sender("head", layer, h), result[:, :, h])
 
 
-def _linear_matrix(module: nn.Module, given: Tensor) -> Tensor | None:
+def _linear_matrix(module: nn.Module, width: int) -> Tensor | None:
     """M (out, E) of a module read as the per-token linear map x ↦ x Mᵀ + bias
     (:func:`~multihead.circuits.runs.activation_cache.projection_rows`, transposed); None unless it
-    has a 2-D weight and maps ``given`` (..., E), what the model gave it, per token."""
+    has a 2-D weight and maps inputs of ``width`` (E) per token."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         return None
+    like = torch.zeros(1, width, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
-        rows = projection_rows(module, given)
-    return rows.T.contiguous() if rows.dim() == 2 and rows.shape[0] == given.shape[-1] else None
-
-
-def _probes(blocks: list[Any], experiment: Experiment, found: dict[Any, Any]) -> Iterator[Any]:
-    """Hooks that find, in one run, each block's attention norm and feed-forward norm (the
-    module of the block whose output tensor is the part's input), output projection (the
-    module inside the attention given its heads' outputs, flattened) and input projections
-    (the modules inside it given the norm's output itself, and that output)."""
-    mapped = model_map(experiment.model)
-    made: dict[int, tuple[nn.Module, Tensor]] = {}  # id(output) -> (module, output: kept alive)
-    flat: dict[int, Tensor] = {}  # layer -> its heads' outputs (B, T, H·Dv)
-
-    def remember(m: nn.Module, args: Any, out: Any) -> None:
-        if isinstance(out, Tensor):
-            made[id(out)] = (m, out)
-
-    def reading(key: tuple[str, int]) -> Any:
-        def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
-            given = mapped.stream_of(args, kwargs)
-            if isinstance(given, Tensor) and key not in found:
-                maker = made.get(id(given))
-                if maker is not None and maker[1] is given:
-                    found[key] = maker[0]
-
-        return hook
-
-    def heads(layer: int) -> Any:
-        def observer(call: AttentionCall, out: Tensor) -> None:
-            flat[layer] = out.flatten(2)
-
-        return observer
-
-    def attention_input(layer: int) -> Any:
-        def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
-            given = mapped.stream_of(args, kwargs)
-            if isinstance(given, Tensor) and ("given", layer) not in found:
-                found["given", layer] = given
-
-        return hook
-
-    def inner(layer: int) -> Any:  # on each module inside the attention
-        def hook(m: nn.Module, args: Any) -> None:
-            given, want = (args[0] if args else None), flat.get(layer)
-            if given is not None and given is found.get(("given", layer)):
-                inputs = found.setdefault(("inputs", layer), [])
-                if all(m is not other for other in inputs):
-                    inputs.append(m)
-            if (
-                ("projection", layer) not in found
-                and isinstance(given, Tensor)
-                and want is not None
-                and given.shape == want.shape
-                and torch.equal(given, want)
-            ):
-                found["projection", layer] = m
-
-        return hook
-
-    for layer, block in enumerate(blocks):
-        attention = block.attention
-        inside = {id(m) for p in (attention, block.mlp) if p is not None for m in p.modules()}
-        for m in block.module.modules():
-            if id(m) not in inside and m is not block.module:
-                yield m.register_forward_hook(remember)
-        yield experiment.found[layer].attention.register_observer(heads(layer))
-        if attention is not None:
-            yield attention.register_forward_pre_hook(reading(("norm", layer)), with_kwargs=True)
-            yield attention.register_forward_pre_hook(attention_input(layer), with_kwargs=True)
-            for m in attention.modules():
-                if m is not attention:
-                    yield m.register_forward_pre_hook(inner(layer))
-        if block.mlp is not None:
-            yield block.mlp.register_forward_pre_hook(
-                reading(("mlp_norm", layer)), with_kwargs=True
-            )
+        rows = projection_rows(module, like)
+    return rows.T.contiguous() if rows.dim() == 2 and rows.shape[0] == width else None

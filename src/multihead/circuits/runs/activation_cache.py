@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from multihead._checks import describe, is_int
 from multihead.circuits.runs.input_pair import model_inputs, run_model
+from multihead.circuits.runs.wiring import WiringRun
 from multihead.map_types import Block, ModelMap, output_tensor
 from multihead.mapping import model_heads, model_map
 from multihead.observe.recorder import capture
@@ -360,7 +361,8 @@ class SiteRecorder:
         self.seen: dict[SiteKey, Tensor] = {}  # what the sum check needs beyond what is kept
         self.where: list[list[int] | None] = []  # the positions, once the run has told T
         self.needs_sum = {layer for s, layer in wanted if s in _SUM_SITES}
-        self.projections: list[list[tuple[nn.Module, Tensor]]] = [[] for _ in found]
+        packed_real = real if self.packed is not None else None
+        self.wiring = WiringRun(mapped, real=packed_real) if self._wants_result() else None
         self.pattern_layers = sorted({layer for s, layer in wanted if s == "pattern"})
         self.patterns: list[Any] = []
 
@@ -408,12 +410,8 @@ class SiteRecorder:
 
         return observer
 
-    def _on_projection_input(self, layer: int, module: nn.Module) -> Callable[..., None]:
-        def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
-            if args and isinstance(args[0], Tensor):
-                self.projections[layer].append((module, args[0]))
-
-        return hook
+    def _wants_result(self) -> bool:
+        return any(s == "result" for s, _ in self.wanted)
 
     def _hooks(self) -> Iterator[Removable]:
         wanted = self.wanted
@@ -430,11 +428,8 @@ class SiteRecorder:
                         yield block.mlp.register_forward_hook(self._on_part("mlp_out", layer))
             if any((s, layer) in wanted for s in HEAD_SITES):
                 yield self.found[layer].attention.register_observer(self._on_heads(layer))
-            if ("result", layer) in wanted:
-                site = self.mapped.sites[layer].module
-                for m in site.modules():
-                    if m is not site:
-                        yield m.register_forward_pre_hook(self._on_projection_input(layer, m))
+        if self.wiring is not None:  # the heads' writes go through each output projection
+            yield from self.wiring.hooks()
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -471,15 +466,15 @@ class SiteRecorder:
                     self.keep((site, layer), seen[site, layer])
         for layer in range(self.num_layers):
             if ("result", layer) in self.wanted and ("z", layer) in seen:
-                packed = self.real if self.packed else None
-                result = _result(seen["z", layer], self.projections[layer], packed)
-                if result is None:
+                assert self.wiring is not None
+                projection = self.wiring.wiring.layers[layer].projection
+                if projection is None:
                     absent["result"] = (
                         f"no module inside {self.found[layer].name} is fed its heads' outputs (the "
                         f"output projection is outside the attention module the map knows)"
                     )
                 else:
-                    self.keep(("result", layer), result)
+                    self.keep(("result", layer), head_writes(projection, seen["z", layer]))
         if self.explicit:
             for site, layer in sorted(self.wanted):
                 if (site, layer) not in kept and site in absent:
@@ -543,22 +538,6 @@ def _unpacked(value: Tensor, real: Tensor) -> Tensor:
     out = value.new_zeros(*real.shape, *value.shape[1:])
     out[real.to(value.device)] = value
     return out
-
-
-def _result(
-    z: Tensor, fed: list[tuple[nn.Module, Tensor]], real: Tensor | None = None
-) -> Tensor | None:
-    """(B, T, H, E): each head's output z (B, T, H, Dv) through its part of the output
-    projection, less the bias: the module inside the attention that was fed z's flattened heads,
-    read as the model reads it (:func:`head_writes`); None when no module was fed them."""
-    flat = z.flatten(2)
-    fed_as = flat if real is None else flat[real.to(flat.device)]  # a packed batch's (N, H·Dv)
-    projection = next(
-        (m for m, given in fed if given.shape == fed_as.shape and torch.equal(given, fed_as)), None
-    )
-    if projection is None:
-        return None
-    return head_writes(projection, z)
 
 
 def head_writes(projection: nn.Module, z: Tensor) -> Tensor:

@@ -191,7 +191,8 @@ class PrefixCache:
         """
         mapped = model_map(model)
         # a block whose forward is replaced on the instance (another tool's patch) may keep state
-        blocks = [b.module for b in mapped.blocks if b.reusable and "forward" not in vars(b.module)]
+        kept = [b for b in mapped.blocks if b.reusable and "forward" not in vars(b.module)]
+        blocks = [b.module for b in kept]
         if len(blocks) < 2:
             log.info(
                 "%s: full forwards for every run (the model has %s of multihead's or "
@@ -200,9 +201,7 @@ class PrefixCache:
                 "one" if blocks else "none",
             )
             return None
-        inside = [
-            [s for s in mapped.sites if any(m is s.module for m in b.modules())] for b in blocks
-        ]
+        inside = [[mapped.sites[layer] for layer in b.sites] for b in kept]
         if any(_random(b, held) for b, held in zip(blocks, inside, strict=True)):
             log.warning(
                 "%s: full forwards for every run (the model is in training mode with dropout: "
@@ -210,10 +209,8 @@ class PrefixCache:
                 caller,
             )
             return None
-        modules = [site.module for site in mapped.sites]
         holders = [
-            [i for i, b in enumerate(blocks) if any(m is module for m in b.modules())]
-            for module in modules
+            [i for i, b in enumerate(kept) if layer in b.sites] for layer in range(len(found))
         ]
         sites = [
             [site.attention for site, held in zip(found, holders, strict=True) if i in held]
