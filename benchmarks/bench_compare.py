@@ -12,7 +12,12 @@ machine hits both alike. Measures (float32, CPU unless ``--device``):
   T=1024, on ``attn_implementation="multihead"``;
 - ``intervene``: MiniLM forward of the 32 ragged texts with one head zeroed by ``intervene``;
 - ``patch``: ``patch_heads`` over every head of a random 4-layer ``LlamaForCausalLM`` (width 256,
-  8/2 heads), 2 clean/corrupt pairs of 32 tokens, metric: the last position's logit difference.
+  8/2 heads), 2 clean/corrupt pairs of 32 tokens, metric: the last position's logit difference;
+- ``patch_resid_pre``, ``patch_z``, ``attribution``, ``edge_attribution``: on the same model and
+  pairs, ``patch(site="resid_pre", per_position=True)``, ``patch(site="z")``,
+  ``attribution_patching`` and ``edge_attribution`` (slow: one warm-up call, then three);
+- ``cli_patch_smollm2``, ``cli_circuit_smollm2``: ``multihead patch`` and ``multihead circuit``
+  with ``--model smollm2`` on the IOI pair, default flags, each a whole process (one per round).
 
 Reported per measure: the median over rounds of each checkout's median time, and after ÷ before.
 
@@ -31,6 +36,8 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from common import format_table, machine_info, write_json
@@ -43,7 +50,15 @@ MEASURES = (
     "capture_hf",
     "intervene",
     "patch",
+    "patch_resid_pre",
+    "patch_z",
+    "attribution",
+    "edge_attribution",
+    "cli_patch_smollm2",
+    "cli_circuit_smollm2",
 )
+IOI = ("When Mary and John went to the store, John gave a drink to",
+       "When Mary and John went to the store, Mary gave a drink to")  # fmt: skip
 
 # The child: builds what a measure needs with whichever multihead is on the path, times it and
 # prints the median seconds. Written against the public names both checkouts have.
@@ -100,7 +115,7 @@ elif measure == "capture_hf":
     def fn():
         with multihead.capture(model, rows=[-1]):
             model(input_ids=ids, use_cache=False)
-elif measure == "patch":
+elif measure in ("patch", "patch_resid_pre", "patch_z", "attribution", "edge_attribution"):
     import multihead.hf  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -116,16 +131,27 @@ elif measure == "patch":
         return logits[:, -1, 1] - logits[:, -1, 2]
 
     def fn():
-        multihead.patch_heads(model, clean, corrupt, metric)
+        if measure == "patch":
+            multihead.patch_heads(model, clean, corrupt, metric)
+        elif measure == "patch_resid_pre":
+            multihead.patch(model, clean, corrupt, metric, site="resid_pre", per_position=True)
+        elif measure == "patch_z":
+            multihead.patch(model, clean, corrupt, metric, site="z")
+        elif measure == "attribution":
+            multihead.attribution_patching(model, clean, corrupt, metric)
+        else:
+            with torch.enable_grad():
+                multihead.edge_attribution(model, clean, corrupt, lambda out: metric(out).sum())
 else:
     raise SystemExit(f"unknown measure {measure}")
 
 times = []
+slow = measure in ("patch_resid_pre", "patch_z", "attribution", "edge_attribution")
 with torch.no_grad():
-    for _ in range(3):
+    for _ in range(1 if slow else 3):
         fn()
-    deadline = time.perf_counter() + 2.0
-    while time.perf_counter() < deadline or len(times) < 5:
+    deadline = time.perf_counter() + (0.0 if slow else 2.0)
+    while time.perf_counter() < deadline or len(times) < (3 if slow else 5):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -135,6 +161,18 @@ print(json.dumps(statistics.median(times)))
 
 def child(src: str, measure: str, threads: int) -> float:
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": str(threads)}
+    if measure.startswith("cli_"):  # a whole command, start to exit
+        command = measure.split("_")[1]
+        with tempfile.TemporaryDirectory() as out:
+            argv = [sys.executable, "-m", "multihead", command, "--model", "smollm2",
+                    "--clean", IOI[0], "--corrupt", IOI[1], "--answer", " Mary", "--wrong", " John",
+                    "--out", out]  # fmt: skip
+            start = time.perf_counter()
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+            took = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{measure} with {src} failed:\n{done.stderr[-3000:]}")
+        return took
     done = subprocess.run(
         [sys.executable, "-c", CHILD, measure, str(threads)],
         capture_output=True,
