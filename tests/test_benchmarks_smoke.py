@@ -98,6 +98,24 @@ def test_bench_edge_attribution_quick(tmp_path: Path) -> None:
     assert "report" in payload
 
 
+def test_bench_head_circuits_quick(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="bench_head_circuits.py needs transformers")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_head_circuits.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1800,  # a hang guard, never a speed budget
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "head_circuits_quick.json").read_text(encoding="utf-8"))
+    assert set(payload["seconds"]) >= {"composition_scores('k')", "copying_scores()"}
+    assert all(s > 0 for s in payload["seconds"].values())
+    assert payload["peak_tensor_bytes"] < payload["dense_pair_bytes"]
+    assert "report" in payload
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_bench_real_model_quick(tmp_path: Path) -> None:

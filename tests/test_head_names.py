@@ -239,17 +239,19 @@ def test_capture_of_heads_named_with_their_layers(lm: TransformerLM, device: tor
     pairs: Any = [(2, 3), (0, 1), (2, 0)]
     with torch.no_grad(), multihead.capture(lm, heads=pairs) as paired:
         lm(ids)
+    # a subset of heads is recomputed in smaller batches than every head: equal to float
+    # rounding (which kernel a shape gets differs between CPUs), not bit for bit
     for got in (rec, paired):
         assert got.layers == [0, 2]  # only the named layers, in layer order
         assert got.heads == [(1,), (0, 3)]  # each with its own heads
         assert got.weights[0].shape == (2, 1, 6, 6)
-        torch.testing.assert_close(got.weights[0], full[0][:, [1]], rtol=0, atol=0)
-        torch.testing.assert_close(got.weights[1], full[2][:, [0, 3]], rtol=0, atol=0)
+        torch.testing.assert_close(got.weights[0], full[0][:, [1]])
+        torch.testing.assert_close(got.weights[1], full[2][:, [0, 3]])
     # one label alone names one head
     with torch.no_grad(), multihead.capture(lm, heads="L1H2") as one:
         lm(ids)
     assert one.layers == [1] and one.heads == [(2,)]
-    torch.testing.assert_close(one.weights[0], full[1][:, [2]], rtol=0, atol=0)
+    torch.testing.assert_close(one.weights[0], full[1][:, [2]])
     # plain ints still mean those heads in every layer
     with torch.no_grad(), multihead.capture(lm, heads=[1, 2]) as plain:
         lm(ids)
@@ -346,7 +348,7 @@ def test_capture_on_a_transformers_model_takes_labels(llama: Any, device: torch.
         llama(ids)
     for got in (rec, paired):
         assert got.layers == [0, 1] and got.heads == [(1, 5), (0, 4)]
-        torch.testing.assert_close(got.weights[0], every.weights[0][:, [1, 5]], rtol=0, atol=0)
-        torch.testing.assert_close(got.weights[1], every.weights[1][:, [0, 4]], rtol=0, atol=0)
+        torch.testing.assert_close(got.weights[0], every.weights[0][:, [1, 5]])
+        torch.testing.assert_close(got.weights[1], every.weights[1][:, [0, 4]])
         torch.testing.assert_close(got.weights[0], reference[0][:, [1, 5]], rtol=0, atol=1e-5)
         torch.testing.assert_close(got.weights[1], reference[1][:, [0, 4]], rtol=0, atol=1e-5)

@@ -101,6 +101,8 @@ FLOORS: dict[str, int] = {
     "circuits.importance": 17,
     "circuits.patching": 17,
     "circuits.edges": 17,
+    #     what the weights alone say: factored QK/OV circuits, composition, copying, SVD
+    "circuits.weights": 17,
     # 18: path patching (its results are PatchResults)
     "circuits.paths": 18,
     # 19: exact decompositions: logit attribution, the logit lens, QK attribution
@@ -692,6 +694,7 @@ ALLOWED_LOOKUPS: frozenset[str] = frozenset(
         "__dataclass_fields__", "_fields", "bias", "weight", "eps", "forward", "param_groups",
         "padding", "RMSNorm", "torch_dtype", "LOCAL_RANK", "RANK", "WORLD_SIZE",
         "OMP_NUM_THREADS", "gloo", "mpi", "BLOCK_M", "BLOCK_N", "RdBu_r", "tab10", "turbo",
+        "viridis",
         # a tokenizer's and a text model's config, read by the text floor (TextModel wraps any
         # tokenizer and model: its padding, its length and the logits it keeps)
         "backend_tokenizer", "is_fast", "post_processor", "pad_token", "pad_token_id",

@@ -346,23 +346,6 @@ def test_a_score_bias_is_refused(device: torch.device) -> None:
 # -- the induction model ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def induction_model(tmp_path_factory: pytest.TempPathFactory) -> TransformerLM:
-    """The induction recipe (`multihead train --task induction`: 2 attention-only layers, width
-    128, 4 heads) for 450 steps at a constant learning rate after its warmup: the recipe's
-    phase change (steps 280-400) comes at about the same step, about 20 s of training on one
-    core (the recipe's 1,200 steps take 53 s); seed 0, deterministic."""
-    from multihead.training import TrainConfig, train
-
-    out = tmp_path_factory.mktemp("induction") / "run"
-    config = TrainConfig.for_task(
-        "induction", steps=450, warmup_steps=30, min_lr_ratio=1.0, out=str(out), plots=False,
-        threads=1, probe_every=450,
-    )  # fmt: skip
-    train(config)
-    return TransformerLM.load(out).eval()
-
-
 @pytest.mark.slow
 def test_the_induction_heads_keys_rise_by_the_previous_token_head(
     induction_model: TransformerLM, device: torch.device

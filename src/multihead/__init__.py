@@ -55,6 +55,13 @@ _LAZY: dict[str, str] = {
     "logit_lens": "multihead.circuits.decompose.logit_lens",
     "LogitLens": "multihead.circuits.decompose.logit_lens",
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",
+    "head_circuits": "multihead.circuits.weights.head_circuits",
+    "HeadCircuits": "multihead.circuits.weights.head_circuits",
+    "HeadCircuit": "multihead.circuits.weights.head_circuits",
+    "FactoredMatrix": "multihead.circuits.weights.factored_matrix",
+    "CompositionScores": "multihead.circuits.weights.composition_scores",
+    "CopyingScores": "multihead.circuits.weights.copying_scores",
+    "HeadSVD": "multihead.circuits.weights.head_svd",
     "QKAttribution": "multihead.circuits.decompose.qk_attribution",
     "explain": "multihead.explanation",  # the package re-exports it
     "TextModel": "multihead.text.model",

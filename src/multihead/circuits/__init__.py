@@ -18,7 +18,10 @@ Everything here acts through the one observer channel
   ``EdgeScores``, whose ``Circuit`` ``faithfulness`` measures (``faithfulness_curve``: a
   ``FaithfulnessCurve`` over circuit sizes);
 - ``decompose/``: exact splits of one number: ``logit_attribution`` (a ``LogitAttribution``),
-  ``logit_lens`` (a ``LogitLens``) and ``qk_attribution`` (a ``QKAttribution``).
+  ``logit_lens`` (a ``LogitLens``) and ``qk_attribution`` (a ``QKAttribution``);
+- ``weights/``: what the weights alone say, no input: ``head_circuits`` (a ``HeadCircuits``)
+  gives each head's QK and OV circuits (``HeadCircuit``, a ``FactoredMatrix``), composition
+  scores (``CompositionScores``), copying scores (``CopyingScores``) and SVDs (``HeadSVD``).
 
 Seeing heads (capture, statistics) is :mod:`multihead.observe`, floors below.
 """
@@ -49,6 +52,13 @@ _LAZY: dict[str, str] = {
     "logit_lens": "multihead.circuits.decompose.logit_lens",
     "LogitLens": "multihead.circuits.decompose.logit_lens",
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",
+    "head_circuits": "multihead.circuits.weights.head_circuits",
+    "HeadCircuits": "multihead.circuits.weights.head_circuits",
+    "HeadCircuit": "multihead.circuits.weights.head_circuits",
+    "FactoredMatrix": "multihead.circuits.weights.factored_matrix",
+    "CompositionScores": "multihead.circuits.weights.composition_scores",
+    "CopyingScores": "multihead.circuits.weights.copying_scores",
+    "HeadSVD": "multihead.circuits.weights.head_svd",
     "QKAttribution": "multihead.circuits.decompose.qk_attribution",
     "cache": "multihead.circuits.runs.activation_cache",
     "ActivationCache": "multihead.circuits.runs.activation_cache",

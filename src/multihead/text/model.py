@@ -233,12 +233,15 @@ class TextModel(nn.Module):
         self.pooling: Literal["mean", "last"] = "last" if self.causal else "mean"
 
     def build_model_map(self) -> ModelMap:
-        """The model's map (:func:`multihead.model_map`), its names under ``model.`` and no
-        call options of its own (:meth:`forward` passes the model's)."""
+        """The model's map (:func:`multihead.model_map`), its names under ``model.``, no call
+        options of its own (:meth:`forward` passes the model's) and no positions argument
+        (:meth:`forward` places its tokens itself)."""
         inner = self._inner
         sites = tuple(replace(s, name=_under("model", s.name)) for s in inner.sites)
         blocks = tuple(replace(b, name=_under("model", b.name)) for b in inner.blocks)
-        return inner.with_options(sites=sites, blocks=blocks, call_options={})
+        return inner.with_options(
+            sites=sites, blocks=blocks, call_options={}, positions_argument=None
+        )
 
     @property
     def _inner(self) -> ModelMap:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from multihead._checks import check_index, check_positive_int
 from multihead.circuits.graph import EMBED, Sender
 from multihead.circuits.runs.activation_cache import cache, stack_block
+from multihead.circuits.runs.attention_replay import replay_attention
 from multihead.circuits.runs.experiment import warn_if_random
 from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.circuits.runs.wiring import WiringRun
@@ -355,20 +356,12 @@ def _head_parts(
     """The head's queries (N', T, D) and keys (N', S, D) when the attention module is run on
     ``stacked`` (N', T, E) in place of its input ``h``, with the run's other arguments (its
     positions, its mask), ``_CHUNK`` inputs at a time."""
-    got: list[tuple[Tensor, Tensor]] = []
 
-    def observer(call: AttentionCall, out: Tensor) -> None:
-        got.append((call.q[:, head].detach(), call.k[:, kv].detach()))
+    def read(call: AttentionCall) -> tuple[Tensor, ...]:
+        return call.q[:, head], call.k[:, kv]
 
-    def swap(value: Any, chunk: Tensor) -> Any:
-        return chunk if value is h else value
-
-    with registered([attention.register_observer(observer)]):
-        for chunk in stacked.split(_CHUNK):
-            module(
-                *(swap(a, chunk) for a in args), **{n: swap(v, chunk) for n, v in kwargs.items()}
-            )
-    return torch.cat([q for q, _ in got]), torch.cat([k for _, k in got])
+    q, k = replay_attention(module, attention, (args, kwargs), h, stacked, _CHUNK, read)
+    return q, k
 
 
 def _tolerance(reference: Tensor) -> float:
