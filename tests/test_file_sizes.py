@@ -539,3 +539,25 @@ def test_cli_bad_device_or_dtype_is_one_line(
     corpus.write_text("the cat sat\n")
     err = fails(capsys, ["explain", "--corpus", str(corpus), "--model", str(bert_dir), *flags])
     assert re.search(message, err), err
+
+
+@pytest.mark.cpu_only  # the CLI and its files
+@pytest.mark.parametrize("eps", [-1.0, "1e-5", None], ids=["negative", "a string", "NaN"])
+def test_row13_a_bad_norm_epsilon_is_refused_at_load(
+    eps: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51 row 13: RMS epsilon -1 in config.json (as a GGUF file's header converts to) was
+    accepted: NaN everywhere, pictures written, then an IndexError traceback. Refused at load,
+    one line, exit 2, nothing written."""
+    pytest.importorskip("transformers", minversion="5")
+    from test_hf_explain import BY_NAME, save_family
+
+    path = save_family(BY_NAME["llama"], tmp_path / "llama")
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    config["rms_norm_eps"] = float("nan") if eps is None else eps
+    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")  # NaN as JSON writes it
+    out = tmp_path / "out"
+    capsys.readouterr()  # what saving the model printed
+    err = fails(capsys, ["explain", "--model", str(path), "--out", str(out), "the cat sat"])
+    assert "rms_norm_eps" in err and "expected a finite number >= 0" in err, err
+    assert not out.exists()

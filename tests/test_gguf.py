@@ -245,3 +245,19 @@ def test_smollm2_not_installed_names_the_commands(
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     with pytest.raises(FileNotFoundError, match=f"has no {SMOLLM2_FILE}"):
         load_text_model("smollm2")
+
+
+def test_row13_a_negative_rms_epsilon_is_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51 row 13: a GGUF file whose RMS epsilon is -1 was accepted (NaN everywhere,
+    pictures written, then an IndexError traceback). One line, exit 2, nothing written."""
+    tokenizer = byte_level_tokenizer()
+    model = qwen2_model(tokenizer.get_vocab_size())
+    model.config.rms_norm_eps = -1.0
+    path = write_gguf(tmp_path / "bad-eps.gguf", model, tokenizer)
+    out = tmp_path / "o"
+    capsys.readouterr()
+    err = fails(capsys, ["explain", "--model", str(path), "--out", str(out), "a b"])
+    assert "layer_norm_rms_epsilon is -1.0: expected a finite number >= 0" in err, err
+    assert not out.exists()

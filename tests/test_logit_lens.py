@@ -58,11 +58,14 @@ def test_each_layer_is_its_stream_through_the_final_norm(name: str, device: torc
     logits = output if isinstance(output, torch.Tensor) else output.logits
     lens = logit_lens(model, ids, top_k=None)
     assert lens.logits is not None and lens.logits.shape == (3, 2, 7, 30)
+    # a float64 model's lens is float64 (issue 51: it was rounded to float32, 2.4e-7 off)
+    assert lens.logits.dtype == torch.float64
     with torch.no_grad():
         for layer, stream in enumerate(outs):
-            torch.testing.assert_close(lens.logits[layer], head(norm(stream)).float())
+            by_hand = head(norm(stream))
+            torch.testing.assert_close(lens.logits[layer], by_hand, rtol=0, atol=1e-12)
     # the last layer is the model's own prediction
-    torch.testing.assert_close(lens.logits[-1], logits.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lens.logits[-1], logits, rtol=0, atol=1e-12)
     # each head's reading, at a token, is direct logit attribution's term for it
     dla = multihead.logit_attribution(model, ids, 5)
     for layer in range(3):

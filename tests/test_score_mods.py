@@ -10,6 +10,7 @@ so that a swapped axis fails.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -664,3 +665,40 @@ def test_bad_arguments_are_named() -> None:
         attention(q, k, v, softcap=2.0, backend="flex", need_weights=True)
     with pytest.raises(ValueError, match="backend='flex' has no dropout"):
         attention(q, k, v, softcap=2.0, backend="flex", dropout_p=0.1)
+
+
+@pytest.mark.parametrize(
+    ("returned", "shape"),
+    [(lambda s: s.expand(3), "(3,)"), (lambda s: torch.stack([s, s]), "(2,)")],
+    ids=["broadcast view", "two scores"],
+)
+def test_row7_a_score_mod_returning_another_shape_is_named(
+    returned: Callable[[Tensor], Tensor], shape: str
+) -> None:
+    """Issue 51 row 7: a score_mod returning a broadcast view (``s.expand(3)``) or more than one
+    score killed the process (an in-place softmax writing into a stride-0 view)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return returned(s)
+
+    expected = r"score_mod must return one score \(a 0-d tensor\).*a score of shape "
+    expected += re.escape(shape)
+    with pytest.raises(ValueError, match=expected):
+        attention(q, k, v, score_mod=score_mod)
+    mha = MultiHeadAttention(16, 2).eval()
+    with pytest.raises(ValueError, match=expected), torch.no_grad():
+        mha(torch.randn(1, 4, 16, generator=g), score_mod=score_mod)
+
+
+def test_row7_a_score_mod_returning_a_0d_broadcast_view_works() -> None:
+    """A view that still holds one score each (``s.expand(())``) is taken as the scores."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+
+    def doubled(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return (2 * s).expand(())
+
+    want = torch.softmax(2 * (q @ k.mT) / math.sqrt(8), -1) @ v
+    torch.testing.assert_close(attention(q, k, v, score_mod=doubled), want)

@@ -167,7 +167,20 @@ class ScoreMods:
             for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None)):
                 mapped = torch.vmap(mapped, in_dims=(0, *dims))
             mapped = torch.vmap(mapped, in_dims=(0, 0, None, None, None))
-            scores = mapped(scores, b, h, rows, keys)
+            modified = mapped(scores, b, h, rows, keys)
+            if not isinstance(modified, Tensor) or modified.shape != scores.shape:
+                got = (
+                    f"a score of shape {tuple(modified.shape[scores.dim() :])}"
+                    if isinstance(modified, Tensor)
+                    else describe(modified)
+                )
+                raise ValueError(
+                    f"score_mod must return one score (a 0-d tensor) for each score it is given, "
+                    f"as FlexAttention calls it; it returned {got}"
+                )
+            # a broadcast view (s.expand(...)) shares memory between scores: the softmax
+            # after works in place, so it gets scores of its own
+            scores = modified if modified.is_contiguous() else modified.contiguous()
         return scores
 
     def allowed(self, b: Tensor, h: Tensor, rows: Tensor, keys: Tensor) -> Tensor | None:

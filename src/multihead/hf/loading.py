@@ -25,7 +25,12 @@ from multihead._files import TensorInfo, few, read_json
 from multihead.devices import resolve_device, resolve_dtype
 from multihead.hf.forward import NAME
 from multihead.hf.sites import attention_sites
-from multihead.hf.sizes import check_sizes, read_weight_headers, shape_disagreements
+from multihead.hf.sizes import (
+    check_epsilons,
+    check_sizes,
+    read_weight_headers,
+    shape_disagreements,
+)
 
 __all__ = ["from_cache", "load_model", "quiet", "read_config", "tensor_parallel_options"]
 
@@ -210,6 +215,8 @@ def _check_files(directory: Path, given: str) -> dict[str, TensorInfo] | None:
     the headers' tensors (None without safetensors weights: transformers reads those)."""
     try:
         config = read_json(directory / "config.json")
+        if isinstance(config, dict):
+            check_epsilons(config)
         tensors = read_weight_headers(directory)
         if tensors is not None and isinstance(config, dict):
             check_sizes(config, tensors)

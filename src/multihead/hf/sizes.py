@@ -20,6 +20,7 @@ a list per layer), and named as written in the messages.
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 from multihead._checks import is_int
 from multihead._files import TensorInfo, few, layer_counts, read_header, read_json
 
-__all__ = ["read_weight_headers", "check_sizes", "shape_disagreements"]
+__all__ = ["read_weight_headers", "check_sizes", "check_epsilons", "shape_disagreements"]
 
 _LAYER_KEYS = (
     "num_hidden_layers",
@@ -69,6 +70,17 @@ _EMBEDDINGS = (
     "word_embedding",
 )
 _POSITIONS = ("wpe", "position_embeddings", "embed_positions")
+# The norms' epsilons, as families spell them: each must be a finite number >= 0 (a negative one
+# makes every norm of a near-constant row NaN).
+_EPSILON_KEYS = (
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "norm_eps",
+    "norm_epsilon",
+    "rms_norm_epsilon",
+    "layernorm_epsilon",
+)
 
 
 def read_weight_headers(directory: Path) -> dict[str, TensorInfo] | None:
@@ -190,6 +202,24 @@ def check_sizes(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) ->
         ]
     if problems:
         raise ValueError(f"config.json disagrees with the weights: {few(problems, 3, sep='; ')}")
+
+
+def check_epsilons(config: Mapping[str, Any]) -> None:
+    """``config``'s norm epsilons (as written in config.json) must be finite numbers >= 0.
+
+    Raises:
+        ValueError: the first that is not, in one line.
+    """
+    for key in _EPSILON_KEYS:
+        if key not in config or config[key] is None:
+            continue
+        value = config[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"config.json's {key} is {value!r}: expected a finite number >= 0 (a norm's "
+                f"epsilon, such as 1e-05)"
+            )
 
 
 def shape_disagreements(

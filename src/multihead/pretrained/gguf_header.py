@@ -14,6 +14,7 @@ and reads nothing of the tensors' data.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +181,14 @@ def _checked(reader: Any, path: Path, label: str, size: int) -> GGUFHeader:
             f"{label}: {str(path)!r}: {arch}.context_length {context} is absurd or disagrees "
             f"with position_embd.weight"
         )
+    for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
+        eps = _field(reader, f"{arch}.{key}")
+        number = isinstance(eps, (int, float)) and not isinstance(eps, bool)
+        if eps is not None and (not number or not math.isfinite(eps) or eps < 0):
+            raise ValueError(
+                f"{label}: {str(path)!r}: {arch}.{key} is {eps!r}: expected a finite number >= 0 "
+                f"(a norm's epsilon, such as 1e-05)"
+            )
     name = _field(reader, "general.name")
     return GGUFHeader(
         path=path,

@@ -133,7 +133,8 @@ def logit_lens(
             norm, mapped.norm_eps, x.to(dtype), y.to(dtype), "logit_lens", rounding
         )
     streams = kept.stack("resid_post")  # (L', B, P, E)
-    logits = unembedding(norm(streams) if norm is not None else streams).float()
+    logits = unembedding(norm(streams) if norm is not None else streams)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 kept
     if top_k is None:
         top_logits, top_ids = logits.sort(-1, descending=True)
     else:

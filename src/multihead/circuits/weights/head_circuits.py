@@ -308,10 +308,11 @@ class HeadCircuits:
     def _linear(self, layer: int, kinds: tuple[str, ...], caller: str) -> None:
         bad = [k for k in kinds if k in self.layers[layer].not_affine]
         if bad:
+            random = " or dropout (the model is in training mode)" if self._model.training else ""
             raise ValueError(
                 f"{caller}: layer {layer}'s {' and '.join(_NAMES[k] for k in bad)} are not a "
                 f"linear function of its input (a norm on them, as Qwen3's and OLMo-2's q/k "
-                f"norms?): they have no circuit"
+                f"norms{random}?): they have no circuit"
             )
 
     def _with_output(self, layer: int, caller: str) -> LayerWeights:
