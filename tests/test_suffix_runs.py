@@ -177,3 +177,41 @@ def test_a_q_k_v_editor_may_put_earlier_keys_before_the_call() -> None:
     torch.testing.assert_close(later, whole[:, 4:], rtol=1e-12, atol=1e-12)
     with mha.register_qkv_editor(earlier), pytest.raises(ValueError, match="returned k of shape"):
         mha(x[:, 4:], mask=torch.ones(2, 2, dtype=torch.bool))  # a mask holds the call's keys
+
+
+@pytest.mark.parametrize("hits", ["none right", "some right"])
+def test_row2_a_top1_accuracy_metric_equals_one_forward_each(hits: str) -> None:
+    """Issue 51 row 2: a top-1 accuracy metric, ``(logits[:, -1].argmax(-1) == a).float()``,
+    gave every cell 0 (the probes found no position read, so nothing ran)."""
+    lm = _lm()
+    clean, corrupt = _pair()
+    # the answer: what the last position predicts under a patch that changes a prediction
+    # (found with one forward per patch, as the reference runs them), so that some cell is not 0
+    with torch.no_grad():
+        before = lm(corrupt)[:, -1].argmax(-1)  # (2,)
+    moved = _loop(lm, clean, corrupt, lambda logits: logits[:, -1].argmax(-1).double())
+    assert float(moved.abs().max()) > 0, "no single patch moves a prediction of this model"
+    sites = multihead.model_map(lm).sites
+    keys = [(layer, h) for layer, site in enumerate(sites) for h in range(site.num_heads)]
+    layer, head, at = (int(i) for i in (moved != 0).nonzero()[0])
+    with torch.no_grad():
+        with multihead.record_heads(lm, keys) as source:
+            lm(clean)
+        with multihead.record_heads(lm, keys) as target:
+            lm(corrupt)
+        patched = target[layer, head].clone()
+        patched[:, at] = source[layer, head][:, at]
+        with multihead.intervene(lm, {(layer, head): patched}):
+            after = lm(corrupt)[:, -1].argmax(-1)
+    answer = torch.where(after != before, after, (before + 1) % 30)  # no row right unpatched
+    if hits == "some right":  # a row the corrupt run predicts right already
+        row = int((after == before).nonzero()[0]) if bool((after == before).any()) else 0
+        answer[row] = before[row]
+
+    def accuracy(logits: Tensor) -> Tensor:
+        return (logits[:, -1].argmax(-1) == answer).float()
+
+    got = multihead.patch_heads(lm, clean, corrupt, accuracy, per_position=True).values
+    want = _loop(lm, clean, corrupt, accuracy)
+    assert float(want.abs().max()) > 0
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=0)

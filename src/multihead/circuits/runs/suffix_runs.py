@@ -19,10 +19,12 @@ every position it reads, what a whole patched run gives. A patch that can reach 
 (a position after the last one read) changes nothing and runs nothing.
 
 Which positions a metric reads is found once, on the unpatched logits: a set of positions is
-unread when setting it to NaN, and to other numbers, leaves the metric's value the same bit for
-bit; the sets are halved until each read position stands alone. So the metric is called a few
-more times, and which positions it reads must not depend on the logits' values (a metric of
-the last position, or of an answer's positions, does not).
+unread when setting it to NaN, to other numbers, and turning each of its rows round (an argmax
+moves) leaves the metric's value the same bit for bit; the sets are halved until each read
+position stands alone. A metric that none of these moves at all positions at once (a top-1
+accuracy that is 0 on every row) is taken to read every position. So the metric is called a
+few more times, and which positions it reads must not depend on the logits' values (a metric
+of the last position, or of an answer's positions, does not).
 
 :meth:`SuffixRuns.build` checks once that such runs, unpatched, give the whole run's logits at
 the positions read (to the dtype's rounding: they multiply fewer rows at a time); when they do
@@ -181,8 +183,6 @@ class SuffixRuns:
         """Why runs from a later position do not reproduce the unpatched run (the first and
         the last layer patched, from the middle position), or None when they do."""
         t = self.logits.shape[1]
-        if self.read is not None and not self.read:
-            return None  # the metric reads no position: no run is ever made
         # the middle position, or the last one read if earlier: a run that reads something
         start = min(t // 2, max(self.read if self.read is not None else [t - 1]))
         read = self._kept(start)
@@ -372,18 +372,21 @@ class SuffixRuns:
 
 def _read_positions(metric: Metric, logits: Tensor) -> list[int] | None:
     """The positions of ``logits`` (B, T, V) that ``metric`` reads, ascending (module
-    docstring); None when the metric's value is not reproducible (then every position)."""
+    docstring); None when the metric's value is not reproducible, or no fill of every position
+    changes it (then every position)."""
     want = metric(logits)
     if not isinstance(want, Tensor) or not torch.equal(want, metric(logits)):
         return None
 
     def unread(positions: list[int]) -> bool:
-        for fill in ("nan", "other"):
+        for fill in ("nan", "other", "reversed"):
             changed = logits.clone()
             if fill == "nan":
                 changed[:, positions] = float("nan")
-            else:
+            elif fill == "other":
                 changed[:, positions] = 1.0 - changed[:, positions]
+            else:  # every row's order turned round: a metric of the argmax sees it
+                changed[:, positions] = changed[:, positions].flip(-1)
             try:
                 got = metric(changed)
             except Exception:  # e.g. a metric that checks its input is finite: it reads it
@@ -404,4 +407,6 @@ def _read_positions(metric: Metric, logits: Tensor) -> list[int] | None:
             continue
         half = len(group) // 2
         pending += [group[:half], group[half:]]
-    return sorted(read)
+    # a metric whose value no change of the logits moves (a top-1 accuracy that is 0 on every
+    # row, as it stays under every fill) reads positions that cannot be told: every one
+    return sorted(read) if read else None
