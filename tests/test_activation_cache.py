@@ -274,3 +274,45 @@ def test_row18_a_pattern_only_cache_keeps_its_positions(device: torch.device) ->
     assert kept.positions == [5, 2]
     whole = cache(lm, ids, names=[("pattern", 0)])
     torch.testing.assert_close(kept["pattern", 0], whole["pattern", 0][:, :, [5, 2]])
+
+
+def _parallel_family(name: str) -> Any:
+    transformers = pytest.importorskip("transformers", minversion="5")
+    t = transformers
+    if name == "gptj":
+        config: Any = t.GPTJConfig(vocab_size=50, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                   n_positions=32)  # fmt: skip
+        return t.GPTJForCausalLM(config).eval()
+    if name == "phi":
+        config = t.PhiConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, intermediate_size=40)  # fmt: skip
+        return t.PhiForCausalLM(config).eval()
+    config = t.GPTNeoXConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, intermediate_size=40,
+                             use_parallel_residual=name == "gpt_neox parallel")  # fmt: skip
+    return t.GPTNeoXForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", ["gptj", "phi", "gpt_neox parallel"])
+def test_row6_a_parallel_block_has_no_resid_mid(name: str) -> None:
+    """Issue 51 row 6: on parallel blocks (GPT-J, Phi, GPT-NeoX with use_parallel_residual)
+    ``resid_mid`` was offered as what the feed-forward network reads, which it is not: refused
+    by name, in the cache and in patch."""
+    model = _parallel_family(name)
+    g = torch.Generator().manual_seed(0)
+    clean, corrupt = torch.randint(50, (2, 6), generator=g), torch.randint(50, (2, 6), generator=g)
+    with pytest.raises(ValueError, match=r"resid_mid of layer 0: .* side by side \(a parallel"):
+        multihead.cache(model, clean, names=["resid_mid"])
+    with pytest.raises(ValueError, match="a parallel block"):
+        multihead.patch(model, clean, corrupt, lambda logits: logits[:, -1, 3], site="resid_mid")
+    kept = multihead.cache(model, clean, names=["resid_pre", "attn_out", "mlp_out"])
+    assert ("attn_out", 1) in kept  # the sum's other parts stay
+
+
+def test_row6_a_sequential_block_keeps_resid_mid() -> None:
+    model = _parallel_family("gpt_neox sequential")
+    ids = torch.randint(50, (2, 6), generator=torch.Generator().manual_seed(1))
+    kept = multihead.cache(model, ids, names=["resid_pre", "attn_out", "resid_mid"])
+    for layer in range(2):
+        want = kept["resid_pre", layer] + kept["attn_out", layer]
+        torch.testing.assert_close(kept["resid_mid", layer], want)

@@ -19,7 +19,9 @@ and k are what the kernel reads, after rotary positions, TransformerLens's ``hoo
 ``hook_rot_k`` (accepted as names too), where its ``hook_q`` and ``hook_k`` are before.
 ``attn_out``, ``resid_mid`` and ``mlp_out`` exist where the block is a sum, ``resid_post =
 resid_pre + attn_out + mlp_out`` (pre-LN blocks; checked on the run); a post-LN block (BERT) has
-no such decomposition and a lookup says so.
+no such decomposition and a lookup says so, and a parallel block (GPT-J, GPT-NeoX with
+``use_parallel_residual``, Phi: its feed-forward network reads resid_pre, found on the run) has
+no ``resid_mid``.
 
 One forward (:class:`SiteRecorder` records it: any run can be recorded), with forward hooks on the
 map's blocks, attention and feed-forward modules (:func:`multihead.model_map`) and observers on the
@@ -365,6 +367,11 @@ class SiteRecorder:
         self.wiring = WiringRun(mapped, real=packed_real) if self._wants_result() else None
         self.pattern_layers = sorted({layer for s, layer in wanted if s == "pattern"})
         self.patterns: list[Any] = []
+        # per layer whose resid_mid is named: the block's stream argument, what its feed-forward
+        # network was given, and each norm's (input, output) — the tensors themselves, to tell
+        # a parallel block (its feed-forward reads resid_pre) by identity
+        self.mid_layers = {layer for s, layer in wanted if s == "resid_mid"}
+        self.fed: dict[int, dict[str, Any]] = {layer: {"norms": []} for layer in self.mid_layers}
 
     def keep(self, key: SiteKey, value: Tensor, axis: int = 1) -> None:
         if not self.where:
@@ -381,6 +388,8 @@ class SiteRecorder:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             x = self.mapped.stream_of(args, kwargs)
             y = output_tensor(out)
+            if layer in self.fed:
+                self.fed[layer]["block"] = x
             for site, value in (("resid_pre", x), ("resid_post", y)):
                 if (site, layer) in self.wanted:
                     self.keep((site, layer), value)
@@ -410,6 +419,28 @@ class SiteRecorder:
 
         return observer
 
+    def _on_mlp_input(self, layer: int) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.fed[layer].setdefault("mlp", self.mapped.stream_of(args, kwargs))
+
+        return hook
+
+    def _on_norm(self, layer: int) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if args:
+                self.fed[layer]["norms"].append((args[0], out))
+
+        return hook
+
+    def _parallel(self, layer: int) -> bool:
+        """Whether block ``layer``'s feed-forward network read the block's own input (itself, or
+        through a norm of it), not the stream after the attention: a parallel block."""
+        fed = self.fed.get(layer, {})
+        x, u = fed.get("block"), fed.get("mlp")
+        if x is None or u is None:
+            return False
+        return u is x or any(given is x and made is u for given, made in fed["norms"])
+
     def _wants_result(self) -> bool:
         return any(s == "result" for s, _ in self.wanted)
 
@@ -426,6 +457,12 @@ class SiteRecorder:
                         )
                     if block.mlp is not None:
                         yield block.mlp.register_forward_hook(self._on_part("mlp_out", layer))
+                if layer in self.mid_layers and block.mlp is not None:
+                    yield block.mlp.register_forward_pre_hook(
+                        self._on_mlp_input(layer), with_kwargs=True
+                    )
+                    for norm, _ in block.norms:
+                        yield norm.register_forward_hook(self._on_norm(layer))
             if any((s, layer) in wanted for s in HEAD_SITES):
                 yield self.found[layer].attention.register_observer(self._on_heads(layer))
         if self.wiring is not None:  # the heads' writes go through each output projection
@@ -461,6 +498,13 @@ class SiteRecorder:
         for layer in sorted(self.needs_sum):
             block = self.blocks[layer]
             _sums(mapped, layer, block is not None and block.mlp is not None, seen, absent)
+            if self._parallel(layer) and seen.pop(("resid_mid", layer), None) is not None:
+                absent.setdefault(
+                    "resid_mid",
+                    f"{mapped.family}'s block {layer} runs its attention and feed-forward network "
+                    f"side by side (a parallel block): the feed-forward network reads resid_pre, "
+                    f"and resid_pre + attn_out is read by nothing",
+                )
             for site in _SUM_SITES:
                 if (site, layer) in self.wanted and (site, layer) in seen:
                     self.keep((site, layer), seen[site, layer])
@@ -475,6 +519,7 @@ class SiteRecorder:
                     )
                 else:
                     self.keep(("result", layer), head_writes(projection, seen["z", layer]))
+        self.fed.clear()  # the run's tensors were held for the identity check alone
         if self.explicit:
             for site, layer in sorted(self.wanted):
                 if (site, layer) not in kept and site in absent:
