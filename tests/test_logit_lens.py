@@ -103,3 +103,26 @@ def test_errors() -> None:
         logit_lens(lm, ids, layers=1).head_logits(0)
     with pytest.raises(ValueError, match="logit_lens needs a model with an unembedding"):
         logit_lens(multihead.MultiHeadAttention(24, 4), torch.randn(2, 5, 24))
+
+
+def test_row5_a_scaled_models_lens_and_attribution_are_its_logits() -> None:
+    """Issue 51 row 5: on Granite (``logits_scaling`` 8) the lens's last layer and logit
+    attribution's "the model's own logit" were 8x the model's logits, no warning."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    shape = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=40)  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.GraniteConfig(**shape, logits_scaling=8.0)
+    model = transformers.GraniteForCausalLM(config).double().eval()
+    ids = torch.randint(50, (2, 6))
+    with torch.no_grad():
+        logits = model(ids).logits  # (B, T, V)
+    lens = logit_lens(model, ids, top_k=None)
+    assert lens.logits is not None
+    torch.testing.assert_close(lens.logits[-1], logits, rtol=0, atol=1e-10)
+    dla = multihead.logit_attribution(model, ids, 3, wrong=5)
+    want = (logits[..., 3] - logits[..., 5]).mean(0)  # (T,) the mean over the batch
+    torch.testing.assert_close(dla.logit, want, rtol=0, atol=1e-10)
+    parts = dla.heads.nan_to_num().sum((0, 1)) + dla.attention_bias.sum(0) + dla.mlp.sum(0)
+    total = parts + dla.embeddings + dla.norm_bias + dla.unembedding_bias
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=1e-9)  # the terms add up to it

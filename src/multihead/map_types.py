@@ -160,6 +160,8 @@ class ModelMap:
         final_norm: the norm before the unembedding, or None (post-LN models, encoders).
         norm_eps: the final norm's epsilon, or None when not known.
         unembedding: the linear map from the residual stream to the vocabulary, or None.
+        logit_scale: the factor the model multiplies the unembedding's output by to make its
+            logits (Granite divides by ``logits_scaling``); 1.0 for most.
         base: the module whose output's ``last_hidden_state`` is the residual stream at the
             end (the model itself, a task head's base model, an encoder-decoder's encoder).
         width: E, the width of the residual stream (None when not known).
@@ -186,6 +188,7 @@ class ModelMap:
     final_norm: nn.Module | None = None
     norm_eps: float | None = None
     unembedding: nn.Linear | None = None
+    logit_scale: float = 1.0
     base: nn.Module | None = None
     width: int | None = None
     causal: bool | None = None

@@ -319,6 +319,7 @@ def transformers_map(model: nn.Module) -> ModelMap:
         final_norm=_final_norm(_stream_end(root, base)),
         norm_eps=_norm_eps(_final_norm(_stream_end(root, base))),
         unembedding=_unembedding(root),
+        logit_scale=_logit_scale(config),
         base=base,
         width=_first(config, _WIDTH_CONFIG) or _embedding_width(root),
         causal=causal,
@@ -329,6 +330,15 @@ def transformers_map(model: nn.Module) -> ModelMap:
         positions_argument="position_ids" if causal and _takes(model, "position_ids") else None,
         stream_keyword="hidden_states",  # transformers' layers and norms take it by this name
     )
+
+
+def _logit_scale(config: Any) -> float:
+    """The factor a family's forward multiplies its unembedding's output by: Granite divides
+    by ``logits_scaling``; else 1."""
+    divided = getattr(config, "logits_scaling", None)
+    if isinstance(divided, (int, float)) and not isinstance(divided, bool) and divided:
+        return 1.0 / float(divided)
+    return 1.0
 
 
 def _window(module: nn.Module, config: Any) -> int | None:

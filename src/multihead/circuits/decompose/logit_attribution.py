@@ -286,12 +286,15 @@ def logit_attribution(
     weight, vocab_bias = unembedding.weight, unembedding.bias
     vocab = weight.shape[0]
 
+    scale = mapped.logit_scale  # the model's logits are the unembedding's output times it
+
     def looked_up(ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The unembedding's rows (B, T, E) and bias (B, T) (None without one) for ids (B, T)."""
-        rows = _rows(weight, ids).to(dtype)
+        """The unembedding's rows (B, T, E) and bias (B, T) (None without one) for ids (B, T),
+        times the model's logit scale."""
+        rows = _rows(weight, ids).to(dtype) * scale
         if vocab_bias is None:
             return rows, None
-        return rows, _rows(vocab_bias[:, None], ids)[..., 0].to(dtype)
+        return rows, _rows(vocab_bias[:, None], ids)[..., 0].to(dtype) * scale
 
     at = None if position is None else check_index("position", position, t, "positions")
     if at is not None:  # one id per example, (B,), is that position's: (B, 1)
@@ -312,12 +315,12 @@ def logit_attribution(
 
     answer_ids = _tokens("answer", answer, b, t, vocab, x.device)
     direction, unembedding_bias = looked_up(answer_ids)  # (B, T, E), (B, T)
-    logit = logits[-1].to(dtype).gather(-1, answer_ids[..., None])[..., 0]  # (B, T)
+    logit = logits[-1].to(dtype).gather(-1, answer_ids[..., None])[..., 0] * scale  # (B, T)
     if wrong is not None:
         wrong_ids = _tokens("wrong", wrong, b, t, vocab, x.device)
         wrong_rows, wrong_bias = looked_up(wrong_ids)
         direction = direction - wrong_rows
-        logit = logit - logits[-1].to(dtype).gather(-1, wrong_ids[..., None])[..., 0]
+        logit = logit - logits[-1].to(dtype).gather(-1, wrong_ids[..., None])[..., 0] * scale
         if unembedding_bias is not None and wrong_bias is not None:
             unembedding_bias = unembedding_bias - wrong_bias
 

@@ -5,7 +5,8 @@ norm and unembedding, as if the remaining layers added nothing::
 
     lens_l = unembedding(final_norm(resid_post_l))        (B, P, V)
 
-so the last layer's is the model's logits, and the layers before show when the prediction forms.
+times the factor a family multiplies its logits by (Granite's 1 / ``logits_scaling``), so the
+last layer's is the model's logits, and the layers before show when the prediction forms.
 Each head's write is read the same way, through the final norm frozen at this run (the split of
 :mod:`~multihead.circuits.runs.frozen_norm`, as direct logit attribution reads it)::
 
@@ -46,7 +47,8 @@ class LogitLens:
         results: (L', B, P, H, E) each head's write into the stream (its output through its
             slice of the output projection, no bias).
         norm: the final norm frozen at this run's last stream (None: the model has none).
-        unembedding: the (V, E) unembedding weight.
+        unembedding: the (V, E) unembedding weight, times the model's logit scale (Granite's
+            1 / ``logits_scaling``; :attr:`~multihead.map_types.ModelMap.logit_scale`).
     """
 
     layers: list[int]
@@ -135,6 +137,8 @@ def logit_lens(
     streams = kept.stack("resid_post")  # (L', B, P, E)
     logits = unembedding(norm(streams) if norm is not None else streams)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 kept
+    if mapped.logit_scale != 1.0:  # the model's own logits (Granite's, Cohere's scaled ones)
+        logits = logits * mapped.logit_scale
     if top_k is None:
         top_logits, top_ids = logits.sort(-1, descending=True)
     else:
@@ -148,5 +152,5 @@ def logit_lens(
         top_ids=top_ids,
         results=kept.stack("result"),
         norm=frozen,
-        unembedding=unembedding.weight.detach(),
+        unembedding=unembedding.weight.detach() * mapped.logit_scale,
     )
