@@ -316,3 +316,31 @@ def test_row6_a_sequential_block_keeps_resid_mid() -> None:
     for layer in range(2):
         want = kept["resid_pre", layer] + kept["attn_out", layer]
         torch.testing.assert_close(kept["resid_mid", layer], want)
+
+
+def test_transformer_lens_hook_q_on_a_rotary_model_is_refused_by_name() -> None:
+    """Issue 51: ``"blocks.l.attn.hook_q"`` / ``hook_k`` on a rotary model returned the rotated
+    q/k (TransformerLens's hook_rot_q, 19.8 off its hook_q on a test Llama), silently; now
+    refused, naming hook_rot_q. On a model without rotary the names are multihead's q and k."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    shape = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=40)  # fmt: skip
+    ids = torch.randint(50, (2, 6), generator=torch.Generator().manual_seed(0))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**shape, num_key_value_heads=2)
+    ).eval()
+    kept = multihead.cache(llama, ids)
+    assert kept.rotary == {0, 1}
+    with pytest.raises(
+        KeyError, match=r"before the turn.*'blocks.1.attn.hook_rot_q' or \('q', 1\)"
+    ):
+        kept["blocks.1.attn.hook_q"]
+    assert kept["blocks.1.attn.hook_rot_q"] is kept["q", 1]
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.hook_k': layer 0 turns its queries"):
+        multihead.cache(llama, ids, names=["blocks.0.attn.hook_k"])
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4)
+    ).eval()
+    plain = multihead.cache(gpt2, ids, names=["blocks.0.attn.hook_q"])
+    assert plain.rotary == frozenset()
+    assert plain["blocks.0.attn.hook_q"] is plain["q", 0]

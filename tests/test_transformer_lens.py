@@ -9,7 +9,8 @@ bridge is an outside reference, not the code under test.
 
 One difference of naming: on a rotary model TransformerLens's ``hook_q`` / ``hook_k`` are the
 projections before rotary (``hook_rot_q`` / ``hook_rot_k`` after), while multihead's ``q`` and
-``k`` are what the attention kernel reads, after rotary.
+``k`` are what the attention kernel reads, after rotary: there multihead refuses the names
+before the turn.
 
 Then activation patching (``multihead.patch`` against ``transformer_lens.patching``'s
 ``get_act_patch_*``) and direct logit attribution per example (``multihead.logit_attribution``
@@ -111,7 +112,12 @@ def test_cache_equals_transformer_lens_run_with_cache(family: str) -> None:
             reference = name
             if rotary and site in ("q", "k"):
                 reference = name.replace("hook_", "hook_rot_")  # after rotary, as multihead's
-            got, expected = ours[name], theirs[reference]
+            got, expected = ours[site, layer], theirs[reference]
+            if rotary and site in ("q", "k"):  # TransformerLens's name before the turn: refused
+                with pytest.raises(KeyError, match="before the turn"):
+                    ours[name]
+            else:
+                assert ours[name] is got
             assert got.shape == expected.shape, name
             torch.testing.assert_close(got, expected, rtol=0, atol=ATOL, msg=name)
         assert ours["pattern", layer].shape == theirs[hook_name("pattern", layer)].shape

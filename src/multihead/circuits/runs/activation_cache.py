@@ -16,7 +16,9 @@ Sites, per layer l (the l-th attention site, the block holding it):
 The names, and the keys ``"blocks.{l}.hook_resid_pre"``, ``"blocks.{l}.attn.hook_z"`` and so on,
 are TransformerLens's (``run_with_cache``), with one difference on rotary models: multihead's q
 and k are what the kernel reads, after rotary positions, TransformerLens's ``hook_rot_q`` and
-``hook_rot_k`` (accepted as names too), where its ``hook_q`` and ``hook_k`` are before.
+``hook_rot_k`` (accepted as names too), where its ``hook_q`` and ``hook_k`` are before: on a
+layer that turns them (found on the run: :class:`~multihead.circuits.runs.rotary_check.
+RotaryCheck`) those two names are refused, naming the ones to use.
 ``attn_out``, ``resid_mid`` and ``mlp_out`` exist where the block is a sum, ``resid_post =
 resid_pre + attn_out + mlp_out`` (pre-LN blocks; checked on the run); a post-LN block (BERT) has
 no such decomposition and a lookup says so, and a parallel block (GPT-J, GPT-NeoX with
@@ -41,6 +43,7 @@ from torch import Tensor, nn
 
 from multihead._checks import describe, is_int
 from multihead.circuits.runs.input_pair import model_inputs, run_model
+from multihead.circuits.runs.rotary_check import RotaryCheck
 from multihead.circuits.runs.wiring import WiringRun
 from multihead.map_types import Block, ModelMap, output_tensor
 from multihead.mapping import model_heads, model_map
@@ -85,6 +88,23 @@ def _from_hook_name(name: str) -> SiteKey | None:
     return (site, int(match[1])) if site in SITES else None
 
 
+def _before_rotary(name: object) -> bool:
+    """Whether ``name`` is TransformerLens's ``hook_q`` or ``hook_k``: on a rotary model the
+    queries or keys before the rotation, which multihead does not keep."""
+    match = _TL_NAME.fullmatch(name) if isinstance(name, str) else None
+    return match is not None and match[2] in ("q", "k")
+
+
+def _rotary_refusal(name: str, layer: int) -> str:
+    after = name.replace(".hook_q", ".hook_rot_q").replace(".hook_k", ".hook_rot_k")
+    site = "q" if name.endswith("hook_q") else "k"
+    return (
+        f"{name!r}: layer {layer} turns its queries and keys by position (rotary), and "
+        f"TransformerLens's {name.rsplit('.', 1)[-1]} is before the turn, which multihead does "
+        f"not keep; multihead's {site} is after it: {after!r} or ({site!r}, {layer})"
+    )
+
+
 def stack_block(mapped: ModelMap, layer: int, what: str) -> Block:
     """The block holding attention layer ``layer`` alone, or a ValueError naming ``what`` needs
     it (the residual sites are a stack's: one attention layer per block)."""
@@ -111,6 +131,9 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
         positions: the token positions kept (T above is their count), or None for all.
         num_layers: L, the model's attention layers.
         absent: site -> why the model has no such site (e.g. ``attn_out`` of a post-LN block).
+        rotary: the layers whose queries and keys turn by position: there TransformerLens's
+            ``hook_q`` / ``hook_k`` (before the turn) are refused, ``hook_rot_q`` / ``hook_rot_k``
+            are ``q`` / ``k``.
     """
 
     def __init__(
@@ -120,11 +143,13 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
         positions: list[int] | None,
         num_layers: int,
         absent: dict[str, str],
+        rotary: frozenset[int] = frozenset(),
     ) -> None:
         self._values = values
         self.positions = positions
         self.num_layers = num_layers
         self.absent = absent
+        self.rotary = rotary
 
     def _key(self, key: object) -> SiteKey:
         if isinstance(key, str):
@@ -134,6 +159,8 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
                     f"cache keys are (site, layer) pairs or TransformerLens hook names such as "
                     f"'blocks.0.hook_resid_pre', got {key!r}"
                 )
+            if _before_rotary(key) and named[1] % max(1, self.num_layers) in self.rotary:
+                raise KeyError(_rotary_refusal(key, named[1] % self.num_layers))
             key = named
         if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and is_int(key[1]):
             site, layer = key[0], int(key[1])
@@ -371,6 +398,16 @@ class SiteRecorder:
         # network was given, and each norm's (input, output) — the tensors themselves, to tell
         # a parallel block (its feed-forward reads resid_pre) by identity
         self.mid_layers = {layer for s, layer in wanted if s == "resid_mid"}
+        # TransformerLens's names before rotary, asked for by name: refused on rotary layers
+        items = [names] if isinstance(names, str) else names
+        self.before_rotary: list[tuple[str, int]] = [
+            (item, key[1] % num_layers)
+            for item in (items if isinstance(items, Sequence) else ())
+            if isinstance(item, str)
+            and _before_rotary(item)
+            and (key := _from_hook_name(item)) is not None
+        ]
+        self.rotary_check = RotaryCheck(mapped, {layer for s, layer in wanted if s in ("q", "k")})
         self.fed: dict[int, dict[str, Any]] = {layer: {"norms": []} for layer in self.mid_layers}
 
     def keep(self, key: SiteKey, value: Tensor, axis: int = 1) -> None:
@@ -467,6 +504,7 @@ class SiteRecorder:
                 yield self.found[layer].attention.register_observer(self._on_heads(layer))
         if self.wiring is not None:  # the heads' writes go through each output projection
             yield from self.wiring.hooks()
+        yield from self.rotary_check.hooks()
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -520,6 +558,10 @@ class SiteRecorder:
                 else:
                     self.keep(("result", layer), head_writes(projection, seen["z", layer]))
         self.fed.clear()  # the run's tensors were held for the identity check alone
+        rotary = self.rotary_check.rotary()
+        for name, layer in self.before_rotary:
+            if layer in rotary:
+                raise ValueError(_rotary_refusal(name, layer))
         if self.explicit:
             for site, layer in sorted(self.wanted):
                 if (site, layer) not in kept and site in absent:
@@ -529,6 +571,7 @@ class SiteRecorder:
             positions=self.where[0] if self.where else None,
             num_layers=self.num_layers,
             absent=absent,
+            rotary=rotary,
         )
 
 

@@ -32,12 +32,13 @@ def replay_attention(
     inputs: Tensor,
     rows: int,
     read: Callable[[AttentionCall], tuple[Tensor, ...]],
+    length: int | None = None,
 ) -> list[Tensor]:
     """What ``read`` takes of each call the observer channel ``attention`` sees when
     ``module`` runs on ``inputs`` (N, T, E), or (N, 1, E) for one vector at every position,
     ``rows`` at a time, in place of ``given`` (the input of the recorded ``call``: its args and
     kwargs), joined along the batch: one tensor per item ``read`` returns, each (N, ...). No
-    gradient."""
+    gradient. ``length``: the positions to expand (N, 1, E) inputs to, default ``given``'s."""
     args, kwargs = call
     got: list[tuple[Tensor, ...]] = []
 
@@ -49,7 +50,7 @@ def replay_attention(
 
     with registered([attention.register_observer(observer)]), torch.no_grad():
         for part in inputs.split(rows):
-            chunk = part.expand(-1, given.shape[1], -1).contiguous()
+            chunk = part.expand(-1, length or given.shape[1], -1).contiguous()
             swapped = {key: swap(value, chunk) for key, value in kwargs.items()}
             module(*(swap(a, chunk) for a in args), **swapped)
     return [torch.cat([g[i] for g in got]) for i in range(len(got[0]))] if got else []
