@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
@@ -329,6 +330,16 @@ def cache(
     return recorder.result()
 
 
+@dataclass
+class _Fed:
+    """One block's tensors in a run, for telling a parallel block by identity: its stream
+    argument, what its feed-forward network was given, each norm's (input, output)."""
+
+    block: Any = None
+    mlp: Any = None
+    norms: list[tuple[Any, Any]] = field(default_factory=list)
+
+
 class SiteRecorder:
     """What :func:`cache` keeps, recorded around one run of the model (any run: the
     experiment's recorded runs are :func:`cache`'s too).
@@ -408,7 +419,7 @@ class SiteRecorder:
             and (key := _from_hook_name(item)) is not None
         ]
         self.rotary_check = RotaryCheck(mapped, {layer for s, layer in wanted if s in ("q", "k")})
-        self.fed: dict[int, dict[str, Any]] = {layer: {"norms": []} for layer in self.mid_layers}
+        self.fed: dict[int, _Fed] = {layer: _Fed() for layer in self.mid_layers}
 
     def keep(self, key: SiteKey, value: Tensor, axis: int = 1) -> None:
         if not self.where:
@@ -426,7 +437,7 @@ class SiteRecorder:
             x = self.mapped.stream_of(args, kwargs)
             y = output_tensor(out)
             if layer in self.fed:
-                self.fed[layer]["block"] = x
+                self.fed[layer].block = x
             for site, value in (("resid_pre", x), ("resid_post", y)):
                 if (site, layer) in self.wanted:
                     self.keep((site, layer), value)
@@ -458,25 +469,29 @@ class SiteRecorder:
 
     def _on_mlp_input(self, layer: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.fed[layer].setdefault("mlp", self.mapped.stream_of(args, kwargs))
+            fed = self.fed[layer]
+            if fed.mlp is None:
+                fed.mlp = self.mapped.stream_of(args, kwargs)
 
         return hook
 
     def _on_norm(self, layer: int) -> Callable[..., None]:
         def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             if args:
-                self.fed[layer]["norms"].append((args[0], out))
+                self.fed[layer].norms.append((args[0], out))
 
         return hook
 
     def _parallel(self, layer: int) -> bool:
         """Whether block ``layer``'s feed-forward network read the block's own input (itself, or
         through a norm of it), not the stream after the attention: a parallel block."""
-        fed = self.fed.get(layer, {})
-        x, u = fed.get("block"), fed.get("mlp")
+        fed = self.fed.get(layer)
+        if fed is None:
+            return False
+        x, u = fed.block, fed.mlp
         if x is None or u is None:
             return False
-        return u is x or any(given is x and made is u for given, made in fed["norms"])
+        return u is x or any(given is x and made is u for given, made in fed.norms)
 
     def _wants_result(self) -> bool:
         return any(s == "result" for s, _ in self.wanted)
