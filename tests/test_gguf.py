@@ -261,3 +261,56 @@ def test_row13_a_negative_rms_epsilon_is_refused_at_load(
     err = fails(capsys, ["explain", "--model", str(path), "--out", str(out), "a b"])
     assert "layer_norm_rms_epsilon is -1.0: expected a finite number >= 0" in err, err
     assert not out.exists()
+
+
+def _header(entries: list[bytes], count: int | None = None) -> bytes:
+    """A GGUF v3 header with no tensors and ``entries`` (each a key/value entry's bytes)."""
+    n = len(entries) if count is None else count
+    return (
+        b"GGUF"
+        + (3).to_bytes(4, "little")
+        + (0).to_bytes(8, "little")
+        + (n.to_bytes(8, "little") + b"".join(entries))
+    )
+
+
+def _entry(key: str, kind: int, value: bytes) -> bytes:
+    raw = key.encode()
+    return len(raw).to_bytes(8, "little") + raw + kind.to_bytes(4, "little") + value
+
+
+@pytest.mark.parametrize("case", ["bytes array", "string array", "entries"])
+def test_row11_a_huge_metadata_count_is_refused_before_the_reader(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51 row 11: a 1.6 MB file declaring a 1.5-million-element metadata array cost the
+    reader 20 s and +1 GB before any check. Refused in one line, the reader never called."""
+    import gguf
+
+    def no_reader(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the reader was reached")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    count = 1_500_000
+    if case == "bytes array":  # u8 elements, all present: 1.5 MB
+        value = (0).to_bytes(4, "little") + count.to_bytes(8, "little") + bytes(count)
+        data, expected = _header([_entry("general.junk", 9, value)]), "an array of 1,500,000"
+    elif case == "string array":  # declared, a few present
+        value = (8).to_bytes(4, "little") + count.to_bytes(8, "little") + bytes(64)
+        data, expected = _header([_entry("tokenizer.ggml.tokens", 9, value)]), "1,500,000 elements"
+    else:
+        data, expected = _header([], count=count), "1,500,000 metadata entries"
+    path = tmp_path / "huge.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=f"corrupt GGUF header: .*{expected}"):
+        read_gguf_header(path)
+    err = fails(capsys, ["explain", "--model", str(path), "--out", str(tmp_path / "o"), "a b"])
+    assert expected in err and not (tmp_path / "o").exists()
+
+
+def test_row11_a_value_past_the_end_is_refused(tmp_path: Path) -> None:
+    value = (12).to_bytes(4, "little") + (1000).to_bytes(8, "little") + bytes(80)  # 8000 bytes due
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(_header([_entry("general.junk", 9, value)]))
+    with pytest.raises(ValueError, match="a value runs past the end of the file"):
+        read_gguf_header(path)

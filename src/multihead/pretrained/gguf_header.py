@@ -29,6 +29,15 @@ _MAGIC = b"GGUF"
 # Beyond any model's context: a bigger context_length is a corrupt header, not a model.
 _MAX_CONTEXT = 1 << 24
 _LAYER = re.compile(r"blk\.(\d+)\.")
+# The metadata's bounds, checked before the reader parses it (it builds numpy views of every
+# value: a 1.6 MB file declaring a 1.5-million-element array cost it 20 s and 1 GB): the most
+# entries, array elements (a tokenizer's 262,144 tokens fit) and bytes of one string.
+_MAX_ENTRIES = 65_536
+_MAX_ELEMENTS = 1 << 20
+_MAX_STRING = 1 << 24
+# GGUF's value types: fixed sizes in bytes; 8 is a string, 9 an array
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ def read_gguf_header(path: str | Path, given: str | None = None) -> GGUFHeader:
             f"{label}: reading a GGUF file needs the 'gguf' package: {GGUF_EXTRA}"
         ) from e
     size = path.stat().st_size
+    _check_metadata(path, label, size)
     try:
         reader = gguf.GGUFReader(path)
     except MemoryError:
@@ -105,6 +115,71 @@ def read_gguf_header(path: str | Path, given: str | None = None) -> GGUFHeader:
             f"{type(e).__name__}: {' '.join(str(e).split())}"
         ) from None
     return _checked(reader, path, label, size)
+
+
+def _check_metadata(path: Path, label: str, size: int) -> None:
+    """Walk the header's key/value entries, reading only lengths and skipping values, and
+    refuse, in one line, counts past the bounds above or the file's end (before the reader
+    allocates for them)."""
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{label}: {str(path)!r} has a corrupt GGUF header: {what}")
+
+    with path.open("rb") as f:
+
+        def number(width: int) -> int:
+            raw = f.read(width)
+            if len(raw) != width:
+                raise refuse("it ends inside its metadata")
+            return int.from_bytes(raw, "little")
+
+        def skip(n: int) -> None:
+            if f.tell() + n > size:
+                raise refuse("a value runs past the end of the file")
+            f.seek(n, 1)
+
+        def string(what: str) -> None:
+            n = number(8)
+            if n > _MAX_STRING:
+                raise refuse(f"{what} declares a string of {n:,} bytes (at most {_MAX_STRING:,})")
+            skip(n)
+
+        def value(kind: int, where: str) -> None:
+            if kind in _FIXED:
+                skip(_FIXED[kind])
+            elif kind == _STRING:
+                string(where)
+            elif kind == _ARRAY:
+                inner, count = number(4), number(8)
+                if count > _MAX_ELEMENTS:
+                    raise refuse(
+                        f"{where} declares an array of {count:,} elements (at most "
+                        f"{_MAX_ELEMENTS:,})"
+                    )
+                if inner in _FIXED:
+                    skip(count * _FIXED[inner])
+                elif inner == _STRING:
+                    for _ in range(count):
+                        string(where)
+                else:
+                    raise refuse(f"{where} is an array of value type {inner}")
+            else:
+                raise refuse(f"{where} has value type {kind}, which GGUF does not define")
+
+        f.seek(4)  # past the magic
+        version = number(4)
+        if version < 2:
+            return  # version 1 counted in 32 bits: left to the reader
+        number(8)  # the tensors: the reader's table, checked against the file afterwards
+        entries = number(8)
+        if entries > _MAX_ENTRIES:
+            raise refuse(f"it declares {entries:,} metadata entries (at most {_MAX_ENTRIES:,})")
+        for i in range(entries):
+            length = number(8)
+            if length > _MAX_STRING:
+                raise refuse(f"metadata key {i} declares {length:,} bytes")
+            key = f.read(length).decode("utf-8", "replace")
+            value(number(4), f"metadata {key!r}")
 
 
 def _field(reader: Any, key: str) -> Any:
