@@ -314,3 +314,20 @@ def test_row11_a_value_past_the_end_is_refused(tmp_path: Path) -> None:
     path.write_bytes(_header([_entry("general.junk", 9, value)]))
     with pytest.raises(ValueError, match="a value runs past the end of the file"):
         read_gguf_header(path)
+
+
+def test_row14_a_width_past_every_tensor_is_refused_before_anything_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51 row 14: ``feed_forward_length`` 10**7 over tensors of 64 cost 70 s and 7.9 GB
+    in the conversion, then "look at the above report" with none above. Refused from the
+    header, before any conversion."""
+    tokenizer = byte_level_tokenizer()
+    model = qwen2_model(tokenizer.get_vocab_size())
+    model.config.intermediate_size = 10**7  # the header lies; the tensors stay as built
+    path = write_gguf(tmp_path / "wide.gguf", model, tokenizer)
+    with pytest.raises(ValueError, match=r"qwen2.feed_forward_length is 10,000,000, more than"):
+        read_gguf_header(path)
+    capsys.readouterr()
+    err = fails(capsys, ["explain", "--model", str(path), "--out", str(tmp_path / "o"), "a b"])
+    assert "feed_forward_length is 10,000,000" in err and not (tmp_path / "o").exists()

@@ -256,6 +256,20 @@ def _checked(reader: Any, path: Path, label: str, size: int) -> GGUFHeader:
             f"{label}: {str(path)!r}: {arch}.context_length {context} is absurd or disagrees "
             f"with position_embd.weight"
         )
+    # every width the header gives (feed_forward_length, attention.key_length, ...) is the size
+    # of some tensor: one past the largest would be built at random, at any cost
+    largest = max((int(d) for t in reader.tensors for d in t.shape), default=0)
+    for key in reader.fields:
+        if not key.startswith(f"{arch}.") or not key.endswith("_length") or "context" in key:
+            continue
+        value = _field(reader, key)
+        values = value if isinstance(value, list) else [value]
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if ints and max(ints) > largest:
+            raise ValueError(
+                f"{label}: {str(path)!r}: {key} is {max(ints):,}, more than any size of the "
+                f"file's tensors (at most {largest:,})"
+            )
     for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
         eps = _field(reader, f"{arch}.{key}")
         number = isinstance(eps, (int, float)) and not isinstance(eps, bool)
