@@ -331,3 +331,45 @@ def test_row14_a_width_past_every_tensor_is_refused_before_anything_is_built(
     capsys.readouterr()
     err = fails(capsys, ["explain", "--model", str(path), "--out", str(tmp_path / "o"), "a b"])
     assert "feed_forward_length is 10,000,000" in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "damage", ["model.safetensors truncated", "config.json deleted", "model.safetensors changed"]
+)
+def test_row12_a_damaged_cache_entry_is_rebuilt_with_one_warning(
+    damage: str, written: tuple[Path, Any, Any], _cache: Path
+) -> None:
+    """Issue 51 row 12: with the entry's model.safetensors or config.json deleted or cut, every
+    later load of the intact .gguf failed, blaming the model. Now detected by the sizes and
+    digests source.json lists, discarded and rebuilt, with one warning."""
+    import warnings
+
+    path, _, _ = written
+    first = load_text_model(path, head="lm")
+    ids = first.tokenize(TEXT).input_ids
+    with torch.no_grad():
+        want = first(ids).logits
+    del first  # its weights map the entry's file
+    (entry,) = list((_cache / "gguf").iterdir())
+    name = damage.split()[0]
+    target = entry / name
+    data = bytearray(target.read_bytes())
+    target.unlink()  # a new file in its place: a mapped file is never cut under its reader
+    if damage.endswith("truncated"):
+        target.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage.endswith("changed"):  # the same size, one byte flipped near the end (a tensor)
+        data[-3] ^= 0xFF
+        target.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = load_text_model(path, head="lm")
+    damaged = [w for w in caught if "is damaged" in str(w.message)]
+    assert len(damaged) == 1 and name in str(damaged[0].message), [str(w.message) for w in caught]
+    with torch.no_grad():
+        torch.testing.assert_close(second(ids).logits, want, rtol=0, atol=0)
+    (rebuilt,) = list((_cache / "gguf").iterdir())
+    assert (rebuilt / name).is_file()
+    with warnings.catch_warnings(record=True) as again:  # the rebuilt entry is read quietly
+        warnings.simplefilter("always")
+        load_text_model(path, head="lm")
+    assert not [w for w in again if "is damaged" in str(w.message)]

@@ -13,7 +13,9 @@ next load of the same file reads it in a second or two:
                                                 ..., source.json (written last: complete)
 
 ``<key>`` is a digest of the file's resolved path, size and modification time and of the
-converter (transformers' version): a changed file or a new transformers converts again. An entry
+converter (transformers' version): a changed file or a new transformers converts again.
+``source.json`` lists each converted file's size and SHA-256; an entry whose files are missing,
+cut or changed is removed with one warning and the file converted again. An entry
 is written under a hidden name and renamed into place when whole, so a reader sees a complete
 entry or none, and two processes converting the same file at once both succeed. Setting
 ``MULTIHEAD_CACHE_DIR`` to an empty string turns the cache off: each load converts into a
@@ -87,8 +89,17 @@ def gguf_directory(file: Path, given: str) -> Iterator[Path]:
     root = cache_root()
     entry = None if root is None else _entry(root, file)
     if entry is not None and (entry / _SOURCE).is_file():
-        yield entry
-        return
+        damage = _damage(entry)
+        if damage is None:
+            yield entry
+            return
+        warnings.warn(
+            f"model {given!r}: its converted copy {str(entry)!r} is damaged ({damage}): "
+            f"converting the GGUF file again",
+            UserWarning,
+            stacklevel=3,
+        )
+        shutil.rmtree(entry, ignore_errors=True)
     header = read_gguf_header(file, given)  # checked before transformers builds anything
     try:
         from multihead.hf.gguf_conversion import convert_gguf
@@ -133,8 +144,15 @@ def _converted_into_cache(
             with path.open("rb+") as f:  # an entry with empty files behind its source.json
                 os.fsync(f.fileno())
         stat = file.stat()
-        source = {"file": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-        source["name"] = name
+        source: dict[str, object] = {
+            "file": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "name": name,
+        }  # fmt: skip
+        # every converted file's size and digest: a damaged entry is found, not loaded
+        source["files"] = {
+            path.name: {"size": path.stat().st_size, "sha256": _digest(path)}
+            for path in sorted(tmp.iterdir())
+            if path.is_file()
+        }
         write_synced(tmp / _SOURCE, json_bytes(source))
         fsync_dir(tmp)
         try:
@@ -147,6 +165,36 @@ def _converted_into_cache(
         shutil.rmtree(tmp, ignore_errors=True)
     _remove_stale(entry, str(file))
     return entry
+
+
+def _digest(path: Path) -> str:
+    """The SHA-256 of a file, read 16 MiB at a time."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _damage(entry: Path) -> str | None:
+    """What is wrong with a complete-looking entry (a converted file missing, cut or changed
+    against the sizes and digests its source.json lists; an entry that lists none), or None."""
+    try:
+        source = json.loads((entry / _SOURCE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"{_SOURCE} cannot be read"
+    files = source.get("files") if isinstance(source, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"{_SOURCE} lists no files (an earlier multihead's entry)"
+    for name, expected in files.items():
+        path = entry / name
+        if not isinstance(expected, dict) or not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected.get("size"):
+            return f"{name} is {path.stat().st_size} bytes, {expected.get('size')} were written"
+        if _digest(path) != expected.get("sha256"):
+            return f"{name} changed since it was written (its checksum differs)"
+    return None
 
 
 def _remove_stale(entry: Path, file: str) -> None:
