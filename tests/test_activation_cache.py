@@ -344,3 +344,55 @@ def test_transformer_lens_hook_q_on_a_rotary_model_is_refused_by_name() -> None:
     plain = multihead.cache(gpt2, ids, names=["blocks.0.attn.hook_q"])
     assert plain.rotary == frozenset()
     assert plain["blocks.0.attn.hook_q"] is plain["q", 0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_row4_a_padded_batch_of_a_transformers_model_has_its_heads_writes(family: str) -> None:
+    """Issue 51 row 4: ``cache("result")`` and ``logit_lens`` on a transformers model given any
+    padding raised a ValueError about the output projection (the wiring looked for the heads'
+    outputs at the real tokens alone, as a packing model gives them). Each sequence's real
+    tokens equal the same sequence run alone."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config: Any = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4)
+        model: Any = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=40)  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    model = model.double().eval()
+    ids = torch.randint(50, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0  # the second sequence: 4 tokens, then padding on the right
+    padded = multihead.cache(model, {"input_ids": ids, "attention_mask": mask}, names=["result"])
+    lens = multihead.logit_lens(model, {"input_ids": ids, "attention_mask": mask}, top_k=None)
+    assert lens.logits is not None
+    for row, n in ((0, 7), (1, 4)):
+        alone = multihead.cache(model, ids[row : row + 1, :n], names=["result"])
+        alone_lens = multihead.logit_lens(model, ids[row : row + 1, :n], top_k=None)
+        assert alone_lens.logits is not None
+        for layer in range(2):
+            torch.testing.assert_close(
+                padded["result", layer][row, :n], alone["result", layer][0], rtol=1e-9, atol=1e-10
+            )
+        torch.testing.assert_close(
+            lens.logits[:, row, :n], alone_lens.logits[:, 0], rtol=1e-9, atol=1e-10
+        )
+
+
+def test_row4_qk_attribution_of_a_padded_sequence_is_the_sequence_alone() -> None:
+    transformers = pytest.importorskip("transformers", minversion="5")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(50, (1, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(1, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    padded = multihead.qk_attribution(
+        model, {"input_ids": ids, "attention_mask": mask}, layer=1, head=0, query=4, key=2
+    )
+    alone = multihead.qk_attribution(model, ids[:, :5], layer=1, head=0, query=4, key=2)
+    assert padded.score == pytest.approx(alone.score, rel=1e-9)
+    torch.testing.assert_close(padded.query_parts, alone.query_parts)

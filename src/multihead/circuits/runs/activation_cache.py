@@ -401,8 +401,8 @@ class SiteRecorder:
         self.seen: dict[SiteKey, Tensor] = {}  # what the sum check needs beyond what is kept
         self.where: list[list[int] | None] = []  # the positions, once the run has told T
         self.needs_sum = {layer for s, layer in wanted if s in _SUM_SITES}
-        packed_real = real if self.packed is not None else None
-        self.wiring = WiringRun(mapped, real=packed_real) if self._wants_result() else None
+        padded = real if self.packed is not None else None
+        self.wiring = WiringRun(mapped, real=padded) if self._wants_result() else None
         self.pattern_layers = sorted({layer for s, layer in wanted if s == "pattern"})
         self.patterns: list[Any] = []
         # per layer whose resid_mid is named: the block's stream argument, what its feed-forward

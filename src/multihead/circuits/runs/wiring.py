@@ -96,7 +96,8 @@ class _Layer:
         self.given: Tensor | None = None  # what the attention was given as its stream
         self.norm: nn.Module | None = None
         self.inputs: list[nn.Module] = []
-        self.heads: Tensor | None = None  # its heads' outputs, flattened as fed
+        self.heads: Tensor | None = None  # its heads' outputs, flattened (B, T, H·Dv)
+        self.packed: Tensor | None = None  # the same at the real tokens (N, H·Dv): packed
         self.projection: nn.Module | None = None
         self.output: Tensor | None = None  # the attention's output
         self.after: list[tuple[nn.Module, Tensor, Tensor]] = []  # (module, given, output)
@@ -113,8 +114,8 @@ class WiringRun:
 
     Args:
         mapped: the model's map.
-        real: for a model that packs a padded batch (runs its blocks on (N, E), the real
-            tokens), the (B, T) mask of the real tokens; else None.
+        real: for a padded batch, the (B, T) mask of the real tokens (a model that packs it
+            runs its blocks on (N, E), the real tokens alone); else None.
         post_norms: whether to record the post-attention norms' inputs and outputs.
     """
 
@@ -209,7 +210,9 @@ class WiringRun:
             if not seen.ran:
                 flat = out.flatten(2)
                 real = self._real
-                seen.heads = flat if real is None else flat[real.to(flat.device)]
+                seen.heads = flat
+                # a model that packs the batch gives its projection the real tokens alone
+                seen.packed = None if real is None else flat[real.to(flat.device)]
                 seen.ran = True
 
         return observer
@@ -222,14 +225,14 @@ class WiringRun:
                 return
             if given is seen.given and all(m is not other for other in seen.inputs):
                 seen.inputs.append(m)
-            heads = seen.heads
-            if (
-                seen.projection is None
-                and heads is not None
-                and given.shape == heads.shape
-                and bool((given == heads).all())
-            ):
-                seen.projection = m
+            for heads in (seen.heads, seen.packed):
+                if (
+                    seen.projection is None
+                    and heads is not None
+                    and given.shape == heads.shape
+                    and bool((given == heads).all())
+                ):
+                    seen.projection = m
 
         return hook
 
