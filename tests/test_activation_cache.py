@@ -396,3 +396,28 @@ def test_row4_qk_attribution_of_a_padded_sequence_is_the_sequence_alone() -> Non
     alone = multihead.qk_attribution(model, ids[:, :5], layer=1, head=0, query=4, key=2)
     assert padded.score == pytest.approx(alone.score, rel=1e-9)
     torch.testing.assert_close(padded.query_parts, alone.query_parts)
+
+
+def test_row1_positions_of_a_packed_batch_count_tokens(tmp_path: Any) -> None:
+    """Issue 51 row 1: on multihead's own BERT a padded batch runs packed (N, E), and
+    ``positions`` were counted in the packed tensor's width: ``positions=-1`` kept position 15
+    (the width 16 less one), not the last token 25, and a valid 20 was refused "for 16 tokens"."""
+    pytest.importorskip("tokenizers")
+    from tiny_bert import CONFIG, hf_tensors, write_dir
+
+    from multihead.pretrained import load_text_model
+
+    config = {**CONFIG, "max_position_embeddings": 32}
+    tm = load_text_model(write_dir(tmp_path / "bert", config, hf_tensors(config), tokenizer=True))
+    long = " ".join(["the cat sat on the mat ."] * 4)[:-2]  # more tokens than the width, 16
+    texts = [long, "a dog"]
+    batch = tm.tokenize(texts)
+    t = batch.input_ids.shape[1]
+    assert t > 16 and not bool(batch.attention_mask.bool().all())  # padded, so packed
+    whole = multihead.cache(tm, texts, names=["resid_post"])
+    last = multihead.cache(tm, texts, names=["resid_post"], positions=-1)
+    assert last.positions == [t - 1]
+    torch.testing.assert_close(last["resid_post", 1][:, 0], whole["resid_post", 1][:, t - 1])
+    twenty = multihead.cache(tm, texts, names=["resid_post"], positions=20)
+    assert twenty.positions == [20]
+    torch.testing.assert_close(twenty["resid_post", 0][:, 0], whole["resid_post", 0][:, 20])

@@ -422,12 +422,13 @@ class SiteRecorder:
         self.fed: dict[int, _Fed] = {layer: _Fed() for layer in self.mid_layers}
 
     def keep(self, key: SiteKey, value: Tensor, axis: int = 1) -> None:
+        value = value.detach()
+        if self.packed is not None and self.real is not None and value.dim() == 2:
+            # a packed run's (N, E): back to (B, T, E) before positions count its tokens
+            value = _unpacked(value, self.real)
         if not self.where:
             self.where.append(_positions(self.positions, value.shape[axis]))
         chosen = self.where[0]
-        value = value.detach()
-        if self.packed is not None and self.real is not None and value.dim() == 2:
-            value = _unpacked(value, self.real)
         if chosen is not None:
             value = value.index_select(axis, torch.tensor(chosen, device=value.device))
         self.kept[key] = value if self.device is None else value.to(self.device)
