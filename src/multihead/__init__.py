@@ -57,7 +57,7 @@ _LAZY: dict[str, str] = {
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",
     "head_circuits": "multihead.circuits.weights.head_circuits",
     "HeadCircuits": "multihead.circuits.weights.head_circuits",
-    "HeadCircuit": "multihead.circuits.weights.head_circuits",
+    "HeadCircuit": "multihead.circuits.weights.head_circuit",
     "FactoredMatrix": "multihead.circuits.weights.factored_matrix",
     "CompositionScores": "multihead.circuits.weights.composition_scores",
     "CopyingScores": "multihead.circuits.weights.copying_scores",

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "check_device", "resolve_device", "declared_dtype", "resolve_dtype"]
+__all__ = [
+    "DTYPES", "check_device", "resolve_device", "declared_dtype", "resolve_dtype", "placement",
+]  # fmt: skip
 
 # Device types a model can run on: real memory. ("meta" has no data.)
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
@@ -127,3 +129,12 @@ def resolve_dtype(
     if device.type == "cpu" and declared in _HALF:
         return torch.float32
     return declared
+
+
+def placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of ``module``'s first parameter: where a probe of it is made; the CPU
+    and float32 for a module without parameters."""
+    first = next(iter(module.parameters()), None)
+    if first is None:
+        return torch.device("cpu"), torch.float32
+    return first.device, first.dtype

@@ -134,7 +134,7 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
         absent: site -> why the model has no such site (e.g. ``attn_out`` of a post-LN block).
         rotary: the layers whose queries and keys turn by position: there TransformerLens's
             ``hook_q`` / ``hook_k`` (before the turn) are refused, ``hook_rot_q`` / ``hook_rot_k``
-            are ``q`` / ``k``.
+            are ``q`` / ``k`` (found when first asked: one more call of each attention module).
     """
 
     def __init__(
@@ -144,13 +144,20 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
         positions: list[int] | None,
         num_layers: int,
         absent: dict[str, str],
-        rotary: frozenset[int] = frozenset(),
+        rotary: RotaryCheck | frozenset[int] = frozenset(),
     ) -> None:
         self._values = values
         self.positions = positions
         self.num_layers = num_layers
         self.absent = absent
-        self.rotary = rotary
+        self._rotary = rotary
+
+    @property
+    def rotary(self) -> frozenset[int]:
+        """The layers whose queries and keys turn by position (class docstring)."""
+        if isinstance(self._rotary, RotaryCheck):  # asked for the first time: the replays now
+            self._rotary = self._rotary.rotary()
+        return self._rotary
 
     def _key(self, key: object) -> SiteKey:
         if isinstance(key, str):
@@ -574,10 +581,14 @@ class SiteRecorder:
                 else:
                     self.keep(("result", layer), head_writes(projection, seen["z", layer]))
         self.fed.clear()  # the run's tensors were held for the identity check alone
-        rotary = self.rotary_check.rotary()
-        for name, layer in self.before_rotary:
-            if layer in rotary:
-                raise ValueError(_rotary_refusal(name, layer))
+        # which layers turn q and k is found only where asked (TransformerLens's names before
+        # the turn): one more call of each attention module, never on a plain run
+        rotary: RotaryCheck | frozenset[int] = self.rotary_check
+        if self.before_rotary:
+            rotary = self.rotary_check.rotary()
+            for name, layer in self.before_rotary:
+                if layer in rotary:
+                    raise ValueError(_rotary_refusal(name, layer))
         if self.explicit:
             for site, layer in sorted(self.wanted):
                 if (site, layer) not in kept and site in absent:

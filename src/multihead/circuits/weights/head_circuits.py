@@ -32,7 +32,6 @@ vocabulary.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,72 +46,21 @@ from multihead.circuits.weights.composition_scores import (
     random_baseline,
 )
 from multihead.circuits.weights.copying_scores import CopyingScores, full_ov_cores
-from multihead.circuits.weights.factored_matrix import FactoredMatrix
+from multihead.circuits.weights.head_circuit import HeadCircuit
 from multihead.circuits.weights.head_svd import HeadSVD
 from multihead.circuits.weights.layer_weights import LayerWeights
+from multihead.devices import placement
 from multihead.heads import head_label
 from multihead.map_types import ModelMap
 from multihead.mapping import model_heads, model_map
 
-__all__ = ["FOLDS", "HeadCircuit", "HeadCircuits", "head_circuits"]
+__all__ = ["FOLDS", "HeadCircuits", "head_circuits"]
 
 # what is folded into the circuits: nothing, or each block's pre-attention norm (and the final
 # norm into the unembedding)
 FOLDS = ("none", "norm")
 _BASELINES = (None, "random")
 _UNREAD = object()  # an embedding not read yet
-
-
-@dataclass(frozen=True, eq=False)
-class HeadCircuit(FactoredMatrix):
-    """One head's QK or OV circuit: a :class:`FactoredMatrix` (E, E) with what it belongs to.
-
-    QK: ``a`` = W_Q (E, D), ``b`` = W_Kᵀ (D, E), and the score of query input x_q and key
-    input x_k is ``scale · (x_q a + biases["q"]) · (x_k bᵀ + biases["k"])`` (:meth:`score`).
-    OV: ``a`` = W_V (E, Dv), ``b`` = W_O (Dv, E); a value read at x is written as
-    ``(x a + biases["v"]) b``, plus the layer's ``biases["o"]`` once.
-
-    Attributes:
-        head: the head's label (``"L1H3"``).
-        kind: ``"qk"`` or ``"ov"``.
-        biases: ``{"q": (D,), "k": (D,)}`` or ``{"v": (Dv,), "o": (E,)}``.
-        scale: the factor on the scores (QK), else None.
-        offset: the query's distance after the key it was read at (QK with ``offset``), else
-            None.
-        rotary: whether the layer turns queries and keys by their positions.
-    """
-
-    head: str = ""
-    kind: str = ""
-    biases: dict[str, Tensor] = field(default_factory=dict)
-    scale: float | None = None
-    offset: int | None = None
-    rotary: bool = False
-
-    @property
-    def position_free(self) -> bool:
-        """A QK circuit of a rotary layer read without ``offset``: W_Q W_Kᵀ with no rotation,
-        not the score at any particular distance."""
-        return self.kind == "qk" and self.rotary and self.offset is None
-
-    def score(self, query: Tensor, key: Tensor) -> Tensor:
-        """(...,) the pre-softmax score of query inputs ``query`` (..., E) against key inputs
-        ``key`` (..., E) (QK circuits), biases and scale included: what a forward computes for
-        a query ``offset`` positions after its key (at any distance, on a model without
-        positions inside its attention)."""
-        if self.kind != "qk" or self.scale is None:
-            raise ValueError(f"score() is a QK circuit's; this is {self.head}'s {self.kind}")
-        q = query.to(self.a.dtype) @ self.a + self.biases["q"]
-        k = key.to(self.a.dtype) @ self.b.mT + self.biases["k"]
-        return self.scale * (q * k).sum(-1)
-
-    def __repr__(self) -> str:
-        note = ""
-        if self.position_free:
-            note = ", position-free (no rotary turn; pass offset= for a distance)"
-        elif self.offset is not None:
-            note = f", query {self.offset} after its key"
-        return f"HeadCircuit({self.head} {self.kind.upper()}, shape={tuple(self.shape)}{note})"
 
 
 class HeadCircuits:
@@ -395,7 +343,7 @@ class HeadCircuits:
                     else None
                 )
                 if rows is not None:
-                    ids = torch.arange(rows, device=_device(module))
+                    ids = torch.arange(rows, device=placement(module)[0])
                     with torch.no_grad():
                         self._embed = module(ids).to(self._dtype)
         return self._embed if isinstance(self._embed, Tensor) else None
@@ -438,20 +386,14 @@ def _fold(w: Tensor, b: Tensor, norm: FrozenNorm, dim: int) -> tuple[Tensor, Ten
     return w, b
 
 
-def _device(module: nn.Module) -> torch.device:
-    first = next(iter(module.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
 def _frozen(norm: nn.Module, eps: float | None, width: int, what: str) -> FrozenNorm:
     """``norm``'s γ, β and kind, read off one call (a LayerNorm or RMSNorm, γ or 1 + γ)."""
     caller = f"head_circuits(fold='norm') ({what})"
     if eps is None:
         raise ValueError(f"{caller}: the map knows no epsilon for {type(norm).__name__}")
-    first = next(iter(norm.parameters()), None)
-    dtype = first.dtype if first is not None else torch.float32
+    device, dtype = placement(norm)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 4, width, generator=generator).to(dtype=dtype, device=_device(norm))
+    x = torch.randn(1, 4, width, generator=generator).to(dtype=dtype, device=device)
     with torch.no_grad():
         y = norm(x)
     return FrozenNorm.of(norm, eps, x, y, caller, torch.finfo(dtype).eps)
@@ -477,8 +419,7 @@ def head_circuits(model: nn.Module, *, fold: str = "none") -> HeadCircuits:
     check_choice("fold", fold, FOLDS)
     model_heads(model)
     mapped = model_map(model)
-    first = next(iter(model.parameters()), None)
-    dtype = torch.promote_types(first.dtype if first is not None else torch.float32, torch.float32)
+    dtype = torch.promote_types(placement(model)[1], torch.float32)
     layers, wiring = LayerWeights.read_all(model, mapped, dtype=dtype, caller="head_circuits")
     norms: list[FrozenNorm | None] = []
     for wired, weights in zip(wiring.layers, layers, strict=True):

@@ -101,7 +101,7 @@ class HeadSVD:
         """The first ``k`` of ``svd`` (U (E, r), S (r,), Vh (r, E)), grouped and read through
         ``unembedding`` (E, V) ``top`` tokens per side; ``decode`` (token id -> string), if
         given, names them."""
-        u, s, vh = (t[..., :k] if i == 0 else t[:k] for i, t in enumerate(svd))
+        u, s, vh = svd[0][:, :k], svd[1][:k], svd[2][:k]
         groups = _groups(s, tolerance)
         subspaces = []
         for start, stop in groups:

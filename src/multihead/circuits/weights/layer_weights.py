@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from multihead.circuits.runs.activation_cache import projection_rows
 from multihead.circuits.runs.attention_replay import replay_attention
 from multihead.circuits.runs.wiring import Wiring, WiringRun
+from multihead.devices import placement
 from multihead.map_types import ModelMap
 from multihead.observers import AttentionCall, Removable, registered
 
@@ -157,7 +158,7 @@ def _record(
     token 0 at positions 0 and ``position``, and its input (None when it did not run)."""
     known = mapped.positions_argument is not None
     length = 2 if known else position + 1
-    device = _device(model)
+    device = placement(model)[0]
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
     options = dict(mapped.call_options)
     if known:
@@ -184,11 +185,6 @@ def _record(
     with registered(hooks()), torch.no_grad():
         model(ids, **options)
     return fed, wiring_run.wiring
-
-
-def _device(model: nn.Module) -> torch.device:
-    first = next(iter(model.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 def _probed(
