@@ -518,3 +518,22 @@ def test_bench_gemma2_script_quick(tmp_path: Path) -> None:
     # one row of every head of every layer: 2 layers x 8 heads x 256 keys, nothing more
     assert modes["capture"]["recorded_elements"] == 2 * 8 * 256
     assert all(row["seconds"] > 0 and row["peak_rss"] > 0 for row in payload["rows"])
+
+
+@pytest.mark.parametrize("family", ["granite_swa", "granitemoe_swa", "gpt_oss"])
+def test_row3_patching_a_sink_familys_pattern_from_itself_changes_nothing(family: str) -> None:
+    """patch(site="pattern") with clean == corrupt: every head's pattern replaced by the one it
+    had leaves the metric where it was, whatever the family's weights convention (Granite-SWA
+    reports the softmax over the keys alone and scales its output by the keys' share; GPT-OSS
+    drops the sink's share), whole rows and per position; with another input the patches move
+    it (the comparison is not of a patch that does nothing)."""
+    model = build(family)
+    clean, corrupt = _pair()
+    for per_position in (False, True):
+        same = multihead.patch(
+            model, clean, clean, _metric, site="pattern", per_position=per_position
+        )
+        assert same.values.shape[:2] == (2, 4)
+        assert float(same.values.abs().max()) <= TOL, f"{family}: {same.values.abs().max():.2e}"
+    moved = multihead.patch(model, clean, corrupt, _metric, site="pattern")
+    assert float(moved.values.abs().max()) > 100 * TOL

@@ -24,7 +24,8 @@ same reuse of the blocks before the patched one (:mod:`~multihead.circuits.runs.
 - ``q``, ``k``, ``v``: a q/k/v editor on the attention site replaces the head's queries (keys,
   values) before the kernel (after rotary positions: what the kernel sees);
 - ``pattern``: an observer recomputes the head's output from the source's softmax weights and
-  this run's values.
+  this run's values (with attention sinks, the weights in the family's own convention and the
+  rest of the call this run's: Granite-SWA's output is scaled by this run's keys' share).
 
 Shapes: B batch, T tokens, S keys, E width, L layers, H heads, Hk key/value heads, D one head's
 width, n stacked variants.
@@ -52,6 +53,7 @@ from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.heads import HeadCount, HeadName, chosen_heads
 from multihead.map_types import output_tensor, with_output_tensor
 from multihead.mapping import model_map
+from multihead.observe.rows import row_weights
 from multihead.observers import AttentionCall
 
 __all__ = ["patch"]
@@ -294,7 +296,11 @@ class _SitePatch:
                 v = call.v
                 if v.shape[1] != out.shape[2]:  # grouped-query: query head h reads h // group
                     v = v.repeat_interleave(out.shape[2] // v.shape[1], 1)
-                z = torch.einsum("bhts,bhsd->bthd", weights.to(v.dtype), v)
+                # with sinks in the "column" convention the last column is the sink's share
+                keys = weights[..., : v.shape[2]].to(v.dtype)
+                z = torch.einsum("bhts,bhsd->bthd", keys, v)
+                if call.mods.sinks is not None and call.mods.sink_weights == "plain":
+                    z = z * _keys_share(call).to(z.dtype)  # the rest of the call is its own
                 return torch.where(where, z.to(out.dtype), out)
 
             return [attention.register_observer(observer)]
@@ -366,3 +372,12 @@ class _SitePatch:
             block.module.register_forward_pre_hook(record, with_kwargs=True),
             part.register_forward_hook(write),
         ]
+
+
+def _keys_share(call: AttentionCall) -> Tensor:
+    """(B, T, H, 1): the keys' share of each query row's softmax over the keys and the sink, in
+    a call with sinks; a family whose weights are the softmax over the keys alone (Granite-SWA's
+    "plain") scales its output by it, so a patched pattern is scaled by this call's share."""
+    rows = torch.arange(call.q.shape[2], device=call.q.device)
+    sink = row_weights(call, None, rows, None, sink_weights="column")[..., -1]  # (B, H, T)
+    return (1.0 - sink).transpose(1, 2)[..., None]
