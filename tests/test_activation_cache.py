@@ -11,7 +11,13 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.runs.activation_cache import SITES, cache, head_writes, hook_name
+from multihead.circuits.runs.activation_cache import (
+    MODEL_SITES,
+    SITES,
+    cache,
+    head_writes,
+    hook_name,
+)
 from multihead.models import TransformerLM
 
 
@@ -168,8 +174,10 @@ def test_names_positions_and_device_keep_only_what_was_asked(device: torch.devic
     lm = TransformerLM(20, 24, 6, 3, 40, max_len=16).to(device).eval()
     ids = torch.randint(20, (2, 9), device=device)
     whole = cache(lm, ids)
-    assert not any(site == "pattern" for site, _ in whole)  # T×T only when named
-    assert len(whole) == 3 * (len(SITES) - 1)
+    assert not any(site in ("pattern", "attn_scores") for site, _ in whole)  # T×T when named
+    # every other site of each of the 3 layers, and the 3 of the whole model once
+    per_layer = [s for s in SITES if s not in (*MODEL_SITES, "pattern", "attn_scores")]
+    assert len(whole) == 3 * len(per_layer) + len(MODEL_SITES)
     some = cache(lm, ids, names=["resid_post", ("z", -1), "blocks.0.attn.hook_pattern"])
     assert sorted(some) == sorted(
         [("resid_post", 0), ("resid_post", 1), ("resid_post", 2), ("z", 2), ("pattern", 0)]
@@ -421,3 +429,98 @@ def test_row1_positions_of_a_packed_batch_count_tokens(tmp_path: Any) -> None:
     twenty = multihead.cache(tm, texts, names=["resid_post"], positions=20)
     assert twenty.positions == [20]
     torch.testing.assert_close(twenty["resid_post", 0][:, 0], whole["resid_post", 0][:, 20])
+
+
+def _hand(modules: dict[str, nn.Module], run: Any) -> dict[str, tuple[Any, Any]]:
+    """(input, output) of each named module in one ``run()``, by plain forward hooks."""
+    seen: dict[str, tuple[Any, Any]] = {}
+
+    def keeper(key: str) -> Any:
+        def hook(m: nn.Module, args: Any, out: Any) -> None:
+            seen.setdefault(key, (args[0], out))
+
+        return hook
+
+    hooks = [m.register_forward_hook(keeper(key)) for key, m in modules.items()]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_the_other_sites_of_a_transformer_lm_equal_its_modules(device: torch.device) -> None:
+    """Issue 51's TransformerLens sites on multihead's own pre-LN TransformerLM, against its
+    modules read by hand: the token embedding's output, the position table's rows, each
+    LayerNorm's σ = sqrt(var(x) + eps) (norm1 read by the attention: ln1; norm2: ln2; the final
+    norm), the feed-forward's first layer's output (pre) and second layer's input (post)."""
+    lm = TransformerLM(20, 24, 4, 2, 40, max_len=16).to(device, torch.float64).eval()
+    ids = torch.randint(20, (2, 9), device=device)
+    blocks: Any = lm.blocks
+    parts: dict[str, nn.Module] = {"token": lm.token_embedding}
+    for i, block in enumerate(blocks):
+        parts |= {f"norm1{i}": block.norm1, f"norm2{i}": block.norm2}
+        parts |= {f"fc{i}": block.ff.linear1, f"proj{i}": block.ff.linear2}
+    assert lm.norm is not None
+    parts["final"] = lm.norm
+    ref = _hand(parts, lambda: lm(ids))
+    got = cache(
+        lm,
+        ids,
+        names=lambda site, layer: (
+            site in (*MODEL_SITES, "ln1_scale", "ln2_scale", "mlp_pre", "mlp_post")
+        ),
+    )
+
+    def sigma(x: Tensor) -> Tensor:
+        return (x.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+
+    torch.testing.assert_close(got["embed"], ref["token"][1], rtol=0, atol=0)
+    table = lm.position_embedding.embedding.weight[:9]
+    torch.testing.assert_close(got["hook_pos_embed"], table.expand(2, 9, 24), rtol=0, atol=0)
+    torch.testing.assert_close(got["ln_final.hook_scale"], sigma(ref["final"][0]))
+    for i in range(2):
+        torch.testing.assert_close(got["ln1_scale", i], sigma(ref[f"norm1{i}"][0]))
+        torch.testing.assert_close(got[f"blocks.{i}.ln2.hook_scale"], sigma(ref[f"norm2{i}"][0]))
+        torch.testing.assert_close(got["mlp_pre", i], ref[f"fc{i}"][1], rtol=0, atol=0)
+        torch.testing.assert_close(got[f"blocks.{i}.mlp.hook_post"], ref[f"proj{i}"][0])
+    assert got["ln1_scale", 0].shape == (2, 9, 1) and got["mlp_pre", 1].shape == (2, 9, 40)
+
+
+def test_the_other_sites_a_model_lacks_are_named() -> None:
+    """A site named outright that the model does not have is a ValueError with its reason (a
+    predicate keeps what there is); a site of the whole model has one key, at layer 0."""
+    post = TransformerLM(20, 24, 4, 2, 40, max_len=16, norm_first=False).eval()
+    ids = torch.randint(20, (2, 6))
+    with pytest.raises(ValueError, match=r"ln1_scale of layer 0: block 0's attention reads no"):
+        cache(post, ids, names=["ln1_scale"])
+    with pytest.raises(ValueError, match="final_scale: the map of TransformerLM knows no final"):
+        cache(post, ids, names=["final_scale"])
+    kept = cache(post, ids, names=lambda site, layer: site in ("ln1_scale", "embed"))
+    assert list(kept) == [("embed", 0)]
+    with pytest.raises(KeyError, match="attention reads no norm's output"):
+        kept["blocks.1.ln1.hook_scale"]
+    with pytest.raises(ValueError, match=r"embed is one activation of the whole model, .* layer 1"):
+        cache(post, ids, names=[("embed", 1)])
+    with pytest.raises(KeyError, match="keyed at layer 0"):
+        kept["embed", 1]
+    gptj = _parallel_family("gptj")  # one norm feeds its attention and its feed-forward network
+    g = torch.Generator().manual_seed(0)
+    clean, corrupt = torch.randint(50, (2, 6), generator=g), torch.randint(50, (2, 6), generator=g)
+    with pytest.raises(ValueError, match=r"ln2_scale of layer 0: .*one norm for both"):
+        cache(gptj, clean, names=["ln2_scale"])
+    assert cache(gptj, clean, names=["ln1_scale"])["ln1_scale", 1].shape == (2, 6, 1)
+
+    def metric(logits: Tensor) -> Tensor:
+        return logits[:, -1, 3].mean()
+
+    with pytest.raises(ValueError, match="layers: embed is one activation of the whole model"):
+        multihead.patch(gptj, clean, corrupt, metric, site="embed", layers=[0])
+    with pytest.raises(ValueError, match="heads: ln1_scale is one activation per layer"):
+        multihead.patch(gptj, clean, corrupt, metric, site="ln1_scale", heads=[(0, 0)])
+    with pytest.raises(ValueError, match="ln2_scale of layer 0: .*one norm for both"):
+        multihead.patch(gptj, clean, corrupt, metric, site="ln2_scale")
+    with pytest.raises(ValueError, match="site must be one of"):
+        multihead.attribution_patching(gptj, clean, corrupt, metric, site="ln1_scale")

@@ -3,7 +3,11 @@ multihead.cache of its batch and, at real positions, of each text alone."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +28,14 @@ TEXTS = ["the cat sat on the mat .", "a dog sat .", "cat", "the mat the mat .", 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
-    return load_text_model(write_dir(tmp_path_factory.mktemp("tiny") / "m", tokenizer=True))
+    return Path(write_dir(tmp_path_factory.mktemp("tiny") / "m", tokenizer=True))
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> Any:
+    return load_text_model(model_dir)
 
 
 def test_shards_hold_each_batch_and_each_text_alone(model: Any, tmp_path: Path) -> None:
@@ -87,3 +96,82 @@ def test_dtype_and_refusals_write_nothing(model: Any, tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="model must be a multihead.TextModel"):
         cache_corpus(torch.nn.Linear(2, 2), TEXTS, tmp_path / "x")  # type: ignore[arg-type]
     assert not any((tmp_path / d).exists() for d in ("bad", "empty", "x"))
+
+
+def _same_files(got: Path, want: Path) -> None:
+    """Two cache_corpus outputs hold the same files: the manifest and every shard's tensors."""
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
+    assert json.loads((got / MANIFEST).read_text()) == json.loads((want / MANIFEST).read_text())
+    for name in json.loads((want / MANIFEST).read_text())["shards"]:
+        a, b = load_file(got / name), load_file(want / name)
+        assert a.keys() == b.keys()
+        for key in b:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_row8_a_failed_run_leaves_nothing_a_rerun_refuses(model: Any, tmp_path: Path) -> None:
+    """Issue 51 row 8 in one process (was: the shards written before the failure stayed, with
+    no manifest, and a rerun refused them): the run's own files are removed, the directory it
+    made too; an empty directory given stays, empty; the rerun writes a clean run's files."""
+    want = tmp_path / "want"
+    cache_corpus(model, TEXTS, want, batch_size=2)
+
+    def stop(done: int, total: int) -> None:
+        if done == 4:  # two shards on disk
+            raise KeyError("stopped part-way")
+
+    made = tmp_path / "new" / "acts"  # its parent made by the run too
+    given = tmp_path / "given"
+    given.mkdir()
+    for out in (made, given):
+        with pytest.raises(KeyError, match="stopped part-way"):
+            cache_corpus(model, TEXTS, out, batch_size=2, progress=stop)
+    assert not (tmp_path / "new").exists()
+    assert list(given.iterdir()) == []
+    for out in (made, given):
+        cache_corpus(model, TEXTS, out, batch_size=2)
+        _same_files(out, want)
+
+
+def test_row8_a_killed_runs_leftovers_are_replaced_never_a_users_files(
+    model: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    """A run killed part-way (SIGKILL: no cleanup) leaves its shards and its marker, no
+    manifest: the rerun replaces them (one warning); refused while another run holds the
+    marker's lock, or when the directory also holds a file the run did not write."""
+    want = tmp_path / "want"
+    cache_corpus(model, TEXTS, want, batch_size=2)
+    out = tmp_path / "acts"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from multihead import cache_corpus
+        from multihead.pretrained import load_text_model
+
+        def kill(done, total):
+            if done == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        model = load_text_model({str(model_dir)!r})
+        cache_corpus(model, {TEXTS!r}, {str(out)!r}, batch_size=2, progress=kill)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], timeout=300, check=False)
+    assert done.returncode == -9
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["texts-0000000-0000002.safetensors", "unfinished.json"]
+    # another run writing it: its marker locked
+    with open(out / "unfinished.json", "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match="another cache_corpus run is writing it"):
+            cache_corpus(model, TEXTS, out, batch_size=2)
+    # a file the run did not write: refused, nothing removed
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"got a directory that holds files: notes\.txt"):
+        cache_corpus(model, TEXTS, out, batch_size=2)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*left, "notes.txt"])
+    (out / "notes.txt").unlink()
+    with pytest.warns(UserWarning, match=r"an unfinished cache_corpus run's 2 files .* replaced"):
+        cache_corpus(model, TEXTS, out, batch_size=2)
+    _same_files(out, want)
+    # a finished run is never replaced
+    with pytest.raises(ValueError, match="got a finished cache_corpus run's directory"):
+        cache_corpus(model, TEXTS, out, batch_size=2)

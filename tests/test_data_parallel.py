@@ -5,7 +5,9 @@ what it got, with the rows its model's forwards ran, to this process, which comp
 one process (no process group) and compares: statistics and distances to 1e-6, per-text results
 and patching effects exactly; every text (every patched variant) run by one rank only.
 ``multihead explain --corpus`` runs as under torchrun (the command joins the group from the
-environment): rank 0 alone prints and writes, the files equal one process's.
+environment): rank 0 alone prints and writes, the files equal one process's. ``cache_corpus``
+with one rank starting 3 s after the other, and failing part-way on one rank, runs in a group of
+its own (issue 51 row 8).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import os
 import pickle
 import socket
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -489,6 +492,94 @@ def test_cli_patch_on_two_ranks_prints_and_writes_on_rank_0_alone(
     printed = capsys.readouterr().out
     assert "Heads that move the metric most" in printed
     assert printed.replace(str(alone), str(workdir / "patch0")) == first["printed"]
+
+
+def _row8_worker(rank: int, port: int, tmp: str, queue: Any) -> None:
+    """Issue 51 row 8 as torchrun starts it: ``cache_corpus`` with one rank 3 s later than the
+    other (each way round), then failing part-way on rank 1, then rerun into the same out_dir."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=GROUP_TIMEOUT,
+        )
+        model = load_text_model(os.path.join(tmp, "model"))
+        results: dict[str, Any] = {}
+
+        def run(name: str, out_dir: str, late: int, **kwargs: Any) -> None:
+            if rank == late:
+                time.sleep(3.0)  # this rank calls 3 s after the other
+            out = os.path.join(tmp, out_dir)
+            try:
+                shards = cache_corpus(model, TEXTS, out, batch_size=BATCH, **kwargs)
+                results[name] = [p.name for p in shards]
+            except Exception as e:
+                results[name] = f"{type(e).__name__}: {e}"
+            dist.barrier()  # both ranks done before either looks
+            results[f"{name}_left"] = sorted(os.listdir(out)) if os.path.exists(out) else None
+
+        def stop(done: int, total: int) -> None:
+            if rank == 1:  # after rank 1's first shard is on disk
+                raise ValueError("stopped after one batch")
+
+        run("late1", "late1", late=1)
+        run("late0", "late0", late=0)
+        run("failed", "again", late=-1, progress=stop)
+        dist.barrier()  # both saw what the failure left before the rerun writes
+        run("rerun", "again", late=1)  # the same out_dir, rank 1 late again
+        queue.put((rank, pickle.dumps(results)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, pickle.dumps({"crash": traceback.format_exc()})))
+        raise
+
+
+def test_row8_cache_corpus_with_a_rank_3_s_late_and_a_failed_rank_then_a_rerun(
+    tmp_path: Path,
+) -> None:
+    """Issue 51 row 8 (was: the late rank refused the out_dir the other had begun to fill, and
+    the run died leaving 2 of 4 shards and no manifest, which a rerun refused too): the ranks
+    agree on the directory before either writes, a run that fails on one rank fails on both
+    and leaves nothing, and the rerun writes what one process writes."""
+    tmp = tmp_path / "ranks"
+    write_dir(tmp / "model", tokenizer=True)
+    ranks = run_spawned(
+        _row8_worker, WORLD, (_free_port(), str(tmp)), timeout_s=300.0,  # a hang guard only
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    alone = tmp_path / "alone"
+    want = cache_corpus(load_text_model(tmp / "model"), TEXTS, alone, batch_size=BATCH)
+    every = sorted([MANIFEST, *(p.name for p in want)])
+    assert len(want) == 4
+    for name in ("late1", "late0"):
+        assert [ranks[r][name] for r in range(WORLD)] == [
+            [want[0].name, want[2].name],
+            [want[1].name, want[3].name],
+        ], name
+        assert ranks[0][f"{name}_left"] == every, name
+    # the failure: rank 1 its own error, rank 0 naming it; nothing left, the directory gone
+    assert ranks[1]["failed"] == "ValueError: stopped after one batch"
+    assert (
+        ranks[0]["failed"] == "ValueError: rank 1 of 2 failed (ValueError): stopped after one batch"
+    )
+    assert ranks[0]["failed_left"] is None and ranks[1]["failed_left"] is None
+    # the rerun into the same out_dir: one process's files
+    assert ranks[0]["rerun"] == [want[0].name, want[2].name]
+    assert ranks[1]["rerun"] == [want[1].name, want[3].name]
+    assert ranks[0]["rerun_left"] == every
+    for name in ("late1", "late0", "again"):
+        assert json.loads((tmp / name / MANIFEST).read_text()) == json.loads(
+            (alone / MANIFEST).read_text()
+        )
+        for shard in want:
+            got, single = load_file(tmp / name / shard.name), load_file(shard)
+            assert got.keys() == single.keys()
+            for key in single:
+                torch.testing.assert_close(got[key], single[key], rtol=0, atol=0)
 
 
 # -- in one process ------------------------------------------------------------------------------

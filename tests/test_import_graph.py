@@ -687,6 +687,8 @@ ALLOWED_LOOKUPS: frozenset[str] = frozenset(
         "role", "scalars", "sender", "sep", "seq_len", "sha256", "shape", "special_mask",
         "state", "stats", "step", "task", "text_index", "threads", "title", "training", "v",
         "via", "vocab", "wrong", "__metadata__", "block_parts", "model_type",
+        # cache_corpus's marker of an unfinished run: who wrote it, the shards it will write
+        "by", "shards",
         # the model inputs and outputs every circuit function takes (TransformerLens's and
         # transformers' conventions alike: the user's own batch and output)
         "attention_mask", "input_ids", "logits", "token_type_ids", "tokens",

@@ -27,7 +27,10 @@ import torch
 from torch import nn
 
 import multihead
-from multihead.circuits.runs.activation_cache import SITES, hook_name
+from multihead.circuits.runs.activation_cache import HEAD_SITES, RESIDUAL_SITES, hook_name
+
+# the residual stream's and the heads' sites; the others are test_the_other_sites_...'s
+SITES = (*RESIDUAL_SITES, *HEAD_SITES, "pattern")
 
 transformers = pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("transformer_lens")
@@ -97,7 +100,7 @@ def test_cache_equals_transformer_lens_run_with_cache(family: str) -> None:
     logits, theirs = bridge.run_with_cache(ids)
     with torch.no_grad():
         torch.testing.assert_close(logits, model(ids).logits, rtol=0, atol=ATOL)
-    ours = multihead.cache(model, {"input_ids": ids}, names=lambda site, layer: True)
+    ours = multihead.cache(model, {"input_ids": ids}, names=lambda site, layer: site in SITES)
 
     rotary = family == "llama"
     layers = range(model.config.num_hidden_layers)
@@ -234,3 +237,94 @@ def test_logit_attribution_equals_transformer_lens_per_example(family: str) -> N
     ours = multihead.logit_attribution(model, ids, ANSWER, WRONG, reduce="none", position=-1)
     torch.testing.assert_close(ours.heads[..., 0], theirs, rtol=0, atol=ATOL)
     assert float((theirs[..., 0] - theirs[..., 2]).abs().max()) > 1000 * ATOL
+
+
+# the sites TransformerLens users reach for beyond the stream and the heads (issue 51)
+OTHER_SITES = (
+    "embed", "pos_embed", "ln1_scale", "ln2_scale", "final_scale", "mlp_pre", "mlp_post",
+    "attn_scores",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_other_sites_equal_transformer_lens_hooks(family: str) -> None:
+    """hook_embed, hook_pos_embed, the norms' hook_scale (ln1, ln2, ln_final), mlp.hook_pre /
+    hook_post and attn.hook_attn_scores (chosen rows), cached by multihead, against
+    TransformerLens's hooks of the same names on the same weights. TransformerLens's bridge
+    writes transformers' mask value (the dtype's lowest) at hidden keys, multihead -inf (as
+    HookedTransformer does): every other score is compared."""
+    model, architecture = _model(family)
+    bridge = _bridge(model, architecture)
+    ids = torch.randint(50, (2, 7))
+    _, theirs = bridge.run_with_cache(ids)
+    rotary = family == "llama"
+    names = [site for site in OTHER_SITES if not (rotary and site == "pos_embed")]
+    ours = multihead.cache(model, {"input_ids": ids}, names=names)
+    layers = range(model.config.num_hidden_layers)
+    compared = 0
+    for site, layer in ours:
+        name = hook_name(site, layer)
+        got, expected = ours[name], theirs[name]
+        assert got.shape == expected.shape, name
+        if site == "attn_scores":
+            hidden = expected <= torch.finfo(expected.dtype).min / 2
+            assert bool(hidden.any()) and bool((got[hidden] == float("-inf")).all()), name
+            got, expected = got[~hidden], expected[~hidden]
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL, msg=name)
+        compared += 1
+    per_layer = len([s for s in names if s not in ("embed", "pos_embed", "final_scale")])
+    assert compared == len(layers) * per_layer + len(names) - per_layer
+    # the positions kept: the same rows of the scores (every key)
+    cut = multihead.cache(model, {"input_ids": ids}, names=["attn_scores"], positions=[-1, 2])
+    full = ours["attn_scores", 1][:, :, [6, 2]]
+    torch.testing.assert_close(cut["attn_scores", 1], full, rtol=0, atol=1e-6)
+    if rotary:  # a model whose positions are in its attention has no position table
+        with pytest.raises(ValueError, match="pos_embed: llama has no position table"):
+            multihead.cache(model, {"input_ids": ids}, names=["hook_pos_embed"])
+        with pytest.raises(KeyError, match="no position table"):
+            multihead.cache(model, {"input_ids": ids})["hook_pos_embed"]
+
+
+def _tl_patched(bridge: Any, corrupt: torch.Tensor, cached: Any, name: str, at: int) -> float:
+    """TransformerLens's patch by hand: the corrupt run with ``name``'s activation at index
+    ``at`` of its second axis (a position; a head for attn_scores) the clean run's."""
+
+    def hook(act: torch.Tensor, hook: Any) -> torch.Tensor:
+        act = act.clone()  # a broadcast position table
+        act[:, at] = cached[name][:, at]
+        return act
+
+    with torch.no_grad():
+        return float(_logit_diff(bridge.run_with_hooks(corrupt, fwd_hooks=[(name, hook)])))
+
+
+# TransformerLens's bridge rebuilds a norm's output from a hooked scale, and says so
+@pytest.mark.filterwarnings("ignore:A forward hook edited hook_scale")
+@pytest.mark.parametrize(
+    ("family", "site"),
+    [
+        ("gpt2", "embed"), ("gpt2", "ln1_scale"), ("gpt2", "final_scale"), ("gpt2", "mlp_pre"),
+        ("gpt2", "attn_scores"), ("llama", "ln2_scale"), ("llama", "mlp_post"),
+        ("llama", "attn_scores"), ("llama", "ln1_scale"),
+    ],
+)  # fmt: skip
+def test_the_other_sites_patch_equals_transformer_lens_hooks(family: str, site: str) -> None:
+    """``patch(site=...)`` of the other sites (per position; attn_scores per head) against
+    TransformerLens's run_with_hooks putting the clean activation in at that position (head)."""
+    model, architecture = _model(family)
+    bridge = _bridge(model, architecture)
+    clean, corrupt = torch.randint(50, (3, 6)), torch.randint(50, (3, 6))
+    _, cached = bridge.run_with_cache(clean)
+    with torch.no_grad():
+        corrupt_metric = float(_logit_diff(bridge(corrupt)))
+    heads = site == "attn_scores"
+    ours = multihead.patch(model, clean, corrupt, _logit_diff, site=site, per_position=not heads)
+    whole_model = site in ("embed", "final_scale")
+    assert ours.values.shape[0] == (1 if whole_model else model.config.num_hidden_layers)
+    theirs = torch.zeros_like(ours.values)
+    for layer in range(ours.values.shape[0]):
+        for at in range(ours.values.shape[1]):
+            name = hook_name(site, layer)
+            theirs[layer, at] = _tl_patched(bridge, corrupt, cached, name, at) - corrupt_metric
+    assert float(ours.values.abs().max()) > 1000 * ATOL
+    torch.testing.assert_close(ours.values, theirs, rtol=0, atol=ATOL)

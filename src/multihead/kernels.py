@@ -30,6 +30,7 @@ __all__ = [
     "combine_masks",
     "add_mask",
     "scaled_weights",
+    "scaled_scores",
     "math_attention",
     "softmax_",
     "block_attention",
@@ -169,18 +170,23 @@ def scaled_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
         The weights (..., H, T, S), in q's dtype. A row the mask empties is NaN (bool) or even
         (float): the caller decides what an empty row gives.
     """
+    scores = scaled_scores(q, k)
+    if mask is not None:
+        scores = add_mask(scores, mask)
+    return softmax_(scores)
+
+
+def scaled_scores(q: Tensor, k: Tensor) -> Tensor:
+    """q kᵀ (..., H, T, S), for a q that already carries the scale: the scores before any mask,
+    with q and k as for :func:`scaled_weights` (query head h reads key head h // (H // Hk))."""
     h, hk = q.shape[-3], k.shape[-3]
     if hk != h:
         # The query heads of one key head, stacked as rows, multiply its keys once: no copy of
         # the keys per query head.
         *lead, _, t, d = q.shape
         grouped = q.reshape(*lead, hk, (h // hk) * t, d)  # (..., Hk, G·T, D)
-        scores = torch.matmul(grouped, k.transpose(-2, -1)).view(*lead, h, t, k.shape[-2])
-    else:
-        scores = torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
-    if mask is not None:
-        scores = add_mask(scores, mask)
-    return softmax_(scores)
+        return torch.matmul(grouped, k.transpose(-2, -1)).view(*lead, h, t, k.shape[-2])
+    return torch.matmul(q, k.transpose(-2, -1))  # (..., H, T, S)
 
 
 def _dense(x: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:

@@ -68,7 +68,9 @@ class TransformerEncoderLayer(nn.Module):
     """
 
     # the model map reads it (multihead.map_types): where the block writes into the residual stream
-    block_parts = BlockParts(attention="self_attn", mlp="ff")
+    block_parts = BlockParts(
+        attention="self_attn", mlp="ff", mlp_in="ff.linear1", mlp_down="ff.linear2"
+    )
 
     norm_first: bool
     self_attn: MultiHeadAttention
@@ -250,7 +252,9 @@ class TransformerDecoderLayer(nn.Module):
     """
 
     # the model map reads it (multihead.map_types): where the block writes into the residual stream
-    block_parts = BlockParts(attention="self_attn", mlp="ff")
+    block_parts = BlockParts(
+        attention="self_attn", mlp="ff", mlp_in="ff.linear1", mlp_down="ff.linear2"
+    )
 
     norm_first: bool
     self_attn: MultiHeadAttention

@@ -70,11 +70,17 @@ class BlockParts:
             parameters (no state kept, inputs never modified in place): then a recorded output
             may be handed back for equal arguments (prefix reuse). A subclass that overrides
             ``forward`` without declaring again is not pure.
+        mlp_in: the dotted path, from the block, of the feed-forward network's module whose
+            output the activation reads (``"ff.linear1"``), or None.
+        mlp_down: the path of the module that reads the hidden activations and writes the
+            feed-forward's output (``"ff.linear2"``), or None.
     """
 
     attention: str
     mlp: str | None
     pure: bool = True
+    mlp_in: str | None = None
+    mlp_down: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,6 +136,11 @@ class Block:
         norms: the norms inside it (outside its attention sites), each with its epsilon: what
             a function that freezes a norm at a run reads (a post-attention norm, Gemma-2's
             sandwich norms, is one of them).
+        mlp_in: the feed-forward network's module whose output is the hidden pre-activations
+            (TransformerLens's ``mlp.hook_pre``: GPT-2's ``c_fc``, a gated network's gate), or
+            None where the map does not know it (a mixture of experts).
+        mlp_down: its module that reads the hidden activations (``mlp.hook_post``) and writes
+            the feed-forward's output (``c_proj``, ``down_proj``), or None.
     """
 
     index: int
@@ -140,6 +151,8 @@ class Block:
     attention: nn.Module | None = None
     mlp: nn.Module | None = None
     norms: tuple[tuple[nn.Module, float], ...] = ()
+    mlp_in: nn.Module | None = None
+    mlp_down: nn.Module | None = None
 
     def norm_eps(self, module: nn.Module) -> float | None:
         """The epsilon of ``module`` if it is one of the block's norms, else None."""
@@ -156,7 +169,9 @@ class ModelMap:
         sites: the attention sites, in module order: layer l is ``sites[l]``.
         blocks: the residual blocks holding them, in module order (empty when they can't be
             told apart, e.g. one block nested in another).
-        embeddings: the embedding modules, the token embedding first (empty when not known).
+        embeddings: the embedding modules, the token embedding first, then the position table
+            (a lookup by position alone: its output is one row per position) where the model
+            has one, then any other (token types); empty when not known.
         final_norm: the norm before the unembedding, or None (post-LN models, encoders).
         norm_eps: the final norm's epsilon, or None when not known.
         unembedding: the linear map from the residual stream to the vocabulary, or None.
@@ -174,6 +189,11 @@ class ModelMap:
         positions_argument: the keyword of the model's forward that takes each token's position
             (``"positions"``, ``"position_ids"``), so that a run of a sequence's later tokens
             alone embeds them where they are; None when not known.
+        positions_by_length: whether how the model embeds a position depends on how long the
+            run is (transformers' dynamic NTK rotary rescales every position's frequencies
+            when a run outgrows ``max_position_embeddings``, and sets them back on a short
+            one; longrope switches factors by length): then a run of some positions alone
+            does not embed them as the whole sequence does. False for most.
         stream_keyword: the keyword under which the model's blocks, and the modules inside them,
             are given the residual stream when it is not their first positional argument
             (transformers' ``"hidden_states"``); None where it always comes first. Read and
@@ -196,6 +216,7 @@ class ModelMap:
     token_types: bool = False
     call_options: Mapping[str, Any] = field(default_factory=dict)
     positions_argument: str | None = None
+    positions_by_length: bool = False
     stream_keyword: str | None = None
 
     @property
@@ -302,6 +323,8 @@ class ModelMap:
                     attention=getattr(m, parts.attention, None),
                     mlp=getattr(m, parts.mlp, None) if parts.mlp else None,
                     norms=block_norms(m, [found[i].module for i in inside], _torch_norm_eps),
+                    mlp_in=_part(m, parts.mlp_in),
+                    mlp_down=_part(m, parts.mlp_down),
                 )
             )
         return cls(
@@ -336,6 +359,17 @@ def _declaring_class(cls: type) -> type | None:
 def _declared_parts(cls: type) -> BlockParts | None:
     parts = getattr(cls, "block_parts", None)
     return parts if isinstance(parts, BlockParts) else None
+
+
+def _part(block: nn.Module, path: str | None) -> nn.Module | None:
+    """The submodule of ``block`` at a declared dotted ``path``, or None (none declared, or the
+    block has no such part: a layer built without a feed-forward network)."""
+    if path is None:
+        return None
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _keeps_forward(cls: type) -> bool:

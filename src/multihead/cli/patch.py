@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import multihead
-from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES
+from multihead.circuits.runs.activation_cache import LAYER_SITES, SITES
 from multihead.circuits.runs.input_pair import DIRECTIONS
 from multihead.cli.common import (
     CLIError,
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             f"--format html: the page shows the heads' outputs (--site z); --site {args.site} "
             f"writes {', '.join(f for f in FORMATS if f != 'html')}"
         )
-    stems = (args.site,) if args.site in RESIDUAL_SITES else ("heads", "positions")
+    stems = (args.site,) if args.site in LAYER_SITES else ("heads", "positions")
     names = [f"{stem}.{f}" for stem in stems for f in formats if f != "html"]
     page = "html" in formats and args.site == "z"  # the page's column is the heads' output's
     out = check_output_dir("--out", args.out, [*names, *(["patching.html"] * page)])
@@ -247,7 +247,7 @@ def _patch_site(
     """``--site`` other than z: :func:`multihead.patch` of that site, the cells that move the
     metric most, and a layer x position map (residual sites) or the heads' maps."""
     site, direction = args.site, args.direction
-    residual = site in RESIDUAL_SITES
+    residual = site in LAYER_SITES
     with status("Patching…", shown):
         _record(runs, direction, paths=False, site=site)
         result = multihead.patch(runs, site=site, direction=direction, per_position=residual)

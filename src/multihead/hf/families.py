@@ -34,6 +34,12 @@ __all__ = ["transformers_map", "position_limit", "NORM_NAMES", "MLP_NAMES"]
 NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
 # ... their feed-forward network (on a layer).
 MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "fc", "ff")
+# ... the module of a feed-forward network whose output the activation reads (a gated
+# network's gate before its up projection), and the one that reads the hidden activations.
+_MLP_IN_NAMES = ("gate_proj", "c_fc", "fc1", "fc_in", "dense_h_to_4h", "w1", "up_proj")
+_MLP_DOWN_NAMES = ("down_proj", "c_proj", "fc2", "fc_out", "dense_4h_to_h", "w2")
+# ... a composite model's sub-configs that may hold the text model's rotary.
+_TEXT_CONFIGS = ("text_config", "decoder")
 # ... a learned position table (on the base model, or its embeddings).
 _POSITION_NAMES = ("wpe", "embed_positions", "position_embeddings")
 # ... key/value head counts (on the attention module, then on the config).
@@ -163,9 +169,17 @@ def _blocks(model: nn.Module, sites: list[Site]) -> tuple[Block, ...]:
                 attention=attention if attention is not module else None,
                 mlp=mlp,
                 norms=block_norms(module, [sites[i].module for i in layers], _block_norm_eps),
+                mlp_in=_named_part(mlp, _MLP_IN_NAMES),
+                mlp_down=_named_part(mlp, _MLP_DOWN_NAMES),
             )
         )
     return tuple(blocks)
+
+
+def _named_part(mlp: nn.Module | None, names: tuple[str, ...]) -> nn.Module | None:
+    """The first of ``names`` that is a module of the feed-forward network ``mlp``, or None."""
+    parts = (getattr(mlp, n, None) for n in names) if mlp is not None else iter(())
+    return next((m for m in parts if isinstance(m, nn.Module)), None)
 
 
 def _embeddings(model: nn.Module, base: nn.Module) -> tuple[nn.Module, ...]:
@@ -328,8 +342,29 @@ def transformers_map(model: nn.Module) -> ModelMap:
         and _takes(base, "token_type_ids"),
         call_options={"use_cache": False} if _takes(model, "use_cache") else {},
         positions_argument="position_ids" if causal and _takes(model, "position_ids") else None,
+        positions_by_length=_positions_by_length(config),
         stream_keyword="hidden_states",  # transformers' layers and norms take it by this name
     )
+
+
+def _positions_by_length(config: Any) -> bool:
+    """Whether the model's rotary embeds positions by the run's length: a rope type that
+    transformers' ``dynamic_rope_update`` updates on each run ("dynamic" ones rescale the
+    frequencies to the longest run seen and back on a short one; "longrope" switches its
+    factors at ``original_max_position_embeddings``). The rope type is in the config's
+    ``rope_parameters`` (``rope_scaling`` before transformers 5; the legacy key ``type``), or
+    in one such dict per layer type (Gemma-3's), on the config or a composite model's text or
+    decoder config."""
+    for each in [config, *(getattr(config, name, None) for name in _TEXT_CONFIGS)]:
+        parameters = getattr(each, "rope_parameters", None) or getattr(each, "rope_scaling", None)
+        if not isinstance(parameters, dict):
+            continue
+        nested = [p for p in parameters.values() if isinstance(p, dict)]
+        for rope in nested or [parameters]:
+            kind = str(rope.get("rope_type") or rope.get("type") or "")
+            if "dynamic" in kind or kind == "longrope":
+                return True
+    return False
 
 
 def _logit_scale(config: Any) -> float:

@@ -29,6 +29,7 @@ __all__ = [
     "observe_rows",
     "row_values",
     "row_weights",
+    "row_scores",
     "RowIndex",
     "Rows",
 ]
@@ -233,6 +234,35 @@ def row_weights(
         assert m is not None
         weights = weights.masked_fill_(~kernels.allowed(m).any(-1, keepdim=True), 0.0)
     return weights.to(call.q.dtype)
+
+
+def row_scores(call: AttentionCall, rows: Tensor) -> Tensor:
+    """The scores (B, H, R, S) of one call's query ``rows`` (R,) before the softmax: q kᵀ times
+    the call's scale (softcapped where the call caps its scores), its mask added, and -inf at
+    every key a row may not see (by the mask or causality). TransformerLens's
+    ``hook_attn_scores``; in float32 at least, returned in q's dtype.
+
+    Raises:
+        ValueError: a call whose scores a ``score_mod`` or a block mask changes (FlexAttention's
+            functions: the scores they make are not written out here).
+    """
+    mods = call.mods
+    if mods.score_mod is not None or mods.block_mask is not None:
+        raise ValueError(
+            "attention scores of a call with a score_mod or a block mask are not computed "
+            "(FlexAttention's functions change them inside the kernel): read its pattern"
+        )
+    q, k = call.q, call.k
+    t, s = q.shape[2], k.shape[2]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scores = kernels.scaled_scores(q.index_select(2, rows).to(compute) * call.scale, k.to(compute))
+    if mods.softcap is not None:
+        scores = mods.softcap * torch.tanh(scores / mods.softcap)
+    causal = kernels.causal_mask(t, s, rows=rows) if call.is_causal else None
+    m = kernels.combine_masks(slice_mask(call.mask, None, rows), causal)
+    if m is not None:
+        scores = kernels.add_mask(scores, m).masked_fill_(~kernels.allowed(m), float("-inf"))
+    return scores.to(q.dtype)
 
 
 def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:

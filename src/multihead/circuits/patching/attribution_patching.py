@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, check_positive_int, describe
 from multihead.circuits.patching.patch_result import PatchResult
 from multihead.circuits.runs.activation_cache import (
+    HEAD_SITES,
     RESIDUAL_SITES,
-    SITES,
     SiteRecorder,
     stack_block,
 )
@@ -47,6 +47,9 @@ from multihead.observers import AttentionCall, Removable, registered
 __all__ = ["attribution_patching"]
 
 logger = logging.getLogger(__name__)
+
+# the sites a gradient is taken at: the residual stream's and the heads'
+ATTRIBUTED_SITES = (*RESIDUAL_SITES, *HEAD_SITES, "pattern")
 
 
 def attribution_patching(
@@ -83,7 +86,8 @@ def attribution_patching(
     Args:
         site: what is patched, as :func:`multihead.patch` names it (default ``"z"``, each
             head's output; ``"result"`` gives the same numbers): (L,) or (L, T) for a residual
-            site, (L, H) or (L, H, T) per head (Hk for k and v).
+            site, (L, H) or (L, H, T) per head (Hk for k and v); one of
+            :data:`ATTRIBUTED_SITES` (the residual stream's and the heads' sites).
         model, clean, corrupt, metric, metric_input: as for :func:`~multihead.patch_heads`; the
             metric must
             be differentiable (it runs with gradients enabled).
@@ -112,7 +116,7 @@ def attribution_patching(
         >>> estimate.top(5), estimate.plot()
     """
     check_choice("direction", direction, DIRECTIONS)
-    check_choice("site", site, SITES)
+    check_choice("site", site, ATTRIBUTED_SITES)
     check_positive_int("ig_steps", ig_steps)
     if ig_steps > 1 and site not in ("z", "result"):
         raise ValueError(f"ig_steps > 1 scores heads (site 'z' or 'result'), got site={site!r}")

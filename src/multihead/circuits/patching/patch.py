@@ -44,10 +44,19 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, check_indices, check_optional_positive_int, describe
 from multihead.circuits.patching.patch_heads import patch_heads
 from multihead.circuits.patching.patch_result import PatchResult
-from multihead.circuits.runs.activation_cache import RESIDUAL_SITES, SITES, stack_block
+from multihead.circuits.runs.activation_cache import (
+    LAYER_SITES,
+    MODEL_SITES,
+    NORM_SITES,
+    ROW_SITES,
+    SITES,
+    stack_block,
+)
 from multihead.circuits.runs.experiment import Experiment
+from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.circuits.runs.input_pair import DIRECTIONS
 from multihead.circuits.runs.layer_recording import check_recorded
+from multihead.circuits.runs.norm_reads import NormRead, NormReads
 from multihead.circuits.runs.stacked_runs import run_stacked, stacked_metrics, variant_chunks
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.heads import HeadCount, HeadName, chosen_heads
@@ -61,6 +70,9 @@ __all__ = ["patch"]
 logger = logging.getLogger(__name__)
 
 _KV_SITES = ("k", "v")
+# the sites whose patch at a position reaches the later positions through that block's keys and
+# values (or every block's): not the block's write at that position alone
+_REACHING = ("resid_pre", *_KV_SITES, "ln1_scale", "embed", "pos_embed", "final_scale")
 
 
 def patch(
@@ -116,11 +128,17 @@ def patch(
     check_optional_positive_int("batch_size", batch_size)
     if heads is not None and layers is not None:
         raise ValueError("give heads or layers, not both (heads name their layers)")
-    if heads is not None and site in RESIDUAL_SITES:
+    if heads is not None and site in LAYER_SITES:
         raise ValueError(f"heads: {site} is one activation per layer, with no heads; give layers")
+    if layers is not None and site in MODEL_SITES:
+        raise ValueError(
+            f"layers: {site} is one activation of the whole model, with no layers; give none"
+        )
     experiment = Experiment.of(model, clean, corrupt, metric, metric_input)
     found = experiment.found
     chosen = sorted(set(check_indices("layers", layers, len(found), "layers") or range(len(found))))
+    if site in MODEL_SITES:
+        chosen = [0]
     dims = PatchResult.site_dims(site, per_position)
     if site in ("z", "result"):
         every = [(layer, h) for layer in chosen for h in range(found[layer].num_heads)]
@@ -154,7 +172,7 @@ class _SitePatch:
     def _units(self, layer: int) -> int:
         """Heads (key/value heads for k and v) of ``layer``; 1 for a residual site."""
         site = self.mapped.sites[layer]
-        if self.site in RESIDUAL_SITES:
+        if self.site in LAYER_SITES:
             return 1
         return site.num_kv_heads if self.site in _KV_SITES else site.num_heads
 
@@ -193,10 +211,10 @@ class _SitePatch:
             single, prefix, target = unpatched.output, unpatched.prefix, unpatched.inputs
             stand_ins = [self._as_heads(src) for src in sources.values()]
             size = experiment.stack_size(batch_size, single, stand_ins, logger)
-            t = next(iter(sources.values())).shape[2 if self.site == "pattern" else 1]
+            t = next(iter(sources.values())).shape[2 if self.site in ROW_SITES else 1]
             most = max(self._units(layer) for layer in range(len(found)))
-            shape: tuple[int, ...] = (len(found),)
-            shape += () if self.site in RESIDUAL_SITES else (most,)
+            shape: tuple[int, ...] = (1 if self.site in MODEL_SITES else len(found),)
+            shape += () if self.site in LAYER_SITES else (most,)
             shape += (t,) if self.per_position else ()
             result = torch.full(shape, float("nan"), dtype=base.dtype, device=base.device)
             spans: list[int | None] = list(range(t)) if self.per_position else [None]
@@ -216,14 +234,16 @@ class _SitePatch:
                     chunk = variants[layer][start:stop]
                     first = chunk[0][1] if suffix is not None else None
                     attach = functools.partial(self._attach, layer, chunk, sources[layer])
+                    # the first block the patch changes: the embeddings' is 0, the final
+                    # norm's the last
+                    block = len(found) - 1 if self.site == "final_scale" else layer
                     if suffix is not None and first is not None:
-                        # the block's input, keys and values reach the later positions
-                        local = self.site not in ("resid_pre", *_KV_SITES)
-                        output = suffix.run(len(chunk), first, layer, attach, local=local)
+                        local = self.site not in _REACHING
+                        output = suffix.run(len(chunk), first, block, attach, local=local)
                     else:
                         whole = functools.partial(attach, 0, None)
                         output = run_stacked(
-                            pair, target, len(chunk), layer, prefix, whole, "patch"
+                            pair, target, len(chunk), block, prefix, whole, "patch"
                         )
                     values = stacked_metrics(
                         pair, experiment.metric, output, single, len(chunk),
@@ -242,7 +262,7 @@ class _SitePatch:
 
     def _cell(self, layer: int, unit: int, at: int | None) -> tuple[int, ...]:
         """Where a variant's effect goes in the result."""
-        index = (layer,) if self.site in RESIDUAL_SITES else (layer, unit)
+        index = (layer,) if self.site in LAYER_SITES else (layer, unit)
         return index if at is None else (*index, at)
 
     def _kv_heads(self, heads: Sequence[HeadName]) -> dict[int, list[int]]:
@@ -252,7 +272,7 @@ class _SitePatch:
 
     def _as_heads(self, src: Tensor) -> Tensor:
         """A (B, T, H, D)-shaped view of a source, for the stack size's memory estimate."""
-        if self.site == "pattern":
+        if self.site in ROW_SITES:
             return src.transpose(1, 2)  # (B, T, H, S)
         return src if src.dim() == 4 else src.unsqueeze(2)
 
@@ -273,13 +293,13 @@ class _SitePatch:
             src = src[:, :stop]
         else:
             # a pattern's rows, and its keys up to the run's last (causal: none later is seen)
-            src = src[:, :, start:stop, :stop] if self.site == "pattern" else src[:, start:stop]
+            src = src[:, :, start:stop, :stop] if self.site in ROW_SITES else src[:, start:stop]
             chunk = [(h, None if at is None else at - start) for h, at in chunk]
-        if self.site in RESIDUAL_SITES:
+        if self.site in LAYER_SITES:
             return self._attach_stream(layer, chunk, src)
         attention = self.experiment.found[layer].attention
         units = self._units(layer)
-        t = src.shape[2] if self.site == "pattern" else src.shape[1]
+        t = src.shape[2] if self.site in ROW_SITES else src.shape[1]
         mask = torch.zeros(n, t, units, dtype=torch.bool)
         for i, (h, at) in enumerate(chunk):
             mask[i, slice(None) if at is None else at, h] = True
@@ -288,11 +308,18 @@ class _SitePatch:
         def tiled(value: Tensor) -> Tensor:  # (B, ...) -> (n·B, ...), variant-major
             return value.repeat(n, *[1] * (value.dim() - 1))
 
-        if self.site == "pattern":
+        if self.site in ROW_SITES:
             weights = tiled(src)  # (n·B, H, T, S)
+            if self.site == "attn_scores":  # the source's scores through this call's softmax
+                weights = torch.softmax(weights.float(), -1).nan_to_num_(0.0)
             where = mask.repeat_interleave(src.shape[0], 0)[..., None]  # (n·B, T, H, 1)
 
             def observer(call: AttentionCall, out: Tensor) -> Tensor:
+                if self.site == "attn_scores" and call.mods.sinks is not None:
+                    raise ValueError(
+                        f"patching attn_scores of layer {layer}: its softmax has attention sinks, "
+                        f"whose logits are not scores; patch its pattern"
+                    )
                 v = call.v
                 if v.shape[1] != out.shape[2]:  # grouped-query: query head h reads h // group
                     v = v.repeat_interleave(out.shape[2] // v.shape[1], 1)
@@ -339,7 +366,61 @@ class _SitePatch:
         def source_out(m: nn.Module, a: Any, out: Any) -> Any:  # the module's output := src's
             return with_output_tensor(out, replaced(output_tensor(out), src[None]))
 
-        block = stack_block(self.mapped, layer, f"patching {self.site}")
+        def rescaled(read: NormRead) -> Tensor:  # the norm's output at the source's scale
+            rounding = torch.finfo(read.y.dtype).eps
+            frozen = FrozenNorm.of(read.norm, read.eps, read.x, read.y, self.site, rounding)
+            sigma = replaced(frozen.sigma, src[None])
+            patched = FrozenNorm(frozen.gamma, frozen.beta, sigma, frozen.centred)
+            beta = frozen.beta if frozen.beta is not None else 0.0
+            return (patched.linear(read.x) + beta).to(read.y.dtype)
+
+        mapped = self.mapped
+        if self.site in ("embed", "pos_embed"):
+            index = 0 if self.site == "embed" else 1
+            if len(mapped.embeddings) <= index:
+                raise ValueError(
+                    f"patching {self.site}: the map of {mapped.family} knows no "
+                    f"{'token embedding' if index == 0 else 'position table'}"
+                )
+
+            def table_out(m: nn.Module, a: Any, out: Any) -> Any:
+                current = output_tensor(out)
+                # a position table's (T, E) or (1, T, E): one row per token of the stacked batch
+                current = current.expand(n * b, *current.shape[-2:])
+                return with_output_tensor(out, replaced(current, src[None]))
+
+            return [mapped.embeddings[index].register_forward_hook(table_out)]
+        if self.site == "final_scale":
+            norm, eps = mapped.final_norm, mapped.norm_eps
+            if norm is None or eps is None:
+                raise ValueError(
+                    f"patching final_scale: the map of {mapped.family} knows no final norm"
+                )
+
+            def final_out(m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+                y = output_tensor(out)
+                return with_output_tensor(out, rescaled(NormRead(m, eps, args[0], y)))
+
+            return [norm.register_forward_hook(final_out)]
+        block = stack_block(mapped, layer, f"patching {self.site}")
+        if self.site in NORM_SITES:
+            role = self.site.removesuffix("_scale")
+            reads = NormReads(mapped, block, {role}, change=lambda _, read: rescaled(read))
+            return list(reads.hooks())
+        if self.site in ("mlp_pre", "mlp_post"):
+            layer_part = block.mlp_in if self.site == "mlp_pre" else block.mlp_down
+            if layer_part is None:
+                raise ValueError(
+                    f"patching {self.site}: the map of {mapped.family} does not know block "
+                    f"{layer}'s feed-forward layers"
+                )
+            if self.site == "mlp_pre":
+                return [layer_part.register_forward_hook(source_out)]
+
+            def hidden(m: nn.Module, args: tuple[Any, ...]) -> Any:
+                return (replaced(args[0], src[None]), *args[1:])
+
+            return [layer_part.register_forward_pre_hook(hidden)]
         if self.site == "resid_pre":
 
             def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_positive_int, describe
-from multihead.circuits.runs.activation_cache import RESIDUAL_SITES
+from multihead.circuits.runs.activation_cache import LAYER_SITES, MODEL_SITES
 from multihead.heads import head_label
 from multihead.viz.plots import effects_figure
 
@@ -78,9 +78,10 @@ class PatchResult:
     @staticmethod
     def site_dims(site: str, per_position: bool) -> tuple[str, ...]:
         """The axes of a result of patching ``site`` (module docstring): ``("layer",)`` for a
-        residual site, ``("layer", "head")`` per head, and ``"position"`` after them with
-        ``per_position``."""
-        dims: tuple[str, ...] = ("layer",) if site in RESIDUAL_SITES else ("layer", "head")
+        site with one activation per layer (the residual stream, a norm's scale, the
+        feed-forward's hidden activations; a site of the whole model has one "layer"),
+        ``("layer", "head")`` per head, and ``"position"`` after them with ``per_position``."""
+        dims: tuple[str, ...] = ("layer",) if site in LAYER_SITES else ("layer", "head")
         return dims + (("position",) if per_position else ())
 
     def __post_init__(self) -> None:
@@ -95,9 +96,9 @@ class PatchResult:
             )
 
     def label(self, index: tuple[int, ...]) -> str:
-        """The written name of one cell: ``"L3H5"``, ``"L3H5 pos 7"``, ``"L3 resid_pre pos 7"``;
-        with :attr:`names`, ``"L0H1 -> L1H3.k"`` (sender, receiver, via) or the axes' names
-        joined by spaces."""
+        """The written name of one cell: ``"L3H5"``, ``"L3H5 pos 7"``, ``"L3 resid_pre pos 7"``,
+        ``"embed pos 2"``; with :attr:`names`, ``"L0H1 -> L1H3.k"`` (sender, receiver, via) or
+        the axes' names joined by spaces."""
         if self.names is not None:
             parts = {
                 dim: axis[i] for dim, axis, i in zip(self.dims, self.names, index, strict=True)
@@ -106,9 +107,11 @@ class PatchResult:
                 return f"{parts['sender']} -> {parts['receiver']}.{parts['via']}"
             return " ".join(parts.values())
         named = dict(zip(self.dims, index, strict=True))
+        at = f" pos {named['position']}" if "position" in named else ""
+        if self.site in MODEL_SITES:
+            return f"{self.site}{at}"
         layer = f"L{named['layer']}"
         head = f"H{named['head']}" if "head" in named else f" {self.site}"
-        at = f" pos {named['position']}" if "position" in named else ""
         return f"{layer}{head}{at}"
 
     def labels(self) -> list[str]:

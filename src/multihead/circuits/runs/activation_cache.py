@@ -12,9 +12,25 @@ Sites, per layer l (the l-th attention site, the block holding it):
     z            (B, T, H, Dv)  each head's output before the output projection
     result       (B, T, H, E)   z times the head's slice of the output projection (no bias)
     pattern      (B, H, P, S)   softmax weights of the kept query rows (only when named)
+    attn_scores  (B, H, P, S)   their scores before the softmax: scaled (softcapped) q·k, the
+                                mask added, -inf at every key the row may not see (only when
+                                named)
+    ln1_scale    (B, T, 1)      the scale of the norm the attention reads: σ (LayerNorm) or rms
+    ln2_scale    (B, T, 1)      ... of the norm the feed-forward network reads
+    mlp_pre      (B, T, F)      the feed-forward's hidden pre-activations (a gated one's gate)
+    mlp_post     (B, T, F)      its hidden activations, what its output projection reads
 
-The names, and the keys ``"blocks.{l}.hook_resid_pre"``, ``"blocks.{l}.attn.hook_z"`` and so on,
-are TransformerLens's (``run_with_cache``), with one difference on rotary models: multihead's q
+and of the whole model (keyed at layer 0: ``cache["embed"]`` or ``cache["embed", 0]``):
+
+    embed        (B, T, E)      the token embedding's output
+    pos_embed    (B, T, E)      the position table's, where the model has one (not rotary)
+    final_scale  (B, T, 1)      the scale of the final norm
+
+The names, and the keys ``"blocks.{l}.hook_resid_pre"``, ``"blocks.{l}.attn.hook_z"``,
+``"blocks.{l}.ln1.hook_scale"``, ``"blocks.{l}.mlp.hook_pre"``, ``"hook_embed"``,
+``"ln_final.hook_scale"`` and so on, are TransformerLens's (``run_with_cache``; ln1 and ln2 are
+the norms the attention and the feed-forward network read, found on the run:
+:mod:`~multihead.circuits.runs.norm_reads`), with one difference on rotary models: multihead's q
 and k are what the kernel reads, after rotary positions, TransformerLens's ``hook_rot_q`` and
 ``hook_rot_k`` (accepted as names too), where its ``hook_q`` and ``hook_k`` are before: on a
 layer that turns them (found on the run: :class:`~multihead.circuits.runs.rotary_check.
@@ -26,9 +42,9 @@ no such decomposition and a lookup says so, and a parallel block (GPT-J, GPT-Neo
 no ``resid_mid``.
 
 One forward (:class:`SiteRecorder` records it: any run can be recorded), with forward hooks on the
-map's blocks, attention and feed-forward modules (:func:`multihead.model_map`) and observers on the
-attention sites; nothing is stored that was not asked for, and ``positions`` are cut before anything
-is kept.
+map's blocks, attention, feed-forward modules, norms and embeddings (:func:`multihead.model_map`)
+and observers on the attention sites; nothing is stored that was not asked for, and
+``positions`` are cut before anything is kept.
 """
 
 from __future__ import annotations
@@ -43,18 +59,26 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import describe, is_int
+from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.circuits.runs.input_pair import model_inputs, run_model
+from multihead.circuits.runs.norm_reads import NormRead, NormReads
 from multihead.circuits.runs.rotary_check import RotaryCheck
 from multihead.circuits.runs.wiring import WiringRun
 from multihead.map_types import Block, ModelMap, output_tensor
 from multihead.mapping import model_heads, model_map
 from multihead.observe.recorder import capture
+from multihead.observe.rows import row_scores
 from multihead.observers import AttentionCall, Removable, registered
 
 __all__ = [
     "SITES",
     "RESIDUAL_SITES",
     "HEAD_SITES",
+    "LAYER_SITES",
+    "MODEL_SITES",
+    "NORM_SITES",
+    "MLP_SITES",
+    "ROW_SITES",
     "ActivationCache",
     "cache",
     "SiteRecorder",
@@ -66,7 +90,15 @@ __all__ = [
 
 RESIDUAL_SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 HEAD_SITES = ("q", "k", "v", "z", "result")
-SITES = (*RESIDUAL_SITES, *HEAD_SITES, "pattern")
+NORM_SITES = ("ln1_scale", "ln2_scale")
+MLP_SITES = ("mlp_pre", "mlp_post")
+# one activation of the whole model each, keyed at layer 0
+MODEL_SITES = ("embed", "pos_embed", "final_scale")
+# the (B, H, P, S) sites, kept only when named
+ROW_SITES = ("pattern", "attn_scores")
+SITES = (*RESIDUAL_SITES, *HEAD_SITES, *ROW_SITES, *NORM_SITES, *MLP_SITES, *MODEL_SITES)
+# the sites with one activation per layer (no heads): patched per layer
+LAYER_SITES = (*RESIDUAL_SITES, *NORM_SITES, *MLP_SITES, *MODEL_SITES)
 # the sites of the block's sum, defined only where resid_post = resid_pre + attn_out + mlp_out
 _SUM_SITES = ("attn_out", "resid_mid", "mlp_out")
 
@@ -75,25 +107,41 @@ _SUM_SITES = ("attn_out", "resid_mid", "mlp_out")
 SiteKey = tuple[str, int]
 Names = Union[str, SiteKey, Sequence[Union[str, SiteKey]], Callable[[str, int], bool], None]  # noqa: UP007
 
-_TL_NAME = re.compile(r"blocks\.(\d+)\.(?:attn\.)?hook_(\w+)")
-# TransformerLens's names for q and k after rotary positions, which multihead's q and k are
-_ROTARY = {"rot_q": "q", "rot_k": "k"}
+_TL_NAME = re.compile(r"blocks\.(\d+)\.(.+)")
+# TransformerLens's name of each site within block l, ``blocks.{l}.<this>``, and of the model's
+_IN_BLOCK = {
+    **{f"hook_{site}": site for site in RESIDUAL_SITES},
+    **{f"attn.hook_{site}": site for site in (*HEAD_SITES, *ROW_SITES)},
+    "ln1.hook_scale": "ln1_scale",
+    "ln2.hook_scale": "ln2_scale",
+    "mlp.hook_pre": "mlp_pre",
+    "mlp.hook_post": "mlp_post",
+    # its names for q and k after rotary positions, which multihead's q and k are
+    "attn.hook_rot_q": "q",
+    "attn.hook_rot_k": "k",
+}
+_OF_MODEL = {
+    "hook_embed": "embed",
+    "hook_pos_embed": "pos_embed",
+    "ln_final.hook_scale": "final_scale",
+}
 
 
 def _from_hook_name(name: str) -> SiteKey | None:
-    """``"blocks.3.attn.hook_z"`` -> ``("z", 3)`` (``hook_rot_q`` -> ``q``); None otherwise."""
+    """``"blocks.3.attn.hook_z"`` -> ``("z", 3)`` (``hook_rot_q`` -> ``q``), ``"hook_embed"``
+    (or ``"embed"``) -> ``("embed", 0)``; None otherwise."""
+    if name in _OF_MODEL or name in MODEL_SITES:
+        return _OF_MODEL.get(name, name), 0
     match = _TL_NAME.fullmatch(name)
-    if match is None:
-        return None
-    site = _ROTARY.get(match[2], match[2])
-    return (site, int(match[1])) if site in SITES else None
+    site = _IN_BLOCK.get(match[2]) if match is not None else None
+    return (site, int(match[1])) if match is not None and site is not None else None
 
 
 def _before_rotary(name: object) -> bool:
     """Whether ``name`` is TransformerLens's ``hook_q`` or ``hook_k``: on a rotary model the
     queries or keys before the rotation, which multihead does not keep."""
     match = _TL_NAME.fullmatch(name) if isinstance(name, str) else None
-    return match is not None and match[2] in ("q", "k")
+    return match is not None and match[2] in ("attn.hook_q", "attn.hook_k")
 
 
 def _rotary_refusal(name: str, layer: int) -> str:
@@ -119,9 +167,12 @@ def stack_block(mapped: ModelMap, layer: int, what: str) -> Block:
 
 
 def hook_name(site: str, layer: int) -> str:
-    """TransformerLens's name of a site: ``hook_name("z", 3) == "blocks.3.attn.hook_z"``."""
-    inside = "attn." if site in (*HEAD_SITES, "pattern") else ""
-    return f"blocks.{layer}.{inside}hook_{site}"
+    """TransformerLens's name of a site: ``hook_name("z", 3) == "blocks.3.attn.hook_z"``,
+    ``hook_name("ln2_scale", 0) == "blocks.0.ln2.hook_scale"``, ``hook_name("embed", 0) ==
+    "hook_embed"``."""
+    if site in MODEL_SITES:
+        return next(name for name, s in _OF_MODEL.items() if s == site)
+    return f"blocks.{layer}." + next(name for name, s in _IN_BLOCK.items() if s == site)
 
 
 class ActivationCache(Mapping[SiteKey, Tensor]):
@@ -174,6 +225,8 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
             site, layer = key[0], int(key[1])
             if site not in SITES:
                 raise KeyError(f"site must be one of {', '.join(SITES)}, got {site!r}")
+            if site in MODEL_SITES and layer != 0:
+                raise KeyError(_model_site_layer(site, layer))
             if not -self.num_layers <= layer < self.num_layers:
                 raise KeyError(
                     f"layer must be in [{-self.num_layers}, {self.num_layers}), got {layer}"
@@ -221,11 +274,23 @@ class ActivationCache(Mapping[SiteKey, Tensor]):
         )
 
 
+def _model_site_layer(site: str, layer: int) -> str:
+    return (
+        f"{site} is one activation of the whole model, keyed at layer 0: ({site!r}, 0), got "
+        f"layer {layer}"
+    )
+
+
 def _wanted(names: Names, num_layers: int) -> set[SiteKey]:
     """The (site, layer) keys ``names`` selects (see :func:`cache`)."""
-    every = [(s, layer) for layer in range(num_layers) for s in SITES]
+    every = [
+        (s, layer)
+        for layer in range(num_layers)
+        for s in SITES
+        if s not in MODEL_SITES or layer == 0
+    ]
     if names is None:
-        return {(s, layer) for s, layer in every if s != "pattern"}
+        return {(s, layer) for s, layer in every if s not in ROW_SITES}
     if callable(names):
         return {(s, layer) for s, layer in every if names(s, layer)}
     items: Sequence[object] = (
@@ -240,7 +305,8 @@ def _wanted(names: Names, num_layers: int) -> set[SiteKey]:
     chosen: set[SiteKey] = set()
     for item in items:
         if isinstance(item, str) and item in SITES:
-            chosen.update((item, layer) for layer in range(num_layers))
+            count = 1 if item in MODEL_SITES else num_layers
+            chosen.update((item, layer) for layer in range(count))
             continue
         if isinstance(item, str) and (named := _from_hook_name(item)) is not None:
             item = named
@@ -250,6 +316,8 @@ def _wanted(names: Names, num_layers: int) -> set[SiteKey]:
                 f"TransformerLens hook name, got {item!r}"
             )
         site, layer = item
+        if site in MODEL_SITES and layer != 0:
+            raise ValueError(f"names: {_model_site_layer(site, layer)}")
         if not -num_layers <= layer < num_layers:
             raise ValueError(
                 f"names: layer of {item!r} must be in [{-num_layers}, {num_layers}), got {layer}"
@@ -309,8 +377,9 @@ def cache(
             :class:`multihead.TextModel` a text or texts.
         names: what to keep: a site (``"resid_pre"``: every layer), ``(site, layer)`` pairs,
             TransformerLens hook names (``"blocks.0.attn.hook_z"``), a list of these, or a
-            predicate ``f(site, layer) -> bool``. Default every site but ``pattern`` (whose
-            (B, H, T, T) is kept only when named).
+            predicate ``f(site, layer) -> bool`` (which keeps the sites chosen that the model
+            has). Default every site but ``pattern`` and ``attn_scores`` (whose (B, H, T, T)
+            are kept only when named).
         positions: the token positions to keep (an int, ints, a slice; negative from the
             end), cut before anything is stored; ``pattern`` keeps these query rows and every
             key. Default all.
@@ -321,9 +390,13 @@ def cache(
         An :class:`ActivationCache`: ``cache["resid_pre", 0]`` (B, T, E) and so on.
 
     Raises:
-        ValueError: names or positions out of range, a named sum site (``attn_out``,
-            ``resid_mid``, ``mlp_out``) or ``mlp_out`` the model does not have, a model whose
-            map knows no blocks when a residual site is named.
+        ValueError: names or positions out of range, a model site (``embed``) at a layer
+            other than 0, a site named outright (not by a predicate) that the model does not
+            have, its reason named: a sum site (``attn_out``, ``resid_mid``, ``mlp_out``) of a
+            post-LN or parallel block, ``pos_embed`` of a model without a position table,
+            ``ln1_scale`` of a post-LN block, ``ln2_scale`` of a block whose one norm feeds
+            both, ``mlp_pre`` of a mixture of experts, ``attn_scores`` under a score_mod, a
+            residual site of a model whose map knows no blocks.
         TypeError: names or positions of another kind.
 
     Example:
@@ -388,7 +461,8 @@ class SiteRecorder:
         self.real = real
         self.packed = int(real.sum()) if real is not None and not bool(real.all()) else None
         wanted = _wanted(names, num_layers)
-        self.explicit = names is not None
+        # a site named outright that the model lacks is an error; a predicate keeps what it has
+        self.explicit = names is not None and not callable(names)
         self.blocks = [mapped.block_of(layer) for layer in range(num_layers)]
         residual_layers = sorted({layer for s, layer in wanted if s in RESIDUAL_SITES})
         for layer in residual_layers:
@@ -427,6 +501,28 @@ class SiteRecorder:
         ]
         self.rotary_check = RotaryCheck(mapped, {layer for s, layer in wanted if s in ("q", "k")})
         self.fed: dict[int, _Fed] = {layer: _Fed() for layer in self.mid_layers}
+        # a named site this run cannot give, and why (raised when named, else left absent)
+        self.missing: dict[SiteKey, str] = {}
+        self.norm_reads: dict[int, NormReads] = {}
+        self.mlp_parts: list[tuple[SiteKey, nn.Module]] = []
+        for site, layer in sorted(k for k in wanted if k[0] in (*NORM_SITES, *MLP_SITES)):
+            block = self.blocks[layer]
+            if block is None or len(block.sites) != 1:
+                self.missing[site, layer] = (
+                    f"the map of {mapped.family} has no block holding layer {layer} alone"
+                )
+            elif site in NORM_SITES:
+                reads = self.norm_reads.setdefault(layer, NormReads(mapped, block, set()))
+                reads.roles.add(site.removesuffix("_scale"))
+            elif (part := block.mlp_in if site == "mlp_pre" else block.mlp_down) is not None:
+                self.mlp_parts.append(((site, layer), part))
+            else:
+                self.missing[site, layer] = (
+                    f"the map of {mapped.family} does not know block {layer}'s feed-forward "
+                    f"layers (none, or a mixture of experts)"
+                )
+        self.token_shape: torch.Size | None = None  # the token embedding's output, for pos_embed
+        self.final: tuple[Tensor, Tensor] | None = None  # the final norm's (input, output)
 
     def keep(self, key: SiteKey, value: Tensor, axis: int = 1) -> None:
         value = value.detach()
@@ -460,8 +556,54 @@ class SiteRecorder:
 
         return hook
 
+    def _on_output(self, key: SiteKey) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            self.keep(key, output_tensor(out))
+
+        return hook
+
+    def _on_input(self, key: SiteKey) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
+            self.keep(key, args[0])
+
+        return hook
+
+    def _on_embeddings(self, m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        self.token_shape = output_tensor(out).shape
+        if ("embed", 0) in self.wanted:
+            self.keep(("embed", 0), output_tensor(out))
+
+    def _on_positions(self, m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        self.seen["pos_embed", 0] = output_tensor(out).detach()  # broadcast at the result
+
+    def _on_final_norm(self, m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if args:
+            self.final = (args[0].detach(), output_tensor(out).detach())
+
+    def _keep_scores(self, layer: int, call: AttentionCall) -> None:
+        """``attn_scores`` of ``layer``: the kept query rows' scores (B, H, P, S)."""
+        if self.packed is not None:
+            self.missing["attn_scores", layer] = (
+                "the model packs this padded batch's tokens into one sequence: give its "
+                "sequences unpadded, or one at a time"
+            )
+            return
+        t = call.q.shape[2]
+        if not self.where:
+            self.where.append(_positions(self.positions, t))
+        chosen = self.where[0]
+        rows = torch.tensor(range(t) if chosen is None else chosen, device=call.q.device)
+        try:
+            scores = row_scores(call, rows)
+        except ValueError as e:
+            self.missing["attn_scores", layer] = str(e)
+            return
+        self.kept["attn_scores", layer] = scores if self.device is None else scores.to(self.device)
+
     def _on_heads(self, layer: int) -> Callable[[AttentionCall, Tensor], None]:
         def observer(call: AttentionCall, out: Tensor) -> None:
+            if ("attn_scores", layer) in self.wanted:
+                self._keep_scores(layer, call)
             for site, value in (
                 ("z", out),
                 ("q", call.q.transpose(1, 2)),
@@ -523,11 +665,69 @@ class SiteRecorder:
                     )
                     for norm, _ in block.norms:
                         yield norm.register_forward_hook(self._on_norm(layer))
-            if any((s, layer) in wanted for s in HEAD_SITES):
+            if any((s, layer) in wanted for s in (*HEAD_SITES, "attn_scores")):
                 yield self.found[layer].attention.register_observer(self._on_heads(layer))
+        for reads in self.norm_reads.values():
+            yield from reads.hooks()
+        for key, part in self.mlp_parts:
+            if key[0] == "mlp_pre":
+                yield part.register_forward_hook(self._on_output(key))
+            else:
+                yield part.register_forward_pre_hook(self._on_input(key))
+        yield from self._model_hooks()
         if self.wiring is not None:  # the heads' writes go through each output projection
             yield from self.wiring.hooks()
         yield from self.rotary_check.hooks()
+
+    def _model_hooks(self) -> Iterator[Removable]:
+        """The hooks of the model's sites: its embeddings and final norm."""
+        mapped, wanted = self.mapped, self.wanted
+        tables = mapped.embeddings
+        if ("embed", 0) in wanted or ("pos_embed", 0) in wanted:
+            if tables:
+                yield tables[0].register_forward_hook(self._on_embeddings)
+            else:
+                for site in ("embed", "pos_embed"):
+                    self.missing[site, 0] = f"the map of {mapped.family} knows no embeddings"
+        if ("pos_embed", 0) in wanted and tables:
+            if len(tables) > 1:
+                yield tables[1].register_forward_hook(self._on_positions)
+            else:
+                self.missing["pos_embed", 0] = (
+                    f"{mapped.family} has no position table (its positions are in its attention: "
+                    f"rotary or relative)"
+                )
+        if ("final_scale", 0) in wanted:
+            if mapped.final_norm is not None and mapped.norm_eps is not None:
+                yield mapped.final_norm.register_forward_hook(self._on_final_norm)
+            else:
+                self.missing["final_scale", 0] = (
+                    f"the map of {mapped.family} knows no final norm (a post-LN model, or one "
+                    f"whose norm has no epsilon it can read)"
+                )
+
+    def _norm_scales(self) -> None:
+        """Keep the scales of the norms named: the final norm's and each block's ln1 / ln2."""
+        calls: list[tuple[SiteKey, NormRead | None, str]] = []
+        for layer, reads in self.norm_reads.items():
+            for role in sorted(reads.roles):
+                why = reads.why.get(role, f"block {layer}'s {role} was not called")
+                calls.append(((f"{role}_scale", layer), reads.reads.get(role), why))
+        if self.final is not None:
+            assert self.mapped.final_norm is not None and self.mapped.norm_eps is not None
+            norm, eps = self.mapped.final_norm, self.mapped.norm_eps
+            calls.append((("final_scale", 0), NormRead(norm, eps, *self.final), ""))
+        for key, read, why in calls:
+            if read is None:
+                self.missing[key] = why
+                continue
+            rounding = torch.finfo(read.y.dtype).eps if read.y.is_floating_point() else 0.0
+            try:
+                frozen = FrozenNorm.of(read.norm, read.eps, read.x, read.y, key[0], rounding)
+            except ValueError as e:
+                self.missing[key] = str(e)
+                continue
+            self.keep(key, frozen.sigma)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -556,6 +756,13 @@ class SiteRecorder:
                 weights if self.device is None else weights.to(self.device)
             )
         absent: dict[str, str] = {}
+        self._norm_scales()
+        positions = self.seen.pop(("pos_embed", 0), None)
+        if positions is not None and self.token_shape is not None:
+            # a table looked up by position alone, (T, E) or (1, T, E): one row per token
+            self.keep(("pos_embed", 0), positions.expand(self.token_shape))
+        for (site, _), why in self.missing.items():
+            absent.setdefault(site, why)
         for layer in sorted(self.needs_sum):
             block = self.blocks[layer]
             _sums(mapped, layer, block is not None and block.mlp is not None, seen, absent)
@@ -591,8 +798,10 @@ class SiteRecorder:
                     raise ValueError(_rotary_refusal(name, layer))
         if self.explicit:
             for site, layer in sorted(self.wanted):
+                if (site, layer) not in kept and (site, layer) in self.missing:
+                    raise ValueError(f"{_label(site, layer)}: {self.missing[site, layer]}")
                 if (site, layer) not in kept and site in absent:
-                    raise ValueError(f"{site} of layer {layer}: {absent[site]}")
+                    raise ValueError(f"{_label(site, layer)}: {absent[site]}")
         return ActivationCache(
             kept,
             positions=self.where[0] if self.where else None,
@@ -600,6 +809,11 @@ class SiteRecorder:
             absent=absent,
             rotary=rotary,
         )
+
+
+def _label(site: str, layer: int) -> str:
+    """How a message names a site: ``"z of layer 3"``, ``"embed"`` (a site of the model)."""
+    return site if site in MODEL_SITES else f"{site} of layer {layer}"
 
 
 def _rows(positions: object) -> Any:

@@ -28,11 +28,12 @@ of the last position, or of an answer's positions, does not).
 
 :meth:`SuffixRuns.build` checks once that such runs, unpatched, give the whole run's logits at
 the positions read (to the dtype's rounding: they multiply fewer rows at a time); when they do
-not, or the model or inputs do not allow them (not causal, no positions argument, padding, a
-sliding window, tensor parallelism, a metric of the whole output), every patch runs the whole
-sequence, and the reason is logged. So does a model on a GPU, where a forward costs its kernel
-launches more than its arithmetic: there the whole sequences stacked along the batch take a few
-large forwards where these runs take one or two per position and layer.
+not, or the model or inputs do not allow them (not causal, no positions argument, positions
+embedded by the run's length, padding, a sliding window, tensor parallelism, a metric of the
+whole output), every patch runs the whole sequence, and the reason is logged. So does a model
+on a GPU, where a forward costs its kernel launches more than its arithmetic: there the whole
+sequences stacked along the batch take a few large forwards where these runs take one or two
+per position and layer.
 
 Shapes: B batch, T tokens, S keys, E width, V vocabulary, H heads, Hk key/value heads, D one
 head's width, n stacked variants, s = T - t recomputed positions.
@@ -169,6 +170,13 @@ class SuffixRuns:
             return "the model is not causal: a patch reaches earlier positions"
         if mapped.positions_argument is None:
             return "the model's map names no positions argument for a run of later tokens"
+        if mapped.positions_by_length:
+            # transformers' dynamic (NTK) and longrope rotary: a run of later positions alone
+            # would be embedded by its own length, not the whole sequence's
+            return (
+                "the model embeds positions by the run's length (a dynamic or longrope rotary): "
+                "a run of later positions alone is embedded otherwise than the whole sequence"
+            )
         if any(site.shard is not None for site in mapped.sites):
             return "the model is tensor-parallel"
         if any(s.window is not None and s.window < pair.length for s in mapped.sites):
