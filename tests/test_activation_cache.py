@@ -496,6 +496,9 @@ def test_the_other_sites_a_model_lacks_are_named() -> None:
     ids = torch.randint(20, (2, 6))
     with pytest.raises(ValueError, match=r"ln1_scale of layer 0: block 0's attention reads no"):
         cache(post, ids, names=["ln1_scale"])
+    # its feed-forward network reads the norm after the attention: TransformerLens's ln1 there
+    with pytest.raises(ValueError, match=r"ln2_scale of layer 1: .*\(a post-LN block: its norms"):
+        cache(post, ids, names=[("ln2_scale", 1)])
     with pytest.raises(ValueError, match="final_scale: the map of TransformerLM knows no final"):
         cache(post, ids, names=["final_scale"])
     kept = cache(post, ids, names=lambda site, layer: site in ("ln1_scale", "embed"))

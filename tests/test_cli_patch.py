@@ -267,6 +267,33 @@ def test_site_flag_patches_the_residual_stream_and_other_head_sites(
     assert "--senders and --receivers patch heads' outputs: give them with --site z" in err
 
 
+def test_site_flag_patches_the_transformer_lens_sites(
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--site embed`` (a site of the whole model: one row of positions) and ``--site
+    attn_scores`` (per head), multihead.patch's numbers; an attention-only model's ``mlp_pre``
+    is one line naming what it lacks."""
+    argv = ["patch", "--checkpoint", str(induction_run), "--format", "png", "--top", "2"]
+    out = tmp_path / "embed"
+    assert main([*argv, "--out", str(out), "--site", "embed"]) == 0
+    stdout = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["embed.png"]
+    model = TransformerLM.load(induction_run).eval()
+    pair = induction_pair(16)
+    want = multihead.patch(
+        model, pair.clean, pair.corrupt, pair.metric, site="embed", per_position=True
+    )
+    assert want.values.shape == (1, 16)
+    printed = re.findall(r"^  (embed pos \d+)\s+(-?\d+\.\d+)", stdout, re.MULTILINE)
+    assert [label for label, _ in printed] == [label for label, _ in want.top(2)]
+    assert main([*argv, "--out", str(tmp_path / "scores"), "--site", "attn_scores"]) == 0
+    assert "site attn_scores" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "scores").iterdir()) == ["heads.png", "positions.png"]
+    err = fails(capsys, [*argv, "--out", str(tmp_path / "mlp"), "--site", "mlp_pre"])
+    assert "mlp_pre of layer 0: the map of TransformerLM does not know block 0's" in err
+    assert not (tmp_path / "mlp").exists()
+
+
 def test_row17_a_page_of_another_site_is_refused(
     induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import multihead
-from multihead.circuits.runs.activation_cache import LAYER_SITES, SITES
+from multihead.circuits.runs.activation_cache import LAYER_SITES, MODEL_SITES, SITES
 from multihead.circuits.runs.input_pair import DIRECTIONS
 from multihead.cli.common import (
     CLIError,
@@ -230,7 +230,7 @@ def _record(runs: Any, direction: str, *, paths: bool, site: str = "z") -> None:
     source, target = runs.ends(direction)
     layers = range(len(runs.found))
     heads = [("z", layer) for layer in layers]
-    patched = [(site, layer) for layer in layers]
+    patched = [(site, layer) for layer in (range(1) if site in MODEL_SITES else layers)]
     keys = [(s, layer) for layer in layers for s in ("k", "v")]
     runs.run(source, sites=[*heads, *patched], prefix=paths and source == "clean")
     runs.run(target, sites=[*heads, *keys], prefix=True, gradients=site == "z")
@@ -260,7 +260,7 @@ def _patch_site(
             )
     if not shown:
         return 0
-    layers = result.values.shape[0]
+    layers = len(runs.found)
     print(f"{experiment.name}: {layers} layers; site {site}; metric: {experiment.describe}")
     _print_metrics(result)
     print()

@@ -213,7 +213,8 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
     holds (:func:`multihead.hf.tensor_parallel.head_shard`).
 
     Raises:
-        ValueError: no transformers model inside, or one whose attention is not routed through
+        ValueError: no transformers model inside, one without attention layers (a state-space
+            or Fourier-mixing family), one whose attention is not routed through
             ``AttentionInterface``, or one whose tensor-parallel layout does not map to global
             heads (the error names its family).
     """
@@ -238,6 +239,13 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
         )
         own = [(n, m) for n, m in inside if routed(type(m)) and _projects(m)]
         family = getattr(root.config, "model_type", type(root).__name__)
+        if not own and not any("attention" in type(m).__name__.lower() for _, m in inside):
+            # a state-space, Fourier- or convolution-mixing family (Mamba, FNet): no heads
+            raise ValueError(
+                f"{family} ({type(root).__name__}) has no attention layers (its token mixers "
+                f"are no softmax attention: state-space, Fourier or convolutional): it has no "
+                f"heads for multihead to observe or steer"
+            )
         if not own:
             raise ValueError(
                 f"{family} ({type(root).__name__}) does not route its attention through "

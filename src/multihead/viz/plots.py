@@ -450,7 +450,8 @@ def effects_figure(
         )
     cell = 0.55 if n_cols <= 24 else 0.28
     fw = 1.6 + cell * n_cols + 1.2
-    fig = new_figure(fw, 1.3 + 0.42 * n_rows)
+    # tall enough for the colour bar's label beside a row or two
+    fig = new_figure(fw, max(2.6, 1.3 + 0.42 * n_rows))
     ax = fig.add_subplot()
     finite = w[torch.isfinite(w)]
     top = max(float(finite.abs().max()), 1e-12) if finite.numel() else 1.0

@@ -217,14 +217,17 @@ class PatchResult:
             ]
             return grid, list(senders), columns, "sender", "receiver.input"
         layers = [str(layer) for layer in range(values.shape[0])]
+        axis = "layer"
+        if self.site in MODEL_SITES:  # one row, the whole model's
+            layers, axis = [self.site], ""
         unit = "key/value head" if self.site in ("k", "v") else "head"
         if self.dims == ("layer",):
-            return values[:, None], layers, [self.site], "layer", ""
+            return values[:, None], layers, [self.site], axis, ""
         if self.dims == ("layer", "head"):
             return values, layers, [str(h) for h in range(values.shape[1])], "layer", unit
         positions = self._positions(values.shape[-1], tokens)
         if self.dims == ("layer", "position"):
-            return values, layers, positions, "layer", "position"
+            return values, layers, positions, axis, "position"
         if self.dims != ("layer", "head", "position"):
             raise ValueError(
                 f"plot() draws the axes patch and path_patching give, got dims {self.dims}"

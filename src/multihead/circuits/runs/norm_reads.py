@@ -6,8 +6,9 @@ norms are many and named anyhow (Gemma-2 has four: two of them normalise what th
 the feed-forward network write), so they are told apart here by identity, as the block runs:
 a forward hook on each of the map's norms of the block keeps its input and output, and a forward
 pre-hook on the attention (the feed-forward network) finds the norm whose output it was given.
-A post-LN block's attention reads no norm's output (no ``ln1``); a parallel block whose one norm
-feeds both (GPT-J) has no ``ln2``.
+A post-LN block's attention reads no norm's output: it has neither (TransformerLens's ``ln1``
+and ``ln2`` there are the norms after the attention and the feed-forward network, which read
+nothing of theirs); a parallel block whose one norm feeds both (GPT-J) has no ``ln2``.
 
 The same pre-hook may hand the reader another input (``change``): a norm's scale patched at
 the reader, every reader of that norm's output given the changed one.
@@ -106,6 +107,14 @@ class NormReads:
             read = next((c for c in self._calls.values() if c.y is stream), None)
             if role == NORM_ROLES[0]:
                 self._attention_norm = read.norm if read is not None else None
+            elif read is not None and self._attention_norm is None:
+                # TransformerLens's ln2 of a post-LN block is the norm after the feed-forward
+                # network, not the one it reads: no name here rather than a misleading one
+                self.why[role] = (
+                    f"block {self.block.index}'s attention reads no norm's output (a post-LN "
+                    f"block: its norms follow its attention and feed-forward network)"
+                )
+                return None
             elif read is not None and read.norm is self._attention_norm:
                 self.why[role] = (
                     f"block {self.block.index}'s feed-forward network reads the norm its "
