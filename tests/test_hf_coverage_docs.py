@@ -58,9 +58,12 @@ def test_a_model_with_no_attention_layers_is_named_so(family: str) -> None:
     transformers = pytest.importorskip("transformers", minversion="5")
     import multihead
 
-    config = transformers.AutoConfig.for_model(
-        family, vocab_size=50, hidden_size=16, num_hidden_layers=1, intermediate_size=32
-    )
+    try:
+        config = transformers.AutoConfig.for_model(
+            family, vocab_size=50, hidden_size=16, num_hidden_layers=1, intermediate_size=32
+        )
+    except (KeyError, ValueError):  # a transformers without the family
+        pytest.skip(f"the installed transformers has no {family}")
     model = transformers.AutoModel.from_config(config)
     with pytest.raises(ValueError, match=f"{family} .* has no attention layers"):
         multihead.model_map(model)
