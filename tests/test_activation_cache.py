@@ -11,13 +11,8 @@ import torch
 from torch import Tensor, nn
 
 import multihead
-from multihead.circuits.runs.activation_cache import (
-    MODEL_SITES,
-    SITES,
-    cache,
-    head_writes,
-    hook_name,
-)
+from multihead.circuits.runs.site_names import MODEL_SITES, SITES, hook_name
+from multihead.circuits.runs.site_recorder import cache, head_writes
 from multihead.models import TransformerLM
 
 

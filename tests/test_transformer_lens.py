@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import multihead
-from multihead.circuits.runs.activation_cache import HEAD_SITES, RESIDUAL_SITES, hook_name
+from multihead.circuits.runs.site_names import HEAD_SITES, RESIDUAL_SITES, hook_name
 
 # the residual stream's and the heads' sites; the others are test_the_other_sites_...'s
 SITES = (*RESIDUAL_SITES, *HEAD_SITES, "pattern")

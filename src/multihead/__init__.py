@@ -27,7 +27,7 @@ _LAZY: dict[str, str] = {
     "KVCache": "multihead.kv_cache",
     "PackedBatch": "multihead.packing",
     "model_map": "multihead.mapping",
-    "cache": "multihead.circuits.runs.activation_cache",
+    "cache": "multihead.circuits.runs.site_recorder",
     "ActivationCache": "multihead.circuits.runs.activation_cache",
     "ModelMap": "multihead.map_types",
     "capture": "multihead.observe.recorder",

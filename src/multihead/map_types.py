@@ -233,6 +233,17 @@ class ModelMap:
         """The block holding site ``layer``, or None."""
         return next((b for b in self.blocks if layer in b.sites), None)
 
+    def stack_block(self, layer: int, what: str) -> Block:
+        """The block holding attention layer ``layer`` alone, or a ValueError naming ``what``
+        needs it (the residual sites are a stack's: one attention layer per block)."""
+        block = self.block_of(layer)
+        if block is None or len(block.sites) != 1:
+            raise ValueError(
+                f"{what} needs one attention layer per block of a stack; the map of "
+                f"{self.family} has no block holding layer {layer} alone"
+            )
+        return block
+
     def stream_of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         """The residual stream a call of a block (or of a module inside one) was given, as its
         forward (pre-)hook sees the call: its first positional argument, else the map's

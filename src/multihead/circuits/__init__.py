@@ -60,7 +60,7 @@ _LAZY: dict[str, str] = {
     "CopyingScores": "multihead.circuits.weights.copying_scores",
     "HeadSVD": "multihead.circuits.weights.head_svd",
     "QKAttribution": "multihead.circuits.decompose.qk_attribution",
-    "cache": "multihead.circuits.runs.activation_cache",
+    "cache": "multihead.circuits.runs.site_recorder",
     "ActivationCache": "multihead.circuits.runs.activation_cache",
 }
 

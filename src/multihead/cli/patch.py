@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 import multihead
-from multihead.circuits.runs.activation_cache import LAYER_SITES, MODEL_SITES, SITES
 from multihead.circuits.runs.input_pair import DIRECTIONS
+from multihead.circuits.runs.site_names import LAYER_SITES, MODEL_SITES, SITES
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,

@@ -61,7 +61,8 @@ from multihead._files import (
     read_json,
     write_synced,
 )
-from multihead.circuits.runs.activation_cache import Names, cache, hook_name
+from multihead.circuits.runs.site_names import Names, hook_name
+from multihead.circuits.runs.site_recorder import cache
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.text.corpus import Progress, check_texts, text_batches
 from multihead.text.model import TextModel

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_optional_positive_int
-from multihead.circuits.runs.activation_cache import cache
 from multihead.circuits.runs.frozen_norm import FrozenNorm
+from multihead.circuits.runs.site_recorder import cache
 from multihead.mapping import model_map
 from multihead.observers import registered
 

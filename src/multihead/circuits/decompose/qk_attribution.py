@@ -39,10 +39,10 @@ from torch import Tensor, nn
 
 from multihead._checks import check_index, check_positive_int
 from multihead.circuits.graph import EMBED, Sender
-from multihead.circuits.runs.activation_cache import cache, stack_block
 from multihead.circuits.runs.attention_replay import replay_attention
 from multihead.circuits.runs.experiment import warn_if_random
 from multihead.circuits.runs.frozen_norm import FrozenNorm
+from multihead.circuits.runs.site_recorder import cache
 from multihead.circuits.runs.wiring import WiringRun
 from multihead.kernels import causal_mask
 from multihead.map_types import ModelMap
@@ -231,8 +231,8 @@ def qk_attribution(
     head = check_index("head", head, site.num_heads, f"heads in layer {layer} ({site.name})")
     if site.shard is not None:
         raise ValueError("qk_attribution does not support tensor-parallel models")
-    stack_block(mapped, layer, "qk_attribution")  # a stack's block holds the layer alone
-    earlier = [stack_block(mapped, la, "qk_attribution") for la in range(layer)]
+    mapped.stack_block(layer, "qk_attribution")  # a stack's block holds the layer alone
+    earlier = [mapped.stack_block(la, "qk_attribution") for la in range(layer)]
     kv = head // (site.num_heads // site.num_kv_heads)
     fed: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     seen: dict[str, Any] = {}

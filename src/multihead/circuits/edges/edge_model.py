@@ -34,8 +34,8 @@ from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
 from multihead.circuits.graph import EMBED, KV_MODES, LOGITS, Graph, Receiver, Sender
-from multihead.circuits.runs.activation_cache import head_writes, projection_rows, stack_block
 from multihead.circuits.runs.experiment import Experiment
+from multihead.circuits.runs.site_recorder import head_writes, projection_rows
 from multihead.circuits.runs.wiring import WiringRun
 from multihead.heads import mlp_layer, parse_head
 from multihead.map_types import ModelMap, output_tensor
@@ -116,7 +116,7 @@ class EdgeModel:
             )
         if any(s.shard is not None for s in mapped.sites):
             raise ValueError(f"{caller} does not support a tensor-parallel model")
-        blocks = [stack_block(mapped, layer, caller) for layer in range(mapped.num_layers)]
+        blocks = [mapped.stack_block(layer, caller) for layer in range(mapped.num_layers)]
         probe = _ProbeRun()
         wiring_run = WiringRun(mapped)
         hooks = [*wiring_run.hooks()]
@@ -245,7 +245,7 @@ class EdgeModel:
         handed to ``keep(sender, write)`` as it is made instead (the dict stays empty)."""
         writes: dict[Sender, Tensor] = {}
         store = keep or writes.__setitem__
-        blocks = [stack_block(self.mapped, layer, "") for layer in range(len(self.layers))]
+        blocks = [self.mapped.stack_block(layer, "") for layer in range(len(self.layers))]
 
         def heads(layer: int, z: Tensor) -> None:
             with torch.no_grad():  # in a gradient run too: the writes record no graph
@@ -352,7 +352,7 @@ def _store_heads(
 
 def _linear_matrix(module: nn.Module, width: int) -> Tensor | None:
     """M (out, E) of a module read as the per-token linear map x ↦ x Mᵀ + bias
-    (:func:`~multihead.circuits.runs.activation_cache.projection_rows`, transposed); None unless it
+    (:func:`~multihead.circuits.runs.site_recorder.projection_rows`, transposed); None unless it
     has a 2-D weight and maps inputs of ``width`` (E) per token."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:

@@ -25,12 +25,6 @@ from torch import Tensor, nn
 
 from multihead._checks import check_choice, check_positive_int, describe
 from multihead.circuits.patching.patch_result import PatchResult
-from multihead.circuits.runs.activation_cache import (
-    HEAD_SITES,
-    RESIDUAL_SITES,
-    SiteRecorder,
-    stack_block,
-)
 from multihead.circuits.runs.embedding_path import (
     interpolated_embeddings,
     path_points,
@@ -39,6 +33,8 @@ from multihead.circuits.runs.embedding_path import (
 from multihead.circuits.runs.experiment import Experiment, warn_if_random
 from multihead.circuits.runs.input_pair import DIRECTIONS
 from multihead.circuits.runs.metric import Metric
+from multihead.circuits.runs.site_names import HEAD_SITES, RESIDUAL_SITES
+from multihead.circuits.runs.site_recorder import SiteRecorder
 from multihead.head_shard import every_head
 from multihead.heads import head_table
 from multihead.mapping import model_map
@@ -360,7 +356,7 @@ class _SiteAttribution:
 
                 handles.append(attention.register_observer(observer))
                 continue
-            block = stack_block(self.mapped, layer, f"attribution_patching of {self.site}")
+            block = self.mapped.stack_block(layer, f"attribution_patching of {self.site}")
             if self.site == "resid_pre":
 
                 def pre(m: nn.Module, a: Any, kw: Any, layer: int = layer) -> Any:

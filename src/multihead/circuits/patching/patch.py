@@ -3,7 +3,7 @@ queries, keys, values, pattern and output.
 
 For a clean input and a corrupt one, patching site s of layer l (at position t, or at every
 position) replaces its activation, in the run of one input, with the activation the other
-input gave it (the sites and their shapes are :mod:`~multihead.circuits.runs.activation_cache`'s)::
+input gave it (the sites and their shapes are :mod:`~multihead.circuits.runs.site_names`'s)::
 
     P[l]       = metric(target run with s_l := s_l(source)) - metric(target run)     residual
     P[l, t]    = the same with only position t replaced                              per_position
@@ -44,19 +44,18 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, check_indices, check_optional_positive_int, describe
 from multihead.circuits.patching.patch_heads import patch_heads
 from multihead.circuits.patching.patch_result import PatchResult
-from multihead.circuits.runs.activation_cache import (
-    LAYER_SITES,
-    MODEL_SITES,
-    NORM_SITES,
-    ROW_SITES,
-    SITES,
-    stack_block,
-)
 from multihead.circuits.runs.experiment import Experiment
 from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.circuits.runs.input_pair import DIRECTIONS
 from multihead.circuits.runs.layer_recording import check_recorded
 from multihead.circuits.runs.norm_reads import NormRead, NormReads
+from multihead.circuits.runs.site_names import (
+    LAYER_SITES,
+    MODEL_SITES,
+    NORM_SITES,
+    ROW_SITES,
+    SITES,
+)
 from multihead.circuits.runs.stacked_runs import run_stacked, stacked_metrics, variant_chunks
 from multihead.distributed.data_parallel import DataParallelGroup
 from multihead.heads import HeadCount, HeadName, chosen_heads
@@ -402,7 +401,7 @@ class _SitePatch:
                 return with_output_tensor(out, rescaled(NormRead(m, eps, args[0], y)))
 
             return [norm.register_forward_hook(final_out)]
-        block = stack_block(mapped, layer, f"patching {self.site}")
+        block = mapped.stack_block(layer, f"patching {self.site}")
         if self.site in NORM_SITES:
             role = self.site.removesuffix("_scale")
             reads = NormReads(mapped, block, {role}, change=lambda _, read: rescaled(read))

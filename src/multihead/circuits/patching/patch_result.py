@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import check_positive_int, describe
-from multihead.circuits.runs.activation_cache import LAYER_SITES, MODEL_SITES
+from multihead.circuits.runs.site_names import LAYER_SITES, MODEL_SITES
 from multihead.heads import head_label
 from multihead.viz.plots import effects_figure
 

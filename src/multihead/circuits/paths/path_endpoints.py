@@ -31,7 +31,6 @@ from torch import Tensor
 
 from multihead._checks import check_index, describe, is_int
 from multihead.circuits.graph import LOGITS, Sender
-from multihead.circuits.runs.activation_cache import stack_block
 from multihead.heads import head_label, mlp_layer, resolve_head
 from multihead.map_types import ModelMap, Site
 
@@ -139,7 +138,7 @@ def _sender(item: object, found: Sequence[Site], mapped: ModelMap) -> Sender:
         return Sender("head", *resolve_head("senders item", item, found))
     name = f"senders item {item!r}"
     index = check_index(f"{name}: layer", layer, len(found), "attention layers")
-    block = stack_block(mapped, index, f"{name} (a feed-forward network sender)")
+    block = mapped.stack_block(index, f"{name} (a feed-forward network sender)")
     if block.mlp is None:
         raise ValueError(
             f"{name}: block {index} of {mapped.family} has no feed-forward network the map knows "

@@ -28,7 +28,6 @@ from torch import Tensor, nn
 
 from multihead.circuits.graph import Sender
 from multihead.circuits.paths.path_endpoints import Member, ReceiverSet
-from multihead.circuits.runs.activation_cache import stack_block
 from multihead.circuits.runs.input_pair import InputPair
 from multihead.circuits.runs.prefix_reuse import PrefixCache
 from multihead.circuits.runs.stacked_runs import EndOfRun, run_stacked
@@ -81,7 +80,7 @@ def _all_or_none(registrations: Iterator[Removable]) -> list[Removable]:
 def _mlp(mapped: ModelMap, layer: int) -> nn.Module:
     """The feed-forward network of the block holding attention layer ``layer`` (checked to
     exist when the senders were read)."""
-    module = stack_block(mapped, layer, "a feed-forward network sender").mlp
+    module = mapped.stack_block(layer, "a feed-forward network sender").mlp
     assert module is not None
     return module
 

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.circuits.runs.activation_cache import stack_block
 from multihead.map_types import ModelMap
 
 __all__ = ["interpolated_embeddings", "path_points", "recorded_embeddings"]
@@ -32,7 +31,7 @@ def path_points(steps: int) -> list[float]:
 
 
 def _first_block(mapped: ModelMap, caller: str) -> nn.Module:
-    return stack_block(mapped, 0, f"{caller} (the embeddings are what block 0 is given)").module
+    return mapped.stack_block(0, f"{caller} (the embeddings are what block 0 is given)").module
 
 
 @contextlib.contextmanager

@@ -33,10 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
-from multihead.circuits.runs.activation_cache import SiteKey, SiteRecorder
 from multihead.circuits.runs.input_pair import DIRECTIONS, InputPair, reduced_fields
 from multihead.circuits.runs.metric import Metric, metric_reader, metric_value
 from multihead.circuits.runs.prefix_reuse import PrefixCache
+from multihead.circuits.runs.site_names import SiteKey
+from multihead.circuits.runs.site_recorder import SiteRecorder
 from multihead.circuits.runs.stacked_runs import variants_per_forward
 from multihead.circuits.runs.suffix_runs import SuffixRuns
 from multihead.map_types import Site
