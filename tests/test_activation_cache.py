@@ -522,3 +522,84 @@ def test_the_other_sites_a_model_lacks_are_named() -> None:
         multihead.patch(gptj, clean, corrupt, metric, site="ln2_scale")
     with pytest.raises(ValueError, match="site must be one of"):
         multihead.attribution_patching(gptj, clean, corrupt, metric, site="ln1_scale")
+
+
+def test_attention_scores_of_padded_batches_are_each_sequences(tmp_path: Any) -> None:
+    """``attn_scores`` on a padded batch: a transformers GPT-2's padded row equals the
+    sequence run alone (-inf at the padding), and multihead's own BERT, which
+    runs a padded batch packed, gives scores whose softmax is its captured pattern."""
+    pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers", minversion="5")
+    config = transformers.GPT2Config(
+        vocab_size=50, n_embd=24, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    gpt2 = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(50, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    padded = cache(gpt2, {"input_ids": ids, "attention_mask": mask}, names=["attn_scores"])
+    alone = cache(gpt2, {"input_ids": ids[1:, :5]}, names=["attn_scores"])
+    for layer in range(2):
+        got = padded["attn_scores", layer][1, :, :5]  # the real queries
+        torch.testing.assert_close(got[..., :5], alone["attn_scores", layer][0], atol=1e-5, rtol=0)
+        assert bool((got[..., 5:] == float("-inf")).all())  # the padding, hidden
+    from tiny_bert import CONFIG, hf_tensors, write_dir
+
+    from multihead.pretrained import load_text_model
+
+    tm = load_text_model(write_dir(tmp_path / "bert", CONFIG, hf_tensors(CONFIG), tokenizer=True))
+    texts = ["the cat sat on the mat", "a dog"]
+    kept = multihead.cache(tm, texts, names=["attn_scores", "pattern"])
+    real = tm.tokenize(texts).attention_mask.bool()
+    for layer in range(kept.num_layers):
+        weights = torch.softmax(kept["attn_scores", layer], -1).transpose(1, 2)[real]
+        pattern = kept["pattern", layer].transpose(1, 2)[real]
+        torch.testing.assert_close(weights, pattern, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_patching_a_norms_scale_from_itself_changes_nothing_in_half_precision(
+    dtype: torch.dtype,
+) -> None:
+    """clean == corrupt: every norm's scale patched from the run it came from leaves the metric
+    where it was in bfloat16 and float16 too (only the patched cells are rebuilt, in float32),
+    as the heads' outputs do."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    llama = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    ids = torch.randint(50, (3, 6))
+
+    def metric(logits: Tensor) -> Tensor:
+        return (logits[:, -1, 3] - logits[:, -1, 7]).float().mean()
+
+    for site in ("ln1_scale", "ln2_scale", "final_scale", "z"):
+        same = multihead.patch(llama, ids, ids, metric, site=site, per_position=True)
+        assert float(same.values.abs().max()) == 0.0, site
+
+
+def test_patching_a_layer_site_of_a_packed_padded_batch_is_named(tmp_path: Any) -> None:
+    """multihead's own BERT runs a padded batch packed ((N, E), no batch axis to stack patches
+    along): patching a per-layer site there is a ValueError saying so, not a RuntimeError."""
+    pytest.importorskip("tokenizers")
+    from tiny_bert import CONFIG, hf_tensors, write_dir
+
+    from multihead.pretrained import load_text_model
+
+    tm = load_text_model(write_dir(tmp_path / "bert", CONFIG, hf_tensors(CONFIG), tokenizer=True))
+    ids = torch.randint(5, 50, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    clean = {"input_ids": ids, "attention_mask": mask}
+    corrupt = {"input_ids": ids.flip(1), "attention_mask": mask}
+
+    def metric(output: Any) -> Tensor:
+        hidden = output if isinstance(output, Tensor) else output.last_hidden_state
+        return hidden[..., 0, :3].sum()
+
+    for site in ("embed", "pos_embed", "mlp_pre", "mlp_post", "resid_pre"):
+        with pytest.raises(ValueError, match=f"patching {site}: the model ran this padded batch"):
+            multihead.patch(tm.model, clean, corrupt, metric, site=site, metric_input="output")

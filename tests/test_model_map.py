@@ -101,7 +101,8 @@ def test_transformer_lm_map_is_its_modules(norm_first: bool, device: torch.devic
     assert found.labels() == [[f"L{i}H{h}" for h in range(4)] for i in range(3)]
     assert len(found.embeddings) == 2
     assert found.embeddings[0] is lm.token_embedding
-    assert found.embeddings[1] is lm.position_embedding.embedding  # the table itself
+    assert found.embeddings[1] is lm.position_embedding
+    assert found.position_table is lm.position_embedding.embedding  # the table itself
     assert found.unembedding is lm.head and same(found.base, lm)
     if norm_first:
         assert found.final_norm is lm.norm and isinstance(lm.norm, nn.LayerNorm)
@@ -142,7 +143,8 @@ def test_bert_model_map(device: torch.device) -> None:
         assert block.attention is layers[i].self_attn and block.mlp is layers[i].ff
     e = bert.embeddings
     assert len(found.embeddings) == 3 and found.embeddings[0] is e.word
-    assert found.embeddings[1] is e.position.embedding and found.embeddings[2] is e.token_type
+    assert found.embeddings[1] is e.position and found.embeddings[2] is e.token_type
+    assert found.position_table is e.position.embedding
     assert found.final_norm is None and found.unembedding is None and same(found.base, bert)
     assert found.width == c.hidden_size and found.position_limit == c.max_position_embeddings
     assert found.token_types is True and found.causal is False

@@ -169,9 +169,9 @@ class ModelMap:
         sites: the attention sites, in module order: layer l is ``sites[l]``.
         blocks: the residual blocks holding them, in module order (empty when they can't be
             told apart, e.g. one block nested in another).
-        embeddings: the embedding modules, the token embedding first, then the position table
-            (a lookup by position alone: its output is one row per position) where the model
-            has one, then any other (token types); empty when not known.
+        embeddings: the embedding modules, the token embedding first (empty when not known).
+        position_table: the one of them looked up by position alone (its output one row per
+            position: GPT-2's ``wpe``), or None (rotary or relative positions, or not known).
         final_norm: the norm before the unembedding, or None (post-LN models, encoders).
         norm_eps: the final norm's epsilon, or None when not known.
         unembedding: the linear map from the residual stream to the vocabulary, or None.
@@ -205,6 +205,7 @@ class ModelMap:
     name: str | None = None
     blocks: tuple[Block, ...] = ()
     embeddings: tuple[nn.Module, ...] = ()
+    position_table: nn.Module | None = None
     final_norm: nn.Module | None = None
     norm_eps: float | None = None
     unembedding: nn.Linear | None = None
@@ -276,6 +277,7 @@ class ModelMap:
         *,
         family: str | None = None,
         embeddings: Sequence[nn.Module] = (),
+        position_table: nn.Module | None = None,
         final_norm: nn.Module | None = None,
         unembedding: nn.Linear | None = None,
         width: int | None = None,
@@ -343,6 +345,7 @@ class ModelMap:
             sites=tuple(found),
             blocks=tuple(blocks),
             embeddings=tuple(embeddings),
+            position_table=position_table,
             final_norm=final_norm,
             norm_eps=_torch_norm_eps(final_norm),
             unembedding=unembedding,

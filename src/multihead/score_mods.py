@@ -159,6 +159,12 @@ class ScoreMods:
                     f"block_mask is on {bm.kv_num_blocks.device}, q on {q.device}: one device"
                 )
 
+    def capped(self, scores: Tensor) -> Tensor:
+        """``softcap · tanh(scores / softcap)`` (the module docstring's formula; the fused path
+        of :func:`modified_attention` computes it through a sigmoid), or ``scores`` without a
+        softcap."""
+        return scores if self.softcap is None else self.softcap * torch.tanh(scores / self.softcap)
+
     def modify(self, scores: Tensor, b: Tensor, h: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
         """score_mod applied to (softcapped) scores (B, H', R, S') of batches ``b`` (B,), heads
         ``h`` (H',), query rows ``rows`` (R,) and keys ``keys`` (S',), all int64."""

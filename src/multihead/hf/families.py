@@ -199,6 +199,16 @@ def _embeddings(model: nn.Module, base: nn.Module) -> tuple[nn.Module, ...]:
     return tuple(found)
 
 
+def _position_table(base: nn.Module) -> nn.Module | None:
+    """The learned position table (an embedding looked up by position), or None."""
+    for holder in (base, getattr(base, "embeddings", None)):
+        for name in _POSITION_NAMES:
+            table = getattr(holder, name, None)
+            if isinstance(table, nn.Embedding):
+                return table
+    return None
+
+
 def _attention_dropout(module: nn.Module) -> float:
     """A transformers attention module's own dropout rate (applied inside its call)."""
     for name in _DROPOUT_NAMES:
@@ -330,6 +340,7 @@ def transformers_map(model: nn.Module) -> ModelMap:
         name=str(getattr(config, "name_or_path", "") or "") or None,
         blocks=_blocks(model, sites),
         embeddings=_embeddings(root, base),
+        position_table=_position_table(base),
         final_norm=_final_norm(_stream_end(root, base)),
         norm_eps=_norm_eps(_final_norm(_stream_end(root, base))),
         unembedding=_unembedding(root),

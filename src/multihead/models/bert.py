@@ -198,7 +198,8 @@ class BertModel(nn.Module):
         return ModelMap.of_modules(
             self,
             family="bert",
-            embeddings=(e.word, e.position.embedding, e.token_type),
+            embeddings=(e.word, e.position, e.token_type),
+            position_table=e.position.embedding,
             width=self.config.hidden_size,
             causal=False,
             position_limit=self.config.max_position_embeddings,

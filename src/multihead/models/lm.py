@@ -201,7 +201,8 @@ class TransformerLM(nn.Module):
         return ModelMap.of_modules(
             self,
             family="TransformerLM",
-            embeddings=(self.token_embedding, self.position_embedding.embedding),
+            embeddings=(self.token_embedding, self.position_embedding),
+            position_table=self.position_embedding.embedding,
             final_norm=self.norm,
             unembedding=self.head,
             width=self.config.embed_dim,

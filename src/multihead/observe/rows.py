@@ -256,8 +256,7 @@ def row_scores(call: AttentionCall, rows: Tensor) -> Tensor:
     t, s = q.shape[2], k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
     scores = kernels.scaled_scores(q.index_select(2, rows).to(compute) * call.scale, k.to(compute))
-    if mods.softcap is not None:
-        scores = mods.softcap * torch.tanh(scores / mods.softcap)
+    scores = mods.capped(scores)
     causal = kernels.causal_mask(t, s, rows=rows) if call.is_causal else None
     m = kernels.combine_masks(slice_mask(call.mask, None, rows), causal)
     if m is not None:

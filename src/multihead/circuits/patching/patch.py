@@ -25,7 +25,16 @@ same reuse of the blocks before the patched one (:mod:`~multihead.circuits.runs.
   values) before the kernel (after rotary positions: what the kernel sees);
 - ``pattern``: an observer recomputes the head's output from the source's softmax weights and
   this run's values (with attention sinks, the weights in the family's own convention and the
-  rest of the call this run's: Granite-SWA's output is scaled by this run's keys' share).
+  rest of the call this run's: Granite-SWA's output is scaled by this run's keys' share);
+  ``attn_scores`` the same from the softmax of the source's scores (refused with sinks);
+- ``embed``, ``pos_embed``: a hook on the token embedding / the map's position table replaces
+  its output (one row, L = 1, of the whole model);
+- ``mlp_pre``, ``mlp_post``: a hook on the map's ``Block.mlp_in`` output / ``Block.mlp_down``
+  input;
+- ``ln1_scale``, ``ln2_scale``, ``final_scale``: where the norm's output is read (the
+  attention, the feed-forward network: :mod:`~multihead.circuits.runs.norm_reads`; every
+  reader of that output), the output is given at the source's scale, ``β + (y - β) σ / σ'``
+  (:meth:`~multihead.circuits.runs.frozen_norm.FrozenNorm.at_scale`), the patched cells alone.
 
 Shapes: B batch, T tokens, S keys, E width, L layers, H heads, Hk key/value heads, D one head's
 width, n stacked variants.
@@ -96,8 +105,10 @@ def patch(
         model, clean, corrupt, metric, direction, batch_size, group, metric_input: as for
             :func:`~multihead.patch_heads` (the metric is given the logits by default).
         site: ``"resid_pre"``, ``"attn_out"``, ``"resid_mid"``, ``"mlp_out"``,
-            ``"resid_post"`` (per layer), ``"z"`` (default), ``"result"``, ``"q"``,
-            ``"pattern"`` (per head) or ``"k"``, ``"v"`` (per key/value head).
+            ``"resid_post"``, ``"ln1_scale"``, ``"ln2_scale"``, ``"mlp_pre"``, ``"mlp_post"``
+            (per layer), ``"embed"``, ``"pos_embed"``, ``"final_scale"`` (of the whole model:
+            one row), ``"z"`` (default), ``"result"``, ``"q"``, ``"pattern"``,
+            ``"attn_scores"`` (per head) or ``"k"``, ``"v"`` (per key/value head).
         per_position: patch one position at a time (a pattern's query row).
         heads: for a per-head site, the ``(layer, head)`` pairs to patch (``"L0H1"``; key/value
             heads for k and v); default every head of ``layers``.
@@ -110,8 +121,10 @@ def patch(
 
     Raises:
         ValueError: an unknown site or direction, heads and layers both given, heads of a
-            residual site, a site the model does not have (``mlp_out`` of an attention-only
-            block, ``resid_mid`` of a post-LN block), and everything
+            per-layer site, layers of a site of the whole model, a site the model does not have
+            (``mlp_out`` of an attention-only block, ``resid_mid`` of a post-LN block,
+            ``ln2_scale`` of a block whose one norm feeds both), a padded batch the model runs
+            packed (a per-layer site), and everything
             :func:`~multihead.patch_heads` refuses.
         TypeError: as :func:`~multihead.patch_heads`.
 
@@ -308,9 +321,9 @@ class _SitePatch:
             return value.repeat(n, *[1] * (value.dim() - 1))
 
         if self.site in ROW_SITES:
-            weights = tiled(src)  # (n·B, H, T, S)
             if self.site == "attn_scores":  # the source's scores through this call's softmax
-                weights = torch.softmax(weights.float(), -1).nan_to_num_(0.0)
+                src = torch.softmax(src.float(), -1).nan_to_num_(0.0).to(src.dtype)
+            weights = tiled(src)  # (n·B, H, T, S)
             where = mask.repeat_interleave(src.shape[0], 0)[..., None]  # (n·B, T, H, 1)
 
             def observer(call: AttentionCall, out: Tensor) -> Tensor:
@@ -359,6 +372,12 @@ class _SitePatch:
         mask = mask.to(src.device)
 
         def replaced(current: Tensor, by: Tensor) -> Tensor:  # current (n·B, T, E)
+            if current.dim() != by.dim() - 1 or current.shape[0] != n * b:
+                raise ValueError(
+                    f"patching {self.site}: the model ran this padded batch's tokens packed, "
+                    f"{tuple(current.shape)} where ({n * b}, {t}, ...) was expected: give "
+                    f"unpadded inputs (or one sequence)"
+                )
             stacked = current.unflatten(0, (n, b))
             return torch.where(mask, by.to(current.dtype), stacked).flatten(0, 1)
 
@@ -366,29 +385,34 @@ class _SitePatch:
             return with_output_tensor(out, replaced(output_tensor(out), src[None]))
 
         def rescaled(read: NormRead) -> Tensor:  # the norm's output at the source's scale
-            rounding = torch.finfo(read.y.dtype).eps
-            frozen = FrozenNorm.of(read.norm, read.eps, read.x, read.y, self.site, rounding)
-            sigma = replaced(frozen.sigma, src[None])
-            patched = FrozenNorm(frozen.gamma, frozen.beta, sigma, frozen.centred)
-            beta = frozen.beta if frozen.beta is not None else 0.0
-            return (patched.linear(read.x) + beta).to(read.y.dtype)
+            # the norm's form was checked where the source's scale was recorded; here only
+            # the patched cells change, in float32 at least
+            run = FrozenNorm.run_scale(read.norm, read.eps, read.x)  # (n·B, T, 1)
+            unchanged = torch.zeros_like(run, dtype=torch.bool)
+            changed = replaced(unchanged, torch.ones_like(src, dtype=torch.bool)[None])
+            new = FrozenNorm.at_scale(read.norm, read.y, run, replaced(run, src[None]))
+            return torch.where(changed, new, read.y)
 
         mapped = self.mapped
         if self.site in ("embed", "pos_embed"):
-            index = 0 if self.site == "embed" else 1
-            if len(mapped.embeddings) <= index:
+            table = mapped.embeddings[0] if mapped.embeddings else None
+            if self.site == "pos_embed":
+                table = mapped.position_table
+            if table is None:
                 raise ValueError(
                     f"patching {self.site}: the map of {mapped.family} knows no "
-                    f"{'token embedding' if index == 0 else 'position table'}"
+                    f"{'token embedding' if self.site == 'embed' else 'position table'}"
                 )
 
             def table_out(m: nn.Module, a: Any, out: Any) -> Any:
                 current = output_tensor(out)
+                if current.dim() == 2 and current.shape[0] != t:  # (N, E): packed tokens
+                    replaced(current, src[None])  # refused there, with the reason
                 # a position table's (T, E) or (1, T, E): one row per token of the stacked batch
                 current = current.expand(n * b, *current.shape[-2:])
                 return with_output_tensor(out, replaced(current, src[None]))
 
-            return [mapped.embeddings[index].register_forward_hook(table_out)]
+            return [table.register_forward_hook(table_out)]
         if self.site == "final_scale":
             norm, eps = mapped.final_norm, mapped.norm_eps
             if norm is None or eps is None:

@@ -100,6 +100,23 @@ class FrozenNorm:
         c = x - x.mean(-1, keepdim=True) if centred else x
         return (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()
 
+    @staticmethod
+    def run_scale(norm: nn.Module, eps: float, x: Tensor) -> Tensor:
+        """(B, T, 1): the scale ``norm`` divides its input ``x`` (B, T, E) by, in float32 at
+        least (TransformerLens's ``hook_scale``): σ for a LayerNorm, rms for an RMSNorm."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        return FrozenNorm.scale(x.to(compute), eps, isinstance(norm, nn.LayerNorm))
+
+    @staticmethod
+    def at_scale(norm: nn.Module, y: Tensor, run: Tensor, sigma: Tensor) -> Tensor:
+        """(B, T, E): ``y``, what ``norm`` gave at the run whose scale was ``run`` (B, T, 1), as
+        it gives it at the scale ``sigma`` instead: ``β + (y - β) · run / sigma`` (a norm is
+        affine in 1 / σ, so γ, or 1 + γ, cancels), in float32 at least, in y's dtype."""
+        compute = torch.promote_types(y.dtype, torch.float32)
+        beta = _whole(getattr(norm, "bias", None))
+        shift = beta.to(compute) if isinstance(beta, Tensor) else 0.0
+        return (shift + (y.to(compute) - shift) * (run / sigma)).to(y.dtype)
+
     def linear(self, c: Tensor) -> Tensor:
         """The norm's linear part on a piece ``c`` (B, T, ..., E) of the stream: ``γ ⊙ (c -
         mean c) / σ`` (no β); σ broadcasts over any axes between T and E."""

@@ -199,6 +199,8 @@ class SiteRecorder:
                 self.missing[site, layer] = (
                     f"the map of {mapped.family} has no block holding layer {layer} alone"
                 )
+            elif site in MLP_SITES and found[layer].shard is not None:
+                self.missing[site, layer] = _split(layer, site)
             elif site in NORM_SITES:
                 reads = self.norm_reads.setdefault(layer, NormReads(mapped, block, set()))
                 reads.roles.add(site.removesuffix("_scale"))
@@ -269,12 +271,10 @@ class SiteRecorder:
             self.final = (args[0].detach(), output_tensor(out).detach())
 
     def _keep_scores(self, layer: int, call: AttentionCall) -> None:
-        """``attn_scores`` of ``layer``: the kept query rows' scores (B, H, P, S)."""
-        if self.packed is not None:
-            self.missing["attn_scores", layer] = (
-                "the model packs this padded batch's tokens into one sequence: give its "
-                "sequences unpadded, or one at a time"
-            )
+        """``attn_scores`` of ``layer``: the kept query rows' scores (B, H, P, S), already cut
+        to the rows (a packing model's calls too are in batch order)."""
+        if self.found[layer].shard is not None:
+            self.missing["attn_scores", layer] = _split(layer, "attn_scores")
             return
         t = call.q.shape[2]
         if not self.where:
@@ -286,6 +286,7 @@ class SiteRecorder:
         except ValueError as e:
             self.missing["attn_scores", layer] = str(e)
             return
+        scores = scores.detach()
         self.kept["attn_scores", layer] = scores if self.device is None else scores.to(self.device)
 
     def _on_heads(self, layer: int) -> Callable[[AttentionCall, Tensor], None]:
@@ -378,8 +379,8 @@ class SiteRecorder:
                 for site in ("embed", "pos_embed"):
                     self.missing[site, 0] = f"the map of {mapped.family} knows no embeddings"
         if ("pos_embed", 0) in wanted and tables:
-            if len(tables) > 1:
-                yield tables[1].register_forward_hook(self._on_positions)
+            if mapped.position_table is not None:
+                yield mapped.position_table.register_forward_hook(self._on_positions)
             else:
                 self.missing["pos_embed", 0] = (
                     f"{mapped.family} has no position table (its positions are in its attention: "
@@ -411,11 +412,11 @@ class SiteRecorder:
                 continue
             rounding = torch.finfo(read.y.dtype).eps if read.y.is_floating_point() else 0.0
             try:
-                frozen = FrozenNorm.of(read.norm, read.eps, read.x, read.y, key[0], rounding)
+                FrozenNorm.of(read.norm, read.eps, read.x, read.y, key[0], rounding)  # its form
             except ValueError as e:
                 self.missing[key] = str(e)
                 continue
-            self.keep(key, frozen.sigma)
+            self.keep(key, FrozenNorm.run_scale(read.norm, read.eps, read.x))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -448,7 +449,7 @@ class SiteRecorder:
         positions = self.seen.pop(("pos_embed", 0), None)
         if positions is not None and self.token_shape is not None:
             # a table looked up by position alone, (T, E) or (1, T, E): one row per token
-            self.keep(("pos_embed", 0), positions.expand(self.token_shape))
+            self.keep(("pos_embed", 0), positions.expand(self.token_shape).contiguous())
         for (site, _), why in self.missing.items():
             absent.setdefault(site, why)
         for layer in sorted(self.needs_sum):
@@ -497,6 +498,14 @@ class SiteRecorder:
             absent=absent,
             rotary=rotary,
         )
+
+
+def _split(layer: int, site: str) -> str:
+    """Why a site of a tensor-parallel layer is not kept: each rank holds a part of it."""
+    return (
+        f"layer {layer}'s heads are split over ranks (tensor parallelism): its {site} would be "
+        f"this rank's part alone"
+    )
 
 
 def _rows(positions: object) -> Any:
