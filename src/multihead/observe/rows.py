@@ -240,7 +240,8 @@ def row_scores(call: AttentionCall, rows: Tensor) -> Tensor:
     """The scores (B, H, R, S) of one call's query ``rows`` (R,) before the softmax: q kᵀ times
     the call's scale (softcapped where the call caps its scores), its mask added, and -inf at
     every key a row may not see (by the mask or causality). TransformerLens's
-    ``hook_attn_scores``; in float32 at least, returned in q's dtype.
+    ``hook_attn_scores``; computed and returned in float32 at least (a half-precision model's
+    scores would lose the digits its softmax reads).
 
     Raises:
         ValueError: a call whose scores a ``score_mod`` or a block mask changes (FlexAttention's
@@ -261,7 +262,7 @@ def row_scores(call: AttentionCall, rows: Tensor) -> Tensor:
     m = kernels.combine_masks(slice_mask(call.mask, None, rows), causal)
     if m is not None:
         scores = kernels.add_mask(scores, m).masked_fill_(~kernels.allowed(m), float("-inf"))
-    return scores.to(q.dtype)
+    return scores
 
 
 def visible_keys(call: AttentionCall, rows: Tensor) -> Tensor:

@@ -322,7 +322,7 @@ class _SitePatch:
 
         if self.site in ROW_SITES:
             if self.site == "attn_scores":  # the source's scores through this call's softmax
-                src = torch.softmax(src.float(), -1).nan_to_num_(0.0).to(src.dtype)
+                src = torch.softmax(src, -1).nan_to_num_(0.0)  # float32 at least, as recorded
             weights = tiled(src)  # (n·B, H, T, S)
             where = mask.repeat_interleave(src.shape[0], 0)[..., None]  # (n·B, T, H, 1)
 
@@ -335,9 +335,11 @@ class _SitePatch:
                 v = call.v
                 if v.shape[1] != out.shape[2]:  # grouped-query: query head h reads h // group
                     v = v.repeat_interleave(out.shape[2] // v.shape[1], 1)
-                # with sinks in the "column" convention the last column is the sink's share
-                keys = weights[..., : v.shape[2]].to(v.dtype)
-                z = torch.einsum("bhts,bhsd->bthd", keys, v)
+                # with sinks in the "column" convention the last column is the sink's share;
+                # float32 at least, as the kernel mixes the values
+                compute = torch.promote_types(v.dtype, torch.float32)
+                keys = weights[..., : v.shape[2]].to(compute)
+                z = torch.einsum("bhts,bhsd->bthd", keys, v.to(compute))
                 if call.mods.sinks is not None and call.mods.sink_weights == "plain":
                     z = z * _keys_share(call).to(z.dtype)  # the rest of the call is its own
                 return torch.where(where, z.to(out.dtype), out)
