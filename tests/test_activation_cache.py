@@ -11,8 +11,9 @@ import torch
 from torch import Tensor, nn
 
 import multihead
+from multihead.circuits.runs.head_writes import head_writes
 from multihead.circuits.runs.site_names import MODEL_SITES, SITES, hook_name
-from multihead.circuits.runs.site_recorder import cache, head_writes
+from multihead.circuits.runs.site_recorder import cache
 from multihead.models import TransformerLM
 
 

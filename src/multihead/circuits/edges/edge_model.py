@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from multihead._checks import check_choice, describe
 from multihead.circuits.graph import EMBED, KV_MODES, LOGITS, Graph, Receiver, Sender
 from multihead.circuits.runs.experiment import Experiment
-from multihead.circuits.runs.site_recorder import head_writes, projection_rows
+from multihead.circuits.runs.head_writes import head_writes, projection_rows
 from multihead.circuits.runs.wiring import WiringRun
 from multihead.heads import mlp_layer, parse_head
 from multihead.map_types import ModelMap, output_tensor
@@ -352,7 +352,7 @@ def _store_heads(
 
 def _linear_matrix(module: nn.Module, width: int) -> Tensor | None:
     """M (out, E) of a module read as the per-token linear map x ↦ x Mᵀ + bias
-    (:func:`~multihead.circuits.runs.site_recorder.projection_rows`, transposed); None unless it
+    (:func:`~multihead.circuits.runs.head_writes.projection_rows`, transposed); None unless it
     has a 2-D weight and maps inputs of ``width`` (E) per token."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:

@@ -12,7 +12,7 @@ say, a per-head norm on its queries, and its QK circuit does not exist) — and 
 channel hands back what the kernel was given. Nothing names a family's projections, fused
 layouts or rotary tables; a grouped-query layer's keys and values come per key/value head, as
 its kernel reads them. The output projection is read the same way, on the unit vectors of the
-heads' outputs (:func:`~multihead.circuits.runs.site_recorder.projection_rows`).
+heads' outputs (:func:`~multihead.circuits.runs.head_writes.projection_rows`).
 
 Positions: the recording run puts its two tokens at positions 0 and p (the map's positions
 argument; else a run of p + 1 tokens). A query may be read at one and the keys at the other;
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.circuits.runs.attention_replay import replay_attention
-from multihead.circuits.runs.site_recorder import projection_rows
+from multihead.circuits.runs.head_writes import projection_rows
 from multihead.circuits.runs.wiring import Wiring, WiringRun
 from multihead.devices import placement
 from multihead.map_types import ModelMap
