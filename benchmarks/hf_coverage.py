@@ -308,8 +308,16 @@ def check(model_type: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def modifications(model: Any):  # type: ignore[no-untyped-def]
     """The score modifications the model's attention calls carry, seen by observers on every
-    site while the block runs: a set of "softcap" and "sinks"."""
+    site while the block runs: a set of "softcap" and "sinks" (and "recipe" for a family whose
+    attention is computed in the module's own code, observed through its output projection
+    and its score recipe)."""
     seen: set[str] = set()
+
+    from multihead import hf
+
+    for site in multihead.model_map(model).sites:
+        if not hf.routed(type(site.module)):  # heads at its output projection, a score recipe
+            seen.add("recipe")
 
     def observer(call: Any, out: torch.Tensor) -> None:
         if call.mods.softcap is not None:
@@ -460,7 +468,7 @@ def render_table(payload: dict[str, Any]) -> str:
     supported = of("supported")
     feature = {
         k: [r for r in supported if k in r.get("features", ())]
-        for k in ("softcap", "sinks", "hybrid")
+        for k in ("softcap", "sinks", "hybrid", "recipe")
     }
     forward = [{**r, "detail": _unrouted_class(r["reason"])} for r in of("forward only")]
     several = [r for r in forward if "attention calls per layer" in r["reason"]]
@@ -480,6 +488,9 @@ def render_table(payload: dict[str, Any]) -> str:
         f"convention | {_families(feature['sinks'])} |",
         f"| of which hybrids observed on their softmax attention ({len(hybrids)}) "
         f"| {_families(hybrids, detail=True)} |",
+        f"| of which computed in the module's own code, not the interface: heads at the output "
+        f"projection, weights by the family's score recipe ({len(feature['recipe'])}) "
+        f"| {_families(feature['recipe'])} |",
         f"| forward only: hybrid, some softmax attention in the module's own code, not the "
         f"interface ({len(outside)}) | {_families(outside, detail=True)} |",
         f"| forward only: several attention calls per layer ({len(several)}) "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from torch import Tensor, nn
 
@@ -81,14 +81,36 @@ class AttentionCall:
     ) -> None:
         self.module = module
         self._heads = heads
-        self.mask = mask
-        self.is_causal = is_causal
-        self.scale = scale
-        self.query_mask = query_mask
-        self.mods = ScoreMods() if mods is None else mods
+        self._mask = mask
+        self._is_causal = is_causal
+        self._scale = scale
+        self._query_mask = query_mask
+        self._mods = ScoreMods() if mods is None else mods
+        self._make: Callable[[], AttentionCall] | None = None
+
+    @classmethod
+    def deferred(
+        cls, module: ObservableAttention, make: Callable[[], AttentionCall]
+    ) -> AttentionCall:
+        """A call of ``module`` whose parts (q, k, v, mask, causality, scale, query mask, score
+        modifications) are those of the call ``make()`` returns, made when one is first read.
+
+        A transformers family whose attention is not routed works them out from the module's
+        inputs: an observer that reads only the per-head output costs nothing.
+        """
+        call = cls(module, cast(Any, None), None, False, 1.0, None)
+        call._make = make
+        return call
+
+    @functools.cached_property
+    def _made(self) -> AttentionCall:
+        return self if self._make is None else self._make()
 
     @functools.cached_property
     def _qkv(self) -> tuple[Tensor, Tensor, Tensor]:
+        made = self._made
+        if made is not self:
+            return made._qkv
         return self._heads if isinstance(self._heads, tuple) else self._heads()
 
     @property
@@ -102,6 +124,26 @@ class AttentionCall:
     @property
     def v(self) -> Tensor:
         return self._qkv[2]
+
+    @property
+    def mask(self) -> Tensor | None:
+        return self._made._mask
+
+    @property
+    def is_causal(self) -> bool:
+        return self._made._is_causal
+
+    @property
+    def scale(self) -> float:
+        return self._made._scale
+
+    @property
+    def query_mask(self) -> Tensor | None:
+        return self._made._query_mask
+
+    @property
+    def mods(self) -> ScoreMods:
+        return self._made._mods
 
 
 # observer(call, out) with out the per-head output (B, T, H, Dv) before the output projection;

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from multihead import kernels
 from multihead.hf.sites import AttentionSite, attention_sites
+from multihead.hf.unrouted_families import unrouted_family
 from multihead.map_types import Block, ModelMap, Site, block_norms
 from multihead.observers import AttentionCall, registered
 
@@ -93,14 +94,13 @@ def _base(model: nn.Module) -> nn.Module:
 
 def _kv_heads(site: AttentionSite) -> int:
     heads = site.num_heads
-    found = _first(site.module, _KV_MODULE) or _first(
-        getattr(site.module, "config", None), _KV_CONFIG
-    )
+    own = _first(site.module, _KV_MODULE)  # the module's own count wins over its config's
+    found = own or _first(getattr(site.module, "config", None), _KV_CONFIG)
     groups = _first(site.module, ("num_key_value_groups",))
     if found is None and groups:
         found = heads // groups
-    if getattr(getattr(site.module, "config", None), "multi_query", False) is True:
-        found = 1
+    if own is None and getattr(getattr(site.module, "config", None), "multi_query", False) is True:
+        found = 1  # (Falcon's new decoder architecture ignores multi_query: its module says)
     return found if found and heads % found == 0 else heads
 
 
@@ -287,8 +287,12 @@ def _causal(model: nn.Module, base: nn.Module, sites: list[Site]) -> bool:
 
 
 def _probe_causal(base: nn.Module, sites: list[Site]) -> bool:
-    """One three-token forward: causal when no site's mask lets a query see a later key."""
+    """One three-token forward: causal when no site's mask lets a query see a later key (a
+    site of an unrouted family without a score recipe has no mask to read: not causal then)."""
     seen: list[bool] = []
+    unknown = [s for s in sites if (f := unrouted_family(s.module)) and f.recipe is None]
+    if unknown:
+        return False
 
     def observe(call: AttentionCall, out: Tensor) -> None:
         t, s = call.q.shape[-2], call.k.shape[-2]
@@ -388,11 +392,14 @@ def _logit_scale(config: Any) -> float:
 
 
 def _window(module: nn.Module, config: Any) -> int | None:
-    """The sliding window of an attention module: its own ``sliding_window`` (transformers'
-    modules carry their layer's, None on global layers), else the config's where the model
+    """The sliding window of an attention module: GPT-Neo's ``window_size`` on its local layers,
+    its own ``sliding_window`` (transformers' modules carry their layer's, None on global
+    layers), else the config's where the model
     uses one (``use_sliding_window``, True when the config does not say)."""
     window: Any
-    if hasattr(module, "sliding_window"):
+    if getattr(module, "attention_type", None) == "local":  # GPT-Neo's local layers
+        window = getattr(config, "window_size", None)
+    elif hasattr(module, "sliding_window"):
         window = module.sliding_window
     elif getattr(config, "use_sliding_window", True):
         window = getattr(config, "sliding_window", None)

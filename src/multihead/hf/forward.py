@@ -168,7 +168,7 @@ def attention_forward(
         _check_heads(module, site, query, value)
         scale = _scale(scaling, query)
         call = AttentionCall(
-            site, (query, key, value), mask, causal, scale, _real_queries(mask), mods=mods
+            site, (query, key, value), mask, causal, scale, real_queries(mask), mods=mods
         )
         if site.observers.editing:
             call = site.observers.edit(call)
@@ -275,7 +275,7 @@ def _sink_logits(module: nn.Module, sinks: Tensor, query: Tensor) -> Tensor:
     _refuse(module, f"attention sinks of shape {tuple(sinks.shape)}")
 
 
-def _real_queries(mask: Tensor | None) -> Tensor | None:
+def real_queries(mask: Tensor | None) -> Tensor | None:
     """(B or 1, T) bool, True at real (not padding) queries, read off the mask's diagonal: a
     padding token's key is masked for every query, itself included, and a real token always
     sees itself (causal, bidirectional or windowed alike). None where that does not hold: no

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from torch import nn
@@ -14,6 +14,8 @@ from transformers import PreTrainedModel
 from multihead.head_shard import HeadShard
 from multihead.hf.forward import NAME, SITE, family_name
 from multihead.hf.tensor_parallel import head_shard
+from multihead.hf.unrouted_families import UnroutedFamily, unrouted_family
+from multihead.hf.unrouted_site import UnroutedCalls
 from multihead.holds_transformers import holds_transformers
 from multihead.observers import AttentionObserver, ObserverHandle, Observers, QKVEditor
 
@@ -76,6 +78,8 @@ def _unrouted_attention(
     for name, m in modules:
         kind = cast(Any, type(m))
         if "Attention" not in kind.__name__ or routed(kind) or not _softmax(kind):
+            continue
+        if unrouted_family(m) is not None:
             continue
         if not any(isinstance(c, nn.Linear) or hasattr(c, "nf") for c in m.children()):
             continue
@@ -158,7 +162,9 @@ class AttentionSite:
 
     dropout = 0.0  # transformers applies attention dropout only in training, inside the call
 
-    def __init__(self, module: nn.Module, switch: _Switch) -> None:
+    def __init__(
+        self, module: nn.Module, acquire: Callable[[], None], release: Callable[[], None]
+    ) -> None:
         config = getattr(module, "config", None)
         heads = _first_int(
             module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
@@ -173,14 +179,19 @@ class AttentionSite:
             ("v_head_dim", "head_dim", "attention_head_size", "head_size", "key_value_proj_dim"),
         ) or _first_int(config, ("v_head_dim", "head_dim", "d_kv"))
         if dim is None:
-            width = _first_int(config, ("hidden_size", "d_model", "n_embd", "dim"))
+            # the width itself: the config's, else the module's own (OpenAI-GPT's attention
+            # keeps no config, only its split size)
+            width = _first_int(config, ("hidden_size", "d_model", "n_embd", "dim")) or _first_int(
+                module, ("embed_dim", "split_size")
+            )
             dim = width // heads if width else 0
         self.module = module
         self.num_heads = heads
         self.head_dim = dim
         self.head_shard: HeadShard | None = None
-        # each registration keeps the model on "multihead"; the last removal switches it back
-        self._observers = Observers(acquire=switch.acquire, release=switch.release)
+        # a routed module: each registration keeps the model on "multihead", the last removal
+        # switches it back; an unrouted one: the first registers its hooks, the last removes them
+        self._observers = Observers(acquire=acquire, release=release)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
@@ -238,18 +249,24 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
             else [(n[len(prefix) + 1 :], m) for n, m in modules if n.startswith(f"{prefix}.")]
         )
         own = [(n, m) for n, m in inside if routed(type(m)) and _projects(m)]
+        known = {n for n, m in inside if not routed(type(m)) and unrouted_family(m) is not None}
         family = getattr(root.config, "model_type", type(root).__name__)
-        if not own and not any("attention" in type(m).__name__.lower() for _, m in inside):
+        if (
+            not own
+            and not known
+            and not any("attention" in type(m).__name__.lower() for _, m in inside)
+        ):
             # a state-space, Fourier- or convolution-mixing family (Mamba, FNet): no heads
             raise ValueError(
                 f"{family} ({type(root).__name__}) has no attention layers (its token mixers "
                 f"are no softmax attention: state-space, Fourier or convolutional): it has no "
                 f"heads for multihead to observe or steer"
             )
-        if not own:
+        if not own and not known:
             raise ValueError(
                 f"{family} ({type(root).__name__}) does not route its attention through "
-                f"transformers' AttentionInterface: multihead cannot observe or steer its heads"
+                f"transformers' AttentionInterface, and multihead does not know where its "
+                f"heads are: it cannot observe or steer its heads"
             )
         bypass = _unrouted_attention(inside, [n for n, _ in own])
         if bypass is not None:
@@ -271,18 +288,57 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
             switch = _Switch(root, [])
             # a plain attribute: not a submodule, not in the state dict
             object.__setattr__(root, "_multihead_switch", switch)
-        for name, m in own:
+        by_name = dict(inside)
+        routed_ids = {id(m) for _, m in own}
+        for name, m in inside:
+            if id(m) not in routed_ids and name not in known:
+                continue
             site = getattr(m, SITE, None)
             if site is None:
-                site = AttentionSite(m, switch)
+                if id(m) in routed_ids:
+                    site = AttentionSite(m, switch.acquire, switch.release)
+                    switch.sites.append(site)
+                else:
+                    site = _unrouted_site(
+                        m, name, by_name, cast(UnroutedFamily, unrouted_family(m)), family
+                    )
                 site.head_shard = head_shard(
                     root, name, m, family_name(m), site.num_heads, site.head_dim
                 )
                 object.__setattr__(m, SITE, site)
-                switch.sites.append(site)
             full = f"{prefix}.{name}" if prefix and name else prefix or name
             found.append((full, site))
     return found
+
+
+def _unrouted_site(
+    module: nn.Module,
+    name: str,
+    modules: dict[str, nn.Module],
+    family: UnroutedFamily,
+    model_type: str,
+) -> AttentionSite:
+    """The site of an unrouted attention module ``name`` among a root's ``modules`` (of the
+    family ``model_type``): its calls made at its output projection (``family.output``, found
+    from the module or its parent)."""
+    label = f"{model_type} ({type(module).__name__})"
+    reason = family.refused(module) if family.refused is not None else None
+    if reason is not None:
+        raise ValueError(f"{label}: {reason}; its heads cannot be observed")
+    path = family.output
+    base = name
+    while path.startswith("../"):
+        base, path = base.rpartition(".")[0], path[3:]
+    projection = modules.get(f"{base}.{path}" if base else path)
+    if projection is None:
+        raise ValueError(
+            f"{label}: its output projection {family.output!r} (from {name!r}) "
+            f"is not in the model; its heads cannot be observed"
+        )
+    calls = UnroutedCalls(module, projection, family, label)
+    site = AttentionSite(module, calls.acquire, calls.release)
+    calls.site = site
+    return site
 
 
 def uses_transformers(model: nn.Module) -> bool:
