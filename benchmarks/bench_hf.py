@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from common import format_table, machine_info, write_json  # noqa: E402
+from common import format_table, interleaved_children, machine_info, write_json  # noqa: E402
 
 MODES = ("sdpa", "multihead", "capture", "eager")
 TARGETS = {"time": 1.15, "peak_rss": 1.1}
@@ -280,18 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [256] if args.quick else args.lengths
     repeats = 1 if args.quick else args.repeats
     rounds = 1 if args.quick else args.rounds
-    runs: list[dict[str, Any]] = []
-    for length in lengths:
-        modes = [m for m in MODES if m != "eager" or length <= args.eager_max]
-        for r in range(rounds):
-            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                command = [sys.executable, __file__, "--child", mode, str(length)]
-                command += ["--repeats", str(repeats)] + (["--quick"] if args.quick else [])
-                done = subprocess.run(command, capture_output=True, text=True, check=False)
-                if done.returncode != 0:
-                    print(done.stderr[-3000:], file=sys.stderr)
-                    return 1
-                runs.append({**json.loads(done.stdout.strip().splitlines()[-1]), "round": r})
+    try:
+        runs = interleaved_children(
+            __file__,
+            lambda t: [m for m in MODES if m != "eager" or t <= args.eager_max],
+            lengths,
+            rounds,
+            ["--repeats", str(repeats)] + (["--quick"] if args.quick else []),
+        )
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     rows, ratios = [], []
     for length in lengths:
         of_t = [run for run in runs if run["T"] == length]

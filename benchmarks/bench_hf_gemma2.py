@@ -27,18 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from common import format_table, machine_info, write_json  # noqa: E402
+from common import (  # noqa: E402
+    format_table,
+    interleaved_children,
+    machine_info,
+    timed_forwards,
+    write_json,
+)
 
 MODES = ("multihead", "capture", "eager")
 TARGET = 1.15
@@ -76,26 +79,7 @@ def child(mode: str, length: int, repeats: int, quick: bool, layers: int) -> dic
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = build(quick, layers)
     model.set_attn_implementation("eager" if mode == "eager" else "multihead")
-    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(1))
-    times, recorded = [], 0
-    with torch.no_grad():
-        for i in range(repeats + 1):  # one untimed run first
-            start = time.perf_counter()
-            if mode == "capture":
-                with multihead.capture(model, rows=[-1]) as rec:
-                    model(input_ids=ids, use_cache=False)
-                recorded = sum(w.numel() for w in rec.weights)
-            else:
-                model(input_ids=ids, use_cache=False)
-            if i > 0:
-                times.append(time.perf_counter() - start)
-    return {
-        "mode": mode,
-        "T": length,
-        "times": times,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "recorded_elements": recorded,
-    }
+    return timed_forwards(model, mode, length, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,18 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lengths = [256] if args.quick else args.lengths
     rounds = 1 if args.quick else args.rounds
-    runs: list[dict[str, Any]] = []
-    for length in lengths:
-        for r in range(rounds):
-            for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
-                command = [sys.executable, __file__, "--child", mode, str(length)]
-                command += ["--repeats", str(args.repeats), "--layers", str(args.layers)]
-                command += ["--quick"] if args.quick else []
-                done = subprocess.run(command, capture_output=True, text=True, check=False)
-                if done.returncode != 0:
-                    print(done.stderr[-3000:], file=sys.stderr)
-                    return 1
-                runs.append({**json.loads(done.stdout.strip().splitlines()[-1]), "round": r})
+    try:
+        extra = ["--repeats", str(args.repeats), "--layers", str(args.layers)]
+        extra += ["--quick"] if args.quick else []
+        runs = interleaved_children(__file__, lambda t: MODES, lengths, rounds, extra)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     rows, ratios = [], []
     for length in lengths:
         of_t = [run for run in runs if run["T"] == length]

@@ -606,3 +606,62 @@ def spawn(
                 p.kill()
             p.join()
     return [got[r] for r in range(count)]
+
+
+def interleaved_children(
+    script: str,
+    modes: Callable[[int], Sequence[str]],
+    lengths: Sequence[int],
+    rounds: int,
+    extra: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """Run ``script --child MODE T *extra`` in a fresh process for every length, round and mode
+    (``modes(T)``), the modes rotated by one each round so that none always runs first; each
+    child prints one JSON object last. Returns those objects, each with its ``round``.
+
+    Raises:
+        RuntimeError: a child failed (the end of its stderr in the message).
+    """
+    runs: list[dict[str, Any]] = []
+    for length in lengths:
+        chosen = list(modes(length))
+        for r in range(rounds):
+            for mode in chosen[r % len(chosen) :] + chosen[: r % len(chosen)]:
+                command = [sys.executable, script, "--child", mode, str(length), *extra]
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{mode} at T={length} failed:\n{done.stderr[-3000:]}")
+                runs.append({**json.loads(done.stdout.strip().splitlines()[-1]), "round": r})
+    return runs
+
+
+def timed_forwards(model: Any, mode: str, length: int, repeats: int) -> dict[str, Any]:
+    """A benchmark child's figures: ``repeats`` timed forwards (one untimed first) of ``model``
+    on one sequence of ``length`` random ids (from 0 to 999), inside
+    ``multihead.capture(model, rows=[-1])`` when ``mode`` is ``"capture"``; the seconds, the
+    process's peak RSS and the elements the capture recorded."""
+    import resource
+    import time
+
+    import multihead
+
+    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(1))
+    times, recorded = [], 0
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            if mode == "capture":
+                with multihead.capture(model, rows=[-1]) as rec:
+                    model(input_ids=ids, use_cache=False)
+                recorded = sum(w.numel() for w in rec.weights)
+            else:
+                model(input_ids=ids, use_cache=False)
+            if i > 0:
+                times.append(time.perf_counter() - start)
+    return {
+        "mode": mode,
+        "T": length,
+        "times": times,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "recorded_elements": recorded,
+    }

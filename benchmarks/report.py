@@ -210,6 +210,11 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "context.",
     ),
     (
+        "hf_gpt_neo",
+        "A random `GPTNeoModel` at TinyStories-33M's shape (global and local layers); each mode "
+        "in its own child process. Capture: one query row per head and layer, by the recipe.",
+    ),
+    (
         "edge_attribution",
         "A random attention-only `TransformerLM` of the induction model's shape and a random "
         "grouped-query `LlamaForCausalLM` (bridge); metric: a last-position log-probability; "

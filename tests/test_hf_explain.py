@@ -148,6 +148,26 @@ FAMILIES = [
         heads=4,
     ),
     Family(
+        "gpt_neo",  # attention in the module's own code; global and local (window 4) layers
+        byte_level_bpe,
+        lambda v: transformers.GPTNeoForCausalLM(
+            transformers.GPTNeoConfig(
+                vocab_size=v,
+                hidden_size=48,
+                num_layers=2,
+                num_heads=4,
+                attention_types=[[["global", "local"], 1]],
+                window_size=4,
+                max_position_embeddings=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        causal=True,
+        layers=2,
+        heads=4,
+    ),
+    Family(
         "bert",
         wordpiece,
         lambda v: transformers.BertModel(
@@ -506,6 +526,17 @@ def test_cli_explains_gpt2(saved: dict[str, Path], tmp_path: Path, capsys: Any) 
     assert "[CLS]" not in report and "[SEP]" not in report
     assert report.startswith(f"{saved['gpt2'].name}: ")
     assert re.search(r"focus 'it' \(token \d+\)", report)
+
+
+def test_cli_explains_a_gpt_neo_directory(
+    saved: dict[str, Path], tmp_path: Path, capsys: Any
+) -> None:
+    out = tmp_path / "out"
+    code = main(["explain", "--model", str(saved["gpt_neo"]), "--out", str(out), "--format", "png"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert (out / "attention_grid.png").is_file() and (out / "head_importance.png").is_file()
+    assert "most important" in printed
 
 
 def test_cli_ablates_a_gpt2_head(saved: dict[str, Path], tmp_path: Path, capsys: Any) -> None:

@@ -10,8 +10,12 @@ ablation. Every model is a tiny random one built from its config.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -469,3 +473,23 @@ def test_patching_and_attribution_equal_hand_hooks_on_an_unrouted_lm(name: str) 
         )
         checked += int(shared.values[:, j].isfinite().sum())
     assert checked > 0
+
+
+def test_bench_gpt_neo_script_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_hf_gpt_neo.py runs end to end (--quick) and writes its JSON; no timing."""
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_hf_gpt_neo.py"
+    env = dict(os.environ, PYTHONPATH=str(Path(multihead.__file__).resolve().parent.parent))
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "hf_gpt_neo_quick.json").read_text(encoding="utf-8"))
+    modes = {row["mode"]: row for row in payload["rows"]}
+    assert set(modes) == {"plain", "capture"}
+    # one row of every head of every layer: 4 layers x 4 heads x 128 keys, nothing more
+    assert modes["capture"]["recorded_elements"] == 4 * 4 * 128
+    assert payload["check"]["max_diff"] <= 1e-5

@@ -228,7 +228,8 @@ def _stacked_ablation(
 
     with torch.no_grad():
         prefix = PrefixCache.build(model, found, run, caller="importance")
-        clean = recorded[0]
+        # (a model whose blocks cannot be reused is refused before the clean run is recorded)
+        clean = recorded[0] if recorded else outputs(1)
         rows = clean.shape[0]
         scores = head_table(found, clean, None)
         for layer, site in enumerate(s.attention for s in found):

@@ -24,7 +24,7 @@ import torch
 from multihead._files import TensorInfo, few, read_json
 from multihead.devices import resolve_device, resolve_dtype
 from multihead.hf.forward import NAME
-from multihead.hf.sites import attention_sites
+from multihead.hf.sites import attention_sites, routed
 from multihead.hf.sizes import (
     check_epsilons,
     check_sizes,
@@ -45,8 +45,9 @@ def load_model(
     causal_lm: bool = False,
     tensor_parallel: bool = False,
 ) -> Any:
-    """The transformers model of a local directory, on ``attn_implementation="multihead"``, in
-    eval mode (an encoder-decoder model whole: the caller takes its encoder).
+    """The transformers model of a local directory, on ``attn_implementation="multihead"`` (a
+    family computing its attention in the module keeps its own), in eval mode (an
+    encoder-decoder model whole: the caller takes its encoder).
 
     Args:
         directory: a directory holding ``config.json`` and the weights.
@@ -135,8 +136,10 @@ def load_model(
             UserWarning,
             stacklevel=stacklevel,
         )
-    attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
-    model.set_attn_implementation(NAME)
+    sites = attention_sites(model.get_encoder() if config.is_encoder_decoder else model)
+    if any(routed(type(site.module)) for _, site in sites):
+        # a family computing attention in the module (GPT-Neo, MPNet, ...) keeps its own
+        model.set_attn_implementation(NAME)
     return model.eval()
 
 

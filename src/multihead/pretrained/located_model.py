@@ -2,9 +2,10 @@
 
 A name or path given for a model (``--model``, ``load_text_model(dir_or_name)``) is, in this
 order: an existing directory (a Hugging Face style one, or one holding a GGUF file and no
-``config.json``), an existing ``.gguf`` file, the named model ``"smollm2"``
-(:mod:`~multihead.pretrained.smollm2`), or a name in the local Hugging Face cache (never
-downloaded). A GGUF file's directory is its conversion (:mod:`~multihead.pretrained.gguf_cache`).
+``config.json``), an existing ``.gguf`` file, the named models ``"smollm2"``
+(:mod:`~multihead.pretrained.smollm2`) and ``"mpnet"`` (:mod:`~multihead.pretrained.mpnet`),
+or a name in the local Hugging Face cache (never downloaded). A GGUF file's directory is its
+conversion (:mod:`~multihead.pretrained.gguf_cache`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from multihead._checks import describe
 from multihead._files import check_regular_file
 from multihead.pretrained.gguf_cache import find_gguf_file, gguf_directory
+from multihead.pretrained.mpnet import MPNET, mpnet_directory
 from multihead.pretrained.smollm2 import SMOLLM2, smollm2_file
 
 __all__ = ["located_model"]
@@ -50,16 +52,16 @@ def located_model(
 ) -> Iterator[tuple[str, Path, str]]:
     """(the name or path as given, the directory, the model's name) of a local model directory,
     a GGUF file (or a directory holding one and no ``config.json``), a named model
-    (``"smollm2"``) or a name in the local Hugging Face cache (never downloaded), for the
-    block: a GGUF file's directory is its conversion (:func:`gguf_directory`: cached, or
+    (``"smollm2"``, ``"mpnet"``) or a name in the local Hugging Face cache (never downloaded),
+    for the block: a GGUF file's directory is its conversion (:func:`gguf_directory`: cached, or
     temporary and removed on exit).
 
     Raises:
         TypeError: not a str or path. FileNotFoundError: none of these. NotADirectoryError: a
         file that is not ``.gguf``. ValueError: a GGUF file refused
         (:func:`~multihead.pretrained.gguf_header.read_gguf_header`). ImportError: a name, and
-        transformers is not installed; a GGUF file, and the ``gguf`` extra is not; ``"smollm2"``,
-        and its package is not.
+        transformers is not installed; a GGUF file, and the ``gguf`` extra is not; ``"smollm2"``
+        or ``"mpnet"``, and its packages are not.
     """
     if not isinstance(dir_or_name, (str, os.PathLike)):
         raise TypeError(
@@ -94,6 +96,11 @@ def located_model(
             return
     elif given == SMOLLM2:
         gguf, name = smollm2_file(), SMOLLM2
+    elif given == MPNET:
+        with mpnet_directory(given) as directory:
+            _check_small_files(directory)
+            yield given, directory, "all-mpnet-base-v2"
+        return
     if gguf is not None:
         with gguf_directory(gguf, given) as directory:
             _check_small_files(directory)
