@@ -152,6 +152,17 @@ FAMILIES: dict[str, tuple[Callable[[], Any], str, bool]] = {
         "MegatronBertModel",
         False,
     ),
+    "gpt_neox_japanese": (
+        _config(
+            "GPTNeoXJapaneseConfig", vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2,
+            num_attention_heads=HEADS, max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            },
+        ),
+        "GPTNeoXJapaneseModel",
+        True,
+    ),
     "xlm": (
         _config("XLMConfig", vocab_size=VOCAB, emb_dim=WIDTH, n_layers=2, n_heads=HEADS,
                 max_position_embeddings=64),

@@ -278,6 +278,20 @@ def _imagegpt(m: Any, a: dict[str, Any]) -> Recomputed:
     return Recomputed(q, k, v, _bias(_causal(m.bias, q.shape[-2], given), given), False, scale)
 
 
+def _gpt_neox_japanese(m: Any, a: dict[str, Any]) -> Recomputed:
+    # GPTNeoXJapaneseAttention: one fused projection, per head its query, key and value side by
+    # side; rotary on the first rotary_ndims of each query and key; scores / sqrt(D) + the mask
+    qkv = m.query_key_value(a["hidden_states"]).unflatten(-1, (m.num_attention_heads, -1))
+    d = m.head_size
+    q, k, v = (qkv[..., i * d : (i + 1) * d].transpose(1, 2) for i in range(3))
+    cos, sin = a["position_embeddings"]
+    r = m.rotary_ndims
+    turned_q, turned_k = _own(m, "apply_rotary_pos_emb")(q[..., :r], k[..., :r], cos, sin)
+    q = torch.cat((turned_q, q[..., r:]), dim=-1)
+    k = torch.cat((turned_k, k[..., r:]), dim=-1)
+    return Recomputed(q, k, v, a["attention_mask"], False, 1.0 / float(m.norm_factor))
+
+
 # Keyed by the attention class as "family.ClassName" (its file's package in transformers); a
 # subclass (a family's flash-attention variant) finds its parent's entry.
 UNROUTED_FAMILIES: dict[str, UnroutedFamily] = {
@@ -296,6 +310,7 @@ UNROUTED_FAMILIES: dict[str, UnroutedFamily] = {
     "xlm.MultiHeadAttention": UnroutedFamily("out_lin", _xlm),
     "flaubert.MultiHeadAttention": UnroutedFamily("out_lin", _xlm),
     "imagegpt.ImageGPTAttention": UnroutedFamily("c_proj", _imagegpt),
+    "gpt_neox_japanese.GPTNeoXJapaneseAttention": UnroutedFamily("dense", _gpt_neox_japanese),
 }
 
 

@@ -90,8 +90,8 @@ class UnroutedCalls:
         self._arguments = arguments
 
     def _on_heads(self, projection: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        site = self.site
-        if self._arguments is None:
+        site, arguments, self._arguments = self.site, self._arguments, None
+        if arguments is None:
             # not the module's call: the projection run by an observer (each head's write
             # through it), or by something else
             return None
@@ -106,7 +106,6 @@ class UnroutedCalls:
                 f"cannot be observed"
             )
         own = given.unflatten(-1, (heads, width))  # (B, T, H, Dv)
-        arguments, self._arguments = self._arguments, None
         call = AttentionCall.deferred(site, lambda: self._call(site, arguments, own))
         out = own
         if site.observers.editing:
@@ -135,11 +134,13 @@ class UnroutedCalls:
             )
         try:
             made = recipe(self.module, arguments)
-        except (KeyError, AttributeError) as error:
-            # a transformers release whose forward takes other arguments or keeps other parts
+        except (KeyError, AttributeError, TypeError, RuntimeError) as error:
+            # a transformers release whose forward takes other arguments, keeps other parts or
+            # shapes them otherwise
             raise ValueError(
-                f"{name}: its score recipe does not fit the installed transformers (it lacks "
-                f"{error}): multihead cannot recompute its attention weights"
+                f"{name}: its score recipe does not fit the installed transformers "
+                f"({type(error).__name__}: {error}): multihead cannot recompute its attention "
+                f"weights"
             ) from error
         keys = made.mask.shape[-1] if made.mask is not None else made.k.shape[-2]
         if keys != made.k.shape[-2] or made.k.shape[-2] != made.q.shape[-2]:
@@ -178,9 +179,15 @@ class UnroutedCalls:
             1.0, float(b.abs().max()) if b.numel() else 1.0
         )
         if not difference <= tolerance:
+            training = (
+                " (the module is in training mode: its dropout makes each call differ; call "
+                "model.eval())"
+                if self.module.training
+                else ""
+            )
             raise ValueError(
                 f"{self.label}: its score recipe does not reproduce the module's "
-                f"own output (largest difference {difference:.3g}, tolerance {tolerance:.1g}): "
-                f"multihead cannot recompute its attention weights"
+                f"own output (largest difference {difference:.3g}, tolerance {tolerance:.1g})"
+                f"{training}: multihead cannot recompute its attention weights"
             )
         self._settled = real is not None and not bool(real.all())
