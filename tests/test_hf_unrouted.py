@@ -504,3 +504,25 @@ def test_bench_gpt_neo_script_quick(tmp_path: Path) -> None:
     # one row of every head of every layer: 4 layers x 4 heads x 128 keys, nothing more
     assert modes["capture"]["recorded_elements"] == 4 * 4 * 128
     assert payload["check"]["max_diff"] <= 1e-5
+
+
+def test_a_forward_that_raised_leaves_no_call_behind() -> None:
+    # the module's forward raised before its projection ran: a later call of the projection
+    # alone (no module call) is no call of the module, and no observer sees it
+    model = _model("gpt_neo")
+    ids, mask = _inputs("gpt_neo")
+    site = multihead.model_map(model).sites[0]
+    seen: list[Tensor] = []
+
+    def fail(m: nn.Module, args: tuple[Any, ...]) -> None:
+        raise RuntimeError("the query projection failed")
+
+    with torch.no_grad(), site.attention.register_observer(lambda c, out: seen.append(out)):
+        handle = site.module.q_proj.register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="the query projection failed"):
+            model(input_ids=ids, attention_mask=mask)
+        handle.remove()
+        site.module.out_proj(torch.zeros(3, 7, WIDTH))
+        assert not seen
+        model(input_ids=ids, attention_mask=mask)
+    assert len(seen) == 1 and seen[0].shape == (2, T, HEADS, WIDTH // HEADS)

@@ -330,12 +330,13 @@ def _unrouted_site(
     while path.startswith("../"):
         base, path = base.rpartition(".")[0], path[3:]
     projection = modules.get(f"{base}.{path}" if base else path)
-    if projection is None:
+    holder = modules.get(base)
+    if projection is None or holder is None:
         raise ValueError(
             f"{label}: its output projection {family.output!r} (from {name!r}) "
             f"is not in the model; its heads cannot be observed"
         )
-    calls = UnroutedCalls(module, projection, family, label)
+    calls = UnroutedCalls(module, projection, holder, family, label)
     site = AttentionSite(module, calls.acquire, calls.release)
     calls.site = site
     return site

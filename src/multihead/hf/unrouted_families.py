@@ -111,8 +111,13 @@ def _causal(buffer: Tensor, t: int, given: Tensor | None) -> Tensor:
 
 
 def _own(module: nn.Module, name: str) -> Any:
-    """A function of the module's family (its file in transformers), e.g. its rotary."""
-    return getattr(sys.modules[type(module).__module__], name)
+    """A function of the module's family (the file in transformers its class, or the class it
+    derives from, is defined in), e.g. its rotary."""
+    for cls in inspect.getmro(type(module)):
+        found = getattr(sys.modules.get(cls.__module__), name, None)
+        if found is not None:
+            return found
+    raise AttributeError(f"{type(module).__name__}'s family has no {name}")
 
 
 def _self_attention(arguments: dict[str, Any], *names: str) -> None:

