@@ -455,3 +455,19 @@ def test_large_finite_float16_queries_give_no_nan(device: torch.device) -> None:
     assert torch.isfinite(out).all()
     ref, _ = reference_attention(q, k, v)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_combined_masks_broadcast_either_way() -> None:
+    # a bias per key (1, 2, 1, 4) under a wider causal bool mask (3, 4): each allowed cell has
+    # its key's bias, each other -inf, whichever of the two is given first
+    from multihead.kernels import combine_masks
+
+    bias = torch.arange(8.0).reshape(1, 2, 1, 4)
+    causal = torch.ones(3, 4, dtype=torch.bool).tril(1)
+    for got in (combine_masks(bias, causal), combine_masks(causal, bias)):
+        assert got is not None and got.shape == (1, 2, 3, 4)
+        for h in range(2):
+            for i in range(3):
+                for j in range(4):
+                    want = float(bias[0, h, 0, j]) if j <= i + 1 else float("-inf")
+                    assert float(got[0, h, i, j]) == want

@@ -114,7 +114,10 @@ def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a.dtype == torch.bool:
         a, b = b, a
     if b.dtype == torch.bool:
-        return a.masked_fill(~b, float("-inf"))
+        if torch.broadcast_shapes(a.shape, b.shape) == a.shape:
+            return a.masked_fill(~b, float("-inf"))
+        # the bool mask is the wider one (a bias per key (B, H, 1, S), a causal (T, S) mask)
+        return torch.where(b, a, float("-inf"))
     return a + b
 
 

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from multihead import kernels
+
 __all__ = ["Recomputed", "UnroutedFamily", "UNROUTED_FAMILIES", "unrouted_family"]
 
 
@@ -82,27 +84,6 @@ def _heads(x: Tensor, heads: int) -> Tensor:
     return x.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _bias(*terms: Tensor | None) -> Tensor | None:
-    """The masks and position terms together, as one mask: bool masks ANDed when all are bool,
-    else every term added (a bool one as 0 or -inf), broadcast."""
-    given = [t for t in terms if t is not None]
-    if not given:
-        return None
-    if all(t.dtype == torch.bool for t in given):
-        total = given[0]
-        for t in given[1:]:
-            total = total & t
-        return total
-    dtype = next(t.dtype for t in given if t.dtype != torch.bool)
-    added: Tensor | None = None
-    for t in given:
-        if t.dtype == torch.bool:
-            zero = torch.zeros((), dtype=dtype, device=t.device)
-            t = torch.where(t, zero, zero - math.inf)
-        added = t if added is None else added + t
-    return added
-
-
 def _causal(buffer: Tensor, t: int, given: Tensor | None) -> Tensor:
     """A family's causal buffer (1, 1, P, P) cut for T queries, as its forward cuts it: the
     last T rows of the first S columns (S the mask's keys, a cache's earlier tokens too)."""
@@ -136,7 +117,7 @@ def _gpt_neo(m: Any, a: dict[str, Any]) -> Recomputed:
     h = a["hidden_states"]
     q, k, v = (_heads(p(h), m.num_heads) for p in (m.q_proj, m.k_proj, m.v_proj))
     given = a["attention_mask"]
-    mask = _bias(_causal(m.bias, q.shape[-2], given), given)
+    mask = kernels.combine_masks(_causal(m.bias, q.shape[-2], given), given)
     return Recomputed(q, k, v, mask, False, 1.0)
 
 
@@ -145,7 +126,7 @@ def _mpnet(m: Any, a: dict[str, Any]) -> Recomputed:
     # once per forward + the padding mask
     h = a["hidden_states"]
     q, k, v = (_heads(p(h), m.num_attention_heads) for p in (m.q, m.k, m.v))
-    mask = _bias(a["position_bias"], a["attention_mask"])
+    mask = kernels.combine_masks(a["position_bias"], a["attention_mask"])
     return Recomputed(q, k, v, mask, False, m.attention_head_size**-0.5)
 
 
@@ -163,7 +144,9 @@ def _bloom(m: Any, a: dict[str, Any]) -> Recomputed:
     q, k, v = m._reshape(m.query_key_value(a["hidden_states"]))
     b, heads = q.shape[0], q.shape[1]
     alibi = a["alibi"].view(b, heads, 1, -1)
-    return Recomputed(q, k, v, _bias(alibi, a["attention_mask"]), False, float(m.inv_norm_factor))
+    return Recomputed(
+        q, k, v, kernels.combine_masks(alibi, a["attention_mask"]), False, float(m.inv_norm_factor)
+    )
 
 
 def _bloom_refused(m: Any) -> str | None:
@@ -196,7 +179,7 @@ def _falcon(m: Any, a: dict[str, Any]) -> Recomputed:
         cos, sin = a["position_embeddings"]
         q, k = _own(m, "apply_rotary_pos_emb")(q, k, cos, sin)
     elif not sdpa:  # (q·k + alibi) · inv_norm_factor: the bias is scaled too
-        mask = _bias(alibi.view(b, m.num_heads, 1, -1) * m.inv_norm_factor, mask)
+        mask = kernels.combine_masks(alibi.view(b, m.num_heads, 1, -1) * m.inv_norm_factor, mask)
     if sdpa:
         causal = bool(m.is_causal and mask is None and t > 1)
     return Recomputed(q, k, v, mask, causal, float(m.inv_norm_factor))
@@ -225,7 +208,7 @@ def _openai_gpt(m: Any, a: dict[str, Any]) -> Recomputed:
     given = a["attention_mask"]
     causal = _causal(m.bias, q.shape[-2], given).bool()
     scale = v.shape[-1] ** -0.5 if m.scale else 1.0
-    return Recomputed(q, k, v, _bias(causal, given), False, scale)
+    return Recomputed(q, k, v, kernels.combine_masks(causal, given), False, scale)
 
 
 def _deberta_v2(m: Any, a: dict[str, Any]) -> Recomputed:
@@ -246,7 +229,7 @@ def _deberta_v2(m: Any, a: dict[str, Any]) -> Recomputed:
             query, key, a["relative_pos"], embeddings, factor
         ).unflatten(0, (b, heads))
     q, k, v = (x.unflatten(0, (b, heads)) for x in (query, key, value))
-    mask = _bias(relative, a["attention_mask"].bool())
+    mask = kernels.combine_masks(relative, a["attention_mask"].bool())
     return Recomputed(q, k, v, mask, False, 1.0 / math.sqrt(q.shape[-1] * factor))
 
 
@@ -280,7 +263,9 @@ def _imagegpt(m: Any, a: dict[str, Any]) -> Recomputed:
     if m.scale_attn_by_inverse_layer_idx:
         scale /= float(m.layer_idx + 1)
     given = a["attention_mask"]
-    return Recomputed(q, k, v, _bias(_causal(m.bias, q.shape[-2], given), given), False, scale)
+    return Recomputed(
+        q, k, v, kernels.combine_masks(_causal(m.bias, q.shape[-2], given), given), False, scale
+    )
 
 
 def _gpt_neox_japanese(m: Any, a: dict[str, Any]) -> Recomputed:

@@ -174,21 +174,21 @@ class UnroutedCalls:
                 f"in this call (a KV cache holding earlier tokens): its weights are recomputed "
                 f"without a cache only"
             )
+        real = real_queries(made.mask)
         if not self._settled or self.module.training:
-            self._check(made, own)
+            self._check(made, own, real)
         return AttentionCall(
-            site, (made.q, made.k, made.v), made.mask, made.is_causal, made.scale,
-            real_queries(made.mask),
-        )  # fmt: skip
+            site, (made.q, made.k, made.v), made.mask, made.is_causal, made.scale, real
+        )
 
-    def _check(self, made: Recomputed, own: Tensor) -> None:
-        """Refuse the family unless the heads' outputs recomputed from ``made`` equal ``own``."""
+    def _check(self, made: Recomputed, own: Tensor, real: Tensor | None) -> None:
+        """Refuse the family unless the heads' outputs recomputed from ``made`` equal ``own``
+        on the real queries ``real`` ((B or 1, T) bool, or None: all)."""
         with torch.no_grad():
             again = functional.attention(
                 made.q, made.k, made.v, mask=made.mask, is_causal=made.is_causal, scale=made.scale
             ).transpose(1, 2)  # (B, T, H, Dv)
         own = own.detach()
-        real = real_queries(made.mask)
         if again.shape != own.shape:
             raise ValueError(
                 f"{self.label}: its score recipe makes heads' outputs of shape "
