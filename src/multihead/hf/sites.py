@@ -249,7 +249,9 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
             else [(n[len(prefix) + 1 :], m) for n, m in modules if n.startswith(f"{prefix}.")]
         )
         own = [(n, m) for n, m in inside if routed(type(m)) and _projects(m)]
-        known = {n for n, m in inside if not routed(type(m)) and unrouted_family(m) is not None}
+        known = {
+            n: f for n, m in inside if not routed(type(m)) and (f := unrouted_family(m)) is not None
+        }
         family = getattr(root.config, "model_type", type(root).__name__)
         if (
             not own
@@ -299,9 +301,7 @@ def attention_sites(model: nn.Module) -> list[tuple[str, AttentionSite]]:
                     site = AttentionSite(m, switch.acquire, switch.release)
                     switch.sites.append(site)
                 else:
-                    site = _unrouted_site(
-                        m, name, by_name, cast(UnroutedFamily, unrouted_family(m)), family
-                    )
+                    site = _unrouted_site(m, name, by_name, known[name], family)
                 site.head_shard = head_shard(
                     root, name, m, family_name(m), site.num_heads, site.head_dim
                 )
