@@ -176,3 +176,35 @@ def test_row10_a_query_outside_the_inputs_is_refused_before_any_scoring(
     err = capsys.readouterr().err
     assert "--query must be a position of the 16-token inputs in [-16, 16), got 999" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_mib_out_writes_mibs_folder_and_cpr_cmd_are_the_curves(
+    induction_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, mib = tmp_path / "out", tmp_path / "mib"
+    argv = ["circuit", "--checkpoint", str(induction_run), "--out", str(out), "--ig-steps", "2"]
+    argv += ["--draws", "1", "--mib-out", str(mib), "--mib-task", "induction"]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    files = [p.relative_to(mib).as_posix() for p in mib.rglob("*") if p.is_file()]
+    assert files == ["EAP-IG-inputs_patching_edge/induction_run/importances.json"]
+    model = TransformerLM.load(induction_run).eval()
+    pair = induction_pair(16)
+    every = ("q", "k", "v", "mlp", "logits")
+    scores = multihead.edge_attribution(
+        model, pair.clean, pair.corrupt, pair.metric, ig_steps=2, receivers=every
+    )
+    written = multihead.EdgeScores.from_mib(mib / files[0], model)
+    assert written.labels == scores.labels
+    assert torch.allclose(written.values, scores.values, atol=1e-5, equal_nan=True)
+    data = json.loads((mib / files[0]).read_text())
+    assert sum(e["in_graph"] for e in data["edges"].values()) > 0  # the reported circuit
+    curve = multihead.faithfulness_curve(
+        model, pair.clean, pair.corrupt, pair.metric, scores, sizes="mib", draws=0
+    )
+    found = re.search(r"CPR (-?\d+\.\d+) \(higher is better\), CMD (-?\d+\.\d+)", stdout)
+    assert found, stdout
+    assert float(found[1]) == pytest.approx(curve.cpr, abs=2e-3)
+    assert float(found[2]) == pytest.approx(curve.cmd, abs=2e-3)
+    assert main([*argv[:-2], "--mib-task", "a/b"]) == 2
+    assert "--mib-task must be a name" in capsys.readouterr().err

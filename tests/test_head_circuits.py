@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from induction_patterns import head_patterns
 from torch import nn
 
 import multihead
@@ -463,15 +464,8 @@ def test_k_composition_picks_the_previous_token_heads_path_patching_finds(
 
     model = induction_model.cpu()
     pair = induction_pair(32, batch=16)
-    n, s1, s2 = pair.layout
-    with multihead.capture(model) as rec:
-        model(pair.clean)
-    first, second = rec.weights[0], rec.weights[1]  # (B, H, T, T)
-    t = torch.arange(1, 32)
-    previous = first[:, :, t, t - 1].mean((0, 2))  # (H,) each layer-0 head's previous-token share
+    previous, induction = head_patterns(model, pair)  # (H,) each, by the attention patterns
     prev_heads = {f"L0H{h}" for h in range(4) if previous[h] > 0.3}
-    repeat = torch.arange(s2, s2 + n - 1)
-    induction = second[:, :, repeat, repeat - s2 + s1 + 1].mean((0, 2))
     head = int(induction.argmax())  # the top induction head, L1H{head}
     assert prev_heads and float(induction[head]) > 0.5, (previous, induction)
 

@@ -697,6 +697,9 @@ ALLOWED_LOOKUPS: frozenset[str] = frozenset(
         "padding", "RMSNorm", "torch_dtype", "LOCAL_RANK", "RANK", "WORLD_SIZE",
         "OMP_NUM_THREADS", "gloo", "mpi", "BLOCK_M", "BLOCK_N", "RdBu_r", "tab10", "turbo",
         "viridis",
+        # MIB's circuit files (EAP-IG's Graph.to_json and to_pt) and multihead's key in them
+        "cfg", "nodes", "edges", "src_nodes", "dst_nodes", "edges_scores", "edges_in_graph",
+        "n_layers", "n_heads", "score", "in_graph", "multihead", "kinds", "ig_steps",
         # a tokenizer's and a text model's config, read by the text floor (TextModel wraps any
         # tokenizer and model: its padding, its length and the logits it keeps)
         "backend_tokenizer", "is_fast", "post_processor", "pad_token", "pad_token_id",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from multihead.heads import head_label, mlp_label
+from multihead.map_types import ModelMap
 
 __all__ = ["EMBED", "KV_MODES", "LOGITS", "RECEIVER_KINDS", "Graph", "Node", "Receiver", "Sender"]
 
@@ -130,6 +131,8 @@ class Graph:
         kv: ``"query_head"`` or ``"shared"``: what a key/value receiver is.
         heads: per layer, (query heads, key/value heads): the model's depth, and which query
             heads a shared key/value receiver feeds.
+        mlps: the layers whose block has a feed-forward network.
+        width: E, the residual stream's width (0 when the map does not know it).
     """
 
     senders: tuple[Sender, ...]
@@ -137,6 +140,52 @@ class Graph:
     kinds: tuple[str, ...]
     kv: str
     heads: tuple[tuple[int, int], ...]
+    mlps: tuple[int, ...] = ()
+    width: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        mapped: ModelMap,
+        kinds: Sequence[str],
+        kv: str,
+        senders: Sequence[Sender] | None = None,
+        *,
+        caller: str,
+    ) -> Graph:
+        """The graph of a model's map: ``senders`` (default: every sender, in forward order)
+        and every receiver of ``kinds``, in forward order (a shared key/value receiver per
+        key/value head with ``kv="shared"``).
+
+        Raises:
+            ValueError: a map that is not a stack of one attention layer per block (named
+                ``caller``).
+        """
+        mlps = tuple(
+            layer
+            for layer in range(mapped.num_layers)
+            if mapped.stack_block(layer, caller).mlp is not None
+        )
+        heads = tuple((site.num_heads, site.num_kv_heads) for site in mapped.sites)
+        receivers: list[Receiver] = []
+        shared = kv == "shared"
+        for layer, (h, hk) in enumerate(heads):
+            for kind in ("q", "k", "v"):
+                if kind in kinds:
+                    count = hk if shared and kind != "q" else h
+                    receivers += [Receiver(kind, layer, i, shared) for i in range(count)]
+            if layer in mlps and "mlp" in kinds:
+                receivers.append(Receiver("mlp", layer))
+        if LOGITS in kinds:
+            receivers.append(Receiver(LOGITS, mapped.num_layers))
+        every = _every_sender(heads, mlps)
+        chosen = every if senders is None else tuple(senders)
+        return cls(chosen, tuple(receivers), tuple(kinds), kv, heads, mlps, mapped.width or 0)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the graph holds every sender of its model, in forward order."""
+        return self.senders == _every_sender(self.heads, self.mlps)
 
     @cached_property
     def edges(self) -> tuple[tuple[int, int], ...]:
@@ -217,3 +266,14 @@ class Graph:
         if node.kind == "mlp":
             return "mlp" not in self.kinds
         return node.kind == "head" and not {"q", "k", "v"} <= set(self.kinds)
+
+
+def _every_sender(heads: Sequence[tuple[int, int]], mlps: Sequence[int]) -> tuple[Sender, ...]:
+    """Every sender of a model with ``heads`` per layer and feed-forward networks in ``mlps``,
+    in forward order: the embeddings, then each layer's heads and its MLP."""
+    every = [Sender(EMBED)]
+    for layer, (h, _) in enumerate(heads):
+        every += [Sender("head", layer, i) for i in range(h)]
+        if layer in mlps:
+            every.append(Sender("mlp", layer))
+    return tuple(every)

@@ -11,15 +11,19 @@ It scores every edge (:func:`multihead.edge_attribution`, ``--ig-steps``), print
 edges, the faithfulness curve of the top edges (or, with ``--method greedy``, of circuits grown
 from the logits: ``EdgeScores.circuit``) against random circuits
 (:func:`multihead.faithfulness_curve`; every circuit pruned of its inert edges and counted by
-the edges it keeps) and the smallest circuit that reaches ``--reach``, and writes
-``faithfulness.png`` (the curves) and ``circuit.png`` (the circuit's graph: its first
-``--graph-edges`` edges). Errors are one line
-and exit code 2 (``multihead.cli.main``).
+the edges it keeps) and the smallest circuit that reaches ``--reach``, MIB's CPR and CMD (the
+curve read at the benchmark's ten edge fractions), and writes ``faithfulness.png`` (the curves)
+and ``circuit.png`` (the circuit's graph: its first ``--graph-edges`` edges). ``--mib-out DIR``
+scores MIB's graph (the feed-forward networks' inputs too) and writes it in MIB's folder layout,
+``DIR/<method>_patching_edge/<task>_<model>/importances.json`` (``EdgeScores.to_mib``; the
+reported circuit's edges ``in_graph``). Errors are one line and exit code 2
+(``multihead.cli.main``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +31,8 @@ from typing import Any
 
 import multihead
 from multihead.circuits.edges.edge_scores import METHODS, Circuit, EdgeScores
+from multihead.circuits.edges.faithfulness_curve import default_sizes, mib_sizes
+from multihead.circuits.graph import RECEIVER_KINDS
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
@@ -113,6 +119,20 @@ def register(subparsers: Any) -> None:
         metavar="LIST",
         help="comma-separated, any of png, svg (default png)",
     )
+    p.add_argument(
+        "--mib-out",
+        metavar="DIR",
+        help="score MIB's graph (every head's q, k, v, every feed-forward network and the "
+        "logits) and write it for the MIB benchmark: DIR/<method>_patching_edge/<task>_<model>/"
+        "importances.json, the reported circuit's edges in_graph",
+    )
+    p.add_argument(
+        "--mib-task",
+        default="circuit",
+        metavar="NAME",
+        help="the task's name in --mib-out's folder (MIB's: ioi, mcqa, arithmetic-addition, "
+        "arc-easy, ...; default circuit)",
+    )
     p.set_defaults(func=run, tensor_parallel=False)
 
 
@@ -124,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--format must list png or svg, got {args.format!r}")
     names = [f"{stem}.{f}" for stem in ("faithfulness", "circuit") for f in formats]
     out = check_output_dir("--out", args.out, names)
+    if args.mib_out is not None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.mib_task):
+            raise CLIError(
+                f"--mib-task must be a name of letters, digits, '.', '_' and '-', got "
+                f"{args.mib_task!r}"
+            )
+        check_output_dir("--mib-out", args.mib_out, [])
     for flag, value in (
         ("--ig-steps", args.ig_steps),
         ("--top", args.top),
@@ -181,12 +208,16 @@ def _circuit(
         experiment.model, experiment.clean, experiment.corrupt, experiment.metric
     )
     method = "EAP" if args.ig_steps == 1 else f"EAP-IG, {args.ig_steps} steps"
+    # MIB's graph reads the feed-forward networks' inputs too
+    receivers = RECEIVER_KINDS if args.mib_out is not None else ("q", "k", "v", "logits")
     with status(f"scoring every edge ({method})"):
-        scores = multihead.edge_attribution(runs, ig_steps=args.ig_steps)
+        scores = multihead.edge_attribution(runs, ig_steps=args.ig_steps, receivers=receivers)
     chosen = "the top edges" if args.method == "top" else "the greedy circuits"
+    # the default sizes and MIB's, which its CPR and CMD read
+    sizes = sorted({*default_sizes(len(scores)), *mib_sizes(len(scores))})
     with status(f"faithfulness of {chosen} and of random circuits"):
         curve = multihead.faithfulness_curve(
-            runs, scores=scores, draws=args.draws, method=args.method
+            runs, scores=scores, sizes=sizes, draws=args.draws, method=args.method
         )
     print(f"{experiment.name}: {len(scores)} edges; metric: {experiment.describe}")
     print(f"  clean {scores.clean:.3f}   corrupt {scores.corrupt:.3f}")
@@ -208,6 +239,10 @@ def _circuit(
     print(
         f"  area over the pruned sizes {curve.area:.3f}, random circuits' (n random edges, "
         f"pruned likewise) {curve.random_area:.3f} ({ratio:.1f}x)"
+    )
+    print(
+        f"  MIB's areas over its edge fractions 0.1 % ... 100 %: CPR {curve.cpr:.3f} (higher "
+        f"is better), CMD {curve.cmd:.3f} (lower is better)"
     )
     kept = curve.smallest(args.reach)
     if kept is None:
@@ -237,8 +272,22 @@ def _circuit(
     written = [
         save_figure(fig, out / f"{stem}.{fmt}") for stem, fig in figures.items() for fmt in formats
     ]
+    if args.mib_out is not None:
+        named = "EAP" if args.ig_steps == 1 else "EAP-IG-inputs"  # MIB's names of the methods
+        folder = (
+            Path(args.mib_out)
+            / f"{named}_patching_edge"
+            / f"{args.mib_task}_{_mib_model(experiment.name)}"
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        written.append(scores.to_mib(folder / "importances.json", circuit))
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _mib_model(name: str) -> str:
+    """A model's name as a folder name's part: what is not a letter, digit, '.' or '-' as '-'."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", name).strip("-") or "model"
 
 
 def _named(method: str, n: int) -> str:

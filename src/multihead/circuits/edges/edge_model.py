@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_choice, describe
-from multihead.circuits.graph import EMBED, KV_MODES, LOGITS, Graph, Receiver, Sender
+from multihead.circuits.graph import EMBED, KV_MODES, Graph, Sender
 from multihead.circuits.runs.experiment import Experiment
 from multihead.circuits.runs.head_writes import head_writes, projection_rows
 from multihead.circuits.runs.wiring import WiringRun
@@ -86,11 +86,7 @@ class EdgeModel:
         self.probe_value: Tensor = probe.value  # the metric on the probe's input
         self._probe: _ProbeRun | None = probe if probe.writes else None
         self.sites = [site.attention for site in experiment.found]
-        self.senders = [Sender("embed")]
-        for layer, site in enumerate(mapped.sites):
-            self.senders += [Sender("head", layer, h) for h in range(site.num_heads)]
-            if layers[layer].mlp is not None:
-                self.senders.append(Sender("mlp", layer))
+        self.senders = list(self.graph(()).senders)
 
     @classmethod
     def of(
@@ -166,31 +162,10 @@ class EdgeModel:
 
     # -- the graph ------------------------------------------------------------------------------
 
-    def receivers(self, kinds: Sequence[str]) -> list[Receiver]:
-        """The receivers of ``kinds`` in forward order."""
-        out: list[Receiver] = []
-        shared = self.kv == "shared"
-        for layer, site in enumerate(self.mapped.sites):
-            for kind in ("q", "k", "v"):
-                if kind in kinds:
-                    heads = site.num_kv_heads if shared and kind != "q" else site.num_heads
-                    out += [Receiver(kind, layer, h, shared) for h in range(heads)]
-            if "mlp" in kinds and self.layers[layer].mlp is not None:
-                out.append(Receiver("mlp", layer))
-        if LOGITS in kinds:
-            out.append(Receiver(LOGITS, self.mapped.num_layers))
-        return out
-
     def graph(self, kinds: Sequence[str], senders: Sequence[Sender] | None = None) -> Graph:
         """The :class:`~multihead.circuits.graph.Graph` of ``senders`` (default: every
         sender) and the receivers of ``kinds``."""
-        return Graph(
-            tuple(self.senders if senders is None else senders),
-            tuple(self.receivers(kinds)),
-            tuple(kinds),
-            self.kv,
-            tuple((site.num_heads, site.num_kv_heads) for site in self.mapped.sites),
-        )
+        return Graph.of(self.mapped, kinds, self.kv, senders, caller="the edge graph")
 
     def parse_senders(self, senders: object) -> list[Sender]:
         """``None`` (every sender) or a sequence of "embed", heads (``"L0H1"``, ``(0, 1)``) and

@@ -8,17 +8,23 @@ Shapes: N senders, R receivers.
 from __future__ import annotations
 
 import heapq
+import math
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from multihead._checks import check_choice, check_positive_int, describe
-from multihead.circuits.graph import EMBED, Graph, Node, Receiver, Sender
+from multihead.circuits.edges.mib_file import MIBFile
+from multihead.circuits.graph import EMBED, RECEIVER_KINDS, Graph, Node, Receiver, Sender
+from multihead.mapping import model_map
 from multihead.viz.circuit_graph import Arrow, circuit_figure
 
-__all__ = ["METHODS", "Circuit", "EdgeScores", "edge_labels"]
+__all__ = ["METHODS", "Circuit", "CircuitComparison", "EdgeScores", "edge_labels"]
 
 #: how :meth:`EdgeScores.circuit` chooses its edges
 METHODS = ("top", "greedy")
@@ -54,11 +60,15 @@ class Circuit:
             their number.
         inert_indices: the edges chosen with them and pruned as inert
             (:meth:`EdgeScores.inert`; ``EdgeScores.circuit(n)`` keeps ``n - len(inert)``).
+        values: the (N, R) scores the edges were chosen by (``EdgeScores.circuit``, a MIB
+            file read by :meth:`from_mib`), which :meth:`compare` ranks every edge by; None
+            for a circuit given as labels.
     """
 
     graph: Graph
     indices: tuple[Edge, ...]
     inert_indices: tuple[Edge, ...] = ()
+    values: Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, circuit: object, graph: Graph) -> Circuit:
@@ -105,6 +115,110 @@ class Circuit:
     def __repr__(self) -> str:
         pruned = f", {len(self.inert_indices)} inert pruned" if self.inert_indices else ""
         return f"Circuit({len(self)} edges{pruned}; receivers {', '.join(self.receivers)})"
+
+    @classmethod
+    def from_mib(cls, path: str | os.PathLike[str], model: Any) -> Circuit:
+        """The circuit of a MIB circuit file (its edges with ``in_graph``; ``.json`` or
+        ``.pt``: :mod:`~multihead.circuits.edges.mib_file`) on ``model``'s graph, with the
+        file's scores as :attr:`values`.
+
+        Raises:
+            ValueError: as :meth:`EdgeScores.from_mib`.
+        """
+        file, graph = _read_mib(path, model)
+        values, chosen = file.values_on(graph, repr(str(path)))
+        return cls(graph, chosen, values=values)
+
+    def compare(self, reference: Circuit | Sequence[str]) -> CircuitComparison:
+        """How this circuit's edges match ``reference``'s (a circuit of the same model, or edge
+        labels of this graph), as MIB's ``compare_graphs`` counts them, and the AUROC of
+        :attr:`values` (every edge of the graph ranked by ``|score|``) against it.
+
+        Raises:
+            TypeError: ``reference`` neither a Circuit nor labels.
+            ValueError: an edge of ``reference`` this graph lacks.
+        """
+        if isinstance(reference, Circuit) and reference.graph != self.graph:
+            where = {self.graph.nodes(e): e for e in self.graph.edges}
+            lacking = [
+                reference.graph.label(e)
+                for e in reference.indices
+                if reference.graph.nodes(e) not in where
+            ]
+            if lacking:
+                raise ValueError(
+                    f"reference's edges must be edges of this circuit's graph, got "
+                    f"{lacking[0]!r}"
+                    + (f" and {len(lacking) - 1} more" if len(lacking) > 1 else "")
+                )
+            truth = {where[reference.graph.nodes(e)] for e in reference.indices}
+        else:
+            truth = set(Circuit.of(reference, self.graph).indices)
+        mine = set(self.indices)
+        tp = len(mine & truth)
+        fp, fn = len(mine - truth), len(truth - mine)
+        tn = len(self.graph.edges) - tp - fp - fn
+        auroc = None
+        if self.values is not None:
+            values = self.values.detach().cpu().double()
+            scores = torch.tensor([abs(float(values[e])) for e in self.graph.edges])
+            labels = torch.tensor([e in truth for e in self.graph.edges])
+            auroc = _auroc(scores, labels)
+        return CircuitComparison(
+            precision=tp / (tp + fp) if tp + fp else 0.0,
+            recall=tp / (tp + fn) if tp + fn else math.nan,
+            auroc=auroc,
+            true_positives=tp,
+            false_positives=fp,
+            false_negatives=fn,
+            true_negatives=tn,
+        )
+
+
+@dataclass(frozen=True)
+class CircuitComparison:
+    """A circuit against a reference circuit of the same graph (:meth:`Circuit.compare`).
+
+    Attributes:
+        precision: of the circuit's edges, the share in the reference (0 for an empty
+            circuit, as MIB's ``compare_graphs`` gives).
+        recall: of the reference's edges, the share in the circuit (NaN for an empty
+            reference).
+        auroc: the area under the ROC curve of the circuit's scores against the reference:
+            the chance that a reference edge has a larger ``|score|`` than an edge outside it
+            (ties count half; every edge of the graph ranked, not only the circuit's). MIB's
+            ``evaluate_area_under_roc`` reads the same curve at its ten edge fractions; this
+            is its exact area. NaN when the reference holds no edge or every edge, None when
+            the circuit holds no scores (given as labels).
+        true_positives, false_positives, false_negatives, true_negatives: edges in both, in
+            the circuit only, in the reference only, in neither.
+    """
+
+    precision: float
+    recall: float
+    auroc: float | None
+    true_positives: int
+    false_positives: int
+    false_negatives: int
+    true_negatives: int
+
+
+def _auroc(scores: Tensor, labels: Tensor) -> float:
+    """The Mann-Whitney AUROC of ``scores`` (n,) against bool ``labels`` (n,), ties half."""
+    positives = int(labels.sum())
+    negatives = len(labels) - positives
+    if positives == 0 or negatives == 0:
+        return math.nan
+    order = scores.argsort()
+    _, inverse, counts = torch.unique_consecutive(
+        scores[order], return_inverse=True, return_counts=True
+    )
+    ends = counts.cumsum(0).double()
+    mean_rank = ends - (counts.double() - 1) / 2  # a tie's ranks' mean, ranks from 1
+    ranks = torch.empty(scores.shape, dtype=torch.float64)
+    ranks[order] = mean_rank[inverse]
+    total = float(ranks[labels].sum())
+    return (total - positives * (positives + 1) / 2) / (positives * negatives)
 
 
 @dataclass(frozen=True)
@@ -204,10 +318,10 @@ class EdgeScores:
         ranked = self._ranked()
         edges = tuple(ranked[:n]) if method == "top" else self._greedy(ranked, n)
         if not prune:
-            return Circuit(self.graph, edges)
+            return Circuit(self.graph, edges, values=self.values)
         inert = set(self.inert_of(edges))
         kept = tuple(e for e in edges if e not in inert)
-        return Circuit(self.graph, kept, tuple(e for e in edges if e in inert))
+        return Circuit(self.graph, kept, tuple(e for e in edges if e in inert), self.values)
 
     def _greedy(self, ranked: list[Edge], n: int) -> tuple[Edge, ...]:
         """The first ``n`` edges :meth:`circuit`'s greedy search takes from ``ranked`` (every
@@ -309,6 +423,72 @@ class EdgeScores:
             rows.append({"sender": s, "receiver": r, "edge": f"{s} -> {r}", "score": values[i][j]})
         return rows
 
+    def to_mib(
+        self, path: str | os.PathLike[str], circuit: Circuit | Sequence[str] | None = None
+    ) -> Path:
+        """Write every edge's score in MIB's circuit format (``.json``, or its ``.pt`` twin:
+        :mod:`~multihead.circuits.edges.mib_file`), with ``circuit``'s edges (a
+        :class:`Circuit` of this graph or edge labels) marked ``in_graph`` (default: none).
+        The file is written atomically; returns its path.
+
+        MIB's graph is the whole graph of edge attribution with ``receivers=("q", "k", "v",
+        "mlp", "logits")`` (an attention-only model: without "mlp"), every sender and
+        ``kv="query_head"``: for GPT-2 small 158 nodes and 32,491 edges. Scores are written as
+        they are (summed over the batch; MIB's EAP-IG averages them, the same ranking).
+
+        Raises:
+            ValueError: scores of another graph (named), a path not ending in .json or .pt.
+            FileNotFoundError: the path's directory does not exist.
+        """
+        chosen = () if circuit is None else self._indices_of(circuit)
+        extra = {
+            "clean": self.clean,
+            "corrupt": self.corrupt,
+            "ig_steps": self.ig_steps,
+            "dtype": str(self.values.dtype).removeprefix("torch."),
+            "kinds": list(self.kinds),
+        }
+        return MIBFile.of(self.graph, self.values, chosen, extra).save(path, self.graph)
+
+    @classmethod
+    def from_mib(cls, path: str | os.PathLike[str], model: Any) -> EdgeScores:
+        """The scores of a MIB circuit file (``.json``, or ``.pt`` read with
+        ``weights_only=True``) on ``model``'s graph (every sender, receivers q, k, v, mlp,
+        logits, ``kv="query_head"``). A file :meth:`to_mib` wrote reads back bit for bit,
+        with its clean and corrupt metric; another tool's has NaN for them.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a MIB circuit file, or one of another model (its config, or edges
+                the model's graph lacks or has beyond it: named).
+        """
+        file, graph = _read_mib(path, model)
+        values, _ = file.values_on(graph, repr(str(path)))
+        extra = file.extra
+
+        def number(key: str, default: float) -> float:
+            value = extra.get(key, default)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{str(path)!r}: multihead.{key} must be a number, got {value!r}")
+            return float(value)
+
+        steps = extra.get("ig_steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(
+                f"{str(path)!r}: multihead.ig_steps must be a positive int, got {steps!r}"
+            )
+        return cls(graph, values, number("clean", math.nan), number("corrupt", math.nan), steps)
+
+    def _indices_of(self, circuit: Circuit | Sequence[str]) -> tuple[Edge, ...]:
+        """``circuit``'s edges as indices into this graph."""
+        if isinstance(circuit, Circuit) and circuit.graph != self.graph:
+            raise ValueError(
+                "circuit must be a circuit of these scores' graph (EdgeScores.circuit(n)) or "
+                f"edge labels, got one of another graph ({', '.join(circuit.receivers)} "
+                f"receivers, kv={circuit.kv!r})"
+            )
+        return Circuit.of(circuit, self.graph).indices
+
     def plot(self, n: int = 20, *, prune: bool = True, method: str = "top", **kwargs: Any) -> Any:
         """The circuit of ``n`` edges (:meth:`circuit` by ``method``, pruned of its inert edges
         with ``prune``; at most every edge) as a graph picture (a matplotlib ``Figure``; the
@@ -330,6 +510,17 @@ class EdgeScores:
             f"{len(self.receivers)} receivers, {method}; clean {self.clean:.4g}, corrupt "
             f"{self.corrupt:.4g})"
         )
+
+
+def _read_mib(path: str | os.PathLike[str], model: Any) -> tuple[MIBFile, Graph]:
+    """A MIB file and ``model``'s graph it is read on: every sender, the receiver kinds a
+    file multihead wrote names (else all), each query head's keys and values."""
+    file = MIBFile.load(path)
+    kinds = file.extra.get("kinds")
+    if not (isinstance(kinds, list) and kinds and all(k in RECEIVER_KINDS for k in kinds)):
+        kinds = list(RECEIVER_KINDS)
+    chosen = tuple(k for k in RECEIVER_KINDS if k in kinds)
+    return file, Graph.of(model_map(model), chosen, "query_head", caller="a MIB circuit file")
 
 
 def _spread(
