@@ -441,9 +441,12 @@ class EdgeScores:
             FileNotFoundError: the path's directory does not exist.
         """
         chosen = () if circuit is None else self._indices_of(circuit)
+        # the metric of the two runs when known (a file another tool wrote holds none)
+        known = {
+            k: v for k, v in (("clean", self.clean), ("corrupt", self.corrupt)) if math.isfinite(v)
+        }
         extra = {
-            "clean": self.clean,
-            "corrupt": self.corrupt,
+            **known,
             "ig_steps": self.ig_steps,
             "dtype": str(self.values.dtype).removeprefix("torch."),
             "kinds": list(self.kinds),
