@@ -103,6 +103,9 @@ FLOORS: dict[str, int] = {
     "circuits.edges": 17,
     #     what the weights alone say: factored QK/OV circuits, composition, copying, SVD
     "circuits.weights": 17,
+    #     sparse autoencoders read from SAELens's and Gemma Scope's files (their hooks named by
+    #     the engine's site names)
+    "sae": 17,
     # 18: path patching (its results are PatchResults)
     "circuits.paths": 18,
     # 19: exact decompositions: logit attribution, the logit lens, QK attribution
@@ -704,6 +707,20 @@ ALLOWED_LOOKUPS: frozenset[str] = frozenset(
         # tokenizer and model: its padding, its length and the logits it keeps)
         "backend_tokenizer", "is_fast", "post_processor", "pad_token", "pad_token_id",
         "model_max_length", "logits_to_keep",
+        # the lenses' files, other projects' layouts: anthropics/jacobian-lens's artifact and
+        # fit checkpoint (as TransformerLens 4.3 writes and reads them), tuned-lens's config.json
+        # (0.1+ and 0.0.x)
+        "J", "jacobian_sum", "n_done", "n_prompts", "d_model", "source_layers", "metadata",
+        "target_layer", "model_name", "transformers_version", "converted_from",
+        "dropped_fields", "lens", "base_model_name_or_path", "num_hidden_layers", "lens_type",
+        "unembed_hash", "num_layers", "include_input", "reuse_unembedding", "extra_layers",
+        # SAELens's cfg.json (6.x and pre-6.0) and the tensor names SAELens and Gemma Scope
+        # give an SAE's weights; the folder names Gemma Scope's hooks are read from
+        "W_dec", "W_enc", "W_skip", "activation_fn", "activation_fn_kwargs",
+        "apply_b_dec_to_input", "architecture", "b_enc", "d_in", "d_out", "d_sae",
+        "finetuning_scaling_factor", "hook_head_index", "hook_name", "hook_name_out", "hook_z",
+        "normalize_activations", "rescale_acts_by_decoder_norm", "reshape_activations",
+        "sae_lens_version", "threshold", "w_enc", "transcoder", "clt", "gemma-scope",
     }
 )  # fmt: skip
 
