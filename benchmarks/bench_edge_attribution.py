@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import device_argument, format_table, machine_info, write_json
+from common import device_argument, format_table, interleaved_rounds, machine_info, write_json
 from torch.profiler import ProfilerActivity, profile
 
 import multihead
@@ -61,40 +61,6 @@ QUICK_LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "vocab": 100
 
 def _metric(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].float().log_softmax(-1)[:, 3]
-
-
-def _seconds(fn: Callable[[], Any], device: torch.device, clock: Callable[[], float]) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = clock()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return clock() - start
-
-
-def _interleaved(
-    fns: dict[str, Callable[[], Any]],
-    rounds: int,
-    device: torch.device,
-    clock: Callable[[], float] = time.perf_counter,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Each round times every call once, in turn (the first round is a warm-up): the median
-    seconds of each, and the median over rounds of each one's time ÷ the same round's
-    "fwdbwd" (a machine whose speed drifts moves both sides of a round's ratio together)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(rounds + 1):
-        for name, fn in fns.items():
-            seconds = _seconds(fn, device, clock)
-            if round_:
-                times[name].append(seconds)
-    base = times["fwdbwd"]
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    ratios = {
-        name: statistics.median(a / b for a, b in zip(t, base, strict=True))
-        for name, t in times.items()
-    }
-    return medians, ratios
 
 
 def _rss_kib(field: str) -> int:
@@ -218,13 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             "eap_ig": lambda work=work: work["eap"](k),
             "nodes": lambda work=work: work["nodes"](k),
         }
-        seconds_of, ratio_of = _interleaved(calls, rounds, device)
+        seconds_of, ratio_of = interleaved_rounds(calls, rounds, device)
         cpu_ratio_of: dict[str, float] = {}
         if device.type == "cpu":  # again on one thread, in CPU time (module docstring)
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                _, cpu_ratio_of = _interleaved(calls, rounds, device, time.process_time)
+                _, cpu_ratio_of = interleaved_rounds(calls, rounds, device, time.process_time)
             finally:
                 torch.set_num_threads(threads)
         base = seconds_of["fwdbwd"]

@@ -37,8 +37,10 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
+import time
 import timeit
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -84,6 +86,47 @@ def median_time(
         timer=timeit.default_timer if timer is None else timer,
     )
     return float(measure.blocked_autorange(min_run_time=min_run_time).median)
+
+
+def interleaved_rounds(
+    fns: Mapping[str, Callable[[], object]],
+    rounds: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+    base: str = "fwdbwd",
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Time every call once per round, in turn (the first round is a warm-up; on a GPU each call
+    synchronised): the median seconds of each, and the median over rounds of each one's time ÷
+    the same round's ``base`` call's (a machine whose speed drifts moves both sides of a round's
+    ratio together).
+
+    Args:
+        fns: name -> zero-argument callable; ``base`` among them.
+        rounds: Measured rounds (after the warm-up round).
+        device: Where the calls run (a CUDA device is synchronised around each).
+        clock: The clock; ``time.process_time`` counts this process's CPU time instead.
+        base: The call the ratios divide by.
+
+    Returns:
+        (median seconds, median ratio to ``base``), each keyed by name.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(rounds + 1):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = clock()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_:
+                times[name].append(clock() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    ratios = {
+        name: statistics.median(a / b for a, b in zip(t, times[base], strict=True))
+        for name, t in times.items()
+    }
+    return medians, ratios
 
 
 def cuda_time(

@@ -161,3 +161,24 @@ def test_bench_score_mods_quick(tmp_path: Path) -> None:
         assert all(value > 0 for value in result["softcap_seconds"].values())
     assert payload["report"]["tables"][0]["target_column"] == "target"
     assert "capture(rows=[-1]) ÷ forward" in done.stdout
+
+
+@pytest.mark.slow
+def test_bench_lens_fit_quick(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="bench_lens_fit.py runs transformers models")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_lens_fit.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1800,  # a hang guard, never a speed budget
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "lens_fit_quick.json").read_text(encoding="utf-8"))
+    assert payload["machine"]["torch"]
+    found = {(row["model"], row["dim_batch"]) for row in payload["rows"]}
+    assert found == {(m, k) for m in ("grouped-query Llama", "GPT-2") for k in (8, 32)}
+    assert all(row["ratio"] > 0 and row["width"] == 32 for row in payload["rows"])
+    assert payload["report"]["tables"][0]["rows"]
+    assert "ratio ÷ E" in done.stdout

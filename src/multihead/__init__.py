@@ -54,6 +54,8 @@ _LAZY: dict[str, str] = {
     "LogitAttribution": "multihead.circuits.decompose.logit_attribution",
     "logit_lens": "multihead.circuits.decompose.logit_lens",
     "LogitLens": "multihead.circuits.decompose.logit_lens",
+    "JacobianLens": "multihead.circuits.decompose.jacobian_lens",
+    "TunedLens": "multihead.circuits.decompose.tuned_lens",
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",
     "head_circuits": "multihead.circuits.weights.head_circuits",
     "HeadCircuits": "multihead.circuits.weights.head_circuits",

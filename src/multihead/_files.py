@@ -44,6 +44,7 @@ __all__ = [
     "fsync_dir",
     "atomic_write",
     "read_json",
+    "read_torch_weights",
     "few",
     "tensor_problems",
     "layer_counts",
@@ -344,6 +345,35 @@ def read_json(path: str | os.PathLike[str], *, limit: int = MAX_JSON_BYTES) -> A
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(path)!r} is not valid JSON ({e})") from None
+
+
+def read_torch_weights(path: str | os.PathLike[str], what: str) -> Any:
+    """What a ``torch.save`` file of another project holds (``what`` names it in errors), read
+    with ``torch.load(..., weights_only=True)``: tensors, numbers, strings, lists and dicts, and
+    never the pickled code a plain ``torch.load`` would run. multihead writes safetensors; this
+    reads the ``.pt`` files other projects publish (a Jacobian lens, a tuned lens).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a regular file, or a file ``weights_only`` refuses (it holds other
+            objects) or cannot read (damaged): one line naming the path.
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"{str(path)!r} is missing")
+    check_regular_file(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError, a zip or pickle error of a damaged file
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        # torch's refusal spans many lines; the one naming what it refused is the reason
+        reason = next((line for line in lines if line.startswith("WeightsUnpickler error")), None)
+        reason = reason or (lines[0] if lines else type(e).__name__)
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        raise ValueError(
+            f"{str(path)!r} is not {what} that torch.load(weights_only=True) reads "
+            f"(tensors, numbers, strings, lists and dicts only): {reason}"
+        ) from None
 
 
 def few(items: Sequence[str], limit: int = 4, *, sep: str = ", ") -> str:

@@ -18,7 +18,8 @@ Everything here acts through the one observer channel
   ``EdgeScores``, whose ``Circuit`` ``faithfulness`` measures (``faithfulness_curve``: a
   ``FaithfulnessCurve`` over circuit sizes);
 - ``decompose/``: exact splits of one number: ``logit_attribution`` (a ``LogitAttribution``),
-  ``logit_lens`` (a ``LogitLens``) and ``qk_attribution`` (a ``QKAttribution``);
+  ``logit_lens`` (a ``LogitLens``; read through a fitted ``JacobianLens`` or ``TunedLens`` with
+  ``lens=``) and ``qk_attribution`` (a ``QKAttribution``);
 - ``weights/``: what the weights alone say, no input: ``head_circuits`` (a ``HeadCircuits``)
   gives each head's QK and OV circuits (``HeadCircuit``, a ``FactoredMatrix``), composition
   scores (``CompositionScores``), copying scores (``CopyingScores``) and SVDs (``HeadSVD``).
@@ -51,6 +52,8 @@ _LAZY: dict[str, str] = {
     "LogitAttribution": "multihead.circuits.decompose.logit_attribution",
     "logit_lens": "multihead.circuits.decompose.logit_lens",
     "LogitLens": "multihead.circuits.decompose.logit_lens",
+    "JacobianLens": "multihead.circuits.decompose.jacobian_lens",
+    "TunedLens": "multihead.circuits.decompose.tuned_lens",
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",
     "head_circuits": "multihead.circuits.weights.head_circuits",
     "HeadCircuits": "multihead.circuits.weights.head_circuits",

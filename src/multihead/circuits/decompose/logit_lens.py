@@ -12,6 +12,22 @@ Each head's write is read the same way, through the final norm frozen at this ru
 
     head_l,h = (γ ⊙ (result_l,h - mean) / σ) W_U^T      (B, P, V): its direct effect on every logit
 
+``lens=`` reads each layer through a fitted lens instead, an affine map of the stream (M_l, b_l)
+before the final norm: a :class:`~multihead.circuits.decompose.jacobian_lens.JacobianLens`
+(``M_l = J_l``, no b) or a :class:`~multihead.circuits.decompose.tuned_lens.TunedLens`
+(``M_l = I + A_l``, ``b_l``); the last layer is read by the identity, so it stays the model's
+logits::
+
+    lens_l = unembedding(final_norm(M_l resid_post_l + b_l))          (B, P, V)
+
+and each head's write through the lens's linear part, then the frozen norm's::
+
+    head_l,h = (γ ⊙ (M_l result_l,h - mean) / σ) W_U^T
+
+(J_l carries a head's write, as any change of layer l's stream, to its first-order effect on
+the last block's output; a tuned lens's bias b_l belongs to no head and is left out, as the
+norm's β is). A Jacobian lens that is the identity gives the plain lens exactly.
+
 Shapes: B batch, T tokens, P kept positions, E width, V vocabulary, L layers, H heads, k top_k.
 """
 
@@ -25,6 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_indices, check_optional_positive_int
+from multihead.circuits.decompose.jacobian_lens import JacobianLens
+from multihead.circuits.decompose.tuned_lens import TunedLens
 from multihead.circuits.runs.frozen_norm import FrozenNorm
 from multihead.circuits.runs.site_recorder import cache
 from multihead.mapping import model_map
@@ -49,6 +67,9 @@ class LogitLens:
         norm: the final norm frozen at this run's last stream (None: the model has none).
         unembedding: the (V, E) unembedding weight, times the model's logit scale (Granite's
             1 / ``logits_scaling``; :attr:`~multihead.map_types.ModelMap.logit_scale`).
+        lens_maps: (L', E, E) with ``lens=``, the linear part M_l of the lens at each layer read
+            (the identity at the last), which :meth:`head_logits` applies to a head's write;
+            None without a lens.
     """
 
     layers: list[int]
@@ -59,13 +80,20 @@ class LogitLens:
     results: Tensor
     norm: FrozenNorm | None
     unembedding: Tensor
+    lens_maps: Tensor | None = None
 
     def head_logits(self, layer: int) -> Tensor:
         """(B, P, H, V): each head of ``layer`` (one of :attr:`layers`) read as logits, its
-        direct effect on every logit (the final norm frozen, no biases)."""
+        direct effect on every logit (the final norm frozen, no biases); with a lens, its write
+        through the lens's linear part first (module docstring)."""
         if layer not in self.layers:
             raise ValueError(f"layer must be one of the layers read, {self.layers}, got {layer}")
-        written = self.results[self.layers.index(layer)]  # (B, P, H, E)
+        index = self.layers.index(layer)
+        written = self.results[index]  # (B, P, H, E)
+        if self.lens_maps is not None:
+            linear = self.lens_maps[index]  # (E, E)
+            dtype = torch.promote_types(written.dtype, linear.dtype)
+            written = written.to(dtype) @ linear.to(written.device, dtype).T  # (B, P, H, E)
         normed = self.norm.linear(written) if self.norm is not None else written
         return normed @ self.unembedding.to(normed.dtype).T
 
@@ -78,6 +106,7 @@ def logit_lens(
     layers: int | Sequence[int] | None = None,
     positions: int | Sequence[int] | slice | None = None,
     top_k: int | None = 10,
+    lens: JacobianLens | TunedLens | None = None,
 ) -> LogitLens:
     """Read each layer's residual stream, and each head's write, as logits (module docstring).
 
@@ -92,16 +121,29 @@ def logit_lens(
             kept are L'·B·P·V numbers: choose positions on a long text.
         top_k: keep only the k largest logits of every layer and position (``top_logits``,
             ``top_ids``) and drop the rest; None keeps every logit (``logits``).
+        lens: read each layer through a fitted lens (module docstring): a
+            :class:`~multihead.circuits.decompose.jacobian_lens.JacobianLens` or a
+            :class:`~multihead.circuits.decompose.tuned_lens.TunedLens`, checked against the
+            model first (its width and layers; its provenance: one warning where it differs);
+            None (default) is the logit lens.
 
     Returns:
         A :class:`LogitLens`.
 
     Raises:
         ValueError: a model without an unembedding, a final norm that is neither a LayerNorm
-            nor an RMSNorm as read here, layers or positions out of range, top_k not positive.
-        TypeError: layers or positions of another kind.
+            nor an RMSNorm as read here, layers or positions out of range, top_k not positive,
+            a lens that does not fit the model or has no map for a layer read.
+        TypeError: layers, positions or lens of another kind.
+
+    Warns:
+        UserWarning: a lens whose recorded provenance differs from the model's.
     """
     check_optional_positive_int("top_k", top_k)
+    if lens is not None and not isinstance(lens, (JacobianLens, TunedLens)):
+        raise TypeError(
+            f"lens must be a JacobianLens, a TunedLens or None, got {type(lens).__name__}"
+        )
     mapped = model_map(model)
     if mapped.unembedding is None:
         raise ValueError(
@@ -114,6 +156,10 @@ def logit_lens(
             check_indices("layers", layers, mapped.num_layers, "layers") or range(mapped.num_layers)
         )
     )
+    maps: list[tuple[Tensor | None, Tensor | None]] = []
+    if lens is not None:
+        lens.check(model, stacklevel=4)  # the caller, through torch.no_grad's wrapper
+        maps = [lens.affine(layer, mapped.num_layers) for layer in chosen]
     norm, unembedding = mapped.final_norm, mapped.unembedding
     final: list[tuple[Tensor, Tensor]] = []
     hooks = []
@@ -135,6 +181,9 @@ def logit_lens(
             norm, mapped.norm_eps, x.to(dtype), y.to(dtype), "logit_lens", rounding
         )
     streams = kept.stack("resid_post")  # (L', B, P, E)
+    lens_maps = None
+    if lens is not None:
+        streams, lens_maps = _through(streams, maps)
     logits = unembedding(norm(streams) if norm is not None else streams)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 kept
     if mapped.logit_scale != 1.0:  # the model's own logits (Granite's, Cohere's scaled ones)
@@ -153,4 +202,29 @@ def logit_lens(
         results=kept.stack("result"),
         norm=frozen,
         unembedding=unembedding.weight.detach() * mapped.logit_scale,
+        lens_maps=lens_maps,
     )
+
+
+def _through(
+    streams: Tensor, maps: Sequence[tuple[Tensor | None, Tensor | None]]
+) -> tuple[Tensor, Tensor]:
+    """(L', B, P, E) each layer's stream through its lens's affine map ``M h + b`` (computed in
+    float32 at least, back in the stream's dtype, which the final norm and unembedding take),
+    and (L', E, E) the linear parts M (the identity where the lens has none)."""
+    width = streams.shape[-1]
+    dtype = torch.promote_types(streams.dtype, torch.float32)
+    out, linears = [], []
+    for stream, (linear, bias) in zip(streams, maps, strict=True):
+        h = stream.to(dtype)
+        if linear is not None:
+            h = h @ linear.to(h.device, dtype).T
+        if bias is not None:
+            h = h + bias.to(h.device, dtype)
+        out.append(h.to(streams.dtype))
+        linears.append(
+            torch.eye(width, dtype=dtype, device=streams.device)
+            if linear is None
+            else linear.to(streams.device, dtype)
+        )
+    return torch.stack(out), torch.stack(linears)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 from torch import Tensor
 
 from multihead._checks import describe
-from multihead._files import atomic_write, check_regular_file, few, json_bytes, read_json
+from multihead._files import atomic_write, few, json_bytes, read_json, read_torch_weights
 from multihead.circuits.graph import EMBED, LOGITS, Graph, Receiver, Sender
 
 __all__ = ["MIBFile", "mib_edge_name", "mib_node_name"]
@@ -283,15 +282,7 @@ class MIBFile:
     @classmethod
     def _from_pt(cls, path: Path) -> MIBFile:
         where = f"{str(path)!r}"
-        check_regular_file(path)
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
-            raise ValueError(
-                f"{where} cannot be read as a MIB circuit file with weights_only=True (tensors, "
-                f"lists, dicts, strings and numbers only): {first}"
-            ) from None
+        data = read_torch_weights(path, "a MIB circuit file")
         if not isinstance(data, dict) or not all(k in data for k in _PT_KEYS):
             got = sorted(map(str, data)) if isinstance(data, dict) else describe(data)
             raise ValueError(
