@@ -110,6 +110,9 @@ FLOORS: dict[str, int] = {
     "circuits.paths": 18,
     # 19: exact decompositions: logit attribution, the logit lens, QK attribution
     "circuits.decompose": 19,
+    #     SAE features of a run and their exact split by (head, source token) (sae_features,
+    #     feature_sources): on the engine, the SAEs, observe's rows and viz; beside decompose
+    "circuits.features": 19,
     # 20: the package's names, looked up lazily
     "circuits": 20,
     # 21: the text floor: any tokenizer's batch (TokenBatch, tokenize, the one word rule),

@@ -16,13 +16,17 @@ Everything here acts through the one observer channel
 - ``paths/``: ``path_patching`` (does a sender reach the metric through a receiver's q, k or v);
 - ``edges/``: ``edge_attribution`` (EAP, EAP-IG) scores the edges of the graph as
   ``EdgeScores``, whose ``Circuit`` ``faithfulness`` measures (``faithfulness_curve``: a
-  ``FaithfulnessCurve`` over circuit sizes);
+  ``FaithfulnessCurve`` over circuit sizes; MIB's files, CPR, CMD and ``Circuit.compare``'s
+  ``CircuitComparison``);
 - ``decompose/``: exact splits of one number: ``logit_attribution`` (a ``LogitAttribution``),
   ``logit_lens`` (a ``LogitLens``; read through a fitted ``JacobianLens`` or ``TunedLens`` with
   ``lens=``) and ``qk_attribution`` (a ``QKAttribution``);
 - ``weights/``: what the weights alone say, no input: ``head_circuits`` (a ``HeadCircuits``)
   gives each head's QK and OV circuits (``HeadCircuit``, a ``FactoredMatrix``), composition
   scores (``CompositionScores``), copying scores (``CopyingScores``) and SVDs (``HeadSVD``).
+- ``features/``: SAE features on heads (:mod:`multihead.sae`'s SAEs): ``sae_features`` (the
+  features of the site an SAE reads) and ``feature_sources`` (a feature's pre-activation split
+  exactly by head and source token: a ``FeatureSources``).
 
 Seeing heads (capture, statistics) is :mod:`multihead.observe`, floors below.
 """
@@ -53,6 +57,10 @@ _LAZY: dict[str, str] = {
     "logit_lens": "multihead.circuits.decompose.logit_lens",
     "LogitLens": "multihead.circuits.decompose.logit_lens",
     "JacobianLens": "multihead.circuits.decompose.jacobian_lens",
+    "sae_features": "multihead.circuits.features.sae_features",
+    "feature_sources": "multihead.circuits.features.feature_sources",
+    "FeatureSources": "multihead.circuits.features.feature_sources",
+    "CircuitComparison": "multihead.circuits.edges.edge_scores",
     "TunedLens": "multihead.circuits.decompose.tuned_lens",
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",
     "head_circuits": "multihead.circuits.weights.head_circuits",

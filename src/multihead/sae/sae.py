@@ -158,15 +158,33 @@ class SAE(nn.Module):
         x = x.to(self.dtype)
         return x.flatten(-2) if hook_z else x  # (..., E)
 
-    def _normalized(self, x: Tensor) -> Tensor:
-        """norm_in of a (..., E) input (sae_lens/saes/sae.py _setup_activation_normalization)."""
+    def normalized(self, x: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """norm_in of a (..., E) input (sae_lens/saes/sae.py _setup_activation_normalization),
+        as an affine map frozen at ``x``: (the normalised input (..., E), each row's factor f
+        (...,), whether it centres), so that ``norm_in(x) = f · (x - mean(x))`` when it
+        centres (``layer_norm``: f = 1 / (σ + eps), σ unbiased), else ``f · x``
+        (``constant_norm_rescale``: f = √E / ‖x‖; no normalisation: f = 1)."""
         if self.normalize_activations == "layer_norm":
-            mu = x.mean(dim=-1, keepdim=True)
-            std = (x - mu).std(dim=-1, keepdim=True)
-            return (x - mu) / (std + LAYER_NORM_EPS)
+            centred = x - x.mean(dim=-1, keepdim=True)
+            factor = 1.0 / (centred.std(dim=-1) + LAYER_NORM_EPS)
+            return centred * factor[..., None], factor, True
         if self.normalize_activations == "constant_norm_rescale":
-            return x * (self.d_in**0.5 / x.norm(dim=-1, keepdim=True))
-        return x
+            factor = self.d_in**0.5 / x.norm(dim=-1)
+            return x * factor[..., None], factor, False
+        return x, torch.ones_like(x[..., 0]), False
+
+    def encoder(self, features: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The affine map whose output is the pre-activation of the normalised input (less
+        ``b_dec`` where ``apply_b_dec_to_input``): (E, F') columns and (F',) bias of
+        ``features`` ((F',) int64; default every feature). A gated SAE's is its magnitude path,
+        ``W_enc · exp(r_mag)`` and ``b_mag``."""
+        if self.architecture == "gated":
+            weight, bias = self.W_enc * self.r_mag.exp(), self.b_mag
+        else:
+            weight, bias = self.W_enc, self.b_enc
+        if features is None:
+            return weight, bias
+        return weight.index_select(1, features), bias.index_select(0, features)
 
     def _denormalized(self, y: Tensor, x: Tensor | None) -> Tensor:
         """norm_out of a (..., E) reconstruction, with the statistics of the input ``x``."""
@@ -213,13 +231,11 @@ class SAE(nn.Module):
             ``(..., F)`` in the SAE's dtype.
         """
         flat = self._flat_input("x", x)
-        sae_in = self._normalized(flat)
+        sae_in = self.normalized(flat)[0]
         if self.apply_b_dec_to_input:
             sae_in = sae_in - self.b_dec
-        if self.architecture == "gated":  # the magnitude path: W_enc scaled per feature
-            hidden_pre = sae_in @ (self.W_enc * self.r_mag.exp()) + self.b_mag
-        else:
-            hidden_pre = sae_in @ self.W_enc + self.b_enc  # (..., E) @ (E, F) -> (..., F)
+        weight, bias = self.encoder()
+        hidden_pre = sae_in @ weight + bias  # (..., E) @ (E, F) -> (..., F)
         return self._activation(hidden_pre, sae_in)
 
     def decode(self, features: Tensor, *, input: Tensor | None = None) -> Tensor:
