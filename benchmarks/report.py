@@ -95,12 +95,6 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "run writes `results/hf.json`: rows of other lengths are added by hand.",
     ),
     (
-        "compare",
-        "Two checkouts' `src` (the earlier one from `git worktree add`), each measure in a fresh "
-        "child process per checkout, the two alternating within each round; the median over "
-        "rounds of each checkout's median call.",
-    ),
-    (
         "patch",
         "A random `LlamaForCausalLM` (bridge) and induction-shaped `TransformerLM`; metric: the"
         " last logit difference; naive loops timed on a sample, scaled. Per-position patches "
@@ -219,6 +213,12 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "A random attention-only `TransformerLM` of the induction model's shape and a random "
         "grouped-query `LlamaForCausalLM` (bridge); metric: a last-position log-probability; "
         "the baseline is one forward and the metric's backward to every parameter.",
+    ),
+    (
+        "lens_fit",
+        "Random models through the bridge (nothing downloaded); every layer below the last "
+        "fitted, `skip_first_positions=16`; the baseline is one forward and the backward of the "
+        "mean log-probability to every parameter. Interleaved rounds, wall clock.",
     ),
     (
         "head_circuits",

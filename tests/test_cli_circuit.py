@@ -202,9 +202,18 @@ def test_mib_out_writes_mibs_folder_and_cpr_cmd_are_the_curves(
     curve = multihead.faithfulness_curve(
         model, pair.clean, pair.corrupt, pair.metric, scores, sizes="mib", draws=0
     )
+    assert "of MIB's graph, top circuits: CPR" in stdout
     found = re.search(r"CPR (-?\d+\.\d+) \(higher is better\), CMD (-?\d+\.\d+)", stdout)
     assert found, stdout
     assert float(found[1]) == pytest.approx(curve.cpr, abs=2e-3)
     assert float(found[2]) == pytest.approx(curve.cmd, abs=2e-3)
     assert main([*argv[:-2], "--mib-task", "a/b"]) == 2
     assert "--mib-task must be a name" in capsys.readouterr().err
+    # the folder is checked before any scoring: a file where it would go
+    taken = tmp_path / "taken"
+    (taken / "EAP-IG-inputs_patching_edge").mkdir(parents=True)
+    (taken / "EAP-IG-inputs_patching_edge" / "induction_run").write_text("mine")
+    assert main([*argv[:-4], "--mib-out", str(taken), "--mib-task", "induction"]) == 2
+    err = capsys.readouterr().err
+    assert "--mib-out" in err and len(err.strip().splitlines()) == 1, err
+    assert (taken / "EAP-IG-inputs_patching_edge" / "induction_run").read_text() == "mine"

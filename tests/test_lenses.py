@@ -473,7 +473,7 @@ def test_the_safetensors_twin_holds_the_same(tmp_path: Path) -> None:
 def test_provenance_differences_are_one_warning(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers", minversion="5")
     model, _ = _family_model("gpt2")
-    model.config._name_or_path = "/somewhere/local/tiny-gpt2"  # the map reads it when built
+    model.config._name_or_path = "/somewhere/hub/models--org--tiny-gpt2/snapshots/0a1b"  # read once
     lens = JacobianLens(
         {0: torch.eye(24)}, 1, 24,
         {"model_name": "org/other-model", "transformers_version": "0.0.1"},
@@ -484,7 +484,7 @@ def test_provenance_differences_are_one_warning(tmp_path: Path) -> None:
         multihead.logit_lens(model, ids, lens=lens, layers=[0, 2])
     assert len(caught) == 1 and caught[0].filename == __file__  # the caller's line
     message = str(caught[0].message)
-    assert "'org/other-model'" in message and "'/somewhere/local/tiny-gpt2'" in message
+    assert "'org/other-model'" in message and "'org/tiny-gpt2'" in message
     assert f"transformers 0.0.1, this is transformers {transformers.__version__}" in message
     with pytest.warns(UserWarning, match="may not belong to this model") as caught:
         JacobianLens.load(tmp_path / "lens.pt", model=model)
@@ -630,3 +630,26 @@ def test_file_and_model_refusals(tmp_path: Path) -> None:
         TunedLens.load(tmp_path / "both", ckpt="params.pt")
     with pytest.raises(ValueError, match="ckpt must be a file name ending in .pt or .safetensors"):
         TunedLens(torch.zeros(3, 24, 24), None).save(tmp_path / "x", ckpt="../params.pt")
+
+
+@pytest.mark.parametrize(
+    ("where", "want"),
+    [
+        ("hub/models--org--tiny-gpt2/snapshots/0123abcd", "org/tiny-gpt2"),
+        ("some/directory", None),
+    ],
+)
+def test_a_lens_records_a_models_name_not_a_directory(
+    tmp_path: Path, where: str, want: str | None
+) -> None:
+    """A model read from this machine's directories records its Hub name where its cache folder
+    spells it, and no name for a plain directory (it names no model another machine has)."""
+    transformers = pytest.importorskip("transformers")
+    from multihead.circuits.decompose.lens_provenance import LensProvenance
+
+    config = transformers.GPT2Config(vocab_size=20, n_embd=8, n_layer=2, n_head=2, n_positions=8)
+    config._name_or_path = str(tmp_path / where)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    assert LensProvenance.of(model).model_name == want
+    config._name_or_path = "gpt2"  # a Hub name as given (a fresh model: its map is made anew)
+    assert LensProvenance.of(transformers.GPT2LMHeadModel(config)).model_name == "gpt2"

@@ -7,6 +7,7 @@ ranked by EAP-IG's scores."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -185,6 +186,38 @@ def test_grouped_query_heads_export_each_query_heads_keys_and_values(tmp_path: P
     with pytest.raises(ValueError, match="kv='shared'.*score with kv='query_head'"):
         shared.to_mib(tmp_path / "s.json")
     assert not (tmp_path / "s.json").exists()
+
+
+def test_an_attention_only_model_writes_mibs_whole_graph(tmp_path: Path) -> None:
+    """MIB's graph always has its MLP nodes: an attention-only model's are written, scored 0 and
+    not in the circuit, so that MIB's ``from_pt`` (which builds the whole graph) reads the
+    matrix; both files read back onto the model."""
+    from multihead.models import TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(20, 24, 4, 2, 32, max_len=16, attn_only=True).eval()
+    clean, corrupt = _pair()
+    scores = edge_attribution(model, clean, corrupt, _metric)
+    nodes, edges = _mib_graph(2, 4)
+    path = scores.to_mib(tmp_path / "a.json", scores.circuit(6))
+    data = json.loads(path.read_text())
+    assert list(data["nodes"]) == nodes and list(data["edges"]) == edges
+    for name in edges:
+        if re.search(r"(^|->)m\d", name):
+            assert data["edges"][name] == {"score": 0.0, "in_graph": False}, name
+        else:
+            assert data["edges"][name]["score"] == scores.score(*_ours(name).split(" -> "))
+    assert not data["nodes"]["m0"]["in_graph"]
+    pt = torch.load(scores.to_mib(tmp_path / "a.pt"), weights_only=True)
+    assert pt["src_nodes"] == nodes[:-1] and pt["dst_nodes"] == _mib_dst(2, 4)
+    assert pt["edges_scores"].shape == (1 + 2 * 5, 2 * 13 + 1)
+    for name in ("a.json", "a.pt"):
+        back = EdgeScores.from_mib(tmp_path / name, model)
+        assert _same(back.values, scores.values) and back.labels == scores.labels
+    data["edges"]["m0->logits"]["score"] = 0.5  # a feed-forward edge the model lacks, scored
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"has 1 edges the model lacks \(m0->logits\)"):
+        EdgeScores.from_mib(tmp_path / "b.json", model)
 
 
 def test_a_file_another_tool_wrote_reads_by_name(tmp_path: Path) -> None:
@@ -394,7 +427,7 @@ def test_eap_ig_ranks_the_induction_circuit(induction_model: Any) -> None:
     into the induction heads' values, the induction heads into the logits."""
     from multihead.training.induction_pair import induction_pair
 
-    model = induction_model.cpu()
+    model = copy.deepcopy(induction_model).cpu()  # the session's model left where it was
     pair = induction_pair(32, batch=16)
     previous, induction = head_patterns(model, pair)
     prev_heads = [h for h in range(4) if previous[h] > 0.3]

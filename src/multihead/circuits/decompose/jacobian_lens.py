@@ -279,6 +279,12 @@ class JacobianLens:
                 f"layers must be below the last layer ({count - 1}), which the lens reads by "
                 f"the identity, got {chosen}"
             )
+        if _model_dtype(model) in (torch.float16, torch.bfloat16):
+            warnings.warn(
+                f"JacobianLens.fit in {_model_dtype(model)} takes each backward pass at reduced "
+                "precision (the sums are float32): a float32 model gives the faithful fit",
+                stacklevel=2,
+            )
         found = mean_jacobians(model, inputs, chosen, skip=skip, chunk=chunk)
         done, skipped = found.prompts, found.skipped
         if skipped:

@@ -15,9 +15,11 @@ are errors, each lens's own.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -32,13 +34,29 @@ def _last_component(name: str) -> str:
     return name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
 
 
+def _model_name(model: nn.Module, name: str | None) -> str | None:
+    """The model's name as a lens records it: a Hub name as given; for files read from a
+    local directory (what every multihead loader reads), the Hub name its Hugging Face cache
+    folder spells (``models--org--name``), else the name the model was loaded by (a
+    :class:`multihead.TextModel`'s ``name``: ``"smollm2"``), else None (not recorded, not
+    compared): a directory of this machine names no model."""
+    if name is None or not os.path.isabs(name):
+        return name
+    for part in Path(name).parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return "/".join(part.split("--")[1:])
+    given = getattr(model, "name", None)
+    return given if isinstance(given, str) and given else None
+
+
 @dataclass(frozen=True)
 class LensProvenance:
     """The model a lens is fitted for or read on, as a lens records it.
 
     Attributes:
-        model_name: the model's own name (:attr:`multihead.ModelMap.name`: the Hub name or
-            directory its files came from), or None when its map does not know it.
+        model_name: the model's own name (:attr:`multihead.ModelMap.name` when it is a Hub
+            name; for a local directory the Hub name of its cache folder, else the name it was
+            loaded by: :func:`_model_name`), or None when not known.
         transformers_version: the installed transformers version for a transformers model,
             None for any other model.
     """
@@ -53,7 +71,7 @@ class LensProvenance:
         version = None
         if holds_transformers(model):
             version = importlib.metadata.version("transformers")
-        return cls(model_map(model).name, version)
+        return cls(_model_name(model, model_map(model).name), version)
 
     @classmethod
     def recorded(cls, metadata: Mapping[str, Any]) -> LensProvenance:

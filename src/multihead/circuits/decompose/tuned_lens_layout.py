@@ -211,6 +211,10 @@ class TunedLensLayout:
         _check_name(ckpt)
         if path.exists() and not path.is_dir():
             raise ValueError(f"{str(path)!r} is a file: a tuned lens is a directory")
+        try:  # encoded before anything is written: a config JSON cannot hold fails first
+            config_bytes = json_bytes(config)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"the tuned lens's config must hold JSON values only: {e}") from None
         path.mkdir(parents=True, exist_ok=True)
         state = {}
         for i in range(weights.shape[0]):
@@ -223,7 +227,7 @@ class TunedLensLayout:
             buffer = io.BytesIO()
             torch.save(state, buffer)
             atomic_write(path / ckpt, buffer.getvalue())
-        atomic_write(path / "config.json", json_bytes(config))
+        atomic_write(path / "config.json", config_bytes)
 
 
 def _check_name(ckpt: Any) -> None:

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from multihead._checks import check_choice, check_positive_int, describe
+from multihead.circuits.edges.circuit_comparison import CircuitComparison
 from multihead.circuits.edges.mib_file import MIBFile
 from multihead.circuits.graph import EMBED, RECEIVER_KINDS, Graph, Node, Receiver, Sender
 from multihead.mapping import model_map
 from multihead.viz.circuit_graph import Arrow, circuit_figure
 
-__all__ = ["METHODS", "Circuit", "CircuitComparison", "EdgeScores", "edge_labels"]
+__all__ = ["METHODS", "Circuit", "EdgeScores", "edge_labels"]
 
 #: how :meth:`EdgeScores.circuit` chooses its edges
 METHODS = ("top", "greedy")
@@ -154,71 +154,7 @@ class Circuit:
             truth = {where[reference.graph.nodes(e)] for e in reference.indices}
         else:
             truth = set(Circuit.of(reference, self.graph).indices)
-        mine = set(self.indices)
-        tp = len(mine & truth)
-        fp, fn = len(mine - truth), len(truth - mine)
-        tn = len(self.graph.edges) - tp - fp - fn
-        auroc = None
-        if self.values is not None:
-            values = self.values.detach().cpu().double()
-            scores = torch.tensor([abs(float(values[e])) for e in self.graph.edges])
-            labels = torch.tensor([e in truth for e in self.graph.edges])
-            auroc = _auroc(scores, labels)
-        return CircuitComparison(
-            precision=tp / (tp + fp) if tp + fp else 0.0,
-            recall=tp / (tp + fn) if tp + fn else math.nan,
-            auroc=auroc,
-            true_positives=tp,
-            false_positives=fp,
-            false_negatives=fn,
-            true_negatives=tn,
-        )
-
-
-@dataclass(frozen=True)
-class CircuitComparison:
-    """A circuit against a reference circuit of the same graph (:meth:`Circuit.compare`).
-
-    Attributes:
-        precision: of the circuit's edges, the share in the reference (0 for an empty
-            circuit, as MIB's ``compare_graphs`` gives).
-        recall: of the reference's edges, the share in the circuit (NaN for an empty
-            reference).
-        auroc: the area under the ROC curve of the circuit's scores against the reference:
-            the chance that a reference edge has a larger ``|score|`` than an edge outside it
-            (ties count half; every edge of the graph ranked, not only the circuit's). MIB's
-            ``evaluate_area_under_roc`` reads the same curve at its ten edge fractions; this
-            is its exact area. NaN when the reference holds no edge or every edge, None when
-            the circuit holds no scores (given as labels).
-        true_positives, false_positives, false_negatives, true_negatives: edges in both, in
-            the circuit only, in the reference only, in neither.
-    """
-
-    precision: float
-    recall: float
-    auroc: float | None
-    true_positives: int
-    false_positives: int
-    false_negatives: int
-    true_negatives: int
-
-
-def _auroc(scores: Tensor, labels: Tensor) -> float:
-    """The Mann-Whitney AUROC of ``scores`` (n,) against bool ``labels`` (n,), ties half."""
-    positives = int(labels.sum())
-    negatives = len(labels) - positives
-    if positives == 0 or negatives == 0:
-        return math.nan
-    order = scores.argsort()
-    _, inverse, counts = torch.unique_consecutive(
-        scores[order], return_inverse=True, return_counts=True
-    )
-    ends = counts.cumsum(0).double()
-    mean_rank = ends - (counts.double() - 1) / 2  # a tie's ranks' mean, ranks from 1
-    ranks = torch.empty(scores.shape, dtype=torch.float64)
-    ranks[order] = mean_rank[inverse]
-    total = float(ranks[labels].sum())
-    return (total - positives * (positives + 1) / 2) / (positives * negatives)
+        return CircuitComparison.of(self.graph.edges, set(self.indices), truth, self.values)
 
 
 @dataclass(frozen=True)
@@ -451,7 +387,7 @@ class EdgeScores:
             "dtype": str(self.values.dtype).removeprefix("torch."),
             "kinds": list(self.kinds),
         }
-        return MIBFile.of(self.graph, self.values, chosen, extra).save(path, self.graph)
+        return MIBFile.of(self.graph, self.values, chosen, extra).save(path)
 
     @classmethod
     def from_mib(cls, path: str | os.PathLike[str], model: Any) -> EdgeScores:

@@ -90,11 +90,7 @@ class FaithfulnessCurve:
         Raises:
             ValueError: a curve without MIB's sizes (take it with ``sizes="mib"``).
         """
-        values = self._at_mib_sizes("cpr")
-        return sum(
-            (x2 - x1) * (values[i] + values[i + 1]) / 2
-            for i, (x1, x2) in enumerate(pairwise(MIB_FRACTIONS))
-        )
+        return _trapezoids(MIB_FRACTIONS, self._at_mib_sizes("cpr"))
 
     @property
     def cmd(self) -> float:
@@ -104,11 +100,7 @@ class FaithfulnessCurve:
         Raises:
             ValueError: a curve without MIB's sizes (take it with ``sizes="mib"``).
         """
-        values = self._at_mib_sizes("cmd")
-        return sum(
-            (x2 - x1) * (abs(1.0 - values[i]) + abs(1.0 - values[i + 1])) / 2
-            for i, (x1, x2) in enumerate(pairwise(MIB_FRACTIONS))
-        )
+        return _trapezoids(MIB_FRACTIONS, [abs(1.0 - v) for v in self._at_mib_sizes("cmd")])
 
     def _at_mib_sizes(self, what: str) -> list[float]:
         at = dict(zip(self.sizes, self.values, strict=True))
@@ -152,8 +144,13 @@ def mib_sizes(total: int) -> list[int]:
 
 
 def _area(sizes: Sequence[float], values: Sequence[float], total: int) -> float:
-    x = [n / total for n in sizes]
-    return sum((x[i + 1] - x[i]) * (values[i] + values[i + 1]) / 2 for i in range(len(x) - 1))
+    return _trapezoids([n / total for n in sizes], values)
+
+
+def _trapezoids(x: Sequence[float], y: Sequence[float]) -> float:
+    """The area under ``y`` over ``x`` by trapezoids (as MIB's ``evaluate_area_under_curve``
+    sums them)."""
+    return sum((x2 - x1) * ((y[i] + y[i + 1]) / 2) for i, (x1, x2) in enumerate(pairwise(x)))
 
 
 def default_sizes(total: int) -> list[int]:

@@ -23,6 +23,7 @@ it was.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -68,28 +69,36 @@ def mib_edge_name(sender: Sender, receiver: Receiver) -> str:
     return f"{name}<{receiver.kind}>" if receiver.kind in ("q", "k", "v") else name
 
 
-def _dst_name(receiver: Receiver) -> str:
-    name = mib_node_name(receiver)
-    return f"{name}<{receiver.kind}>" if receiver.kind in ("q", "k", "v") else name
+@dataclass(frozen=True)
+class _Layout:
+    """MIB's graph of a model of ``n_layers`` × ``n_heads`` by name, in the order EAP-IG's
+    ``Graph.from_model`` makes it (sequential attention and MLP blocks)."""
 
+    nodes: tuple[str, ...]  # input, per layer its heads and MLP, the logits last
+    dst: tuple[str, ...]  # get_dst_nodes: per layer the heads' q, k, v inputs, the MLP; logits
+    # every edge: (name, parent node, dst name, child node)
+    edges: tuple[tuple[str, str, str, str], ...]
+    mlps: frozenset[str]  # the MLP nodes
 
-def _mib_order(graph: Graph, edge: Edge) -> tuple[int, int, int, int, int]:
-    """The place of an edge in MIB's edge list (``Graph.from_model``): layer by layer, the
-    edges into its heads (sender, then head, then q, k, v), then those into its MLP; the
-    logits' last."""
-    i, j = edge
-    r = graph.receivers[j]
-    if r.kind in ("q", "k", "v"):
-        return r.layer, 0, i, r.head, "qkv".index(r.kind)
-    return (r.layer, 1, i, 0, 0) if r.kind == "mlp" else (r.layer, 0, i, 0, 0)
-
-
-def _dst_order(r: Receiver) -> tuple[int, int, int]:
-    """The place of a receiver among MIB's ``dst_nodes``: per layer q, k, v (each by head),
-    the MLP; the logits last."""
-    if r.kind in ("q", "k", "v"):
-        return r.layer, "qkv".index(r.kind), r.head
-    return (r.layer, 3, 0) if r.kind == "mlp" else (r.layer, 0, 0)
+    @staticmethod
+    @functools.cache
+    def of(n_layers: int, n_heads: int) -> _Layout:
+        nodes, dst, stream = ["input"], [], ["input"]
+        edges: list[tuple[str, str, str, str]] = []
+        for layer in range(n_layers):
+            heads = [f"a{layer}.h{h}" for h in range(n_heads)]
+            mlp = f"m{layer}"
+            nodes += [*heads, mlp]
+            for node in stream:  # every earlier node into each head's q, k and v
+                for head in heads:
+                    edges += [(f"{node}->{head}<{x}>", node, f"{head}<{x}>", head) for x in "qkv"]
+            stream += heads
+            edges += [(f"{node}->{mlp}", node, mlp, mlp) for node in stream]  # the heads too
+            stream.append(mlp)
+            dst += [f"{head}<{x}>" for x in "qkv" for head in heads] + [mlp]
+        edges += [(f"{node}->{LOGITS}", node, LOGITS, LOGITS) for node in stream]
+        mlps = frozenset(f"m{layer}" for layer in range(n_layers))
+        return _Layout((*nodes, LOGITS), (*dst, LOGITS), tuple(edges), mlps)
 
 
 @dataclass(frozen=True)
@@ -122,12 +131,46 @@ class MIBFile:
         extra: Mapping[str, Any] | None = None,
     ) -> MIBFile:
         """The file of ``graph``'s edges scored ``values`` (N, R), ``circuit``'s edges in the
-        graph.
+        graph: MIB's whole graph, an attention-only model's MLP edges scored 0 and not in it.
 
         Raises:
-            ValueError: a graph MIB cannot name: shared key/value receivers, not every sender,
-                a receiver kind missing, layers with different head counts or only some with a
-                feed-forward network.
+            ValueError: a graph MIB cannot name (:meth:`check`).
+        """
+        MIBFile.check(graph)
+        n_layers, n_heads = len(graph.heads), graph.heads[0][0] if graph.heads else 0
+        layout = _Layout.of(n_layers, n_heads)
+        listed = values.detach().cpu().tolist()
+        ours = {mib_edge_name(*graph.nodes(e)): listed[e[0]][e[1]] for e in graph.edges}
+        # an attention-only model's graph is MIB's without its MLPs: their edges score 0
+        absent = [
+            name
+            for name, parent, _, child in layout.edges
+            if name not in ours and (graph.mlps or not {parent, child} & layout.mlps)
+        ]
+        extra_edges = sorted(set(ours) - {name for name, *_ in layout.edges})
+        if absent or extra_edges:  # a graph of another shape than MIB's (a parallel block)
+            raise ValueError(
+                f"the scores cannot be written in MIB's format: MIB's graph of "
+                f"{n_layers} x {n_heads} heads has edges the scores lack ({few(absent)}) or "
+                f"lacks some of theirs ({few(extra_edges)})"
+            )
+        scores = {name: ours.get(name, 0.0) for name, *_ in layout.edges}
+        chosen = frozenset(mib_edge_name(*graph.nodes(e)) for e in circuit)
+        cfg = {
+            "n_layers": n_layers,
+            "n_heads": n_heads,
+            "parallel_attn_mlp": False,
+            "d_model": graph.width,
+        }
+        return cls(cfg, scores, chosen, dict(extra or {}))
+
+    @staticmethod
+    def check(graph: Graph) -> None:
+        """That MIB's format can name ``graph``'s edges.
+
+        Raises:
+            ValueError: shared key/value receivers, not every sender, a receiver kind missing,
+                layers with different head counts or only some with a feed-forward network.
         """
         problems = []
         if graph.kv == "shared":
@@ -149,21 +192,10 @@ class MIBFile:
             problems.append("it scores only some senders: score every sender (senders=None)")
         if problems:
             raise ValueError("the scores cannot be written in MIB's format: " + "; ".join(problems))
-        listed = values.detach().cpu().tolist()
-        edges = sorted(graph.edges, key=lambda e: _mib_order(graph, e))
-        scores = {mib_edge_name(*graph.nodes(e)): listed[e[0]][e[1]] for e in edges}
-        chosen = frozenset(mib_edge_name(*graph.nodes(e)) for e in circuit)
-        cfg = {
-            "n_layers": len(graph.heads),
-            "n_heads": graph.heads[0][0] if graph.heads else 0,
-            "parallel_attn_mlp": False,
-            "d_model": graph.width,
-        }
-        return cls(cfg, scores, chosen, dict(extra or {}))
 
-    def save(self, path: str | os.PathLike[str], graph: Graph) -> Path:
-        """Write the file (``.json``, or its ``.pt`` twin) at ``path``, atomically; ``graph``
-        names its nodes (the graph the file was made :meth:`of`). Returns the path.
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the file (``.json``, or its ``.pt`` twin) at ``path``, atomically. Returns the
+        path.
 
         Raises:
             ValueError: another suffix.
@@ -172,41 +204,43 @@ class MIBFile:
         path = _checked_suffix(path)
         if not path.parent.is_dir():
             raise FileNotFoundError(f"path's directory {str(path.parent)!r} does not exist")
-        nodes: list[Sender | Receiver] = [*graph.senders, graph.logits]
-        node_in = self._nodes_in_graph(graph)
+        layout = _Layout.of(self.cfg["n_layers"], self.cfg["n_heads"])
+        # MIB's rule: a node is in the circuit when it sends an edge of it and is the input or
+        # receives one; the logits always
+        sends = {parent for name, parent, _, _ in layout.edges if name in self.in_graph}
+        receives = {child for name, _, _, child in layout.edges if name in self.in_graph}
+        node_in = {n for n in sends if n == "input" or n in receives} | {LOGITS}
         if path.suffix == ".json":
             data: dict[str, Any] = {
                 "cfg": self.cfg,
-                "nodes": {
-                    mib_node_name(n): {"in_graph": mib_node_name(n) in node_in} for n in nodes
-                },
+                "nodes": {n: {"in_graph": n in node_in} for n in layout.nodes},
                 "edges": {
-                    name: {"score": score, "in_graph": name in self.in_graph}
-                    for name, score in self.scores.items()
+                    name: {"score": self.scores[name], "in_graph": name in self.in_graph}
+                    for name, *_ in layout.edges
                 },
             }
             if self.extra:
                 data["multihead"] = self.extra
             atomic_write(path, json_bytes(data, indent=None))
             return path
-        src = [mib_node_name(s) for s in graph.senders]
-        dst_receivers = sorted(graph.receivers, key=_dst_order)
-        dst = [_dst_name(r) for r in dst_receivers]
+        src = list(layout.nodes[:-1])
         row = {name: i for i, name in enumerate(src)}
-        col = {name: j for j, name in enumerate(dst)}
+        col = {name: j for j, name in enumerate(layout.dst)}
+        at = [(row[parent], col[dst]) for _, parent, dst, _ in layout.edges]
+        index = torch.tensor(at, dtype=torch.long).reshape(-1, 2)
         dtype = _DTYPES.get(str(self.extra.get("dtype")), torch.float32)
-        scores = torch.zeros(len(src), len(dst), dtype=dtype)
-        in_graph = torch.zeros(len(src), len(dst), dtype=torch.bool)
-        for e in graph.edges:
-            s, r = graph.nodes(e)
-            name = mib_edge_name(s, r)
-            i, j = row[mib_node_name(s)], col[_dst_name(r)]
-            scores[i, j] = self.scores[name]
-            in_graph[i, j] = name in self.in_graph
+        scores = torch.zeros(len(src), len(layout.dst), dtype=dtype)
+        scores[index[:, 0], index[:, 1]] = torch.tensor(
+            [self.scores[name] for name, *_ in layout.edges], dtype=torch.float64
+        ).to(dtype)
+        in_graph = torch.zeros(len(src), len(layout.dst), dtype=torch.bool)
+        in_graph[index[:, 0], index[:, 1]] = torch.tensor(
+            [name in self.in_graph for name, *_ in layout.edges], dtype=torch.bool
+        )
         pt: dict[str, Any] = {
             "cfg": self.cfg,
             "src_nodes": src,
-            "dst_nodes": dst,
+            "dst_nodes": list(layout.dst),
             "edges_scores": scores,
             "edges_in_graph": in_graph,
             "nodes_in_graph": torch.tensor([name in node_in for name in src], dtype=torch.bool),
@@ -217,18 +251,6 @@ class MIBFile:
         torch.save(pt, buffer)
         atomic_write(path, buffer.getvalue())
         return path
-
-    def _nodes_in_graph(self, graph: Graph) -> set[str]:
-        """MIB's rule: a node is in the circuit when it sends an edge of it and is the input or
-        receives one; the logits always."""
-        sends: set[str] = set()
-        receives: set[str] = set()
-        for e in graph.edges:
-            s, r = graph.nodes(e)
-            if mib_edge_name(s, r) in self.in_graph:
-                sends.add(mib_node_name(s))
-                receives.add(mib_node_name(r))
-        return {n for n in sends if n == "input" or n in receives} | {LOGITS}
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -343,8 +365,18 @@ class MIBFile:
         values = torch.full((len(graph.senders), len(graph.receivers)), math.nan, dtype=dtype)
         names = {mib_edge_name(*graph.nodes(e)): e for e in graph.edges}
         missing = [n for n in names if n not in self.scores]
+        # a .pt matrix's pairs that are no edge, and on an attention-only model MIB's MLP
+        # edges, are read only where they score 0
+        layout = _Layout.of(layers, heads)
+        mlp_edges = (
+            set()
+            if graph.mlps
+            else {name for name, parent, _, child in layout.edges if {parent, child} & layout.mlps}
+        )
         unknown = [
-            n for n, v in self.scores.items() if n not in names and not (self.dense and v == 0)
+            n
+            for n, v in self.scores.items()
+            if n not in names and not ((self.dense or n in mlp_edges) and v == 0)
         ]
         if missing or unknown:
             what = []
