@@ -209,7 +209,7 @@ def test_logit_lens_through_a_jacobian_lens(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(3)
     js = {k: (torch.randn(24, 24, generator=gen) / 5).to(device, torch.float64) for k in (0, 1)}
     lens = multihead.logit_lens(model, ids, top_k=None, lens=JacobianLens(js, 4, 24))
-    assert lens.logits is not None and lens.lens_maps is not None
+    assert lens.logits is not None and lens.lens is not None
     streams = _block_outputs(model, parts["blocks"], ids)
     norm, head = parts["norm"], parts["head"]
     with torch.no_grad():

@@ -67,9 +67,10 @@ class LogitLens:
         norm: the final norm frozen at this run's last stream (None: the model has none).
         unembedding: the (V, E) unembedding weight, times the model's logit scale (Granite's
             1 / ``logits_scaling``; :attr:`~multihead.map_types.ModelMap.logit_scale`).
-        lens_maps: (L', E, E) with ``lens=``, the linear part M_l of the lens at each layer read
-            (the identity at the last), which :meth:`head_logits` applies to a head's write;
-            None without a lens.
+        lens: the lens read through (``lens=``), whose linear part M_l at each layer
+            :meth:`head_logits` applies to a head's write (the identity at the last layer,
+            ``num_layers - 1``); None without a lens.
+        num_layers: the model's layers (which layer the lens reads by the identity).
     """
 
     layers: list[int]
@@ -80,7 +81,8 @@ class LogitLens:
     results: Tensor
     norm: FrozenNorm | None
     unembedding: Tensor
-    lens_maps: Tensor | None = None
+    lens: JacobianLens | TunedLens | None = None
+    num_layers: int = 0
 
     def head_logits(self, layer: int) -> Tensor:
         """(B, P, H, V): each head of ``layer`` (one of :attr:`layers`) read as logits, its
@@ -90,8 +92,8 @@ class LogitLens:
             raise ValueError(f"layer must be one of the layers read, {self.layers}, got {layer}")
         index = self.layers.index(layer)
         written = self.results[index]  # (B, P, H, E)
-        if self.lens_maps is not None:
-            linear = self.lens_maps[index]  # (E, E)
+        linear = self.lens.affine(layer, self.num_layers)[0] if self.lens is not None else None
+        if linear is not None:  # (E, E): the lens's own matrix, none kept per call
             dtype = torch.promote_types(written.dtype, linear.dtype)
             written = written.to(dtype) @ linear.to(written.device, dtype).T  # (B, P, H, E)
         normed = self.norm.linear(written) if self.norm is not None else written
@@ -156,10 +158,10 @@ def logit_lens(
             check_indices("layers", layers, mapped.num_layers, "layers") or range(mapped.num_layers)
         )
     )
-    maps: list[tuple[Tensor | None, Tensor | None]] = []
     if lens is not None:
         lens.check(model, stacklevel=4)  # the caller, through torch.no_grad's wrapper
-        maps = [lens.affine(layer, mapped.num_layers) for layer in chosen]
+        for layer in chosen:  # before the forward: a layer the lens has no map for
+            lens.affine(layer, mapped.num_layers)
     norm, unembedding = mapped.final_norm, mapped.unembedding
     final: list[tuple[Tensor, Tensor]] = []
     hooks = []
@@ -181,9 +183,8 @@ def logit_lens(
             norm, mapped.norm_eps, x.to(dtype), y.to(dtype), "logit_lens", rounding
         )
     streams = kept.stack("resid_post")  # (L', B, P, E)
-    lens_maps = None
     if lens is not None:
-        streams, lens_maps = _through(streams, maps)
+        streams = _through(streams, [lens.affine(layer, mapped.num_layers) for layer in chosen])
     logits = unembedding(norm(streams) if norm is not None else streams)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 kept
     if mapped.logit_scale != 1.0:  # the model's own logits (Granite's, Cohere's scaled ones)
@@ -202,19 +203,17 @@ def logit_lens(
         results=kept.stack("result"),
         norm=frozen,
         unembedding=unembedding.weight.detach() * mapped.logit_scale,
-        lens_maps=lens_maps,
+        lens=lens,
+        num_layers=mapped.num_layers,
     )
 
 
-def _through(
-    streams: Tensor, maps: Sequence[tuple[Tensor | None, Tensor | None]]
-) -> tuple[Tensor, Tensor]:
+def _through(streams: Tensor, maps: Sequence[tuple[Tensor | None, Tensor | None]]) -> Tensor:
     """(L', B, P, E) each layer's stream through its lens's affine map ``M h + b`` (computed in
-    float32 at least, back in the stream's dtype, which the final norm and unembedding take),
-    and (L', E, E) the linear parts M (the identity where the lens has none)."""
-    width = streams.shape[-1]
+    float32 at least, back in the stream's dtype, which the final norm and unembedding take;
+    M None: the identity)."""
     dtype = torch.promote_types(streams.dtype, torch.float32)
-    out, linears = [], []
+    out = []
     for stream, (linear, bias) in zip(streams, maps, strict=True):
         h = stream.to(dtype)
         if linear is not None:
@@ -222,9 +221,4 @@ def _through(
         if bias is not None:
             h = h + bias.to(h.device, dtype)
         out.append(h.to(streams.dtype))
-        linears.append(
-            torch.eye(width, dtype=dtype, device=streams.device)
-            if linear is None
-            else linear.to(streams.device, dtype)
-        )
-    return torch.stack(out), torch.stack(linears)
+    return torch.stack(out)

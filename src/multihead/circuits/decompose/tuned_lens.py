@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,22 @@ from multihead.mapping import model_map
 __all__ = ["TunedLens", "unembed_hash"]
 
 
+# each weight's hash at its version, by the weight's id (a tensor is no dict key: its == is
+# elementwise): a lens checked on every logit_lens call copies a (V, E) matrix to the host once
+_HASHES: dict[int, tuple[weakref.ref[Tensor], int, str]] = {}
+
+
 def unembed_hash(weight: Tensor) -> str:
     """tuned-lens's hash of an unembedding matrix (V, E) (``tuned_lens.utils.tensor_hash``):
     the SHA-256 of numpy's summary print of it at one decimal, robust to small changes."""
+    known = _HASHES.get(id(weight))
+    if known is not None and known[0]() is weight and known[1] == weight._version:
+        return known[2]
     array = weight.detach().cpu().float().numpy()
-    return hashlib.sha256(str.encode(np.array_str(array, precision=1))).hexdigest()
+    digest = hashlib.sha256(str.encode(np.array_str(array, precision=1))).hexdigest()
+    # a dead weight's entry is replaced when its id comes back (a few bytes each meanwhile)
+    _HASHES[id(weight)] = (weakref.ref(weight), weight._version, digest)
+    return digest
 
 
 @dataclass(frozen=True, eq=False)
