@@ -26,6 +26,7 @@ from torch import Tensor
 import multihead
 from multihead.circuits.features.feature_sources import FeatureSources, feature_sources
 from multihead.circuits.features.sae_features import sae_features
+from multihead.mapping import model_heads
 from multihead.sae import SAE, SAEConfig
 
 transformers = pytest.importorskip("transformers", minversion="5")
@@ -509,3 +510,40 @@ def test_sae_features_bad_inputs(
 ) -> None:
     with pytest.raises(error, match=match):
         sae_features(gpt2, torch.randint(V, (1, 6)), sae, **kwargs)
+
+
+def test_values_handed_per_query_head_read_the_same_split() -> None:
+    """A q/k/v editor may hand the keys and values back per query head ((B, H, S, D)): each
+    query head then reads its own row of them, and the split is the one without the editor."""
+    model, _ = _llama(torch.float64)
+    sae = _sae(24, "blocks.1.attn.hook_z", reshape="hook_z")
+    ids = torch.randint(V, (2, 12))
+    plain = feature_sources(model, ids, sae, [1, 4], rows=[-1, 5])
+    site = model_heads(model)[1].attention
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+
+    def per_query_head(call: Any) -> tuple[Tensor, Tensor, Tensor]:
+        return call.q, call.k.repeat_interleave(group, 1), call.v.repeat_interleave(group, 1)
+
+    with site.register_qkv_editor(per_query_head):
+        edited = feature_sources(model, ids, sae, [1, 4], rows=[-1, 5])
+    torch.testing.assert_close(edited.values, plain.values, rtol=0, atol=1e-12)
+    torch.testing.assert_close(edited.constant, plain.constant, rtol=0, atol=1e-12)
+
+
+def test_a_split_that_does_not_add_up_is_an_error() -> None:
+    """Heads whose outputs are not Σ_src A v of the call (an edit after attention) are refused,
+    never folded into the constant; dropout in training mode is refused before the run."""
+    model, _ = _gpt2(torch.float64)
+    sae = _sae(24, "blocks.1.attn.hook_z", reshape="hook_z")
+    ids = torch.randint(V, (1, 10))
+    with multihead.intervene(model, {(1, 2): 3.0}), pytest.raises(ValueError, match="misses"):
+        feature_sources(model, ids, sae, 0, rows=-1)
+    dropped, _ = _gpt2(torch.float64)
+    dropped.config.attn_pdrop = 0.5
+    for module in dropped.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+    dropped.train()
+    with pytest.raises(ValueError, match="eval mode"):
+        feature_sources(dropped, ids, sae, 0, rows=-1)

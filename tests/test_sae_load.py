@@ -396,3 +396,20 @@ def test_bad_calls_name_the_argument() -> None:
         z.encode(torch.randn(2, 12, 1, 1))
     with pytest.raises(ValueError, match="decode of a hook_z SAE needs input="):
         z.decode(torch.randn(2, 24))
+
+
+def test_a_compressed_npz_with_constant_arrays_loads(tmp_path: Path) -> None:
+    """np.savez_compressed of zero biases compresses one member hundreds of times: the archive
+    is bounded as a whole, so such a file loads, its arrays as written."""
+    g = np.random.default_rng(0)
+    arrays = {
+        "W_enc": g.standard_normal((16, 64)).astype(np.float32),
+        "W_dec": g.standard_normal((64, 16)).astype(np.float32),
+        "b_enc": np.zeros(64, np.float32),
+        "b_dec": np.zeros(16, np.float32),
+        "threshold": np.zeros(64, np.float32),
+    }
+    np.savez_compressed(tmp_path / "params.npz", **arrays)
+    sae = multihead.sae.load(tmp_path / "params.npz")
+    assert (sae.d_in, sae.d_sae, sae.architecture) == (16, 64, "jumprelu")
+    assert np.array_equal(sae.W_enc.detach().numpy(), arrays["W_enc"])

@@ -76,6 +76,7 @@ _LAZY: dict[str, str] = {
 }
 _SUBMODULES = (
     "models",
+    "sae",
     "pretrained",
     "distributed",
     "observe",

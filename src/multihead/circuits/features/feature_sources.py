@@ -272,7 +272,12 @@ def feature_sources(
         raise ValueError(
             f"feature_sources: layer {layer}'s heads are split over ranks (tensor parallelism)"
         )
-    h, hk, dv = found.num_heads, found.num_kv_heads, found.head_dim
+    h, dv = found.num_heads, found.head_dim
+    if found.dropout > 0 and any(m.training for m in model.modules()):
+        raise ValueError(
+            f"feature_sources needs the model in eval mode (model.eval()): layer {layer}'s "
+            f"attention dropout ({found.dropout}) would make z differ from Σ_src A v"
+        )
     one_head = sae.hook_head_index if site == "z" else None
     if one_head is not None:
         one_head = check_index("feature_sources: sae.hook_head_index", one_head, h, "heads")
@@ -312,12 +317,16 @@ def feature_sources(
     compute = torch.promote_types(torch.promote_types(z.dtype, sae.dtype), torch.float32)
     rounding = torch.finfo(z.dtype).eps
     ids = torch.tensor(features, device=sae.device)
-    weight, bias = (t.to(compute) for t in sae.encoder(ids))  # (E, F'), (F',)
+    # the SAE's tensors where the run's are (a CPU SAE beside a GPU model)
+    weight, bias = (t.to(z.device, compute) for t in sae.encoder(ids))  # (E, F'), (F',)
+    shift = sae.b_dec.to(z.device, compute) if sae.apply_b_dec_to_input else None
+    const = bias - shift @ weight if shift is not None else bias  # (F',): what no input moves
 
     if wiring_run is None:  # z: the SAE reads the heads' outputs (or one head's)
         x = sae_input(sae, key, z, "feature_sources").to(compute)  # (B, R, E)
         normalised, columns, factor = _frozen_input_norm(sae, x, weight)
         per_head = columns.view(1 if one_head is not None else h, dv, -1)  # (H, Dv, F')
+        constant = const.expand(*x.shape[:2], -1)  # (B, R, F')
     else:  # attn_out: through the output projection and the post-attention norm, if any
         projection = wiring_run.wiring.layers[layer].projection
         if projection is None:
@@ -332,29 +341,50 @@ def feature_sources(
         x = projection(flat) if written is None else written.index_select(1, at)
         x = sae_input(sae, key, x, "feature_sources").to(compute)  # (B, R, E)
         normalised, columns, factor = _frozen_input_norm(sae, x, weight)
+        # the projection's bias (what it gives the zero input) and the norm's β own no head
+        written_bias = projection(torch.zeros_like(flat[:1, :1]))[0, 0].to(compute)  # (E,)
+        constant = const + torch.zeros_like(factor)[..., None]  # (B, R, F')
         if post is not None:  # a frozen norm reads a direction u as γ ⊙ u / σ (less its mean)
+            if post.beta is not None:
+                constant = constant + factor[..., None] * (post.beta.to(compute) @ columns)
             columns = post.gamma[:, None].to(compute) * columns
             if post.centred:
                 columns = columns - columns.mean(0, keepdim=True)
             factor = factor / post.sigma.index_select(1, at.to(post.sigma.device))[..., 0]
+        constant = constant + factor[..., None] * (written_bias @ columns)
         rows_of = projection_rows(projection, flat).to(compute).view(h, dv, -1)  # (H, Dv, E)
         per_head = rows_of @ columns  # (H, Dv, E) @ (E, F') -> (H, Dv, F')
 
-    shift = sae.b_dec.to(compute) if sae.apply_b_dec_to_input else 0.0
-    pre = (normalised - shift) @ weight + bias  # (B, R, E) @ (E, F') -> (B, R, F')
-    kv = torch.arange(h, device=v.device) // (h // hk)  # query head -> its key/value head
+    pre = (normalised - (shift if shift is not None else 0.0)) @ weight + bias  # (B, R, F')
+    # query head -> the key/value head its values are (a q/k/v editor may hand them per query
+    # head: v.shape[1] == h)
+    kv = torch.arange(h, device=v.device) // (h // v.shape[1])
     if one_head is not None:
         kv, weights = kv[one_head : one_head + 1], weights[:, one_head : one_head + 1]
     values_in = v.index_select(1, kv).to(compute)  # (B, H, S, Dv)
     read = torch.einsum("bhsd,hdf->bhsf", values_in, per_head.to(values_in.device))
     parts = torch.einsum("bhrs,bhsf->brhsf", weights.to(compute), read)  # (B, R, H, S, F')
     parts.mul_(factor.to(parts.device)[:, :, None, None, None])
-    pre = pre.to(parts.device)
+    pre, constant = pre.to(parts.device), constant.to(parts.device)
+    # the split is checked, not assumed: what the parts and the constant miss is an error
+    # (dropout, an editor, a key/value cache: z is then not Σ_src A v of this call)
+    missed = (pre - parts.sum((2, 3)) - constant).abs()
+    scale = parts.abs().sum((2, 3)) + constant.abs() + pre.abs()
+    # relative: a few of the run's rounding steps, and 1e-5 for a norm that computes in float32
+    # inside a float64 model (transformers' RMSNorms); what the check catches is larger
+    tolerance = 1e-5 + 16 * rounding
+    if bool((missed > tolerance * scale + torch.finfo(compute).tiny).any()):
+        worst = float((missed / scale.clamp_min(torch.finfo(compute).tiny)).max())
+        raise ValueError(
+            f"feature_sources: the split of layer {layer}'s feature(s) misses {worst:.2g} of "
+            f"their size (the heads' outputs are not Σ_src A v of this call: an editor, "
+            f"dropout or cached keys changed them)"
+        )
     labels = [head_label(layer, head) for head in (range(h) if one_head is None else [one_head])]
     return FeatureSources(
         values=parts,
         pre_activation=pre,
-        constant=pre - parts.sum((2, 3)),
+        constant=constant,
         rows=tuple(chosen),
         features=tuple(features),
         heads=tuple(labels),
