@@ -32,7 +32,8 @@ from typing import Any
 import multihead
 from multihead.circuits.edges.edge_scores import METHODS, Circuit, EdgeScores
 from multihead.circuits.edges.faithfulness_curve import default_sizes, mib_sizes
-from multihead.circuits.graph import RECEIVER_KINDS
+from multihead.circuits.edges.mib_file import MIBFile
+from multihead.circuits.graph import RECEIVER_KINDS, Graph
 from multihead.cli.common import (
     CLIError,
     add_device_arguments,
@@ -44,6 +45,7 @@ from multihead.cli.common import (
 from multihead.cli.patch_experiment import PatchExperiment
 from multihead.cli.text_pairs import TextPair, built_in_note, chosen_pairs
 from multihead.cli.threads import add_threads_argument, torch_threads
+from multihead.mapping import model_map
 from multihead.training.ddp import World
 from multihead.viz.formats import check_output_dir
 from multihead.viz.plots import save_figure
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--mib-task must be a name of letters, digits, '.', '_' and '-', got "
                 f"{args.mib_task!r}"
             )
-        check_output_dir("--mib-out", args.mib_out, [])
+        check_output_dir("--mib-out", args.mib_out)
     for flag, value in (
         ("--ig-steps", args.ig_steps),
         ("--top", args.top),
@@ -210,6 +212,19 @@ def _circuit(
     method = "EAP" if args.ig_steps == 1 else f"EAP-IG, {args.ig_steps} steps"
     # MIB's graph reads the feed-forward networks' inputs too
     receivers = RECEIVER_KINDS if args.mib_out is not None else ("q", "k", "v", "logits")
+    folder = None
+    if args.mib_out is not None:  # checked before any scoring: the graph, then the folder
+        MIBFile.check(
+            Graph.of(model_map(experiment.model), RECEIVER_KINDS, "query_head", caller="--mib-out")
+        )
+        named = "EAP" if args.ig_steps == 1 else "EAP-IG-inputs"  # MIB's names of the methods
+        folder = check_output_dir(
+            "--mib-out",
+            Path(args.mib_out)
+            / f"{named}_patching_edge"
+            / f"{args.mib_task}_{_mib_model(experiment.name)}",
+            ["importances.json"],
+        )
     with status(f"scoring every edge ({method})"):
         scores = multihead.edge_attribution(runs, ig_steps=args.ig_steps, receivers=receivers)
     chosen = "the top edges" if args.method == "top" else "the greedy circuits"
@@ -240,9 +255,14 @@ def _circuit(
         f"  area over the pruned sizes {curve.area:.3f}, random circuits' (n random edges, "
         f"pruned likewise) {curve.random_area:.3f} ({ratio:.1f}x)"
     )
+    whose = (
+        "MIB's graph"
+        if args.mib_out is not None
+        else f"this graph of {curve.total} edges (MIB's adds the feed-forward inputs: --mib-out)"
+    )
     print(
-        f"  MIB's areas over its edge fractions 0.1 % ... 100 %: CPR {curve.cpr:.3f} (higher "
-        f"is better), CMD {curve.cmd:.3f} (lower is better)"
+        f"  MIB's areas at 0.1 % ... 100 % of {whose}, {args.method} circuits: "
+        f"CPR {curve.cpr:.3f} (higher is better), CMD {curve.cmd:.3f} (lower is better)"
     )
     kept = curve.smallest(args.reach)
     if kept is None:
@@ -272,13 +292,7 @@ def _circuit(
     written = [
         save_figure(fig, out / f"{stem}.{fmt}") for stem, fig in figures.items() for fmt in formats
     ]
-    if args.mib_out is not None:
-        named = "EAP" if args.ig_steps == 1 else "EAP-IG-inputs"  # MIB's names of the methods
-        folder = (
-            Path(args.mib_out)
-            / f"{named}_patching_edge"
-            / f"{args.mib_task}_{_mib_model(experiment.name)}"
-        )
+    if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         written.append(scores.to_mib(folder / "importances.json", circuit))
     print("\nwrote " + ", ".join(str(p) for p in written))
