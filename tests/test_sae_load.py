@@ -413,3 +413,35 @@ def test_a_compressed_npz_with_constant_arrays_loads(tmp_path: Path) -> None:
     sae = multihead.sae.load(tmp_path / "params.npz")
     assert (sae.d_in, sae.d_sae, sae.architecture) == (16, 64, "jumprelu")
     assert np.array_equal(sae.W_enc.detach().numpy(), arrays["W_enc"])
+
+
+@pytest.mark.parametrize(
+    ("where", "scope", "hook"),
+    [
+        # the folders below the repository's say the kind and layer; one above it does not
+        ("embedding_experiments/gemma-scope-2b-pt-res/layer_5/width_16k/l0_71", 1,
+         "blocks.5.hook_resid_post"),
+        ("hub/models--google--gemma-scope-2b-pt-res/snapshots/ab12/embedding/width_4k", 1,
+         "hook_embed"),
+        ("clt_notes/gemma-scope-2-270m-pt/layer_3_width_16k", 2, None),
+        ("gemma-scope-2-270m-pt/attn_out/layer_3_width_16k_l0_small", 2, "blocks.3.attn.hook_z"),
+        ("elsewhere/resid_post/layer_7_width_16k", 2, "blocks.7.hook_resid_post"),
+    ],
+)  # fmt: skip
+def test_gemma_scopes_hook_is_read_from_its_own_folders(
+    tmp_path: Path, where: str, scope: int, hook: str | None
+) -> None:
+    from multihead._files import TensorInfo
+    from multihead.sae.gemma_scope import gemma_scope_config
+
+    folder = tmp_path / where
+    folder.mkdir(parents=True)
+    shapes = {
+        "W_enc": TensorInfo((8, 16), "float32"), "W_dec": TensorInfo((16, 8), "float32"),
+        "b_enc": TensorInfo((16,), "float32"), "b_dec": TensorInfo((8,), "float32"),
+        "threshold": TensorInfo((16,), "float32"),
+    }  # fmt: skip
+    name = "params.npz" if scope == 1 else "params.safetensors"
+    config = gemma_scope_config(folder / name, shapes, scope)
+    assert config.hook_name == hook
+    assert config.architecture == "jumprelu"  # none of these is a transcoder

@@ -28,7 +28,7 @@ __all__ = ["gemma_scope_names", "gemma_scope_config", "EMBEDDING_RESCALED"]
 # the metadata key saying an SAE's W_enc / W_dec were rescaled by √d_in (Gemma Scope 1's
 # embedding SAEs, sae_lens gemma_2_sae_huggingface_loader)
 EMBEDDING_RESCALED = "embedding_rescaled"
-_LAYER = re.compile(r"layer_(\d+)")
+_LAYER = re.compile(r"layer_(\d+)(?:_|$)")
 _SCOPE_1_REPO = re.compile(r"-(res|mlp|att)(?:-|$)")
 
 
@@ -45,37 +45,33 @@ def gemma_scope_names(file_names: list[str]) -> dict[str, str]:
 
 
 def _hooks(path: Path, scope: int) -> tuple[str | None, str | None, str]:
-    """The hook read and written (a transcoder's) and the reshape, from the folder names."""
+    """The hook read and written (a transcoder's) and the reshape, from the folder names below
+    the repository's (``gemma-scope...``; without one, the file's folder and its parent): the
+    layer from a folder named ``layer_<L>...``, the kind from a folder named for it."""
     parts = [p.lower() for p in path.resolve().parent.parts]
-    layers = [int(m[1]) for p in parts for m in [_LAYER.search(p)] if m]
-    if (
-        scope == 1
-        and any("embedding" in p for p in parts)
-        and any("gemma-scope" in p for p in parts)
-    ):
+    repo = max((i for i, p in enumerate(parts) if "gemma-scope" in p), default=None)
+    below = parts[repo + 1 :] if repo is not None else parts[-2:]
+    layers = [int(m[1]) for p in below for m in [_LAYER.match(p)] if m]
+    if scope == 1 and repo is not None and "embedding" in below:
         return "hook_embed", None, "none"
     if not layers:
         return None, None, "none"
     layer = layers[-1]
     if scope == 2:
-        for part in reversed(parts):
-            if "transcoder" in part or "clt" in part:
+        for part in reversed(below):
+            if part.startswith(("transcoder", "clt")):
                 return f"blocks.{layer}.hook_mlp_in", f"blocks.{layer}.hook_mlp_out", "none"
-            for kind, hook in (
-                ("resid_post", "hook_resid_post"),
-                ("attn_out", "attn.hook_z"),
-                ("mlp_out", "hook_mlp_out"),
-            ):
-                if kind in part:
-                    return f"blocks.{layer}.{hook}", None, "none"
+            kinds = {"resid_post": "hook_resid_post", "attn_out": "attn.hook_z",
+                     "mlp_out": "hook_mlp_out"}  # fmt: skip
+            if part in kinds:
+                return f"blocks.{layer}.{kinds[part]}", None, "none"
         return None, None, "none"
-    for part in reversed(parts):
-        match = _SCOPE_1_REPO.search(part) if "gemma-scope" in part else None
-        if match:
-            kinds = {"res": "hook_resid_post", "mlp": "hook_mlp_out", "att": "attn.hook_z"}
-            # SAELens converts Gemma Scope 1's configs as pre-6.0 ones: hook_z reshapes
-            reshape = "hook_z" if match[1] == "att" else "none"
-            return f"blocks.{layer}.{kinds[match[1]]}", None, reshape
+    match = _SCOPE_1_REPO.search(parts[repo]) if repo is not None else None
+    if match:
+        kinds = {"res": "hook_resid_post", "mlp": "hook_mlp_out", "att": "attn.hook_z"}
+        # SAELens converts Gemma Scope 1's configs as pre-6.0 ones: hook_z reshapes
+        reshape = "hook_z" if match[1] == "att" else "none"
+        return f"blocks.{layer}.{kinds[match[1]]}", None, reshape
     return None, None, "none"
 
 
