@@ -449,7 +449,7 @@ SOURCES_BAD = [
         _sae(24, "blocks.5.attn.hook_z", reshape="hook_z"),
         {},
         ValueError,
-        r"layer 5, and the model has 2 attention layers .*pass layer=",
+        r"layer 5, and the model has 2 attention layers \(0\.\.1\)$",  # it takes no layer=
     ),
     (
         _sae(20, Z, reshape="hook_z"),

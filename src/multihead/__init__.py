@@ -58,6 +58,7 @@ _LAZY: dict[str, str] = {
     "sae_features": "multihead.circuits.features.sae_features",
     "feature_sources": "multihead.circuits.features.feature_sources",
     "FeatureSources": "multihead.circuits.features.feature_sources",
+    "splice_sae": "multihead.circuits.features.sae_splice",
     "CircuitComparison": "multihead.circuits.edges.edge_scores",
     "TunedLens": "multihead.circuits.decompose.tuned_lens",
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",

@@ -25,8 +25,9 @@ Everything here acts through the one observer channel
   gives each head's QK and OV circuits (``HeadCircuit``, a ``FactoredMatrix``), composition
   scores (``CompositionScores``), copying scores (``CopyingScores``) and SVDs (``HeadSVD``).
 - ``features/``: SAE features on heads (:mod:`multihead.sae`'s SAEs): ``sae_features`` (the
-  features of the site an SAE reads) and ``feature_sources`` (a feature's pre-activation split
-  exactly by head and source token: a ``FeatureSources``).
+  features of the site an SAE reads), ``feature_sources`` (a feature's pre-activation split
+  exactly by head and source token: a ``FeatureSources``) and ``splice_sae`` (the site replaced
+  by the SAE's reconstruction, its features ablated, scaled or steered, inside a ``with`` block).
 
 Seeing heads (capture, statistics) is :mod:`multihead.observe`, floors below.
 """
@@ -60,6 +61,7 @@ _LAZY: dict[str, str] = {
     "sae_features": "multihead.circuits.features.sae_features",
     "feature_sources": "multihead.circuits.features.feature_sources",
     "FeatureSources": "multihead.circuits.features.feature_sources",
+    "splice_sae": "multihead.circuits.features.sae_splice",
     "CircuitComparison": "multihead.circuits.edges.edge_scores",
     "TunedLens": "multihead.circuits.decompose.tuned_lens",
     "qk_attribution": "multihead.circuits.decompose.qk_attribution",

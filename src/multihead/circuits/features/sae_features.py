@@ -53,8 +53,8 @@ def sae_site(model: nn.Module, sae: SAE, layer: int | None, caller: str) -> Site
         if site not in MODEL_SITES and not own < num_layers:
             raise ValueError(
                 f"{caller}: the SAE reads {sae.hook_name!r}, layer {own}, and the model has "
-                f"{num_layers} attention layers (0..{num_layers - 1}): pass layer= to read "
-                f"another"
+                f"{num_layers} attention layers (0..{num_layers - 1})"
+                + ("" if caller == "feature_sources" else ": pass layer= to read another")
             )
         return site, own
     if not is_int(layer):
