@@ -1,5 +1,6 @@
 """multihead.cache_corpus: a corpus' activations streamed to safetensors shards, each equal to
-multihead.cache of its batch and, at real positions, of each text alone."""
+multihead.cache of its batch and, at real positions, of each text alone; an SAE's features
+beside them equal SAELens's encoding formulas, written here, of each text alone's activation."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tiny_bert import write_dir  # noqa: E402
 
 import multihead  # noqa: E402
 from multihead.pretrained import load_text_model  # noqa: E402
+from multihead.sae import SAE, SAEConfig  # noqa: E402
 from multihead.text.corpus_cache import MANIFEST, cache_corpus  # noqa: E402
 
 TEXTS = ["the cat sat on the mat .", "a dog sat .", "cat", "the mat the mat .", "dog . dog ."]
@@ -78,6 +80,99 @@ def test_shards_hold_each_batch_and_each_text_alone(model: Any, tmp_path: Path) 
                     shard[name][row, :n], alone[key][0].cpu(), rtol=1e-5, atol=1e-5
                 )
     assert multihead.cache_corpus is cache_corpus
+
+
+def _sae(
+    d_in: int, hook: str, architecture: str = "standard", head: int | None = None, seed: int = 0
+) -> SAE:
+    """A random SAE (every bias nonzero; a jumprelu's thresholds positive) through the class."""
+    config = SAEConfig(
+        architecture=architecture, d_in=d_in, d_sae=12, d_out=d_in, dtype=torch.float32,
+        apply_b_dec_to_input=True, hook_name=hook, hook_head_index=head,
+    ).check("test")  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(s, generator=gen) for n, s in config.tensor_shapes().items()}
+    if "threshold" in tensors:
+        tensors["threshold"] = tensors["threshold"].abs()
+    return SAE(config, tensors)
+
+
+def _encoded(sae: SAE, x: torch.Tensor) -> torch.Tensor:
+    """SAELens's encode (sae_lens/saes/standard_sae.py, jumprelu_sae.py): (..., E) -> (..., F)."""
+    pre = (x - sae.b_dec) @ sae.W_enc + sae.b_enc
+    acts = torch.relu(pre)
+    return acts * (pre > sae.threshold) if sae.architecture == "jumprelu" else acts
+
+
+def test_sae_features_of_each_text_alone_zero_at_padding(model: Any, tmp_path: Path) -> None:
+    heads, width = 4, 16  # tiny_bert.CONFIG
+    z_sae = _sae(width, "blocks.1.attn.hook_z")  # every head, head-major
+    one_head = _sae(width // heads, "blocks.0.attn.hook_z", "jumprelu", head=2, seed=1)
+    resid = _sae(width, "blocks.0.hook_resid_post", "jumprelu", seed=2)
+    paths = cache_corpus(model, TEXTS, tmp_path / "f", saes=[z_sae, one_head, resid], batch_size=2)
+    manifest = json.loads((tmp_path / "f" / MANIFEST).read_text())
+    names = {
+        "blocks.1.attn.hook_z.hook_sae_acts_post": z_sae,
+        "blocks.0.attn.hook_z.2.hook_sae_acts_post": one_head,
+        "blocks.0.hook_resid_post.hook_sae_acts_post": resid,
+    }
+    assert manifest["names"] == sorted(names)  # with saes and no names: features alone
+    assert manifest["saes"]["blocks.0.attn.hook_z.2.hook_sae_acts_post"] == {
+        "hook_name": "blocks.0.attn.hook_z", "architecture": "jumprelu", "d_in": width // heads,
+        "d_sae": 12,
+    }  # fmt: skip
+    seen = 0
+    for path in paths:
+        shard = load_file(path)
+        assert set(shard) == {*names, "attention_mask", "text_index"}
+        for row, index in enumerate(shard["text_index"].tolist()):
+            ids = model.tokenize(TEXTS[index]).input_ids
+            alone = multihead.cache(model, ids, names=[("z", 1), ("z", 0), ("resid_post", 0)])
+            n = ids.shape[1]
+            inputs = {
+                "blocks.1.attn.hook_z.hook_sae_acts_post": alone["z", 1][0].flatten(1),
+                "blocks.0.attn.hook_z.2.hook_sae_acts_post": alone["z", 0][0, :, 2],
+                "blocks.0.hook_resid_post.hook_sae_acts_post": alone["resid_post", 0][0],
+            }
+            for name, sae in names.items():
+                got = shard[name][row]
+                want = _encoded(sae, inputs[name])
+                assert bool((want > 0).any()), name  # the reference is not all zeros
+                torch.testing.assert_close(got[:n], want, rtol=1e-5, atol=1e-5, msg=name)
+                assert not got[n:].any(), name  # padding: zero
+                seen += int(got.shape[0] > n)
+    assert seen  # some rows were padded
+    # beside the activations named, in the dtype asked for; the SAE's own site unstored
+    both = cache_corpus(
+        model, TEXTS[:2], tmp_path / "both", names=[("resid_pre", 0)], saes=z_sae,
+        dtype=torch.float16,
+    )  # fmt: skip
+    shard = load_file(both[0])
+    assert set(shard) == {
+        "blocks.0.hook_resid_pre", "blocks.1.attn.hook_z.hook_sae_acts_post",
+        "attention_mask", "text_index",
+    }  # fmt: skip
+    assert shard["blocks.1.attn.hook_z.hook_sae_acts_post"].dtype == torch.float16
+
+
+def test_sae_refusals_write_nothing(model: Any, tmp_path: Path) -> None:
+    width = 16  # tiny_bert.CONFIG
+    z = _sae(width, "blocks.1.attn.hook_z")
+    for saes, error, match in [
+        ("an sae", TypeError, "saes must be a multihead.sae.SAE, a sequence of them or None"),
+        ([z, "x"], TypeError, r"saes\[1\]: sae must be a multihead.sae.SAE"),
+        ([z, _sae(width, "blocks.1.attn.hook_z", seed=3)], ValueError,
+         r"saes\[1\] reads the site saes\[0\] reads \(blocks.1.attn.hook_z\)"),
+        ([_sae(width + 1, "blocks.0.hook_resid_pre")], ValueError,
+         r"saes\[0\]: the SAE reads 17 values per position \(d_in\), and .* has 16"),
+        ([_sae(width, "blocks.7.hook_resid_pre")], ValueError,
+         r"saes\[0\]: the SAE reads 'blocks.7.hook_resid_pre', layer 7, and the model has 2"),
+        # a post-LN block (BERT) has no attn_out: the cache's reason
+        ([_sae(width, "blocks.0.hook_attn_out")], ValueError, "is not the sum"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=match):
+            cache_corpus(model, TEXTS, tmp_path / "x", saes=saes)  # type: ignore[arg-type]
+        assert not (tmp_path / "x").exists()
 
 
 def test_dtype_and_refusals_write_nothing(model: Any, tmp_path: Path) -> None:

@@ -33,10 +33,11 @@ pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from spawned_group import run_spawned  # noqa: E402
 from tiny_bert import write_dir  # noqa: E402
 
+import multihead.sae  # noqa: E402
 from multihead.circuits import patch_heads  # noqa: E402
 from multihead.cli import main  # noqa: E402
 from multihead.distributed import DataParallelGroup  # noqa: E402
@@ -215,6 +216,11 @@ def _worker(rank: int, port: int, cli_ports: tuple[int, ...], tmp: str, queue: A
         shards = cache_corpus(model, TEXTS, os.path.join(tmp, "acts"), batch_size=BATCH)
         results["cache_corpus"] = [p.name for p in shards]
         results["cache_rows"], rows[:] = list(rows), []
+        # an SAE's features the same way
+        sae = multihead.sae.load(os.path.join(tmp, "sae"))
+        shards = cache_corpus(model, TEXTS, os.path.join(tmp, "feats"), saes=sae, batch_size=BATCH)
+        results["sae_corpus"] = [p.name for p in shards]
+        rows[:] = []
         # the token-batch half with each rank's own batches, numbered rank after rank
         mine = [model.tokenize(TEXTS[i : i + 2]) for i in range(2 * rank, 2 * rank + 2, 2)]
         results["over_batches"] = _stats_payload(statistics_over_batches(model, mine, split=split))
@@ -278,6 +284,19 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
     train(config)
     (tmp / "corpus.txt").write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    # an SAE in SAELens's layout on the tiny BERT's layer-1 z (4 heads x 4)
+    (tmp / "sae").mkdir()
+    cfg = {
+        "architecture": "standard", "d_in": 16, "d_sae": 8, "dtype": "float32",
+        "apply_b_dec_to_input": True, "metadata": {"hook_name": "blocks.1.attn.hook_z"},
+    }  # fmt: skip
+    (tmp / "sae" / "cfg.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(0)
+    weights = {"W_enc": (16, 8), "W_dec": (8, 16), "b_enc": (8,), "b_dec": (16,)}
+    save_file(
+        {n: torch.randn(shape, generator=gen) for n, shape in weights.items()},
+        str(tmp / "sae" / "sae_weights.safetensors"),
+    )
     return tmp
 
 
@@ -362,6 +381,31 @@ def test_cache_corpus_shards_split_over_ranks(
         assert shared.keys() == single.keys()
         for key in single:
             torch.testing.assert_close(shared[key], single[key])
+
+
+def test_cache_corpus_sae_features_split_over_ranks(
+    ranks: dict[int, dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+    model: Any,
+    workdir: Path,
+) -> None:
+    """An SAE's features over the corpus: each rank its own batches' shards, the files equal
+    one process's (whose features test_corpus_cache checks against SAELens's formula)."""
+    mine = [ranks[rank]["sae_corpus"] for rank in range(WORLD)]
+    assert mine[0] == ["texts-0000000-0000002.safetensors", "texts-0000004-0000006.safetensors"]
+    assert mine[1] == ["texts-0000002-0000004.safetensors", "texts-0000006-0000007.safetensors"]
+    alone = tmp_path_factory.mktemp("one") / "feats"
+    cache_corpus(model, TEXTS, alone, saes=multihead.sae.load(workdir / "sae"), batch_size=BATCH)
+    together = workdir / "feats"
+    manifest = json.loads((together / MANIFEST).read_text())
+    assert manifest == json.loads((alone / MANIFEST).read_text())
+    assert manifest["names"] == ["blocks.1.attn.hook_z.hook_sae_acts_post"]
+    for name in manifest["shards"]:
+        shared, single = load_file(together / name), load_file(alone / name)
+        assert shared.keys() == single.keys()
+        for key in single:
+            torch.testing.assert_close(shared[key], single[key])
+        assert bool(single["blocks.1.attn.hook_z.hook_sae_acts_post"].any())
 
 
 def test_head_distances_over_ranks_equal_one_process(

@@ -9,7 +9,13 @@ what :func:`multihead.cache` keeps of each batch to one file, never holding more
         texts-0000000-0000032.safetensors   texts 0 … 31: "blocks.3.hook_resid_post" (B, T, E),
                                             ..., "attention_mask" (B, T), "text_index" (B,)
         ...
-        manifest.json                       the shards in text order, the names, the model
+        manifest.json                       the shards in text order, the names, the model,
+                                            the SAEs
+
+With ``saes``, each sparse autoencoder's features of the site it reads are written beside (or
+instead of) the activations, under SAELens's name for them:
+``"blocks.5.attn.hook_z.hook_sae_acts_post"`` (B, T, F), zero at padding (the encoding of what
+:func:`~multihead.circuits.features.sae_features.sae_features` gives for one text).
 
 Each shard's tensors are padded to its own longest text (``attention_mask`` says which positions
 are real). Under ``torch.distributed`` (``torchrun``) every rank writes the shards of its own
@@ -29,7 +35,8 @@ A run is all or nothing, on every rank together:
   no live run holds the marker's lock. Files the run did not name in its marker (the user's)
   are never removed: a directory that holds one is refused, as is a finished run's.
 
-Shapes: B texts in a batch, T its padded length, E width, H heads, D a head's width.
+Shapes: B texts in a batch, T its padded length, E width, H heads, D a head's width, F an
+SAE's features.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ try:  # POSIX: the lock that tells a live run's marker from a killed one's
 except ImportError:  # pragma: no cover - Windows: no lock, a marker is taken as a killed run's
     fcntl = None  # type: ignore[assignment]
 
-from multihead._checks import check_positive_int, describe
+from multihead._checks import check_positive_int, describe, is_int
 from multihead._files import (
     atomic_write,
     checksummed_safetensors,
@@ -61,13 +68,16 @@ from multihead._files import (
     read_json,
     write_synced,
 )
-from multihead.circuits.runs.site_names import Names, hook_name
+from multihead.circuits.features.sae_features import sae_site, site_features
+from multihead.circuits.runs.site_names import Names, SiteKey, chosen_sites, hook_name
 from multihead.circuits.runs.site_recorder import cache
 from multihead.distributed.data_parallel import DataParallelGroup
+from multihead.mapping import model_heads
+from multihead.sae.sae import SAE
 from multihead.text.corpus import Progress, check_texts, text_batches
 from multihead.text.model import TextModel
 
-__all__ = ["cache_corpus", "MANIFEST", "UNFINISHED"]
+__all__ = ["cache_corpus", "MANIFEST", "UNFINISHED", "FEATURES_SUFFIX"]
 
 T = TypeVar("T")
 
@@ -78,6 +88,8 @@ _BY = "multihead.cache_corpus"
 _SHARD = re.compile(r"texts-\d{7}-\d{7}\.safetensors")
 # atomic_write's files aside (".manifest.json.<16 hex>.tmp"), and the marker's
 _ASIDE = re.compile(r"\.(?:manifest|unfinished)\.json\.[0-9a-f]{16}\.tmp")
+# SAELens's name for an SAE's features (HookedSAETransformer's hook below the SAE's hook)
+FEATURES_SUFFIX = ".hook_sae_acts_post"
 
 
 def _shard_name(start: int, stop: int) -> str:
@@ -89,7 +101,8 @@ def cache_corpus(
     texts: Sequence[str],
     out_dir: str | os.PathLike[str],
     *,
-    names: Names = "resid_post",
+    names: Names = None,
+    saes: SAE | Sequence[SAE] | None = None,
     batch_size: int = 32,
     dtype: torch.dtype | None = None,
     progress: Progress | None = None,
@@ -104,11 +117,17 @@ def cache_corpus(
         out_dir: a new or empty directory (it is created), or one that holds only what an
             unfinished run left (its ``unfinished.json`` and the shards it names, no manifest),
             which is replaced with a warning. No other file is ever replaced or removed.
-        names: what :func:`multihead.cache` keeps (default every layer's ``resid_post``);
-            stored under TransformerLens's names (``"blocks.3.hook_resid_post"``).
+        names: what :func:`multihead.cache` keeps, stored under TransformerLens's names
+            (``"blocks.3.hook_resid_post"``); ``()`` for none. Default every layer's
+            ``resid_post``, or with ``saes`` none.
+        saes: sparse autoencoders (:func:`multihead.sae.load`; a transcoder reads its input
+            site) whose features are stored, each under its site's name and
+            :data:`FEATURES_SUFFIX` (one head's SAE, ``hook_head_index`` h: the site's name,
+            ``.h`` and the suffix; the manifest's ``"saes"`` says which SAE is which); the
+            activations they read are stored only where ``names`` names them.
         batch_size: texts per forward (and per shard).
         dtype: the dtype stored (e.g. ``torch.float16`` to halve the files); default the
-            model's.
+            model's (an SAE's features: the SAE's).
         progress: told ``(texts done, texts in all)`` after each batch (this rank's).
         group: the ``torch.distributed`` process group to share the texts over; default every
             rank when ``torch.distributed`` is initialised.
@@ -118,18 +137,21 @@ def cache_corpus(
 
     Raises:
         TypeError, ValueError: a model that is not a TextModel, bad texts (naming the line),
-            ``batch_size`` or ``names``; an ``out_dir`` that is a file, holds files this
-            function did not write, holds a finished run (a manifest) or is being written by
-            another run. Under ``torch.distributed`` every rank raises when any rank does
-            (the others naming it). Nothing is written before these checks pass on every rank;
-            an error after that removes what the run wrote before it is raised.
+            ``batch_size``, ``names`` or ``saes`` (not SAEs, two on one site, one whose site
+            the model lacks or whose width differs from it); an ``out_dir`` that is a file,
+            holds files this function did not write, holds a finished run (a manifest) or is
+            being written by another run. Under ``torch.distributed`` every rank raises when
+            any rank does (the others naming it). Nothing is written before these checks pass
+            on every rank; an error after that removes what the run wrote before it is raised.
     """
     if not isinstance(model, TextModel):  # before the group: it reads the model's parameters
         raise TypeError(f"model must be a multihead.TextModel, got {describe(model)}")
     split = DataParallelGroup.of(group, model)
     out = Path(out_dir)
     # every rank's verdict before anyone writes: a late rank sees what the others saw
-    items, left = _agreed(split, lambda: _checked(model, texts, out, names, batch_size, dtype))
+    items, left, plan = _agreed(
+        split, lambda: _checked(model, texts, out, names, saes, batch_size, dtype)
+    )
     spans = [(s, min(s + batch_size, len(items))) for s in range(0, len(items), batch_size)]
     manifest: dict[str, Any] = {"texts": len(items), "shards": [_shard_name(*s) for s in spans]}
     held: list[_Claim] = []  # rank 0's, once taken
@@ -144,11 +166,11 @@ def cache_corpus(
         kept_names = _agreed(
             split,
             lambda: _write_shards(
-                model, items, batch_size, spans, split.share(spans), out, names, dtype, progress,
+                model, items, batch_size, spans, split.share(spans), out, plan, dtype, progress,
                 written,
             ),
         )  # fmt: skip
-        manifest.update(names=kept_names, model=model.name)
+        manifest.update(names=kept_names, model=model.name, saes=plan.described())
         # every rank's shards are on disk before the manifest names them
         _agreed(split, lambda: held[0].write_manifest(manifest) if held else None)
     except Exception:
@@ -181,24 +203,100 @@ def _agreed(split: DataParallelGroup, step: Callable[[], T]) -> T:
     return value
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What each forward keeps: the user's ``names`` (stored) and the sites the SAEs read."""
+
+    names: Names
+    saes: dict[str, tuple[SAE, SiteKey]]  # stored name -> (the SAE, the site it reads)
+
+    @classmethod
+    def of(cls, model: TextModel, names: Names, saes: SAE | Sequence[SAE] | None) -> _Plan:
+        given = [saes] if isinstance(saes, SAE) else saes
+        if given is None:
+            given = []
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+            raise TypeError(
+                f"saes must be a multihead.sae.SAE, a sequence of them or None, got "
+                f"{describe(saes)}"
+            )
+        chosen: dict[str, tuple[SAE, SiteKey]] = {}
+        for i, sae in enumerate(given):
+            try:
+                key = sae_site(model, sae, None, "cache_corpus")
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"saes[{i}]: {str(e).removeprefix('cache_corpus: ')}") from None
+            head = sae.hook_head_index
+            name = hook_name(*key) + (f".{head}" if is_int(head) else "") + FEATURES_SUFFIX
+            if name in chosen:
+                first = next(j for j, n in enumerate(chosen) if n == name)
+                raise ValueError(
+                    f"saes[{i}] reads the site saes[{first}] reads ({hook_name(*key)}): their "
+                    f"features would be stored under one name, {name!r}; cache them in two runs"
+                )
+            chosen[name] = (sae, key)
+        if names is None:
+            names = () if chosen else "resid_post"
+        return cls(names, chosen)
+
+    def run_names(self, num_layers: int) -> Names:
+        """What the forward keeps: the user's names and the SAEs' sites."""
+        sites = {key for _, key in self.saes.values()}
+        if not sites:
+            return self.names
+        if callable(self.names):
+            pick = self.names
+            return lambda site, layer: (site, layer) in sites or pick(site, layer)
+        return sorted(chosen_sites(self.names, num_layers) | sites)
+
+    def stores(self, key: SiteKey, num_layers: int) -> bool:
+        """Whether the activation at ``key`` is stored (the user named it)."""
+        if callable(self.names):
+            return bool(self.names(*key))
+        return key in chosen_sites(self.names, num_layers)
+
+    def described(self) -> dict[str, dict[str, Any]]:
+        """The manifest's ``"saes"``: per stored name, what the SAE is."""
+        return {
+            name: {
+                "hook_name": sae.hook_name,
+                "architecture": sae.architecture,
+                "d_in": sae.d_in,
+                "d_sae": sae.d_sae,
+            }
+            for name, (sae, _) in self.saes.items()
+        }
+
+
 def _checked(
     model: TextModel,
     texts: Sequence[str],
     out: Path,
     names: Names,
+    saes: SAE | Sequence[SAE] | None,
     batch_size: int,
     dtype: torch.dtype | None,
-) -> tuple[list[str], list[Path]]:
-    """The texts, and what an unfinished run left in ``out`` (to replace); raises on bad input.
-    Writes nothing."""
+) -> tuple[list[str], list[Path], _Plan]:
+    """The texts, what an unfinished run left in ``out`` (to replace) and what each forward
+    keeps; raises on bad input. Writes nothing."""
     items = check_texts("texts", texts)
     check_positive_int("batch_size", batch_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {describe(dtype)}")
+    plan = _Plan.of(model, names, saes)
     left = _left_over(out)
-    # the names are checked on a one-text forward
-    cache(model, {"input_ids": model.tokenize(items[0]).input_ids}, names=names)
-    return items, left
+    # the names, and the SAEs' widths, are checked on a one-text forward (the names alone
+    # first: TransformerLens's names a rotary model refuses are refused as named)
+    one = {"input_ids": model.tokenize(items[0]).input_ids}
+    if plan.saes:
+        cache(model, one, names=plan.names)
+    kept = cache(model, one, names=plan.run_names(len(model_heads(model))))
+    for i, (sae, key) in enumerate(plan.saes.values()):
+        try:
+            site_features(sae, key, kept[key], "cache_corpus")
+        except ValueError as e:
+            raise ValueError(f"saes[{i}]: {str(e).removeprefix('cache_corpus: ')}") from None
+    return items, left, plan
 
 
 def _left_over(out: Path) -> list[Path]:
@@ -366,13 +464,14 @@ def _write_shards(
     spans: list[tuple[int, int]],
     mine: list[tuple[int, int]],
     out: Path,
-    names: Names,
+    plan: _Plan,
     dtype: torch.dtype | None,
     progress: Progress | None,
     written: list[Path],
 ) -> list[str]:
     """This rank's shards, each appended to ``written`` once on disk; the names kept."""
     kept_names: list[str] = []
+    num_layers = len(model_heads(model))
     chosen = set(mine)
     done, total = 0, sum(stop - start for start, stop in mine)
     # every rank tokenizes every batch (cheap beside a forward; truncations said once, naming
@@ -385,11 +484,17 @@ def _write_shards(
             "attention_mask": batch.attention_mask,
             "token_type_ids": batch.token_type_ids,
         }
-        kept = cache(model, inputs, names=names, device="cpu")
+        kept = cache(model, inputs, names=plan.run_names(num_layers))
         tensors = {
-            hook_name(site, layer): (value if dtype is None else value.to(dtype)).contiguous()
-            for (site, layer), value in kept.items()
+            hook_name(*key): (value if dtype is None else value.to(dtype)).cpu().contiguous()
+            for key, value in kept.items()
+            if plan.stores(key, num_layers)
         }
+        real = batch.attention_mask.bool()
+        for name, (sae, key) in plan.saes.items():
+            features = site_features(sae, key, kept[key], "cache_corpus")
+            features = features * real.to(features.device)[..., None]  # zero at padding
+            tensors[name] = (features if dtype is None else features.to(dtype)).cpu().contiguous()
         kept_names = sorted(tensors)
         tensors["attention_mask"] = batch.attention_mask.cpu()
         tensors["text_index"] = torch.arange(start, stop)

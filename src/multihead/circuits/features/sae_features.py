@@ -27,7 +27,7 @@ from multihead.circuits.runs.site_recorder import cache
 from multihead.mapping import model_heads
 from multihead.sae.sae import SAE
 
-__all__ = ["sae_features", "sae_site", "sae_input"]
+__all__ = ["sae_features", "sae_site", "sae_input", "site_features"]
 
 
 def sae_site(model: nn.Module, sae: SAE, layer: int | None, caller: str) -> SiteKey:
@@ -111,7 +111,9 @@ def sae_features(
     ``z`` SAE reads the heads' outputs before the output projection, (B, T, H, Dv) flattened
     head-major to H·Dv (TransformerLens's ``hook_z``, as the SAE's ``reshape_activations``
     says), or the one head of ``hook_head_index``; ``attn_out`` and the residual sites are
-    (B, T, E). Only the positions asked for are kept, cut before anything is stored.
+    (B, T, E). Only the positions asked for are kept, cut before anything is stored. Over a
+    corpus (in batches, with progress, shared over torchrun's ranks), the same features are
+    written to shards by ``multihead.cache_corpus(text_model, texts, out_dir, saes=sae)``.
 
     Args:
         model: multihead's models or a transformers model (through :mod:`multihead.hf`).
@@ -138,6 +140,16 @@ def sae_features(
     """
     key = sae_site(model, sae, layer, "sae_features")
     recorded = cache(model, inputs, names=[key], positions=positions)
-    x = sae_input(sae, key, recorded[key], "sae_features").to(sae.device)
+    return site_features(sae, key, recorded[key], "sae_features")
+
+
+def site_features(sae: SAE, key: SiteKey, activation: Tensor, caller: str) -> Tensor:
+    """``sae.encode`` of ``activation`` of the site ``key`` (B, P, ...): (B, P, F) on the SAE's
+    device, in its dtype.
+
+    Raises:
+        ValueError: as :func:`sae_input`.
+    """
+    x = sae_input(sae, key, activation, caller).to(sae.device)
     # a hook_z SAE flattens its input's last two dims itself: (B, P, 1, E) flattens to E
     return sae.encode(x[:, :, None] if sae.reshape_activations == "hook_z" else x)
