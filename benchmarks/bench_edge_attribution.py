@@ -40,15 +40,19 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import device_argument, format_table, interleaved_rounds, machine_info, write_json
-from torch.profiler import ProfilerActivity, profile
+from common import (
+    device_argument,
+    format_table,
+    interleaved_rounds,
+    machine_info,
+    peak_bytes,
+    write_json,
+)
 
 import multihead
 from multihead.models import TransformerLM
@@ -61,40 +65,6 @@ QUICK_LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "vocab": 100
 
 def _metric(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].float().log_softmax(-1)[:, 3]
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _peak_bytes(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
-    """The memory ``fn()`` needs at its peak beyond what is held before it: "tensors" (the
-    allocator's), and on the CPU "resident" (the process's, of the first call)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return {"tensors": torch.cuda.max_memory_allocated(device) - before}
-    before = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
-        clear.write("5")  # the peak resident set restarts from the current one
-    fn()
-    resident = (_rss_kib("VmHWM") - before) * 1024
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
-    # each allocation and free is an event carrying the bytes allocated since the start
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return {"tensors": max([0, *totals]), "resident": resident}
 
 
 def _models(quick: bool, device: torch.device) -> list[tuple[str, Any, dict[str, int]]]:
@@ -168,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_probe:
         _, model, shape = _models(args.quick, device)[-1]
         fn = _workloads(model, shape, device)[args.memory_probe]
-        print(json.dumps(_peak_bytes(fn, device)))
+        print(json.dumps(peak_bytes(fn, device)))
         return 0
     load_before = list(os.getloadavg())
     rounds = 1 if args.quick else args.rounds

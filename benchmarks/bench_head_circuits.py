@@ -18,18 +18,22 @@ Writes benchmarks/results/head_circuits.json (_quick with --quick).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import format_table, machine_info, reset_peak, status_kib, write_json
-from torch.profiler import ProfilerActivity, profile
+from common import (
+    allocated_peak,
+    format_table,
+    machine_info,
+    reset_peak,
+    status_kib,
+    write_json,
+)
 
 import multihead
 
@@ -46,18 +50,6 @@ def _model(shape: dict[str, int]) -> Any:
         n_head=shape["heads"], n_positions=64,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config).eval()
-
-
-def _allocated_peak(fn: Callable[[], Any]) -> int:
-    """The allocator's peak bytes during ``fn()`` (torch.profiler's memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max([0, *totals])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if reset_peak():
         every_kind()
         resident = (status_kib("VmHWM") - before) * 1024
-    tensors = _allocated_peak(every_kind)
+    tensors = allocated_peak(every_kind)
     n, heads, width = shape["layers"], shape["heads"], shape["width"]
     pairs = heads * heads * n * (n - 1) // 2
     dense = pairs * width * width * 4  # one float32 (E, E) matrix per pair

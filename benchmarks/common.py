@@ -40,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import timeit
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.benchmark import Timer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -178,6 +180,34 @@ def cuda_peak_memory(fn: Callable[[], object]) -> int:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+def allocated_peak(fn: Callable[[], object]) -> int:
+    """The CPU allocator's peak bytes during ``fn()`` beyond what was held before it: the
+    highest "Total Allocated" of torch.profiler's memory events (``profile_memory=True``)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
+    # each allocation and free is an event carrying the bytes allocated since the start
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return max([0, *totals])
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> dict[str, int]:
+    """The memory ``fn()`` needs at its peak beyond what is held before it: "tensors" (the
+    allocator's: on a GPU :func:`cuda_peak_memory`, on the CPU :func:`allocated_peak` of a
+    second call) and on the CPU "resident" (the process's VmHWM over the first call, which also
+    counts code loaded on first use and what the C allocator keeps)."""
+    if device.type == "cuda":
+        return {"tensors": cuda_peak_memory(fn)}
+    before = status_kib("VmRSS")
+    reset_peak()  # the peak resident set restarts from the current one
+    fn()
+    resident = (status_kib("VmHWM") - before) * 1024
+    return {"tensors": allocated_peak(fn), "resident": resident}
 
 
 def gemm_peak(

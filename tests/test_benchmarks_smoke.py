@@ -182,3 +182,21 @@ def test_bench_lens_fit_quick(tmp_path: Path) -> None:
     assert all(row["ratio"] > 0 and row["width"] == 32 for row in payload["rows"])
     assert payload["report"]["tables"][0]["rows"]
     assert "ratio ÷ E" in done.stdout
+
+
+@pytest.mark.slow
+def test_bench_feature_sources_quick(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="bench_feature_sources.py runs a transformers model")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_feature_sources.py"), "--quick"]
+        + ["--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1800,  # a hang guard, never a speed budget
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "feature_sources_quick.json").read_text(encoding="utf-8"))
+    assert payload["machine"]["torch"] and payload["shape"]["T"] == 128
+    assert all(payload["peaks"][what]["tensors"] > 0 for what in ("forward", "split"))
+    assert payload["ratio"] > 0 and payload["report"]["tables"][0]["rows"]
