@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from common import (
     interleaved_rounds,
     machine_info,
     peak_bytes,
+    probe_peaks,
     write_json,
 )
 
@@ -113,16 +113,6 @@ def _workloads(model: Any, shape: dict[str, int], device: torch.device) -> dict[
         return multihead.attribution_patching(model, clean, corrupt, _metric, ig_steps=steps)
 
     return {"fwdbwd": forward_backward, "eap": eap, "nodes": nodes}
-
-
-def _child_peak(what: str, quick: bool, device: torch.device) -> dict[str, int]:
-    """The peaks of ``what`` in a fresh process (module docstring)."""
-    command = [sys.executable, __file__, "--memory-probe", what, "--device", str(device)]
-    done = subprocess.run(
-        command + (["--quick"] if quick else []),
-        capture_output=True, text=True, check=True, env=dict(os.environ),
-    )  # fmt: skip
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[dict[str, int]]] = {"eap": [], "fwdbwd": []}
             for _ in range(1 if args.quick else 3):
                 for what, found in runs.items():
-                    found.append(_child_peak(what, args.quick, device))
+                    found.append(probe_peaks(__file__, what, args.quick, device))
             target = (1 + shape["kv_heads"] / shape["heads"]) * 1.1
             for kind, label in (("tensors", "tensors"), ("resident", "resident, first call")):
                 if kind not in runs["eap"][0]:

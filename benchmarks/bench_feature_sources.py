@@ -29,14 +29,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import device_argument, format_table, machine_info, peak_bytes, write_json
+from common import device_argument, format_table, machine_info, peak_bytes, probe_peaks, write_json
 
 import multihead
 from multihead.sae import SAE, SAEConfig
@@ -96,15 +95,6 @@ def _probe(what: str, quick: bool, device: torch.device) -> dict[str, int]:
     return peak_bytes(fn, device)
 
 
-def _child_peak(what: str, quick: bool, device: torch.device) -> dict[str, int]:
-    command = [sys.executable, __file__, "--memory-probe", what, "--device", str(device)]
-    done = subprocess.run(
-        command + (["--quick"] if quick else []),
-        capture_output=True, text=True, check=True, env=dict(os.environ),
-    )  # fmt: skip
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
@@ -129,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     seen: dict[str, list[dict[str, int]]] = {"forward": [], "split": []}
     for _ in range(rounds):
         for what in seen:  # alternating
-            seen[what].append(_child_peak(what, args.quick, device))
+            seen[what].append(probe_peaks(__file__, what, args.quick, device))
     kinds = ["tensors"] + (["resident"] if device.type == "cpu" else [])
     peaks = {
         what: {k: statistics.median(p[k] for p in found) for k in kinds}

@@ -210,6 +210,17 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> dict[str, int]
     return {"tensors": allocated_peak(fn), "resident": resident}
 
 
+def probe_peaks(script: str, what: str, quick: bool, device: torch.device) -> dict[str, int]:
+    """The peaks a fresh process of ``script`` prints for ``--memory-probe what`` (the last line
+    of its output, JSON: :func:`peak_bytes`), on ``device``, ``--quick`` when asked."""
+    command = [sys.executable, script, "--memory-probe", what, "--device", str(device)]
+    done = subprocess.run(
+        command + (["--quick"] if quick else []),
+        capture_output=True, text=True, check=True, env=dict(os.environ),
+    )  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def gemm_peak(
     dtype: torch.dtype,
     *,
