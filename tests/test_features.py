@@ -423,8 +423,13 @@ def test_top_to_rows_and_plot() -> None:
     pytest.importorskip("matplotlib")
     figure = split.plot(row=2, feature=1)
     image = figure.axes[0].images[0].get_array()
-    assert image is not None and image.shape == (4, 6)
-    torch.testing.assert_close(torch.as_tensor(image.data), split.values[0, 1, :, :, 1].float())
+    # GPT-2 is causal: row 2 sees sources 0-2 alone, and the picture leaves the rest out
+    assert not split.values[0, 1, :, 3:, 1].any()
+    assert image is not None and image.shape == (4, 3)
+    torch.testing.assert_close(torch.as_tensor(image.data), split.values[0, 1, :, :3, 1].float())
+    labels = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert labels == ["0", "1", "2"]
+    assert split.plot(row=5).axes[0].images[0].get_array().shape == (4, 6)
     with pytest.raises(ValueError, match=r"row must be one of the rows split, \[5, 2\], got 3"):
         split.plot(row=3)
 

@@ -498,3 +498,32 @@ def test_a_packed_batch_is_spliced_at_its_real_tokens(hook: str) -> None:
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-10)
     assert float((got - base)[real].abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("site, what", [("attn_out", "attention"), ("mlp_out", "feed-forward"),
+                                        ("resid_mid", "attention")])  # fmt: skip
+def test_a_post_norm_block_refuses_the_parts_sites(site: str, what: str) -> None:
+    """Gemma-3 normalises its attention's and feed-forward network's outputs before adding them
+    (post-attention and post-feed-forward norms): the module's output is not the site there, so
+    the splice is refused on the first call, naming the norm; the model is itself after."""
+    from test_features import _gemma3
+
+    model, _ = _gemma3()
+    hook = "blocks.1.hook_resid_mid" if site == "resid_mid" else f"blocks.1.hook_{site}"
+    sae = _sae(24, hook)
+    ids = torch.randint(20, (1, 6))
+    with torch.no_grad():
+        before = model(ids).logits
+    hooks = _registered(model)
+    with (
+        pytest.raises(
+            ValueError,
+            match=rf"post-{what} norm.*splicing {site} of layer 1 there is not supported",
+        ),
+        splice_sae(model, sae),
+        torch.no_grad(),
+    ):
+        model(ids)
+    assert _registered(model) == hooks
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)

@@ -134,14 +134,21 @@ class FeatureSources:
         self, *, row: int | None = None, feature: int | None = None, example: int = 0
     ) -> Figure:
         """Heads × source tokens of one row and feature (default the first of each) as the
-        effects heatmap (:func:`multihead.viz.plots.effects_figure`; the ``viz`` extra)."""
+        effects heatmap (:func:`multihead.viz.plots.effects_figure`; the ``viz`` extra); the
+        sources after the row are left out where it sees none of them (a causal model)."""
         ri = 0 if row is None else _position_of("row", row, self.rows, "rows")
         fi = 0 if feature is None else _position_of("feature", feature, self.features, "features")
         example = check_index("example", example, self.values.shape[0], "examples")
         cells = self.values[example, ri, :, :, fi].detach().float().cpu()  # (H, S)
+        # the sources after the row, where it sees none (a causal model's), are left out
+        row_at = self.rows[ri]
+        if not cells[:, row_at + 1 :].any():
+            cells = cells[:, : row_at + 1]
         s = cells.shape[1]
         columns = (
-            list(self.tokens[example]) if self.tokens is not None else [str(i) for i in range(s)]
+            list(self.tokens[example][:s])
+            if self.tokens is not None
+            else [str(i) for i in range(s)]
         )
         return effects_figure(
             cells,

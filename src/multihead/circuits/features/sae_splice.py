@@ -152,6 +152,7 @@ class _Splice:
         self.found, self.mapped = found, mapped
         self.hook_z = sae.reshape_activations == "hook_z"
         self.block = None if site == "z" else mapped.stack_block(at, CALLER)
+        self.written: Tensor | None = None  # the part's replaced output in the current call
         self.part: nn.Module | None = None
         if site in ("attn_out", "resid_mid", "mlp_out"):
             assert self.block is not None
@@ -213,13 +214,34 @@ class _Splice:
             def write(m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
                 written = output_tensor(out)
                 x = entering[0] + written  # resid_mid (B, T, E)
-                return with_output_tensor(out, written + (self._of_site(x) - x))
+                new = written + (self._of_site(x) - x)
+                self.written = new
+                return with_output_tensor(out, new)
 
             yield block.module.register_forward_pre_hook(record, with_kwargs=True)
             yield self.part.register_forward_hook(write)
         else:  # attn_out, mlp_out
             assert self.part is not None
             yield self.part.register_forward_hook(self._output)
+        if site in ("attn_out", "mlp_out", "resid_mid"):
+            for norm, _ in block.norms:
+                yield norm.register_forward_pre_hook(self._refuse_post_norm)
+
+    def _refuse_post_norm(self, m: nn.Module, args: tuple[Any, ...]) -> None:
+        """A norm of the block given the part's replaced output itself: the block normalises
+        that output before adding it (a post-attention or post-feed-forward norm), so the
+        part's output is not the site, and the splice would be wrong: refused."""
+        if self.written is None or not args or args[0] is not self.written:
+            return
+        self.written = None
+        site, layer = self.key
+        what = "feed-forward" if site == "mlp_out" else "attention"
+        raise ValueError(
+            f"{CALLER}: block {layer} of {self.mapped.family} passes its {what} module's output "
+            f"through {type(m).__name__} before adding it to the stream (a post-{what} norm, "
+            f"as Gemma-2/3 and OLMo-2 have): splicing {site_label(site, layer)} there is not "
+            f"supported; splice z, resid_pre or resid_post"
+        )
 
     def _of_site(self, x: Tensor) -> Tensor:
         """The replacement of the site's activation (B, T, E), its width checked."""
@@ -231,7 +253,9 @@ class _Splice:
         sae_input(self.sae, self.key, x if x.dim() == 3 else x[None], CALLER)
 
     def _output(self, m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-        return with_output_tensor(out, self._of_site(output_tensor(out)))
+        new = self._of_site(output_tensor(out))
+        self.written = new  # for the post-norm check: the tensor the block is handed
+        return with_output_tensor(out, new)
 
     def _stream_in(
         self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
