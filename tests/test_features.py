@@ -222,6 +222,32 @@ def test_sae_features_of_a_residual_site_and_one_head() -> None:
     torch.testing.assert_close(sae_features(model, ids, one), expected, rtol=0, atol=1e-10)
 
 
+def test_a_transcoder_reads_hook_mlp_in_the_stream_the_feed_forward_norm_reads() -> None:
+    """TransformerLens's hook_mlp_in is its copy of resid_mid: what Llama's pre-feed-forward
+    norm (``post_attention_layernorm``) is given, read here by a hook of the eager copy."""
+    model, eager = _llama()
+    ids = torch.randint(V, (2, 7))
+    seen: list[Tensor] = []
+    norm = eager.model.layers[1].post_attention_layernorm
+    handle = norm.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        eager(ids)
+    handle.remove()
+    config = SAEConfig(
+        architecture="transcoder", d_in=24, d_sae=10, d_out=16, dtype=torch.float64,
+        hook_name="blocks.1.hook_mlp_in", hook_name_out="blocks.1.hook_mlp_out",
+    ).check("test")  # fmt: skip
+    tensors = {
+        n: torch.randn(shape, dtype=torch.float64) for n, shape in config.tensor_shapes().items()
+    }
+    transcoder = SAE(config, tensors)
+    assert (transcoder.site, transcoder.site_out) == (("resid_mid", 1), ("mlp_out", 1))
+    expected = torch.relu(seen[0] @ transcoder.W_enc + transcoder.b_enc)  # no b_dec: its output's
+    assert bool((expected > 0).any())
+    # eager's softmax runs in float32 (transformers' eager_attention_forward): 1e-6, not 1e-10
+    torch.testing.assert_close(sae_features(model, ids, transcoder), expected, rtol=0, atol=1e-6)
+
+
 # -- (b) feature_sources on z: the sum, and SAEDashboard's DFA -----------------------------------
 
 
@@ -448,7 +474,12 @@ Z = "blocks.1.attn.hook_z"
 SOURCES_BAD = [
     (_sae(24, "blocks.1.hook_resid_post"), {}, ValueError, r"resid_post.*cannot be split by"),
     (_sae(24, "blocks.1.hook_mlp_out"), {}, ValueError, r"only an SAE of z \(hook_z\) or at"),
-    (_sae(24, "blocks.1.hook_mlp_in"), {}, ValueError, r"sae: this SAE reads 'blocks\.1\.hook_"),
+    (
+        _sae(24, "blocks.1.ln2.hook_normalized"),
+        {},
+        ValueError,
+        r"sae: this SAE reads 'blocks\.1\.ln2",
+    ),
     (_sae(24, None), {}, ValueError, r"sae: this SAE's files name no hook"),
     (
         _sae(24, "blocks.5.attn.hook_z", reshape="hook_z"),
@@ -479,7 +510,12 @@ SOURCES_BAD = [
 RESID = "blocks.1.hook_resid_pre"
 # (SAE, keyword arguments, error, message): sae_features(gpt2, ids (1, 6), sae, **kwargs)
 FEATURES_BAD = [
-    (_sae(24, "blocks.1.hook_mlp_in"), {}, ValueError, r"sae_features: sae: this SAE reads 'bl"),
+    (
+        _sae(24, "blocks.1.ln2.hook_normalized"),
+        {},
+        ValueError,
+        r"sae_features: sae: this SAE reads 'bl",
+    ),
     (_sae(24, None), {"layer": 0}, ValueError, r"this SAE's files name no hook"),
     (
         _sae(20, Z, reshape="hook_z"),

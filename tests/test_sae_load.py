@@ -74,12 +74,20 @@ def test_the_site_it_reads(
     assert sae.require_site() == site
 
 
-def test_a_hook_multihead_has_no_site_for_keeps_its_name() -> None:
-    sae = load(DATA / "transcoder")
-    assert (sae.hook_name, sae.site) == ("blocks.1.hook_mlp_in", None)
+def test_a_hook_multihead_has_no_site_for_keeps_its_name(tmp_path: Path) -> None:
+    sae = load(DATA / "transcoder")  # TransformerLens's hook_mlp_in: its copy of resid_mid
+    assert (sae.hook_name, sae.site) == ("blocks.1.hook_mlp_in", ("resid_mid", 1))
     assert sae.site_out == ("mlp_out", 1)
-    with pytest.raises(ValueError, match=r"'blocks\.1\.hook_mlp_in', a hook multihead has no site"):
-        sae.require_site()
+    folder = _copy("transcoder", tmp_path)
+    cfg = json.loads((folder / "cfg.json").read_text())
+    cfg["metadata"]["hook_name"] = "blocks.1.ln2.hook_normalized"
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    other = load(folder)
+    assert (other.hook_name, other.site) == ("blocks.1.ln2.hook_normalized", None)
+    with pytest.raises(
+        ValueError, match=r"'blocks\.1\.ln2\.hook_normalized', a hook multihead has"
+    ):
+        other.require_site()
 
 
 def test_the_config_is_honoured() -> None:
@@ -169,7 +177,8 @@ def test_gemma_scope_2_skip_transcoder(tmp_path: Path) -> None:
     save_file({**{k.lower(): v for k, v in p.items()}, "affine_skip_connection": affine}, file)
     sae = load(file)
     assert (sae.architecture, sae.d_out) == ("jumprelu_skip_transcoder", 6)
-    assert (sae.site, sae.site_out) == (None, ("mlp_out", 2))  # hook_mlp_in: no site
+    # hook_mlp_in: TransformerLens's copy of resid_mid
+    assert (sae.site, sae.site_out) == (("resid_mid", 2), ("mlp_out", 2))
     x = torch.randn(3, 10)
     _, decoded = _jumprelu(p, x)
     torch.testing.assert_close(sae(x), decoded + x @ affine, atol=TOL, rtol=0)

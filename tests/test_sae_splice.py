@@ -386,7 +386,12 @@ RESID = "blocks.1.hook_resid_pre"
 # (SAE, keyword arguments, error, message): splice_sae(gpt2 (2 layers, 4 heads of 6), sae, ...)
 BAD = [
     ("not an sae", {}, TypeError, r"splice_sae: sae must be a multihead\.sae\.SAE"),
-    (_sae(24, "blocks.1.hook_mlp_in"), {}, ValueError, r"splice_sae: sae: this SAE reads 'bl"),
+    (
+        _sae(24, "blocks.1.ln2.hook_normalized"),
+        {},
+        ValueError,
+        r"splice_sae: sae: this SAE reads 'bl",
+    ),
     (_sae(24, None), {}, ValueError, r"splice_sae: sae: this SAE's files name no hook"),
     (_sae(24, "blocks.0.attn.hook_q"), {}, ValueError, r"q of layer 0\); splice_sae splices an"),
     (_sae(24, "hook_embed"), {}, ValueError, r"\(embed\); splice_sae splices an SAE of z, at"),

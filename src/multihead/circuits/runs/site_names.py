@@ -32,7 +32,8 @@ The names, and the keys ``"blocks.{l}.hook_resid_pre"``, ``"blocks.{l}.attn.hook
 the norms the attention and the feed-forward network read, found on the run:
 :mod:`~multihead.circuits.runs.norm_reads`), with one difference on rotary models: multihead's q
 and k are what the kernel reads, after rotary positions, TransformerLens's ``hook_rot_q`` and
-``hook_rot_k`` (accepted as names too), where its ``hook_q`` and ``hook_k`` are before: on a
+``hook_rot_k`` (accepted as names too, as is ``hook_mlp_in``, its copy of ``resid_mid``),
+where its ``hook_q`` and ``hook_k`` are before: on a
 layer that turns them (found on the run: :class:`~multihead.circuits.runs.rotary_check.
 RotaryCheck`) those two names are refused, naming the ones to use.
 ``attn_out``, ``resid_mid`` and ``mlp_out`` exist where the block is a sum, ``resid_post =
@@ -111,6 +112,9 @@ _IN_BLOCK = {
     # its names for q and k after rotary positions, which multihead's q and k are
     "attn.hook_rot_q": "q",
     "attn.hook_rot_k": "k",
+    # its copy of resid_mid that the feed-forward network's norm reads (use_hook_mlp_in: the
+    # hook SAELens's transcoders read)
+    "hook_mlp_in": "resid_mid",
 }
 _OF_MODEL = {
     "hook_embed": "embed",
