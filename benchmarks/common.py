@@ -202,9 +202,11 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> dict[str, int]
     second call) and on the CPU "resident" (the process's VmHWM over the first call, which also
     counts code loaded on first use and what the C allocator keeps)."""
     if device.type == "cuda":
-        return {"tensors": cuda_peak_memory(fn)}
+        with torch.cuda.device(device):
+            return {"tensors": cuda_peak_memory(fn)}
     before = status_kib("VmRSS")
-    reset_peak()  # the peak resident set restarts from the current one
+    if not reset_peak():  # the peak resident set restarts from the current one
+        raise RuntimeError("peak_bytes: /proc/self/clear_refs is not writable: no resident peak")
     fn()
     resident = (status_kib("VmHWM") - before) * 1024
     return {"tensors": allocated_peak(fn), "resident": resident}

@@ -212,7 +212,7 @@ def induction(checkpoint: Path | None, tmp: Path) -> dict[str, Any]:
     model = TransformerLM.load(checkpoint).eval()
     task = InductionTask(32)
     data = task.probe_batch(seed=1, n=2048)
-    z = multihead.cache(model, data.ids, names=[("z", 1)])["z", 1].flatten(2)  # (B, T, 64)
+    z = multihead.cache(model, data.ids, names=[("z", 1)])["z", 1].flatten(2)  # (B, T, 128)
     start = time.perf_counter()
     sae = fit_sae(z.flatten(0, 1), "blocks.1.attn.hook_z")
     fitted = time.perf_counter() - start

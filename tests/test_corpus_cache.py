@@ -83,12 +83,18 @@ def test_shards_hold_each_batch_and_each_text_alone(model: Any, tmp_path: Path) 
 
 
 def _sae(
-    d_in: int, hook: str, architecture: str = "standard", head: int | None = None, seed: int = 0
+    d_in: int,
+    hook: str,
+    architecture: str = "standard",
+    head: int | None = None,
+    seed: int = 0,
+    normalize: str = "none",
 ) -> SAE:
     """A random SAE (every bias nonzero; a jumprelu's thresholds positive) through the class."""
     config = SAEConfig(
         architecture=architecture, d_in=d_in, d_sae=12, d_out=d_in, dtype=torch.float32,
         apply_b_dec_to_input=True, hook_name=hook, hook_head_index=head,
+        normalize_activations=normalize,
     ).check("test")  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     tensors = {n: torch.randn(s, generator=gen) for n, s in config.tensor_shapes().items()}
@@ -98,7 +104,10 @@ def _sae(
 
 
 def _encoded(sae: SAE, x: torch.Tensor) -> torch.Tensor:
-    """SAELens's encode (sae_lens/saes/standard_sae.py, jumprelu_sae.py): (..., E) -> (..., F)."""
+    """SAELens's encode (sae_lens/saes/standard_sae.py, jumprelu_sae.py; constant_norm_rescale
+    in sae.py): (..., E) -> (..., F)."""
+    if sae.normalize_activations == "constant_norm_rescale":
+        x = x * x.shape[-1] ** 0.5 / x.norm(dim=-1, keepdim=True)
     pre = (x - sae.b_dec) @ sae.W_enc + sae.b_enc
     acts = torch.relu(pre)
     return acts * (pre > sae.threshold) if sae.architecture == "jumprelu" else acts
@@ -108,7 +117,10 @@ def test_sae_features_of_each_text_alone_zero_at_padding(model: Any, tmp_path: P
     heads, width = 4, 16  # tiny_bert.CONFIG
     z_sae = _sae(width, "blocks.1.attn.hook_z")  # every head, head-major
     one_head = _sae(width // heads, "blocks.0.attn.hook_z", "jumprelu", head=2, seed=1)
-    resid = _sae(width, "blocks.0.hook_resid_post", "jumprelu", seed=2)
+    # a normalising SAE: the packed model's zeros at padding would encode to NaN
+    resid = _sae(
+        width, "blocks.0.hook_resid_post", "jumprelu", seed=2, normalize="constant_norm_rescale"
+    )
     paths = cache_corpus(model, TEXTS, tmp_path / "f", saes=[z_sae, one_head, resid], batch_size=2)
     manifest = json.loads((tmp_path / "f" / MANIFEST).read_text())
     names = {
@@ -168,11 +180,16 @@ def test_sae_refusals_write_nothing(model: Any, tmp_path: Path) -> None:
         ([_sae(width, "blocks.7.hook_resid_pre")], ValueError,
          r"saes\[0\]: the SAE reads 'blocks.7.hook_resid_pre', layer 7, and the model has 2"),
         # a post-LN block (BERT) has no attn_out: the cache's reason
-        ([_sae(width, "blocks.0.hook_attn_out")], ValueError, "is not the sum"),
+        ([z, _sae(width, "blocks.0.hook_attn_out")], ValueError,
+         r"saes\[1\]: attn_out of layer 0: .* is not the sum"),
     ]:  # fmt: skip
-        with pytest.raises(error, match=match):
-            cache_corpus(model, TEXTS, tmp_path / "x", saes=saes)  # type: ignore[arg-type]
-        assert not (tmp_path / "x").exists()
+        for names in (None, lambda site, layer: site == "resid_pre"):  # a predicate too
+            with pytest.raises(error, match=match):
+                cache_corpus(model, TEXTS, tmp_path / "x", saes=saes, names=names)  # type: ignore[arg-type]
+            assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=r"names: \(\) names no activation and no saes are given"):
+        cache_corpus(model, TEXTS, tmp_path / "x", names=())
+    assert not (tmp_path / "x").exists()
 
 
 def test_dtype_and_refusals_write_nothing(model: Any, tmp_path: Path) -> None:

@@ -248,6 +248,20 @@ def test_a_transcoder_reads_hook_mlp_in_the_stream_the_feed_forward_norm_reads()
     torch.testing.assert_close(sae_features(model, ids, transcoder), expected, rtol=0, atol=1e-6)
 
 
+def test_an_sae_of_queries_before_the_turn_is_refused_on_a_rotary_model() -> None:
+    """TransformerLens's hook_q is before rotary positions, which multihead does not keep: an
+    SAE of it is refused as the cache refuses the name; hook_rot_q (multihead's q) is read."""
+    model, _ = _llama()
+    ids = torch.randint(V, (1, 5))
+    with pytest.raises(ValueError, match=r"'blocks\.1\.attn\.hook_q': layer 1 turns its queries"):
+        sae_features(model, ids, _sae(4, "blocks.1.attn.hook_q", head_index=0))
+    after = _sae(4, "blocks.1.attn.hook_rot_q", head_index=0)
+    q = multihead.cache(model, ids, names=[("q", 1)])["q", 1][:, :, 0]  # (B, T, D): head 0
+    torch.testing.assert_close(
+        sae_features(model, ids, after), torch.relu(_pre_activation(after, q))
+    )
+
+
 # -- (b) feature_sources on z: the sum, and SAEDashboard's DFA -----------------------------------
 
 

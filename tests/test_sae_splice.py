@@ -393,6 +393,8 @@ BAD = [
         r"splice_sae: sae: this SAE reads 'bl",
     ),
     (_sae(24, None), {}, ValueError, r"splice_sae: sae: this SAE's files name no hook"),
+    # its copy of resid_mid: replacing resid_mid would change the stream too
+    (_sae(24, "blocks.1.hook_mlp_in"), {}, ValueError, r"copy of resid_mid that only the feed-"),
     (_sae(24, "blocks.0.attn.hook_q"), {}, ValueError, r"q of layer 0\); splice_sae splices an"),
     (_sae(24, "hook_embed"), {}, ValueError, r"\(embed\); splice_sae splices an SAE of z, at"),
     (_transcoder(), {}, ValueError, r"sae is a transcoder: .*a transcoder is not supported"),

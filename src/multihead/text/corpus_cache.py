@@ -13,9 +13,10 @@ what :func:`multihead.cache` keeps of each batch to one file, never holding more
                                             the SAEs
 
 With ``saes``, each sparse autoencoder's features of the site it reads are written beside (or
-instead of) the activations, under SAELens's name for them:
-``"blocks.5.attn.hook_z.hook_sae_acts_post"`` (B, T, F), zero at padding (the encoding of what
-:func:`~multihead.circuits.features.sae_features.sae_features` gives for one text).
+instead of) the activations, under SAELens's name for them (the SAE's hook and
+``.hook_sae_acts_post``): ``"blocks.5.attn.hook_z.hook_sae_acts_post"`` (B, T, F), dense, zero
+at padding (what :func:`~multihead.circuits.features.sae_features.sae_features` gives for one
+text).
 
 Each shard's tensors are padded to its own longest text (``attention_mask`` says which positions
 are real). Under ``torch.distributed`` (``torchrun``) every rank writes the shards of its own
@@ -68,7 +69,7 @@ from multihead._files import (
     read_json,
     write_synced,
 )
-from multihead.circuits.features.sae_features import sae_site, site_features
+from multihead.circuits.features.sae_features import cache_name, sae_site, site_features
 from multihead.circuits.runs.site_names import Names, SiteKey, chosen_sites, hook_name
 from multihead.circuits.runs.site_recorder import cache
 from multihead.distributed.data_parallel import DataParallelGroup
@@ -121,10 +122,11 @@ def cache_corpus(
             (``"blocks.3.hook_resid_post"``); ``()`` for none. Default every layer's
             ``resid_post``, or with ``saes`` none.
         saes: sparse autoencoders (:func:`multihead.sae.load`; a transcoder reads its input
-            site) whose features are stored, each under its site's name and
-            :data:`FEATURES_SUFFIX` (one head's SAE, ``hook_head_index`` h: the site's name,
+            site) whose features are stored, each under its hook name (``sae.hook_name``) and
+            :data:`FEATURES_SUFFIX` (one head's SAE, ``hook_head_index`` h: the hook name,
             ``.h`` and the suffix; the manifest's ``"saes"`` says which SAE is which); the
-            activations they read are stored only where ``names`` names them.
+            activations they read are stored only where ``names`` names them. Dense (B, T, F)
+            tensors: choose ``batch_size`` and ``dtype`` for a wide SAE.
         batch_size: texts per forward (and per shard).
         dtype: the dtype stored (e.g. ``torch.float16`` to halve the files); default the
             model's (an SAE's features: the SAE's).
@@ -137,8 +139,9 @@ def cache_corpus(
 
     Raises:
         TypeError, ValueError: a model that is not a TextModel, bad texts (naming the line),
-            ``batch_size``, ``names`` or ``saes`` (not SAEs, two on one site, one whose site
-            the model lacks or whose width differs from it); an ``out_dir`` that is a file,
+            ``batch_size``, ``names`` (one naming nothing, without ``saes``) or ``saes`` (not
+            SAEs, two under one name, one whose site the model lacks or whose width differs
+            from it); an ``out_dir`` that is a file,
             holds files this function did not write, holds a finished run (a manifest) or is
             being written by another run. Under ``torch.distributed`` every rank raises when
             any rank does (the others naming it). Nothing is written before these checks pass
@@ -227,20 +230,27 @@ class _Plan:
             except (TypeError, ValueError) as e:
                 raise type(e)(f"saes[{i}]: {str(e).removeprefix('cache_corpus: ')}") from None
             head = sae.hook_head_index
-            name = hook_name(*key) + (f".{head}" if is_int(head) else "") + FEATURES_SUFFIX
+            # SAELens's name: the SAE's own hook (at the layer it reads: layer= is not taken)
+            name = f"{sae.hook_name}" + (f".{head}" if is_int(head) else "") + FEATURES_SUFFIX
             if name in chosen:
                 first = next(j for j, n in enumerate(chosen) if n == name)
                 raise ValueError(
-                    f"saes[{i}] reads the site saes[{first}] reads ({hook_name(*key)}): their "
+                    f"saes[{i}] reads the site saes[{first}] reads ({sae.hook_name}): their "
                     f"features would be stored under one name, {name!r}; cache them in two runs"
                 )
             chosen[name] = (sae, key)
         if names is None:
             names = () if chosen else "resid_post"
+        if not chosen and not callable(names) and not chosen_sites(names, len(model_heads(model))):
+            raise ValueError(
+                f"names: {names!r} names no activation and no saes are given: nothing would be "
+                f"stored"
+            )
         return cls(names, chosen)
 
     def run_names(self, num_layers: int) -> Names:
-        """What the forward keeps: the user's names and the SAEs' sites."""
+        """What the forward keeps: the user's names and the SAEs' sites (each checked by
+        :func:`_checked` on its own forward first)."""
         sites = {key for _, key in self.saes.values()}
         if not sites:
             return self.names
@@ -285,14 +295,13 @@ def _checked(
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {describe(dtype)}")
     plan = _Plan.of(model, names, saes)
     left = _left_over(out)
-    # the names, and the SAEs' widths, are checked on a one-text forward (the names alone
-    # first: TransformerLens's names a rotary model refuses are refused as named)
+    # the names, and each SAE's site and width, are checked on one-text forwards (each SAE's
+    # site asked for by its own hook name: a name the cache refuses is refused as named)
     one = {"input_ids": model.tokenize(items[0]).input_ids}
-    if plan.saes:
-        cache(model, one, names=plan.names)
-    kept = cache(model, one, names=plan.run_names(len(model_heads(model))))
+    cache(model, one, names=plan.names)
     for i, (sae, key) in enumerate(plan.saes.values()):
         try:
+            kept = cache(model, one, names=[cache_name(sae, key)])
             site_features(sae, key, kept[key], "cache_corpus")
         except ValueError as e:
             raise ValueError(f"saes[{i}]: {str(e).removeprefix('cache_corpus: ')}") from None
@@ -484,17 +493,20 @@ def _write_shards(
             "attention_mask": batch.attention_mask,
             "token_type_ids": batch.token_type_ids,
         }
-        kept = cache(model, inputs, names=plan.run_names(num_layers))
+        # kept on the CPU as recorded (an accelerator holds one activation at a time); each
+        # SAE's site goes to the SAE's device to be encoded
+        kept = cache(model, inputs, names=plan.run_names(num_layers), device="cpu")
         tensors = {
-            hook_name(*key): (value if dtype is None else value.to(dtype)).cpu().contiguous()
+            hook_name(*key): (value if dtype is None else value.to(dtype)).contiguous()
             for key, value in kept.items()
             if plan.stores(key, num_layers)
         }
-        real = batch.attention_mask.bool()
+        real = batch.attention_mask.bool().cpu()
         for name, (sae, key) in plan.saes.items():
-            features = site_features(sae, key, kept[key], "cache_corpus")
-            features = features * real.to(features.device)[..., None]  # zero at padding
-            tensors[name] = (features if dtype is None else features.to(dtype)).cpu().contiguous()
+            features = site_features(sae, key, kept[key], "cache_corpus").cpu()
+            # zero at padding, whatever the SAE made of it (a normalising SAE: NaN of zeros)
+            features = torch.where(real[..., None], features, 0.0)
+            tensors[name] = (features if dtype is None else features.to(dtype)).contiguous()
         kept_names = sorted(tensors)
         tensors["attention_mask"] = batch.attention_mask.cpu()
         tensors["text_index"] = torch.arange(start, stop)

@@ -11,6 +11,7 @@ width, F the SAE's features.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from multihead.circuits.runs.site_recorder import cache
 from multihead.mapping import model_heads
 from multihead.sae.sae import SAE
 
-__all__ = ["sae_features", "sae_site", "sae_input", "site_features"]
+__all__ = ["sae_features", "sae_site", "sae_input", "site_features", "cache_name"]
 
 
 def sae_site(model: nn.Module, sae: SAE, layer: int | None, caller: str) -> SiteKey:
@@ -67,6 +68,15 @@ def sae_site(model: nn.Module, sae: SAE, layer: int | None, caller: str) -> Site
             )
         return site, 0
     return site, check_index(f"{caller}: layer", layer, num_layers, "attention layers")
+
+
+def cache_name(sae: SAE, key: SiteKey) -> str | SiteKey:
+    """What the cache is asked for to read ``key`` (:func:`sae_site`) for ``sae``: the SAE's
+    own hook name at the key's layer, so that a name the cache refuses is refused as named
+    (TransformerLens's ``hook_q`` of a rotary layer: before the turn, which multihead does not
+    keep); the key itself for a site of the whole model."""
+    match = re.fullmatch(r"blocks\.\d+\.(.+)", sae.hook_name or "")
+    return f"blocks.{key[1]}.{match[1]}" if match else key
 
 
 def sae_input(sae: SAE, key: SiteKey, activation: Tensor, caller: str) -> Tensor:
@@ -139,7 +149,7 @@ def sae_features(
         >>> sae_features(model, ids, sae, positions=[-1]).shape  # (B, 1, F)
     """
     key = sae_site(model, sae, layer, "sae_features")
-    recorded = cache(model, inputs, names=[key], positions=positions)
+    recorded = cache(model, inputs, names=[cache_name(sae, key)], positions=positions)
     return site_features(sae, key, recorded[key], "sae_features")
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -129,6 +130,13 @@ class _Splice:
                 f"{CALLER}: sae: the SAE reads {sae.hook_name!r} ({site_label(site, at)}); "
                 f"splice_sae splices an SAE of {', '.join(SPLICED_SITES)}"
             )
+        if (sae.hook_name or "").endswith(".hook_mlp_in"):
+            # the stream goes on with resid_mid itself: replacing the site would change both
+            raise ValueError(
+                f"{CALLER}: sae: the SAE reads {sae.hook_name!r}, TransformerLens's copy of "
+                f"resid_mid that only the feed-forward network reads; splicing that copy is not "
+                f"supported (an SAE of resid_mid replaces the stream itself)"
+            )
         if not isinstance(error, bool):
             raise TypeError(f"{CALLER}: error must be a bool, got {describe(error)}")
         found = model_heads(model)
@@ -152,7 +160,9 @@ class _Splice:
         self.found, self.mapped = found, mapped
         self.hook_z = sae.reshape_activations == "hook_z"
         self.block = None if site == "z" else mapped.stack_block(at, CALLER)
-        self.written: Tensor | None = None  # the part's replaced output in the current call
+        # the part's replaced output in the current call, for the post-norm check; weak, so
+        # that no activation (or its graph) outlives the call
+        self.written: weakref.ref[Tensor] | None = None
         self.part: nn.Module | None = None
         if site in ("attn_out", "resid_mid", "mlp_out"):
             assert self.block is not None
@@ -215,7 +225,7 @@ class _Splice:
                 written = output_tensor(out)
                 x = entering[0] + written  # resid_mid (B, T, E)
                 new = written + (self._of_site(x) - x)
-                self.written = new
+                self.written = weakref.ref(new)
                 return with_output_tensor(out, new)
 
             yield block.module.register_forward_pre_hook(record, with_kwargs=True)
@@ -231,7 +241,7 @@ class _Splice:
         """A norm of the block given the part's replaced output itself: the block normalises
         that output before adding it (a post-attention or post-feed-forward norm), so the
         part's output is not the site, and the splice would be wrong: refused."""
-        if self.written is None or not args or args[0] is not self.written:
+        if self.written is None or not args or args[0] is not self.written():
             return
         self.written = None
         site, layer = self.key
@@ -254,7 +264,7 @@ class _Splice:
 
     def _output(self, m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
         new = self._of_site(output_tensor(out))
-        self.written = new  # for the post-norm check: the tensor the block is handed
+        self.written = weakref.ref(new)  # for the post-norm check: what the block is handed
         return with_output_tensor(out, new)
 
     def _stream_in(
@@ -331,7 +341,11 @@ def splice_sae(
             layer's), a feature id out of range or named twice, a non-finite number (or one the
             SAE's dtype cannot hold), a z site split over ranks, a block whose attention /
             feed-forward module the map does not know (attn_out, resid_mid, mlp_out), a block
-            holding more than one attention layer.
+            holding more than one attention layer, an SAE of ``hook_mlp_in`` (TransformerLens's
+            copy of resid_mid the feed-forward network alone reads). On the first call inside
+            the block: attn_out, resid_mid or mlp_out of a block that normalises the part's
+            output before adding it (a post-attention or post-feed-forward norm: Gemma-2/3,
+            OLMo-2), where the module's output is not the site.
         TypeError: ``sae`` not an SAE, ``layer`` not an int, ``error`` not a bool, ``features``
             or ``steer`` not a mapping of int feature ids to numbers.
         All are raised before anything is registered; a width the map does not know (a model
