@@ -141,11 +141,11 @@ def cache_corpus(
         TypeError, ValueError: a model that is not a TextModel, bad texts (naming the line),
             ``batch_size``, ``names`` (one naming nothing, without ``saes``) or ``saes`` (not
             SAEs, two under one name, one whose site the model lacks or whose width differs
-            from it); an ``out_dir`` that is a file,
-            holds files this function did not write, holds a finished run (a manifest) or is
-            being written by another run. Under ``torch.distributed`` every rank raises when
-            any rank does (the others naming it). Nothing is written before these checks pass
-            on every rank; an error after that removes what the run wrote before it is raised.
+            from it); an ``out_dir`` that is a file, holds files this function did not write,
+            holds a finished run (a manifest) or is being written by another run. Under
+            ``torch.distributed`` every rank raises when any rank does (the others naming it).
+            Nothing is written before these checks pass on every rank; an error after that
+            removes what the run wrote before it is raised.
     """
     if not isinstance(model, TextModel):  # before the group: it reads the model's parameters
         raise TypeError(f"model must be a multihead.TextModel, got {describe(model)}")
