@@ -208,10 +208,13 @@ def _agreed(split: DataParallelGroup, step: Callable[[], T]) -> T:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What each forward keeps: the user's ``names`` (stored) and the sites the SAEs read."""
+    """What each forward keeps, worked out once: the user's ``names`` (stored), the sites the
+    SAEs read, and what the forward is asked for (both)."""
 
     names: Names
     saes: dict[str, tuple[SAE, SiteKey]]  # stored name -> (the SAE, the site it reads)
+    stored: frozenset[SiteKey] | None  # the keys ``names`` chooses; None for a predicate
+    run: Names  # what each batch's forward keeps: the user's names and the SAEs' sites
 
     @classmethod
     def of(cls, model: TextModel, names: Names, saes: SAE | Sequence[SAE] | None) -> _Plan:
@@ -241,29 +244,29 @@ class _Plan:
             chosen[name] = (sae, key)
         if names is None:
             names = () if chosen else "resid_post"
-        if not chosen and not callable(names) and not chosen_sites(names, len(model_heads(model))):
+        if callable(names):
+            pick = names
+            sites = {key for _, key in chosen.values()}
+            # the SAEs' sites each checked by _checked on a forward of its own first
+            run: Names = names
+            if sites:
+                run = lambda site, layer: (site, layer) in sites or pick(site, layer)  # noqa: E731
+            return cls(names, chosen, None, run)
+        stored = frozenset(chosen_sites(names, len(model_heads(model))))
+        if not chosen and not stored:
             raise ValueError(
                 f"names: {names!r} names no activation and no saes are given: nothing would be "
                 f"stored"
             )
-        return cls(names, chosen)
+        run = sorted(stored | {key for _, key in chosen.values()}) if chosen else names
+        return cls(names, chosen, stored, run)
 
-    def run_names(self, num_layers: int) -> Names:
-        """What the forward keeps: the user's names and the SAEs' sites (each checked by
-        :func:`_checked` on its own forward first)."""
-        sites = {key for _, key in self.saes.values()}
-        if not sites:
-            return self.names
-        if callable(self.names):
-            pick = self.names
-            return lambda site, layer: (site, layer) in sites or pick(site, layer)
-        return sorted(chosen_sites(self.names, num_layers) | sites)
-
-    def stores(self, key: SiteKey, num_layers: int) -> bool:
+    def stores(self, key: SiteKey) -> bool:
         """Whether the activation at ``key`` is stored (the user named it)."""
-        if callable(self.names):
-            return bool(self.names(*key))
-        return key in chosen_sites(self.names, num_layers)
+        if self.stored is not None:
+            return key in self.stored
+        assert callable(self.names)
+        return bool(self.names(*key))
 
     def described(self) -> dict[str, dict[str, Any]]:
         """The manifest's ``"saes"``: per stored name, what the SAE is."""
@@ -480,7 +483,6 @@ def _write_shards(
 ) -> list[str]:
     """This rank's shards, each appended to ``written`` once on disk; the names kept."""
     kept_names: list[str] = []
-    num_layers = len(model_heads(model))
     chosen = set(mine)
     done, total = 0, sum(stop - start for start, stop in mine)
     # every rank tokenizes every batch (cheap beside a forward; truncations said once, naming
@@ -495,11 +497,11 @@ def _write_shards(
         }
         # kept on the CPU as recorded (an accelerator holds one activation at a time); each
         # SAE's site goes to the SAE's device to be encoded
-        kept = cache(model, inputs, names=plan.run_names(num_layers), device="cpu")
+        kept = cache(model, inputs, names=plan.run, device="cpu")
         tensors = {
             hook_name(*key): (value if dtype is None else value.to(dtype)).contiguous()
             for key, value in kept.items()
-            if plan.stores(key, num_layers)
+            if plan.stores(key)
         }
         real = batch.attention_mask.bool().cpu()
         for name, (sae, key) in plan.saes.items():
